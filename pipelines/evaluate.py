@@ -1,0 +1,62 @@
+"""DVC stage `evaluate`: the ONNX model on the full test set -> reports/ + the MLflow run."""
+
+import argparse
+import json
+from pathlib import Path
+
+import mlflow
+
+from trainyard.cli import stage_main
+from trainyard.config import Params
+from trainyard.datamodule import load_split
+from trainyard.evaluation import evaluate_onnx, write_reports
+from trainyard.io import atomic_write_json
+from trainyard.tracking import open_run, read_run_file
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", default="data/prepared")
+    p.add_argument("--models", default="models")
+    p.add_argument("--reports", default="reports")
+
+
+def run(params: Params, args: argparse.Namespace) -> None:
+    info = read_run_file(f"{args.models}/train.json")
+    run_id = open_run(info)
+    export_report = json.loads(Path(args.reports, "export.json").read_text())
+    images, labels = load_split(args.data, "test")
+    result = evaluate_onnx(
+        f"{args.models}/model.onnx",
+        images,
+        labels,
+        params.evaluate.batch_size,
+        params.evaluate.device,
+    )
+    m = result["metrics"]
+    paths = write_reports(result, labels, args.reports)
+    metrics = {
+        "test": {
+            "accuracy": m["accuracy"],
+            "macro_f1": m["macro_f1"],
+            "samples": m["samples"],
+            "provider": m["provider"],
+        },
+        "export": {k: export_report[k] for k in ("max_abs_diff", "argmax_agreement", "samples")},
+        "train": {"best_val_acc": info["best_val_acc"], "fit_time_s": info["fit_time_s"]},
+    }
+    atomic_write_json(Path(args.reports, "metrics.json"), metrics)
+    with mlflow.start_run(run_id=run_id):
+        mlflow.log_metrics({"test/accuracy": m["accuracy"], "test/macro_f1": m["macro_f1"]})
+        mlflow.log_metrics(
+            {f"test/f1/{c.replace('/', '_')}": v["f1"] for c, v in m["per_class"].items()}
+        )
+        for path in paths.values():
+            mlflow.log_artifact(str(path), "evaluation")
+    print(
+        f"evaluate: test accuracy {m['accuracy']:.4f} on {m['samples']} images "
+        f"({m['provider']}); MLflow run {run_id}"
+    )
+
+
+if __name__ == "__main__":
+    stage_main("evaluate", run, add_args)

@@ -1,0 +1,52 @@
+"""DVC stage `export`: models/best.ckpt -> models/model.onnx, gated on ONNX/PyTorch parity."""
+
+import argparse
+
+import mlflow
+
+from trainyard.cli import stage_main
+from trainyard.config import Params
+from trainyard.datamodule import load_split
+from trainyard.export import export_and_verify
+from trainyard.io import atomic_write_json
+from trainyard.tracking import open_run, read_run_file
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", default="data/prepared")
+    p.add_argument("--models", default="models")
+    p.add_argument("--report", default="reports/export.json")
+
+
+def run(params: Params, args: argparse.Namespace) -> None:
+    info = read_run_file(f"{args.models}/train.json")
+    run_id = open_run(info)
+    images, _ = load_split(args.data, "test")
+    n = min(params.export.parity_samples, images.shape[0])
+    report = export_and_verify(
+        f"{args.models}/{info['checkpoint']}",
+        f"{args.models}/model.onnx",
+        images[:n],
+        params.export.opset,
+        params.export.max_abs_diff,
+        run_id,
+        info["data_sha256"],
+    )
+    atomic_write_json(args.report, report)
+    with mlflow.start_run(run_id=run_id):
+        mlflow.log_metrics(
+            {
+                "export/max_abs_diff": report["max_abs_diff"],
+                "export/argmax_agreement": report["argmax_agreement"],
+            }
+        )
+        mlflow.set_tag("onnx.sha256", report["onnx_sha256"])
+        mlflow.log_artifact(f"{args.models}/model.onnx", "onnx")
+    print(
+        f"export: parity ok on {report['samples']} images, max abs diff "
+        f"{report['max_abs_diff']:.2e}, agreement {report['argmax_agreement']:.2%}"
+    )
+
+
+if __name__ == "__main__":
+    stage_main("export", run, add_args)

@@ -1,0 +1,147 @@
+"""Typed, validated params: the one reader of params.yaml.
+
+Every stage validates the *whole* file, so a mistyped key anywhere fails fast with its
+dotted name (``train.max_epoch: unknown key``) instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trainyard.errors import ParamsError
+
+DEFAULT_PARAMS = Path("params.yaml")
+TRAIN_POOL_SIZE = 60_000  # images in Fashion-MNIST's train file (train + validation come from it)
+
+
+class _Strict(BaseModel):
+    # forbid: an unknown key is a typo until proven otherwise; strict-ish numbers below.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataParams(_Strict):
+    source_dir: str | None = None
+    debian_dir: str = "/usr/share/datasets/fashion-mnist"
+    mirrors: list[str] = Field(default_factory=list)
+    download_timeout_s: float = Field(60.0, gt=0, le=3600)
+    val_size: int = Field(5000, ge=10)
+    limit: int | None = Field(None, ge=20, le=TRAIN_POOL_SIZE)
+
+    @field_validator("mirrors")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"mirror {url!r} must start with http:// or https://")
+        return v
+
+    @model_validator(mode="after")
+    def _split_fits(self) -> DataParams:
+        pool = self.limit or TRAIN_POOL_SIZE
+        if self.val_size >= pool:
+            raise ValueError(
+                f"val_size ({self.val_size}) must be smaller than the train pool "
+                f"({pool}{' = data.limit' if self.limit else ''})"
+            )
+        return self
+
+
+class TrainParams(_Strict):
+    arch: Literal["cnn", "resnet"] = "cnn"
+    max_epochs: int = Field(8, ge=1, le=1000)
+    batch_size: int = Field(256, ge=1, le=65536)
+    lr: float = Field(3e-3, gt=0, le=10)
+    weight_decay: float = Field(5e-4, ge=0, le=1)
+    label_smoothing: float = Field(0.1, ge=0, lt=1)
+    augment: bool = True
+    accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "auto"
+    devices: int | Literal["auto"] = "auto"
+    precision: Literal[
+        "auto", "32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "64-true"
+    ] = "auto"
+    early_stopping_patience: int = Field(3, ge=1)
+    deterministic: bool = False
+    limit_train_batches: int | float | None = None
+
+
+class ExportParams(_Strict):
+    opset: int = Field(18, ge=13, le=23)
+    parity_samples: int = Field(1000, ge=1, le=10_000)
+    max_abs_diff: float = Field(1e-4, gt=0, le=1)
+
+
+class EvaluateParams(_Strict):
+    batch_size: int = Field(1024, ge=1, le=65536)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class MlflowParams(_Strict):
+    experiment: str = Field("trainyard", min_length=1)
+
+
+class Params(_Strict):
+    seed: int = Field(42, ge=0, le=2**32 - 1)
+    data: DataParams = Field(default_factory=DataParams)
+    train: TrainParams = Field(default_factory=TrainParams)
+    export: ExportParams = Field(default_factory=ExportParams)
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+    mlflow: MlflowParams = Field(default_factory=MlflowParams)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys (``train.lr``) for MLflow params."""
+        return flatten(self.model_dump())
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = [f"invalid params in {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (typo? see params.yaml for the valid keys)"
+        else:
+            msg = e["msg"]
+            if "input" in e and not isinstance(e["input"], dict):
+                msg += f" (got {e['input']!r})"
+        lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_params(raw: Any, source: str = "params") -> Params:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{source}: expected a mapping of keys, got {type(raw).__name__}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as err:
+        raise ParamsError(_describe(err, source)) from None
+
+
+def load_params(path: str | os.PathLike[str] = DEFAULT_PARAMS) -> Params:
+    """Read and validate params.yaml; raise ParamsError naming the bad key."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: params file not found (run from the repository root)") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ParamsError(f"{path}: not valid YAML: {err}") from None
+    return parse_params(raw, str(path))

@@ -1,0 +1,25 @@
+"""Errors meant for people: each says what was wrong, where, and what to do."""
+
+
+class TrainyardError(Exception):
+    """Base class; pipeline entry points print these without a traceback and exit 1."""
+
+
+class ParamsError(TrainyardError):
+    """params.yaml has an unknown key, a wrong type or an out-of-range value."""
+
+
+class DataError(TrainyardError):
+    """A data file is missing, corrupt, or does not match its checksum."""
+
+
+class TrackingError(TrainyardError):
+    """The MLflow tracking store cannot be reached or does not hold the expected run."""
+
+
+class ExportError(TrainyardError):
+    """The ONNX export failed or does not agree with PyTorch."""
+
+
+class ProviderError(TrainyardError):
+    """An ONNX Runtime execution provider was asked for but cannot be had."""

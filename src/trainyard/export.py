@@ -1,0 +1,146 @@
+"""Export stage: checkpoint -> ONNX (dynamic batch, metadata inside), gated on parity.
+
+The ONNX file carries its own contract (classes, input shape, normalisation, provenance) so
+the service reads it from the model and never from a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainyard import __version__
+from trainyard.dataset import CLASS_NAMES, INPUT_SHAPE
+from trainyard.errors import ExportError
+from trainyard.io import atomic_file, atomic_write_text, sha256_file
+
+INPUT_NAME = "image"
+OUTPUT_NAME = "logits"
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> Any:
+    """Rebuild the Classifier from a Lightning checkpoint, loading tensors only.
+
+    ``weights_only=True``: the checkpoint is data, never code, even if someone swapped it.
+    """
+    import torch
+
+    from trainyard.models import Classifier
+
+    path = Path(path)
+    if not path.is_file():
+        raise ExportError(f"{path}: checkpoint not found; run `dvc repro train` first")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle errors come in many types; all mean "not loadable"
+        raise ExportError(f"{path}: cannot load as a weights-only checkpoint: {err}") from None
+    hparams = dict(ckpt.get("hyper_parameters", {}))
+    model = Classifier(**hparams)
+    model.load_state_dict(ckpt["state_dict"])
+    return model.eval()
+
+
+def export_onnx(
+    model: Any, path: str | os.PathLike[str], opset: int, metadata: dict[str, str]
+) -> None:
+    """Write ``model`` (a Classifier in eval mode) to ONNX with a dynamic batch dimension."""
+    import onnx
+    import torch
+
+    example = torch.zeros(2, *INPUT_SHAPE)
+    with atomic_file(path) as tmp:
+        torch.onnx.export(
+            model,
+            (example,),
+            str(tmp),
+            dynamo=True,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
+            opset_version=opset,
+            external_data=False,
+            optimize=True,
+            verbose=False,
+        )
+        proto = onnx.load(str(tmp))
+        onnx.checker.check_model(proto, full_check=True)
+        del proto.metadata_props[:]
+        onnx.helper.set_model_props(proto, metadata)
+        proto.doc_string = "trainyard Fashion-MNIST classifier; see metadata_props"
+        onnx.save(proto, str(tmp))
+
+
+def model_metadata(model: Any, ckpt_sha256: str, run_id: str, data_sha256: str) -> dict[str, str]:
+    hp = model.hparams
+    return {
+        "classes": json.dumps(list(CLASS_NAMES)),
+        "input_name": INPUT_NAME,
+        "input_shape": json.dumps([-1, *INPUT_SHAPE]),  # -1: dynamic batch
+        "input_dtype": "float32",
+        # x = (pixel / scale - mean) / std, pixels 0..255, light garment on dark background.
+        "normalization": json.dumps({"scale": 255.0, "mean": hp.mean, "std": hp.std}),
+        "arch": str(hp.arch),
+        "trainyard_version": __version__,
+        "checkpoint_sha256": ckpt_sha256,
+        "mlflow_run_id": run_id,
+        "data_sha256": data_sha256,
+    }
+
+
+def check_parity(
+    model: Any, onnx_path: str | os.PathLike[str], images: np.ndarray, max_abs_diff: float
+) -> dict[str, Any]:
+    """Compare ONNX Runtime (CPU, fp32) with PyTorch on the same normalised images."""
+    import torch
+
+    from trainyard.inference import load_onnx
+    from trainyard.models import normalize
+
+    x = normalize(torch.from_numpy(images).unsqueeze(1), model.hparams.mean, model.hparams.std)
+    with torch.inference_mode():
+        ref = model(x).numpy()
+    ort_model = load_onnx(onnx_path, device="cpu")
+    got = ort_model.predict_logits(x.numpy(), batch_size=256)
+    diff = float(np.abs(ref - got).max())
+    agreement = float((ref.argmax(1) == got.argmax(1)).mean())
+    report = {
+        "samples": int(images.shape[0]),
+        "max_abs_diff": diff,
+        "argmax_agreement": agreement,
+        "threshold_max_abs_diff": max_abs_diff,
+        "provider": ort_model.provider,
+        "passed": bool(diff <= max_abs_diff and agreement == 1.0),
+    }
+    return report
+
+
+def export_and_verify(
+    ckpt_path: str | os.PathLike[str],
+    onnx_path: str | os.PathLike[str],
+    test_images: np.ndarray,
+    opset: int,
+    max_abs_diff: float,
+    run_id: str,
+    data_sha256: str,
+) -> dict[str, Any]:
+    """Export, then fail (deleting the ONNX file) unless it agrees with PyTorch."""
+    onnx_path = Path(onnx_path)
+    model = load_checkpoint(ckpt_path)
+    meta = model_metadata(model, sha256_file(ckpt_path), run_id, data_sha256)
+    export_onnx(model, onnx_path, opset, meta)
+    report = check_parity(model, onnx_path, test_images, max_abs_diff)
+    if not report["passed"]:
+        onnx_path.unlink(missing_ok=True)  # a model that disagrees must not reach later stages
+        raise ExportError(
+            f"ONNX parity gate failed on {report['samples']} test images: max abs diff "
+            f"{report['max_abs_diff']:.3g} (limit {max_abs_diff:g}), argmax agreement "
+            f"{report['argmax_agreement']:.4%} (need 100%)"
+        )
+    sha = sha256_file(onnx_path)
+    atomic_write_text(onnx_path.with_name(onnx_path.name + ".sha256"), f"{sha}  {onnx_path.name}\n")
+    report["onnx_sha256"] = sha
+    return report

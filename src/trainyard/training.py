@@ -1,0 +1,186 @@
+"""Train stage: Lightning fit with checkpoints, early stopping, seeds and MLflow tracking."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from trainyard.config import Params, TrainParams
+from trainyard.errors import ParamsError
+from trainyard.io import atomic_file, sha256_file
+from trainyard.tracking import (
+    RUN_FILE,
+    check_tracking_uri,
+    resolve_tracking_uri,
+    run_tags,
+    write_run_file,
+)
+
+log = logging.getLogger(__name__)
+
+BEST_CKPT = "best.ckpt"
+
+
+def resolve_device(train: TrainParams) -> tuple[str, str, str]:
+    """(Lightning accelerator, precision, device name) from params and what is present.
+
+    A GPU asked for but absent is an error, never a silent CPU run.
+    """
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if train.accelerator in ("gpu", "cuda") and not has_cuda:
+        raise ParamsError(
+            f"train.accelerator: {train.accelerator!r} asked for, but torch sees no CUDA GPU "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use 'auto' or 'cpu'"
+        )
+    accelerator = "gpu" if has_cuda and train.accelerator != "cpu" else "cpu"
+    if train.precision != "auto":
+        precision = train.precision
+    elif accelerator == "gpu" and torch.cuda.is_bf16_supported():
+        precision = "bf16-mixed"  # tensor cores at half the bytes; fp32 master weights
+    else:
+        precision = "32-true"  # on CPUs without AMX, bf16 autocast is slower than fp32
+    if accelerator == "cpu" and precision in ("16-mixed",):
+        raise ParamsError("train.precision: 16-mixed needs a GPU; use 32-true or bf16-mixed")
+    device = torch.cuda.get_device_name(0) if accelerator == "gpu" else "cpu"
+    return accelerator, precision, device
+
+
+class EpochTimer(L.Callback):
+    """Logs epoch time and training throughput (img/s): the number that shows a fed GPU."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.t0, self.seen = time.perf_counter(), 0
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self.seen += int(batch[1].shape[0])
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        dt = time.perf_counter() - self.t0
+        pl_module.log("train/epoch_time_s", dt, on_epoch=True)
+        pl_module.log("train/img_per_s", self.seen / max(dt, 1e-9), on_epoch=True)
+
+
+def train(
+    params: Params,
+    data_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    root: str | os.PathLike[str] = ".",
+) -> dict[str, Any]:
+    """Fit the model; write ``out_dir/best.ckpt`` and ``out_dir/train.json`` (run id)."""
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from trainyard.datamodule import FashionDataModule
+    from trainyard.models import Classifier
+
+    tp = params.train
+    out_dir = Path(out_dir)
+    uri = resolve_tracking_uri(root)
+    check_tracking_uri(uri)  # before any work: a dead server fails in seconds
+    accelerator, precision, device = resolve_device(tp)
+    log.info("training on %s (accelerator=%s, precision=%s)", device, accelerator, precision)
+    print(f"trainyard: training on {device} (accelerator={accelerator}, precision={precision})")
+
+    L.seed_everything(params.seed, workers=True, verbose=False)
+    dm = FashionDataModule(
+        data_dir,
+        batch_size=tp.batch_size,
+        eval_batch_size=params.evaluate.batch_size,
+        seed=params.seed,
+    )
+    model = Classifier(
+        arch=tp.arch,
+        lr=tp.lr,
+        weight_decay=tp.weight_decay,
+        label_smoothing=tp.label_smoothing,
+        augment=tp.augment,
+        mean=dm.mean,
+        std=dm.std,
+        seed=params.seed,
+    )
+
+    tags = run_tags(root, dm.stats["data_sha256"], device)
+    tags["precision"] = precision
+    logger = MLFlowLogger(
+        experiment_name=params.mlflow.experiment, tracking_uri=uri, tags=tags, log_model=False
+    )
+    logger.log_hyperparams(params.flat())
+
+    ckpt_dir = out_dir / "checkpoints"
+    shutil.rmtree(ckpt_dir, ignore_errors=True)  # stale checkpoints would get -v1 names
+    checkpoint = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="best",
+        monitor="val/acc",
+        mode="max",
+        save_top_k=1,
+        save_last=True,
+    )
+    early = EarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=tp.devices,
+        precision=precision,
+        max_epochs=tp.max_epochs,
+        logger=logger,
+        callbacks=[checkpoint, early, LearningRateMonitor("step"), EpochTimer()],
+        deterministic=tp.deterministic,
+        log_every_n_steps=10,
+        # TensorBatches shards by rank itself; Lightning's sampler injection does not apply.
+        use_distributed_sampler=False,
+        limit_train_batches=tp.limit_train_batches,
+        default_root_dir=str(out_dir),
+        enable_model_summary=True,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(model, datamodule=dm)
+    fit_s = time.perf_counter() - t0
+    if trainer.global_rank != 0:
+        return {}
+
+    best = Path(checkpoint.best_model_path)
+    best_dest = out_dir / BEST_CKPT
+    with atomic_file(best_dest) as tmp:
+        shutil.copyfile(best, tmp)
+    ckpt_sha = sha256_file(best_dest)
+    logger.experiment.log_artifact(logger.run_id, str(best_dest), "checkpoints")
+    best_acc = float(checkpoint.best_model_score)
+    logger.experiment.log_metric(logger.run_id, "train/fit_time_s", fit_s)
+    info = {
+        "run_id": logger.run_id,
+        "experiment_id": logger.experiment_id,
+        "experiment": params.mlflow.experiment,
+        "best_val_acc": round(best_acc, 6),
+        "best_epoch": int(_ckpt_epoch(best_dest)),
+        "epochs_run": int(trainer.current_epoch),
+        "device": device,
+        "precision": precision,
+        "checkpoint": BEST_CKPT,
+        "checkpoint_sha256": ckpt_sha,
+        "data_sha256": dm.stats["data_sha256"],
+        "fit_time_s": round(fit_s, 2),
+    }
+    write_run_file(out_dir / RUN_FILE, info)
+    print(f"trainyard: best val/acc {best_acc:.4f}; MLflow run {logger.run_id} at {uri}")
+    return info
+
+
+def _ckpt_epoch(path: Path) -> int:
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=True).get("epoch", -1))

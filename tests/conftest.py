@@ -1,0 +1,109 @@
+"""Shared fixtures: the real dataset files, crafted IDX files, a copy of the repository."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainyard.idx import write_idx_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+FASHION_DIR = Path(os.environ.get("TRAINYARD_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))
+VENV_BIN = Path(sys.executable).parent
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def fashion_dir() -> Path:
+    """The real Fashion-MNIST files (Debian's dataset-fashion-mnist)."""
+    if not (FASHION_DIR / "train-images-idx3-ubyte.gz").is_file():
+        pytest.fail(
+            f"Fashion-MNIST files not found in {FASHION_DIR}: run "
+            "`apt-get install dataset-fashion-mnist` or set TRAINYARD_FASHION_DIR"
+        )
+    return FASHION_DIR
+
+
+def write_gz(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(data, mtime=0))
+    return path
+
+
+@pytest.fixture
+def tiny_idx(tmp_path: Path) -> dict[str, Path]:
+    """Small valid IDX image and label files (.gz) with known content."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(12, 28, 28), dtype=np.uint8)
+    labels = np.arange(12, dtype=np.uint8) % 10
+    return {
+        "images": write_gz(tmp_path / "imgs-idx3-ubyte.gz", write_idx_bytes(images)),
+        "labels": write_gz(tmp_path / "lbls-idx1-ubyte.gz", write_idx_bytes(labels)),
+        "images_array": images,  # type: ignore[dict-item]
+        "labels_array": labels,  # type: ignore[dict-item]
+    }
+
+
+def repo_files() -> list[str]:
+    """Tracked and untracked-but-not-ignored files: what a fresh clone would hold."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    return [f for f in out.split("\0") if f and (REPO / f).is_file()]
+
+
+def copy_repo(dest: Path) -> Path:
+    """A git repository at ``dest`` holding this checkout's files, committed."""
+    for rel in repo_files():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, target)
+    env = git_env()
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "copy"]):
+        subprocess.run(cmd, cwd=dest, check=True, env=env, capture_output=True)
+    return dest
+
+
+def git_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@t",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@t",
+    )
+    return env
+
+
+def stage_env(**extra: str) -> dict[str, str]:
+    """Environment for running the pipeline: venv first on PATH, no inherited MLflow URI."""
+    env = git_env()
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env

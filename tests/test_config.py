@@ -1,0 +1,80 @@
+"""params.yaml validation: every mistake names its dotted key."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from conftest import REPO
+
+from trainyard.config import Params, load_params, parse_params
+from trainyard.errors import ParamsError
+
+
+def repo_params() -> dict:
+    return yaml.safe_load((REPO / "params.yaml").read_text())
+
+
+def test_repository_params_are_valid_and_complete():
+    params = load_params(REPO / "params.yaml")
+    # Every key the code knows is spelled out in params.yaml (documented where users look).
+    assert set(params.flat()) == set(Params().flat())
+
+
+def test_unknown_nested_key_is_named():
+    raw = repo_params()
+    raw["train"]["max_epoch"] = 3
+    with pytest.raises(ParamsError, match=r"train\.max_epoch: unknown key"):
+        parse_params(raw)
+
+
+def test_unknown_top_level_key_is_named():
+    raw = repo_params()
+    raw["trian"] = {}
+    with pytest.raises(ParamsError, match=r"trian: unknown key"):
+        parse_params(raw)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "message"),
+    [
+        ("train", "max_epochs", "many", r"train\.max_epochs: .*integer"),
+        ("train", "max_epochs", 0, r"train\.max_epochs: .*greater than or equal to 1"),
+        ("train", "lr", -1.0, r"train\.lr: .*greater than 0"),
+        ("train", "arch", "vgg", r"train\.arch: .*'cnn' or 'resnet'"),
+        ("train", "precision", "8-bit", r"train\.precision"),
+        ("data", "limit", 5, r"data\.limit: .*greater than or equal to 20"),
+        ("data", "mirrors", ["ftp://x"], r"data\.mirrors: .*http"),
+        ("export", "max_abs_diff", 0, r"export\.max_abs_diff"),
+    ],
+)
+def test_bad_values_are_named(section, key, value, message):
+    raw = repo_params()
+    raw[section][key] = value
+    with pytest.raises(ParamsError, match=message):
+        parse_params(raw)
+
+
+def test_val_size_must_fit_in_limit():
+    raw = repo_params()
+    raw["data"].update(limit=1000, val_size=1000)
+    with pytest.raises(ParamsError, match=r"data: .*val_size \(1000\) must be smaller"):
+        parse_params(raw)
+
+
+def test_yaml_exponent_without_dot_still_reads_as_float():
+    # YAML 1.1 reads `1e-3` as a string; users write it anyway.
+    raw = repo_params()
+    raw["train"]["lr"] = "1e-3"
+    assert parse_params(raw).train.lr == pytest.approx(1e-3)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ParamsError, match="params file not found"):
+        load_params(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(bad)
+    bad.write_text("- a list")
+    with pytest.raises(ParamsError, match="expected a mapping"):
+        load_params(bad)

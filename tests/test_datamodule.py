@@ -1,0 +1,81 @@
+"""In-memory batches: each sample once per epoch, reproducible, sharded; device-side norm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainyard.config import DataParams
+from trainyard.datamodule import FashionDataModule, TensorBatches
+from trainyard.fetch import fetch_raw
+from trainyard.models import Classifier
+from trainyard.prepare import prepare
+
+
+def _ds(n: int = 103, **kw) -> TensorBatches:
+    images = torch.arange(n, dtype=torch.uint8).view(n, 1, 1, 1).expand(n, 1, 2, 2).contiguous()
+    return TensorBatches(images, torch.arange(n), batch_size=10, **kw)
+
+
+def _epoch(ds: TensorBatches) -> list[torch.Tensor]:
+    return [labels for _, labels in ds]
+
+
+def test_each_sample_exactly_once_per_epoch_and_images_match_labels():
+    ds = _ds(shuffle=True, seed=3)
+    for _ in range(3):
+        batches = list(ds)
+        seen = torch.cat([lbl for _, lbl in batches])
+        assert sorted(seen.tolist()) == list(range(103))
+        for images, labels in batches:  # the image of sample i carries value i
+            assert torch.equal(images[:, 0, 0, 0].long(), labels)
+    assert len(ds) == 11 and [len(b) for b in _epoch(ds)][-1] == 3
+
+
+def test_shuffle_differs_per_epoch_and_is_reproducible():
+    a, b = _ds(shuffle=True, seed=5), _ds(shuffle=True, seed=5)
+    e1, e2 = torch.cat(_epoch(a)), torch.cat(_epoch(a))
+    assert not torch.equal(e1, e2)
+    assert torch.equal(e1, torch.cat(_epoch(b)))
+
+
+def test_drop_last_and_no_shuffle():
+    ds = _ds(shuffle=False, drop_last=True)
+    batches = _epoch(ds)
+    assert len(batches) == len(ds) == 10
+    assert torch.equal(torch.cat(batches), torch.arange(100))
+
+
+def test_ranks_get_disjoint_equal_shards():
+    shards = [torch.cat(_epoch(_ds(shuffle=True, seed=1, rank=r, world_size=3))) for r in range(3)]
+    assert all(len(s) == 103 // 3 for s in shards)
+    union = torch.cat(shards)
+    assert len(torch.unique(union)) == len(union)
+
+
+@pytest.fixture(scope="module")
+def prepared(fashion_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dm")
+    fetch_raw(DataParams(debian_dir=str(fashion_dir)), root / "raw")
+    prepare(root / "raw", root / "prepared", DataParams(limit=1000, val_size=200), seed=0)
+    return root / "prepared"
+
+
+def test_datamodule_shapes_and_device_normalisation(prepared):
+    dm = FashionDataModule(prepared, batch_size=64, eval_batch_size=500, seed=0)
+    dm.setup("fit")
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.dtype == torch.uint8 and images.shape == (64, 1, 28, 28)
+    assert labels.dtype == torch.int64 and labels.max() < 10
+    assert sum(len(y) for _, y in dm.val_dataloader()) == 200
+    assert sum(len(y) for _, y in dm.test_dataloader()) == 10_000
+
+    model = Classifier(mean=dm.mean, std=dm.std, augment=False)
+    model.trainer = type("T", (), {"training": False})()  # only .training is read here
+    all_images = dm.tensors["train"][0]
+    x, _ = model.on_after_batch_transfer((all_images, torch.zeros(len(all_images))), 0)
+    # Normalised with the training split's own statistics: mean 0, std 1.
+    assert x.dtype == torch.float32
+    assert abs(float(x.mean())) < 1e-3 and abs(float(x.std()) - 1) < 1e-3
+    assert np.isclose(dm.mean, float(all_images.float().mean() / 255), atol=1e-5)

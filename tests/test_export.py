@@ -1,0 +1,100 @@
+"""ONNX export of a real Lightning checkpoint: metadata, dynamic batch, the parity gate."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from trainyard.datamodule import TensorBatches
+from trainyard.errors import ExportError
+from trainyard.export import export_and_verify, load_checkpoint
+from trainyard.inference import load_onnx
+from trainyard.models import Classifier
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real Lightning checkpoint after a few CPU steps on random images."""
+    root = tmp_path_factory.mktemp("ckpt")
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (64, 1, 28, 28), dtype=torch.uint8, generator=g)
+    labels = torch.randint(0, 10, (64,), generator=g)
+    loader = DataLoader(TensorBatches(images, labels, 16, shuffle=True), batch_size=None)
+    L.seed_everything(0, verbose=False)
+    model = Classifier(arch="cnn", mean=0.3, std=0.35)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+    )
+    trainer.fit(model, loader)
+    path = root / "best.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def test_images():
+    rng = np.random.default_rng(1)
+    return rng.integers(0, 256, size=(300, 28, 28), dtype=np.uint8)
+
+
+def test_lightning_checkpoint_loads_weights_only(checkpoint):
+    model = load_checkpoint(checkpoint)
+    assert not model.training and model.hparams.mean == pytest.approx(0.3)
+
+
+def test_export_metadata_dynamic_batch_and_parity(checkpoint, test_images, tmp_path):
+    out = tmp_path / "model.onnx"
+    report = export_and_verify(
+        checkpoint,
+        out,
+        test_images,
+        opset=18,
+        max_abs_diff=1e-4,
+        run_id="run123",
+        data_sha256="d" * 64,
+    )
+    assert report["passed"] and report["argmax_agreement"] == 1.0
+    assert report["max_abs_diff"] <= 1e-4 and report["samples"] == 300
+    assert (tmp_path / "model.onnx.sha256").read_text().split()[0] == report["onnx_sha256"]
+
+    meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert json.loads(meta["classes"])[0] == "T-shirt/top"
+    assert json.loads(meta["input_shape"]) == [-1, 1, 28, 28]
+    assert json.loads(meta["normalization"]) == {"scale": 255.0, "mean": 0.3, "std": 0.35}
+    assert meta["mlflow_run_id"] == "run123" and len(meta["checkpoint_sha256"]) == 64
+
+    model = load_onnx(out, device="cpu")
+    for batch in (1, 7, 300):  # the batch dimension is dynamic
+        x = np.random.default_rng(batch).standard_normal((batch, 1, 28, 28), dtype=np.float32)
+        assert model.run(x).shape == (batch, 10)
+
+
+def test_parity_gate_rejects_and_removes_disagreeing_model(checkpoint, test_images, tmp_path):
+    out = tmp_path / "model.onnx"
+    # A threshold no fp32 kernel pair can meet: the gate must fail and leave no model behind.
+    with pytest.raises(ExportError, match="parity gate failed on 300 test images"):
+        export_and_verify(
+            checkpoint, out, test_images, opset=18, max_abs_diff=1e-12, run_id="r", data_sha256="d"
+        )
+    assert not out.exists()
+
+
+def test_non_checkpoint_file_is_refused(tmp_path):
+    bad = tmp_path / "evil.ckpt"
+    import pickle
+
+    bad.write_bytes(pickle.dumps(ExportError("x")))  # an arbitrary pickled object
+    with pytest.raises(ExportError, match="cannot load as a weights-only checkpoint"):
+        load_checkpoint(bad)

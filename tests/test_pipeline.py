@@ -1,0 +1,147 @@
+"""A real `dvc repro` in a temp copy of the repository, on a small slice, 1 epoch."""
+
+from __future__ import annotations
+
+import csv
+import json
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import copy_repo, stage_env
+
+pytestmark = pytest.mark.slow
+STAGES = ("fetch", "prepare", "train", "export", "evaluate")
+
+
+def dvc(repo: Path, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        ["dvc", *args], cwd=repo, env=stage_env(**env), capture_output=True, text=True, timeout=900
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dvc {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def set_params(repo: Path, **changes: dict) -> None:
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    for section, values in changes.items():
+        params[section].update(values)
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def ran(output: str) -> set[str]:
+    return {s for s in STAGES if f"Running stage '{s}'" in output}
+
+
+@pytest.fixture(scope="module")
+def repo(fashion_dir, tmp_path_factory) -> Path:
+    repo = copy_repo(tmp_path_factory.mktemp("pipeline") / "trainyard")
+    set_params(
+        repo,
+        data={"limit": 3000, "val_size": 500, "debian_dir": str(fashion_dir)},
+        train={"max_epochs": 1},
+    )
+    first = dvc(repo, "repro")
+    (repo / "first_repro.log").write_text(first.stdout + first.stderr)
+    return repo
+
+
+def test_first_repro_runs_every_stage_and_writes_outputs(repo):
+    log = (repo / "first_repro.log").read_text()
+    assert ran(log) == set(STAGES)
+    assert "trainyard: training on cpu" in log
+    assert len(list((repo / "data/raw").iterdir())) == 4
+    stats = json.loads((repo / "data/prepared/stats.json").read_text())
+    assert stats["counts"]["train"]["total"] == 2500 and stats["counts"]["test"]["total"] == 10_000
+    for out in ("models/best.ckpt", "models/model.onnx", "reports/confusion_matrix.png"):
+        assert (repo / out).stat().st_size > 0, out
+    with open(repo / "reports/predictions.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 10_000 and set(rows[0]) == {"actual", "predicted"}
+
+
+def test_metrics_file_has_test_and_export_parity(repo):
+    metrics = json.loads((repo / "reports/metrics.json").read_text())
+    # One epoch on 2,500 images is far from converged but far above chance (0.10).
+    assert 0.5 < metrics["test"]["accuracy"] <= 1.0
+    assert metrics["export"]["max_abs_diff"] <= 1e-4
+    assert metrics["export"]["argmax_agreement"] == 1.0
+    assert metrics["export"]["samples"] == 1000
+    shown = dvc(repo, "metrics", "show", "--json").stdout
+    assert "test" in shown and "max_abs_diff" in shown
+
+
+def test_mlflow_run_holds_params_metrics_artifacts(repo):
+    from mlflow.tracking import MlflowClient
+
+    info = json.loads((repo / "models/train.json").read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
+    run = client.get_run(info["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.max_epochs"] == "1"
+    assert run.data.params["data.limit"] == "3000"
+    metrics = run.data.metrics
+    test_acc = json.loads((repo / "reports/metrics.json").read_text())["test"]["accuracy"]
+    assert metrics["test/accuracy"] == pytest.approx(test_acc)
+    for key in ("val/acc", "val/loss", "train/loss_step", "export/max_abs_diff", "lr-AdamW"):
+        assert key in metrics, key
+    assert len(client.get_metric_history(run.info.run_id, "train/loss_step")) >= 2
+    assert run.data.tags["data.sha256"] == info["data_sha256"]
+    assert run.data.tags["device"] == "cpu"
+    artifacts = {
+        a.path
+        for d in ("checkpoints", "onnx", "evaluation")
+        for a in client.list_artifacts(run.info.run_id, d)
+    }
+    assert {
+        "checkpoints/best.ckpt",
+        "onnx/model.onnx",
+        "evaluation/confusion_matrix.png",
+    } <= artifacts
+
+
+def test_second_repro_is_a_no_op(repo):
+    before = (repo / "dvc.lock").read_text()
+    out = dvc(repo, "repro")
+    assert ran(out.stdout) == set(), out.stdout
+    assert (repo / "dvc.lock").read_text() == before
+
+
+def test_train_param_change_reruns_train_export_evaluate_only(repo):
+    set_params(repo, train={"lr": 0.002})
+    out = dvc(repo, "repro")
+    assert ran(out.stdout) == {"train", "export", "evaluate"}
+
+
+def test_bad_param_fails_naming_the_key_and_changes_nothing(repo):
+    lock = (repo / "dvc.lock").read_text()
+    set_params(repo, train={"batch_sise": 64})
+    try:
+        out = dvc(repo, "repro", check=False)
+    finally:
+        params = yaml.safe_load((repo / "params.yaml").read_text())
+        del params["train"]["batch_sise"]
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert out.returncode != 0
+    assert "train.batch_sise: unknown key" in out.stdout + out.stderr
+    assert (repo / "dvc.lock").read_text() == lock
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_tracking_server_fails_fast_naming_the_uri(repo):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    lock = (repo / "dvc.lock").read_text()
+    out = dvc(
+        repo, "repro", "--force", "--single-item", "train", check=False, MLFLOW_TRACKING_URI=uri
+    )
+    assert out.returncode != 0
+    assert f"MLflow tracking server {uri} is not reachable" in out.stdout + out.stderr
+    assert (repo / "dvc.lock").read_text() == lock  # nothing recorded as done
+    assert not list((repo / "models").glob(".*.tmp")) and not list((repo / "models").glob(".best*"))

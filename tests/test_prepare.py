@@ -1,0 +1,79 @@
+"""Prepare stage on the real files: stratified seeded split, limit, stats, atomic output."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from trainyard.config import DataParams
+from trainyard.dataset import CLASS_NAMES
+from trainyard.errors import DataError
+from trainyard.fetch import fetch_raw
+from trainyard.prepare import prepare, split_train_val, stratified_take
+
+
+@pytest.fixture(scope="module")
+def raw_dir(fashion_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("raw") / "raw"
+    fetch_raw(DataParams(debian_dir=str(fashion_dir)), out)
+    return out
+
+
+def test_prepare_with_limit(raw_dir, tmp_path):
+    out = tmp_path / "prepared"
+    stats = prepare(raw_dir, out, DataParams(limit=2000, val_size=500), seed=1)
+    counts = stats["counts"]
+    assert (counts["train"]["total"], counts["val"]["total"], counts["test"]["total"]) == (
+        1500,
+        500,
+        10_000,
+    )
+    # Fashion-MNIST's train file is balanced (6000 per class): the slice must be too.
+    assert set(counts["train"]["per_class"].values()) == {150}
+    assert set(counts["val"]["per_class"].values()) == {50}
+    assert list(counts["test"]["per_class"]) == list(CLASS_NAMES)
+    train = np.load(out / "train_images.npy")
+    assert train.dtype == np.uint8 and train.shape == (1500, 28, 28)
+    assert 0.25 < stats["pixel_mean"] < 0.32 and 0.30 < stats["pixel_std"] < 0.40
+    on_disk = json.loads((out / "stats.json").read_text())
+    assert on_disk["data_sha256"] == stats["data_sha256"]
+    assert not list(tmp_path.glob(".prepared.*"))
+
+
+def test_same_seed_same_data_other_seed_other_split(raw_dir, tmp_path):
+    a = prepare(raw_dir, tmp_path / "a", DataParams(limit=1000, val_size=100), seed=7)
+    b = prepare(raw_dir, tmp_path / "b", DataParams(limit=1000, val_size=100), seed=7)
+    c = prepare(raw_dir, tmp_path / "c", DataParams(limit=1000, val_size=100), seed=8)
+    assert a["data_sha256"] == b["data_sha256"] != c["data_sha256"]
+
+
+def test_split_is_disjoint_and_stratified():
+    labels = np.repeat(np.arange(10), 600)
+    train, val = split_train_val(labels, val_size=1000, limit=None, seed=0)
+    assert len(np.intersect1d(train, val)) == 0
+    assert len(train) + len(val) == 6000
+    assert np.bincount(labels[val], minlength=10).tolist() == [100] * 10
+
+
+def test_stratified_take_handles_uneven_classes():
+    labels = np.array([0] * 70 + [1] * 20 + [2] * 10)
+    picked = stratified_take(labels, 10, np.random.default_rng(0))
+    assert np.bincount(labels[picked], minlength=3).tolist() == [7, 2, 1]
+
+
+def test_corrupt_raw_label_stops_prepare(raw_dir, tmp_path):
+    import gzip
+    import shutil
+
+    bad = tmp_path / "raw"
+    shutil.copytree(raw_dir, bad)
+    path = bad / "t10k-labels-idx1-ubyte.gz"
+    data = bytearray(gzip.decompress(path.read_bytes()))
+    data[8 + 5] = 11  # label 11 in a 10-class dataset
+    path.write_bytes(gzip.compress(bytes(data)))
+    out = tmp_path / "prepared"
+    with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte\.gz: 1 labels outside 0\.\.9"):
+        prepare(bad, out, DataParams(limit=100, val_size=20), seed=0)
+    assert not out.exists()
