@@ -21,7 +21,9 @@ def stage_main(
     parser.add_argument("--params", default=str(DEFAULT_PARAMS), help="params file")
     add_args(parser)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(message)s")
+    # Our INFO lines, other libraries' warnings only (the ONNX exporter is chatty at INFO).
+    logging.basicConfig(level=logging.WARNING, format=f"[{name}] %(levelname)s %(message)s")
+    logging.getLogger("trainyard").setLevel(logging.INFO)
     try:
         params = load_params(args.params)
         body(params, args)

@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,11 @@ from trainyard.tracking import (
 )
 
 log = logging.getLogger(__name__)
+
+# Lightning's advice for per-sample datasets, not for TensorBatches (already batched, no
+# worker processes) nor for a batch hook that deliberately lives on the LightningModule.
+warnings.filterwarnings("ignore", message=r".*`IterableDataset` has `__len__` defined.*")
+warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfer`.*")
 
 BEST_CKPT = "best.ckpt"
 
@@ -58,6 +64,7 @@ class EpochTimer(L.Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.t0, self.seen = time.perf_counter(), 0
+        self.t_train_end = self.t0
 
     def on_train_batch_end(
         self,
@@ -68,11 +75,22 @@ class EpochTimer(L.Callback):
         batch_idx: int,
     ) -> None:
         self.seen += int(batch[1].shape[0])
+        self.t_train_end = time.perf_counter()  # img/s counts training steps, not validation
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         dt = time.perf_counter() - self.t0
+        rate = self.seen / max(self.t_train_end - self.t0, 1e-9)
         pl_module.log("train/epoch_time_s", dt, on_epoch=True)
-        pl_module.log("train/img_per_s", self.seen / max(dt, 1e-9), on_epoch=True)
+        pl_module.log("train/img_per_s", rate, on_epoch=True)
+        m = trainer.callback_metrics
+        # One plain line per epoch: readable in `dvc repro` logs, where no progress bar draws.
+        print(
+            f"trainyard: epoch {trainer.current_epoch + 1}/{trainer.max_epochs} "
+            f"train/loss {float(m.get('train/loss_epoch', float('nan'))):.4f} "
+            f"val/acc {float(m.get('val/acc', float('nan'))):.4f} "
+            f"{dt:.1f}s {rate:,.0f} img/s",
+            flush=True,
+        )
 
 
 def train(
