@@ -7,12 +7,15 @@ BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: help venv data run repro test lint format ui clean
+.PHONY: help venv data run repro train-fast test lint format ui bench gpu-check clean
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
 	@echo "make test   - create .venv, run the whole test suite"
 	@echo "make ui     - MLflow UI on the embedded store, http://127.0.0.1:5000"
+	@echo "make bench  - training/inference benchmark: reports/bench.json + docs/benchmarks.md"
+	@echo "make gpu-check - the benchmark + fast preset time-to-93% (bare GPU machine, no venv)"
+	@echo "make train-fast - dvc exp run with the fast preset (presets/fast.yaml)"
 	@echo "make lint   - ruff check + format check"
 
 venv: $(VENV)/.installed
@@ -40,6 +43,21 @@ run: venv data
 
 repro: venv
 	$(BIN)/dvc repro
+
+train-fast: venv data
+	$(BIN)/dvc exp run $$($(BIN)/python -m trainyard.presets fast)
+
+# Side-by-side ratios in one run; never imports mlflow/dvc/bentoml.
+bench: venv data
+	$(BIN)/python -m trainyard.bench
+
+# For a GPU machine that has torch/lightning/onnx/onnxruntime but not this venv:
+# GPU_PYTHON=python3 make gpu-check  (carry data/raw, or have Debian's package)
+GPU_PYTHON ?= python3
+GPU_OUT ?= reports
+gpu-check:
+	PYTHONPATH=src $(GPU_PYTHON) -m trainyard.bench --gpu-check \
+	  --out $(GPU_OUT)/gpu-check.json --chart $(GPU_OUT)/gpu-check.png --docs $(GPU_OUT)/gpu-check.md
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

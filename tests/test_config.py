@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import REPO
 
 from trainyard.config import Params, load_params, parse_params
 from trainyard.errors import ParamsError
+
+from conftest import REPO
 
 
 def repo_params() -> dict:

@@ -79,3 +79,39 @@ def test_datamodule_shapes_and_device_normalisation(prepared):
     assert x.dtype == torch.float32
     assert abs(float(x.mean())) < 1e-3 and abs(float(x.std()) - 1) < 1e-3
     assert np.isclose(dm.mean, float(all_images.float().mean() / 255), atol=1e-5)
+
+
+def _arrays(n_train: int = 300) -> dict:
+    rng = np.random.default_rng(0)
+
+    def split(n: int) -> tuple[np.ndarray, np.ndarray]:
+        return (
+            rng.integers(0, 256, (n, 28, 28), dtype=np.uint8),
+            rng.integers(0, 10, n, dtype=np.uint8),
+        )
+
+    return {"train": split(n_train), "val": split(50), "test": split(50)}
+
+
+def test_fast_and_naive_paths_yield_identical_batches():
+    arrays, stats = _arrays(), {"pixel_mean": 0.3, "pixel_std": 0.35}
+    loaders = {}
+    for path in ("fast", "naive"):
+        dm = FashionDataModule(arrays=arrays, stats=stats, batch_size=64, seed=11, data_path=path)
+        dm.setup("fit")
+        loaders[path] = dm.train_dataloader()
+    for _epoch in range(2):  # a fresh permutation each epoch, the same for both paths
+        fast, naive = list(loaders["fast"]), list(loaders["naive"])
+        assert len(fast) == len(naive) == 5
+        for (fx, fy), (nx, ny) in zip(fast, naive, strict=True):
+            assert torch.equal(fx, nx) and torch.equal(fy, ny)
+        labels = torch.cat([y for _, y in fast])
+        assert torch.equal(
+            torch.sort(labels).values,
+            torch.sort(torch.from_numpy(arrays["train"][1].astype(np.int64))).values,
+        )
+
+
+def test_datamodule_needs_exactly_one_source(tmp_path):
+    with pytest.raises(ValueError, match="exactly one"):
+        FashionDataModule()

@@ -6,10 +6,11 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import write_gz
 
 from trainyard.errors import DataError
 from trainyard.idx import check_labels, read_idx, read_idx_bytes, write_idx_bytes
+
+from conftest import write_gz
 
 
 def test_roundtrip_images_and_labels(tiny_idx):

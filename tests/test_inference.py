@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import has_cuda
 
 from trainyard.errors import ProviderError
 from trainyard.inference import CPU, CUDA, choose_providers, cuda_device_count
+
+from conftest import has_cuda
 
 
 @pytest.mark.skipif(has_cuda(), reason="checks the no-GPU path")

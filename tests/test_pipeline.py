@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import copy_repo, stage_env
 
 pytestmark = pytest.mark.slow

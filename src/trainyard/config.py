@@ -59,6 +59,10 @@ class TrainParams(_Strict):
     weight_decay: float = Field(5e-4, ge=0, le=1)
     label_smoothing: float = Field(0.1, ge=0, lt=1)
     augment: bool = True
+    data_path: Literal["fast", "naive"] = "fast"
+    device_resident: bool = True
+    channels_last: bool = False
+    compile: bool = False
     accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "auto"
     devices: int | Literal["auto"] = "auto"
     precision: Literal[
@@ -84,6 +88,23 @@ class MlflowParams(_Strict):
     experiment: str = Field("trainyard", min_length=1)
 
 
+class ServeParams(_Strict):
+    """The BentoML service (serving/service.py); read when the service module is imported."""
+
+    model: str = Field("models/model.onnx", min_length=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    intra_op_threads: int = Field(1, ge=0, le=256)
+    workers: int = Field(1, ge=1, le=64)
+    batching: bool = True
+    max_batch_size: int = Field(64, ge=2, le=4096)
+    max_latency_ms: int = Field(200, ge=1, le=60_000)
+    max_batch_images: int = Field(256, ge=1, le=4096)
+    max_image_pixels: int = Field(25_000_000, ge=1, le=500_000_000)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=1024**3)
+    max_concurrency: int = Field(256, ge=2, le=100_000)
+    timeout_s: float = Field(10.0, gt=0, le=3600)
+
+
 class Params(_Strict):
     seed: int = Field(42, ge=0, le=2**32 - 1)
     data: DataParams = Field(default_factory=DataParams)
@@ -91,6 +112,7 @@ class Params(_Strict):
     export: ExportParams = Field(default_factory=ExportParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     mlflow: MlflowParams = Field(default_factory=MlflowParams)
+    serve: ServeParams = Field(default_factory=ServeParams)
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys (``train.lr``) for MLflow params."""

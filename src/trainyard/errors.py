@@ -23,3 +23,23 @@ class ExportError(TrainyardError):
 
 class ProviderError(TrainyardError):
     """An ONNX Runtime execution provider was asked for but cannot be had."""
+
+
+class ModelError(TrainyardError):
+    """The model file is missing, unreadable, or not the one the pipeline recorded."""
+
+
+class InputError(TrainyardError):
+    """A request's input is unusable; ``status`` is the HTTP status the service answers.
+
+    ``field`` names the offending part of the request (``image``, ``images[3][0][7]``) so a
+    client can fix it without reading server logs.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.field = field
+        self.status = status
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"error": str(self), "field": self.field}

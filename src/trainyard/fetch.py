@@ -15,12 +15,15 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from trainyard.config import DataParams
 from trainyard.dataset import RAW_FILES, RawFile
 from trainyard.errors import DataError
 from trainyard.idx import read_gz
 from trainyard.io import atomic_dir, atomic_file
+
+if TYPE_CHECKING:  # pydantic stays out of the light paths (bench, gpu-check)
+    from trainyard.config import DataParams
 
 log = logging.getLogger(__name__)
 

@@ -116,8 +116,8 @@ def augment_batch(
     """
     b, _, h, w = x.shape
     dev = x.device
-    shifts = torch.randint(0, 2 * pad + 1, (2, b), generator=generator).to(dev)
-    flips = (torch.rand(b, generator=generator) < 0.5).to(dev)
+    shifts = torch.randint(0, 2 * pad + 1, (2, b), generator=generator, device=dev)
+    flips = torch.rand(b, generator=generator, device=dev) < 0.5
     padded = F.pad(x, (pad, pad, pad, pad))
     rows = (shifts[0][:, None] + torch.arange(h, device=dev))[:, :, None]  # [B,H,1]
     cols = shifts[1][:, None] + torch.arange(w, device=dev)  # [B,W]
@@ -142,11 +142,26 @@ class Classifier(L.LightningModule):
         seed: int = 0,
         image_size: int = IMAGE_SIZE,
         num_classes: int = NUM_CLASSES,
+        channels_last: bool = False,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = build_model(arch)
-        self._aug_gen = torch.Generator().manual_seed(seed)
+        if channels_last:  # NHWC: what cuDNN's tensor-core convolutions want
+            self.net = self.net.to(memory_format=torch.channels_last)
+        self._aug_gen: torch.Generator | None = None
+
+    def configure_model(self) -> None:
+        # nn.Module.compile() compiles in place: state_dict keys (and export) are unchanged.
+        if self.hparams.compile:
+            self.net.compile()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        # Random numbers drawn on the batch's own device: no host round-trip per batch.
+        if self._aug_gen is None or self._aug_gen.device != device:
+            self._aug_gen = torch.Generator(device=device).manual_seed(self.hparams.seed)
+        return self._aug_gen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for *normalised* float input [B,1,H,W] (the exported ONNX contract)."""
@@ -157,7 +172,9 @@ class Classifier(L.LightningModule):
         images, labels = batch
         x = normalize(images, self.hparams.mean, self.hparams.std)
         if self.trainer.training and self.hparams.augment:
-            x = augment_batch(x, self._aug_gen)
+            x = augment_batch(x, self._generator(x.device))
+        if self.hparams.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         return x, labels
 
     def _step(self, batch: Any, stage: str) -> torch.Tensor:
@@ -195,7 +212,8 @@ class Classifier(L.LightningModule):
         sched = torch.optim.lr_scheduler.OneCycleLR(
             opt,
             max_lr=self.hparams.lr,
-            total_steps=self.trainer.estimated_stepping_batches,
+            # OneCycle needs a few steps per phase; tiny runs (tests, benchmarks) get a floor.
+            total_steps=max(int(self.trainer.estimated_stepping_batches), 8),
             pct_start=0.25,
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

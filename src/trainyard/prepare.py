@@ -6,14 +6,16 @@ import hashlib
 import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from trainyard.config import DataParams
 from trainyard.dataset import CLASS_NAMES, IMAGE_SIZE, NUM_CLASSES, RAW_BY_NAME
 from trainyard.idx import check_images, check_labels, read_idx
 from trainyard.io import atomic_dir, atomic_write_json
+
+if TYPE_CHECKING:  # pydantic stays out of the light paths (bench, gpu-check)
+    from trainyard.config import DataParams
 
 SPLITS = ("train", "val", "test")
 STATS_FILE = "stats.json"

