@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: help venv data run repro train-fast test lint format ui bench gpu-check clean
+.PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
+	bench-serve clean
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
@@ -16,6 +17,9 @@ help:
 	@echo "make bench  - training/inference benchmark: reports/bench.json + docs/benchmarks.md"
 	@echo "make gpu-check - the benchmark + fast preset time-to-93% (bare GPU machine, no venv)"
 	@echo "make train-fast - dvc exp run with the fast preset (presets/fast.yaml)"
+	@echo "make serve  - the inference service (BentoML) on http://$(SERVE_HOST):$(SERVE_PORT), after make run"
+	@echo "make bento  - bentoml build: service + verified model, ready for bentoml containerize"
+	@echo "make bench-serve - load test of the service (wrk), batching on/off: docs/benchmarks.md"
 	@echo "make lint   - ruff check + format check"
 
 venv: $(VENV)/.installed
@@ -58,6 +62,21 @@ GPU_OUT ?= reports
 gpu-check:
 	PYTHONPATH=src $(GPU_PYTHON) -m trainyard.bench --gpu-check \
 	  --out $(GPU_OUT)/gpu-check.json --chart $(GPU_OUT)/gpu-check.png --docs $(GPU_OUT)/gpu-check.md
+
+# The inference service (serving/service.py) on models/model.onnx; Swagger UI at /.
+# TRAINYARD_API_KEY=... requires `Authorization: Bearer <key>` on the prediction endpoints.
+SERVE_HOST ?= 127.0.0.1
+SERVE_PORT ?= 3000
+export BENTOML_DO_NOT_TRACK := true
+serve: venv
+	$(BIN)/bentoml serve serving.service:FashionClassifier --host $(SERVE_HOST) --port $(SERVE_PORT)
+
+bento: venv
+	$(BIN)/bentoml build -f serving/bentofile.yaml .
+
+# About 75 s: two servers on free 127.0.0.1 ports, wrk at 1/16/64 clients (apt-get install wrk).
+bench-serve: venv
+	$(BIN)/python serving/bench_serve.py
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -11,7 +11,8 @@ from trainyard.config import Params
 from trainyard.datamodule import load_split
 from trainyard.evaluation import evaluate_onnx, write_reports
 from trainyard.io import atomic_write_json
-from trainyard.tracking import open_run, read_run_file
+from trainyard.registry import register_and_promote
+from trainyard.tracking import dvc_data_version, open_run, read_run_file
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,32 @@ def run(params: Params, args: argparse.Namespace) -> None:
         f"evaluate: test accuracy {m['accuracy']:.4f} on {m['samples']} images "
         f"({m['provider']}); MLflow run {run_id}"
     )
+    registry: dict = {"enabled": params.registry.enabled}
+    if params.registry.enabled:
+        registry |= register_and_promote(
+            mlflow.MlflowClient(),
+            params.registry.model_name,
+            export_report["mlflow_model_uri"],
+            run_id,
+            m["accuracy"],
+            dvc_data_version() or info["data_sha256"],
+            export_report["onnx_sha256"],
+            params.registry.promote_margin,
+        )
+        with mlflow.start_run(run_id=run_id):
+            mlflow.set_tags(
+                {
+                    "registry.model": registry["model_name"],
+                    "registry.version": str(registry["version"]),
+                    "registry.alias": registry["alias"],
+                    "registry.reason": registry["reason"],
+                }
+            )
+        print(
+            f"evaluate: registered {registry['model_name']} v{registry['version']} as "
+            f"{registry['alias']}: {registry['reason']}"
+        )
+    atomic_write_json(Path(args.reports, "registry.json"), registry)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ import mlflow
 from trainyard.cli import stage_main
 from trainyard.config import Params
 from trainyard.datamodule import load_split
-from trainyard.export import export_and_verify
+from trainyard.export import export_and_verify, normalized_example
 from trainyard.io import atomic_write_json
+from trainyard.registry import log_onnx_model
 from trainyard.tracking import open_run, read_run_file
 
 
@@ -32,7 +33,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
         run_id,
         info["data_sha256"],
     )
-    atomic_write_json(args.report, report)
+    example = normalized_example(f"{args.models}/model.onnx", images[:1])
     with mlflow.start_run(run_id=run_id):
         mlflow.log_metrics(
             {
@@ -41,7 +42,8 @@ def run(params: Params, args: argparse.Namespace) -> None:
             }
         )
         mlflow.set_tag("onnx.sha256", report["onnx_sha256"])
-        mlflow.log_artifact(f"{args.models}/model.onnx", "onnx")
+        report["mlflow_model_uri"] = log_onnx_model(f"{args.models}/model.onnx", example)
+    atomic_write_json(args.report, report)
     print(
         f"export: parity ok on {report['samples']} images, max abs diff "
         f"{report['max_abs_diff']:.2e}, agreement {report['argmax_agreement']:.2%}"

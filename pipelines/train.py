@@ -13,7 +13,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
-    train(params, args.data, args.out)
+    train(params, args.data, args.out, params_file=args.params)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from trainyard.idx import write_idx_bytes
 
@@ -107,3 +108,20 @@ def stage_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def dvc(repo: Path, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        ["dvc", *args], cwd=repo, env=stage_env(**env), capture_output=True, text=True, timeout=900
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dvc {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def set_params(repo: Path, **changes: dict) -> None:
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    for section, values in changes.items():
+        params[section].update(values)
+    path.write_text(yaml.safe_dump(params, sort_keys=False))

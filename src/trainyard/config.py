@@ -86,6 +86,14 @@ class EvaluateParams(_Strict):
 
 class MlflowParams(_Strict):
     experiment: str = Field("trainyard", min_length=1)
+    system_metrics: bool = True
+    system_metrics_interval_s: float = Field(5.0, ge=0.5, le=600)
+
+
+class RegistryParams(_Strict):
+    enabled: bool = True
+    model_name: str = Field("fashion-mnist-classifier", min_length=1, pattern=r"^[\w.-]+$")
+    promote_margin: float = Field(0.0, ge=0, le=1)
 
 
 class ServeParams(_Strict):
@@ -95,9 +103,9 @@ class ServeParams(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     intra_op_threads: int = Field(1, ge=0, le=256)
     workers: int = Field(1, ge=1, le=64)
-    batching: bool = True
+    batching: bool = False
     max_batch_size: int = Field(64, ge=2, le=4096)
-    max_latency_ms: int = Field(200, ge=1, le=60_000)
+    max_latency_ms: int = Field(1000, ge=1, le=60_000)
     max_batch_images: int = Field(256, ge=1, le=4096)
     max_image_pixels: int = Field(25_000_000, ge=1, le=500_000_000)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=1024**3)
@@ -112,6 +120,7 @@ class Params(_Strict):
     export: ExportParams = Field(default_factory=ExportParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     mlflow: MlflowParams = Field(default_factory=MlflowParams)
+    registry: RegistryParams = Field(default_factory=RegistryParams)
     serve: ServeParams = Field(default_factory=ServeParams)
 
     def flat(self) -> dict[str, Any]:

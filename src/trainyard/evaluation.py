@@ -14,12 +14,7 @@ import numpy as np
 from trainyard.errors import DataError
 from trainyard.inference import Device, load_onnx
 from trainyard.io import atomic_write_bytes, atomic_write_text
-
-
-def normalization_of(meta: dict[str, str]) -> tuple[float, float, float]:
-    """(scale, mean, std) from the ONNX metadata: the model's own input contract."""
-    norm = json.loads(meta["normalization"])
-    return float(norm["scale"]), float(norm["mean"]), float(norm["std"])
+from trainyard.preprocess import InputContract, normalize
 
 
 def classification_metrics(
@@ -106,8 +101,7 @@ def evaluate_onnx(
     classes = model.classes
     if labels.max(initial=0) >= len(classes):
         raise DataError(f"test labels go up to {labels.max()}, model has {len(classes)} classes")
-    scale, mean, std = normalization_of(model.metadata)
-    x = ((images.astype(np.float32) / scale - mean) / std)[:, None, :, :]
+    x = normalize(images, InputContract.from_metadata(model.metadata))
     preds = model.predict_logits(x, batch_size=batch_size).argmax(1)
     metrics = classification_metrics(labels.astype(np.int64), preds.astype(np.int64), classes)
     metrics["samples"] = int(labels.shape[0])

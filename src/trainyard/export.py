@@ -144,3 +144,14 @@ def export_and_verify(
     atomic_write_text(onnx_path.with_name(onnx_path.name + ".sha256"), f"{sha}  {onnx_path.name}\n")
     report["onnx_sha256"] = sha
     return report
+
+
+def normalized_example(onnx_path: str | os.PathLike[str], images: np.ndarray) -> np.ndarray:
+    """uint8 images [N,H,W] -> the model's float32 input, by the ONNX file's own metadata."""
+    import onnx
+
+    from trainyard.preprocess import InputContract, normalize
+
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    meta = {p.key: p.value for p in proto.metadata_props}
+    return normalize(images, InputContract.from_metadata(meta))

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +132,70 @@ def open_run(info: dict[str, Any], root: str | os.PathLike[str] = ".") -> str:
             f"{err.message}. Rerun train with the same MLFLOW_TRACKING_URI."
         ) from None
     return info["run_id"]
+
+
+def dvc_data_version(root: str | os.PathLike[str] = ".", out: str = "data/prepared") -> str:
+    """DVC's hash of ``out`` as recorded in dvc.lock (``<md5>.dir``), or "" if not recorded."""
+    import yaml
+
+    lock = Path(root) / "dvc.lock"
+    if not lock.is_file():
+        return ""
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    for stage in stages.values():
+        for entry in stage.get("outs", []):
+            if entry.get("path") == out:
+                return str(entry.get("md5", ""))
+    return ""
+
+
+class SystemMetrics:
+    """MLflow's own system-metrics monitor (CPU, RAM, disk, network; GPU via NVML) on a run
+    created outside the fluent API (Lightning's MLFlowLogger creates its run by client)."""
+
+    def __init__(self, run_id: str, tracking_uri: str, interval_s: float, enabled: bool) -> None:
+        self.monitor = None
+        if not enabled:
+            return
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self.monitor = SystemMetricsMonitor(
+            run_id, sampling_interval=interval_s, tracking_uri=tracking_uri
+        )
+
+    def __enter__(self) -> SystemMetrics:
+        if self.monitor is not None:
+            self.monitor.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.monitor is not None:
+            self.monitor.finish()  # flushes the last samples
+
+
+def log_dataset_inputs(
+    client: Any, run_id: str, splits: dict[str, tuple[Any, Any]], digest: str, source: str
+) -> None:
+    """Record the splits as MLflow dataset inputs (name, digest, source, schema)."""
+    import mlflow.data
+    from mlflow.entities import DatasetInput, InputTag
+
+    inputs = []
+    for split, (images, labels) in splits.items():
+        with warnings.catch_warnings():
+            # "source can be interpreted in multiple ways": both candidates are the same class.
+            warnings.simplefilter("ignore", UserWarning)
+            dataset = mlflow.data.from_numpy(
+                images,
+                targets=labels,
+                source=source,
+                name=f"fashion-mnist-{split}",
+                digest=f"{digest[:16]}-{split}",
+            )
+        context = {"train": "training", "val": "validation"}.get(split, split)
+        inputs.append(
+            DatasetInput(
+                dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]
+            )
+        )
+    client.log_inputs(run_id, datasets=inputs)

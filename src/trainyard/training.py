@@ -17,7 +17,10 @@ from trainyard.errors import ParamsError
 from trainyard.io import atomic_file, sha256_file
 from trainyard.tracking import (
     RUN_FILE,
+    SystemMetrics,
     check_tracking_uri,
+    dvc_data_version,
+    log_dataset_inputs,
     resolve_tracking_uri,
     run_tags,
     write_run_file,
@@ -110,12 +113,13 @@ def train(
     data_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     root: str | os.PathLike[str] = ".",
+    params_file: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Fit the model; write ``out_dir/best.ckpt`` and ``out_dir/train.json`` (run id)."""
     from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger
 
-    from trainyard.datamodule import FashionDataModule
+    from trainyard.datamodule import FashionDataModule, load_split
     from trainyard.models import Classifier
 
     tp = params.train
@@ -149,11 +153,19 @@ def train(
     )
 
     tags = run_tags(root, dm.stats["data_sha256"], device)
+    tags["data.dvc_md5"] = dvc_data_version(root) or "not in dvc.lock"
     tags["precision"] = precision
     logger = MLFlowLogger(
         experiment_name=params.mlflow.experiment, tracking_uri=uri, tags=tags, log_model=False
     )
     logger.log_hyperparams(params.flat())
+    client, run_id = logger.experiment, logger.run_id
+    splits = {split: load_split(data_dir, split) for split in ("train", "val")}
+    log_dataset_inputs(
+        client, run_id, splits, dm.stats["data_sha256"], source=str(Path(data_dir).resolve())
+    )
+    if params_file is not None:
+        client.log_artifact(run_id, str(params_file), "config")
 
     ckpt_dir = out_dir / "checkpoints"
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # stale checkpoints would get -v1 names
@@ -185,7 +197,9 @@ def train(
         enable_model_summary=True,
     )
     t0 = time.perf_counter()
-    trainer.fit(model, datamodule=dm)
+    mp = params.mlflow
+    with SystemMetrics(run_id, uri, mp.system_metrics_interval_s, mp.system_metrics):
+        trainer.fit(model, datamodule=dm)
     fit_s = time.perf_counter() - t0
     if trainer.global_rank != 0:
         return {}

@@ -1,0 +1,177 @@
+"""The service's image -> model-input conversion and array validation, without a server."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from trainyard.errors import InputError, ModelError
+from trainyard.preprocess import InputContract, decode_image, normalize, pixel_arrays, softmax
+
+CONTRACT = InputContract(height=28, width=28, scale=255.0, mean=0.3, std=0.35)
+
+
+def encode(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def garment() -> np.ndarray:
+    """A light blob on black, like a Fashion-MNIST image."""
+    yy, xx = np.mgrid[:28, :28]
+    return np.clip(255 - 12 * np.hypot(yy - 14, xx - 12), 0, 255).astype(np.uint8)
+
+
+def test_contract_is_read_from_model_metadata():
+    meta = {
+        "input_shape": "[-1, 1, 28, 28]",
+        "normalization": json.dumps({"scale": 255.0, "mean": 0.286, "std": 0.353}),
+    }
+    c = InputContract.from_metadata(meta)
+    assert (c.height, c.width, c.mean, c.std) == (28, 28, 0.286, 0.353)
+    with pytest.raises(ModelError, match="no usable input_shape"):
+        InputContract.from_metadata({"input_shape": "[-1, 1, 28, 28]"})
+    with pytest.raises(ModelError, match="grayscale models"):
+        InputContract.from_metadata({**meta, "input_shape": "[-1, 3, 28, 28]"})
+
+
+def test_model_sized_grayscale_png_passes_through_exactly(garment):
+    assert np.array_equal(decode_image(encode(Image.fromarray(garment)), CONTRACT), garment)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "P", "LA", "I;16"])
+def test_every_png_mode_gives_the_same_pixels(garment, mode):
+    if mode == "I;16":
+        im = Image.fromarray(garment.astype(np.uint16) * 257)  # 16-bit grayscale
+    else:
+        im = Image.fromarray(garment).convert(mode)
+    assert np.abs(decode_image(encode(im), CONTRACT).astype(int) - garment).max() <= 1
+
+
+def test_transparency_is_composited_on_black(garment):
+    rgba = np.zeros((28, 28, 4), np.uint8)
+    rgba[..., :3] = 255  # white everywhere; only the alpha channel draws the garment
+    rgba[..., 3] = garment
+    out = decode_image(encode(Image.fromarray(rgba, "RGBA")), CONTRACT)
+    assert np.abs(out.astype(int) - garment).max() <= 1
+
+
+def test_invert_turns_a_dark_on_light_photo_into_the_dataset_look(garment):
+    photo = Image.fromarray(255 - garment).resize((280, 280)).convert("RGB")
+    plain = decode_image(encode(photo, "JPEG", quality=95), CONTRACT)
+    inverted = decode_image(encode(photo, "JPEG", quality=95), CONTRACT, invert=True)
+    assert plain.mean() > 128 > inverted.mean()  # background white vs black
+    assert np.abs(inverted.astype(int) - garment).mean() < 8
+
+
+def test_non_square_image_is_padded_not_stretched():
+    tall = np.zeros((100, 50), np.uint8)
+    tall[:, :] = 255  # a white 1:2 rectangle
+    out = decode_image(encode(Image.fromarray(tall)), CONTRACT)
+    assert out[:, :5].max() < 30 and out[:, -5:].max() < 30  # black bars left and right
+    assert out[:, 10:18].min() > 200
+
+
+def test_one_pixel_image_is_valid():
+    out = decode_image(encode(Image.new("L", (1, 1), 200)), CONTRACT)
+    assert out.shape == (28, 28) and np.all(out == 200)
+
+
+def test_decompression_bomb_is_refused_before_decoding():
+    bomb = encode(Image.new("1", (30_000, 30_000)))  # 900 MP that compresses to ~110 kB
+    assert len(bomb) < 200_000
+    start = time.perf_counter()
+    with pytest.raises(InputError, match="image too large") as err:
+        decode_image(bomb, CONTRACT)
+    assert err.value.status == 413 and time.perf_counter() - start < 1.0
+    medium = encode(Image.new("1", (6000, 6000)))  # 36 MP: under Pillow's guard, over ours
+    with pytest.raises(InputError, match=r"6000x6000 pixels.*25,000,000") as err:
+        decode_image(medium, CONTRACT, max_pixels=25_000_000)
+    assert err.value.status == 413
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "the file is empty"),
+        (b"just some text, not a picture", "not a PNG or JPEG image"),
+        (b"GIF89a" + bytes(100), "not a PNG or JPEG image"),
+    ],
+)
+def test_unreadable_bytes_are_a_400_naming_the_field(data, message):
+    with pytest.raises(InputError, match=f"image: {message}") as err:
+        decode_image(data, CONTRACT)
+    assert err.value.status == 400 and err.value.field == "image"
+
+
+def test_truncated_png_is_a_400(garment):
+    noisy = np.random.default_rng(0).integers(0, 256, (200, 200), dtype=np.uint8)
+    data = encode(Image.fromarray(noisy))
+    with pytest.raises(InputError, match="truncated or corrupt") as err:
+        decode_image(data[: len(data) // 2], CONTRACT)
+    assert err.value.status == 400
+
+
+def test_normalize_matches_the_evaluate_stage(garment):
+    x = normalize(garment[None], CONTRACT)
+    expected = (garment.astype(np.float32) / 255.0 - 0.3) / 0.35
+    assert x.shape == (1, 1, 28, 28) and x.dtype == np.float32
+    assert np.array_equal(x[0, 0], expected)
+
+
+def test_softmax_rows_sum_to_one():
+    p = softmax(np.array([[1000.0, 0.0, -1000.0], [0.1, 0.2, 0.3]], np.float32))
+    assert np.allclose(p.sum(axis=1), 1.0, atol=1e-6) and p[0].argmax() == 0
+
+
+def test_pixel_arrays_accepts_ints_and_floats(garment):
+    imgs = [garment.tolist(), (garment / 2).tolist()]
+    out = pixel_arrays(imgs, CONTRACT, max_images=4)
+    assert out.shape == (2, 28, 28) and out.dtype == np.float32
+    assert np.array_equal(out[0], garment.astype(np.float32))
+
+
+def image_with(value, row: int = 3, col: int = 7) -> list:
+    img = [[0] * 28 for _ in range(28)]
+    img[row][col] = value
+    return img
+
+
+@pytest.mark.parametrize(
+    ("images", "field", "message", "status"),
+    [
+        ({"a": 1}, "images", "expected a list of 28x28 arrays, got an object", 400),
+        ([], "images", "the list is empty", 400),
+        ([image_with(0)] * 5, "images", "5 images, more than the limit of 4", 413),
+        (["x"], "images[0]", "expected 28 rows of 28 numbers, got a string", 400),
+        ([[[0] * 28] * 27], "images[0]", "expected 28 rows of 28 numbers, got 27 items", 400),
+        ([[[0] * 28] * 27 + [[0] * 3]], "images[0][27]", "expected 28 numbers, got 3", 400),
+        ([image_with(0), image_with(float("nan"))], "images[1][3][7]", "NaN and Infinity", 400),
+        ([image_with(float("inf"))], "images[0][3][7]", "NaN and Infinity", 400),
+        ([image_with(256)], "images[0][3][7]", "pixel value 256 is outside 0–255", 400),
+        ([image_with(-0.5)], "images[0][3][7]", "pixel value -0.5 is outside 0–255", 400),
+        ([image_with("12")], "images[0][3][7]", 'got a string "12"', 400),
+        ([image_with(True)], "images[0][3][7]", "got true", 400),
+        ([image_with(None)], "images[0][3][7]", "got null", 400),
+        ([image_with([1])], "images[0][3][7]", "got a list", 400),
+    ],
+)
+def test_bad_arrays_name_the_field_and_index(images, field, message, status):
+    with pytest.raises(InputError) as err:
+        pixel_arrays(images, CONTRACT, max_images=4)
+    assert err.value.field == field and err.value.status == status
+    assert str(err.value).startswith(f"{field}: ") and message in str(err.value)
+
+
+def test_a_huge_bad_batch_costs_one_message():
+    bad = [[["x"] * 28] * 28] * 4
+    with pytest.raises(InputError) as err:
+        pixel_arrays(bad, CONTRACT, max_images=4)
+    assert len(str(err.value)) < 200

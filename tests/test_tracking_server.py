@@ -1,0 +1,147 @@
+"""A real `mlflow server` over HTTP: a short pipeline logs, registers and aliases there."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import VENV_BIN, copy_repo, dvc, set_params, stage_env
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[str]:
+    """`mlflow server` with a sqlite backend and a local artifact store, on a free port."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    log = open(root / "server.log", "w")  # noqa: SIM115 - closed in teardown
+    proc = subprocess.Popen(
+        [
+            str(VENV_BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{root}/mlflow.db",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"mlflow server did not start:\n{(root / 'server.log').read_text()}"
+                )
+            time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def repo(server, fashion_dir, tmp_path_factory) -> Path:
+    repo = copy_repo(tmp_path_factory.mktemp("server-pipeline") / "trainyard")
+    set_params(
+        repo,
+        data={"limit": 3000, "val_size": 500, "debian_dir": str(fashion_dir)},
+        train={"max_epochs": 1},
+        mlflow={"system_metrics_interval_s": 1},
+    )
+    dvc(repo, "repro", MLFLOW_TRACKING_URI=server)
+    return repo
+
+
+def test_run_is_on_the_server_with_system_metrics_and_dataset(server, repo):
+    from mlflow.tracking import MlflowClient
+
+    assert not (repo / "mlflow.db").exists()  # nothing went to the embedded store
+    info = json.loads((repo / "models/train.json").read_text())
+    client = MlflowClient(tracking_uri=server)
+    run = client.get_run(info["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # proxied by the server
+    metrics = run.data.metrics
+    assert {"val/acc", "test/accuracy", "system/cpu_utilization_percentage"} <= set(metrics)
+    assert run.data.params["data.limit"] == "3000"
+    assert {d.dataset.name for d in run.inputs.dataset_inputs} == {
+        "fashion-mnist-train",
+        "fashion-mnist-val",
+    }
+    names = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
+    assert names == {"checkpoints/best.ckpt"}
+
+
+def test_model_version_and_champion_alias_on_the_server(server, repo):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=server)
+    champion = client.get_model_version_by_alias("fashion-mnist-classifier", "champion")
+    info = json.loads((repo / "models/train.json").read_text())
+    assert champion.run_id == info["run_id"]
+    assert (
+        champion.tags["onnx_sha256"] == (repo / "models/model.onnx.sha256").read_text().split()[0]
+    )
+    assert champion.tags["data_version"].endswith(".dir")
+
+
+@pytest.mark.timeout(60)
+def test_server_going_away_stops_export_fast_and_registers_nothing(server, repo):
+    from mlflow.tracking import MlflowClient
+
+    before = len(
+        MlflowClient(tracking_uri=server).search_model_versions("name='fashion-mnist-classifier'")
+    )
+    dead = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    out = subprocess.run(
+        ["python", "pipelines/evaluate.py"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env=stage_env(MLFLOW_TRACKING_URI=dead),
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert f"MLflow tracking server {dead} is not reachable" in out.stderr
+    assert time.monotonic() - start < 30  # generous: it is a few seconds; a hang is minutes
+    after = len(
+        MlflowClient(tracking_uri=server).search_model_versions("name='fashion-mnist-classifier'")
+    )
+    assert after == before
