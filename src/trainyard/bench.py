@@ -292,11 +292,6 @@ class NvmlSampler:
         }
 
 
-def median_of(repeats: int, fn: Callable[[], float]) -> dict[str, Any]:
-    runs = [fn() for _ in range(repeats)]
-    return {"median": statistics.median(runs), "runs": runs}
-
-
 def training_benchmarks(
     data: dict[str, Any],
     cfg: dict[str, Any],
@@ -350,9 +345,15 @@ def training_benchmarks(
         }
     else:
         log("bench: no CUDA GPU here: GPU training rows skipped")
-    for name, fn in rows.items():
-        out["img_per_s"][name] = median_of(reps, fn)
-        log(f"bench: {name:28s} {out['img_per_s'][name]['median']:>12,.0f} img/s")
+    # Round-robin over configurations, repeat by repeat: drift in machine load (shared,
+    # noisy hosts) then spreads over all rows instead of biasing whichever ran last.
+    runs: dict[str, list[float]] = {name: [] for name in rows}
+    for rep in range(reps):
+        for name, fn in rows.items():
+            runs[name].append(fn())
+            log(f"bench: [{rep + 1}/{reps}] {name:28s} {runs[name][-1]:>12,.0f} img/s")
+    for name, values in runs.items():
+        out["img_per_s"][name] = {"median": statistics.median(values), "runs": values}
 
     if torch.cuda.is_available():
         try:
@@ -739,6 +740,27 @@ def update_docs(path: Path, key: str, body: str) -> None:
     path.write_text(text)
 
 
+def _bars(ax: Any, labels: list[str], series: dict[str, list[float]], xlabel: str) -> None:
+    """Horizontal bars with their values written on them; log scale only when the values
+    span more than 20x (CPU vs GPU), and then from a tenth of the smallest, so bar lengths
+    are not exaggerated by a clipped axis."""
+    values = [v for vs in series.values() for v in vs if v > 0]
+    ypos = np.arange(len(labels))
+    height = 0.8 / max(len(series), 1)
+    for i, (name, vs) in enumerate(series.items()):
+        offs = ypos - 0.4 + height * (i + 0.5)
+        bars = ax.barh(offs, vs, height, label=name)
+        ax.bar_label(bars, labels=[f"{v:,.0f}" if v else "n/a" for v in vs], fontsize=7, padding=2)
+    ax.set_yticks(ypos, labels)
+    if values and max(values) / min(values) > 20:
+        ax.set_xscale("log")
+        ax.set_xlim(left=min(values) / 10)
+        xlabel += " (log)"
+    ax.set_xlim(right=max(values or [1]) * 1.25)
+    ax.set_xlabel(xlabel)
+    ax.invert_yaxis()
+
+
 def chart(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -747,21 +769,18 @@ def chart(result: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), dpi=100)
     tr = result.get("training", {}).get("img_per_s", {})
-    names = list(tr)
-    axes[0].barh(names, [tr[n]["median"] for n in names], color="tab:blue")
-    axes[0].set_xscale("log")
-    axes[0].set_xlabel("training img/s (log)")
-    axes[0].invert_yaxis()
+    _bars(axes[0], list(tr), {"median": [tr[n]["median"] for n in tr]}, "training img/s")
     rows = result.get("inference", {}).get("rows", [])
-    labels = [f"{r['device']} b{r['batch']}" for r in rows]
-    ypos = np.arange(len(rows))
-    axes[1].barh(ypos - 0.2, [r["torch_img_per_s"] for r in rows], 0.4, label="torch eager")
-    axes[1].barh(ypos + 0.2, [r.get("ort_img_per_s", 0) for r in rows], 0.4, label="ONNX Runtime")
-    axes[1].set_yticks(ypos, labels)
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel("inference img/s (log)")
-    axes[1].invert_yaxis()
-    axes[1].legend()
+    _bars(
+        axes[1],
+        [f"{r['device']} batch {r['batch']}" for r in rows],
+        {
+            "torch eager": [r["torch_img_per_s"] for r in rows],
+            "ONNX Runtime": [r.get("ort_img_per_s", 0) for r in rows],
+        },
+        "inference img/s",
+    )
+    axes[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     fig.suptitle(f"trainyard benchmark — {hardware_label(result['hardware'])}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
@@ -773,9 +792,9 @@ def chart(result: dict[str, Any], path: Path) -> None:
 FULL = {
     "arch": "cnn",
     "batch_size": 256,
-    "steps": 30,
+    "steps": 20,
     "warmup": 5,
-    "repeats": 3,
+    "repeats": 5,
     "gpu_steps": 200,
     "gpu_util_steps": 400,
     "inference_batches": [1, 64, 1024],
