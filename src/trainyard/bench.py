@@ -21,6 +21,7 @@ must run on a bare GPU machine with no mlflow, dvc, bentoml or pydantic.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -83,7 +84,7 @@ def hardware() -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -104,7 +105,7 @@ def hardware() -> dict[str, Any]:
     return info
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -310,40 +311,29 @@ def training_benchmarks(
         "repeats": reps,
         "img_per_s": {},
     }
-    rows = {
-        "cpu/plain_loop_textbook": lambda: plain_loop_throughput(
-            data, arch, "cpu", bs, steps, warm, "textbook"
-        ),
-        "cpu/plain_loop_tensor": lambda: plain_loop_throughput(
-            data, arch, "cpu", bs, steps, warm, "tensor"
-        ),
-        "cpu/lightning_naive_fp32": lambda: lightning_throughput(
-            data, arch, "cpu", bs, steps, warm, "naive"
-        ),
-        "cpu/lightning_fast_fp32": lambda: lightning_throughput(
-            data, arch, "cpu", bs, steps, warm, "fast"
-        ),
-        "cpu/lightning_fast_bf16": lambda: lightning_throughput(
-            data, arch, "cpu", bs, steps, warm, "fast", "bf16-mixed"
-        ),
-    }
+    # (row, function, data path or loader, precision, channels_last): one table for both
+    # devices, so CPU and GPU rows are the same measurements.
+    specs = [
+        ("plain_loop_textbook", plain_loop_throughput, "textbook", None, False),
+        ("plain_loop_tensor", plain_loop_throughput, "tensor", None, False),
+        ("lightning_naive_fp32", lightning_throughput, "naive", "32-true", False),
+        ("lightning_fast_fp32", lightning_throughput, "fast", "32-true", False),
+        ("lightning_fast_bf16", lightning_throughput, "fast", "bf16-mixed", True),
+    ]
+    devices = {"cpu": steps}
     if torch.cuda.is_available():
-        gsteps = cfg["gpu_steps"]
-        rows |= {
-            "cuda/plain_loop_textbook": lambda: plain_loop_throughput(
-                data, arch, "cuda", bs, gsteps, warm, "textbook"
-            ),
-            "cuda/lightning_naive_fp32": lambda: lightning_throughput(
-                data, arch, "cuda", bs, gsteps, warm, "naive"
-            ),
-            "cuda/lightning_fast_fp32": lambda: lightning_throughput(
-                data, arch, "cuda", bs, gsteps, warm, "fast"
-            ),
-            "cuda/lightning_fast_bf16": lambda: lightning_throughput(
-                data, arch, "cuda", bs, gsteps, warm, "fast", "bf16-mixed", channels_last=True
-            ),
-        }
-    else:
+        devices["cuda"] = cfg["gpu_steps"]
+    rows: dict[str, Callable[[], float]] = {}
+    for device, n in devices.items():
+        for name, fn, path, precision, nhwc in specs:
+            kw: dict[str, Any] = {}
+            if precision is not None:
+                # channels_last only where it pays: tensor-core convolutions on the GPU.
+                kw = {"precision": precision, "channels_last": nhwc and device == "cuda"}
+            rows[f"{device}/{name}"] = functools.partial(
+                fn, data, arch, device, bs, n, warm, path, **kw
+            )
+    if not torch.cuda.is_available():
         log("bench: no CUDA GPU here: GPU training rows skipped")
     # Round-robin over configurations, repeat by repeat: drift in machine load (shared,
     # noisy hosts) then spreads over all rows instead of biasing whichever ran last.

@@ -100,7 +100,7 @@ def check_parity(
     from trainyard.inference import load_onnx
     from trainyard.models import normalize
 
-    x = normalize(torch.from_numpy(images).unsqueeze(1), model.hparams.mean, model.hparams.std)
+    x = normalize(torch.tensor(images).unsqueeze(1), model.hparams.mean, model.hparams.std)
     with torch.inference_mode():
         ref = model(x).numpy()
     ort_model = load_onnx(onnx_path, device="cpu")

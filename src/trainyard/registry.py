@@ -161,7 +161,7 @@ def fetch_registered_onnx(
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from trainyard.io import sha256_file
+    from trainyard.io import atomic_write_text, sha256_file
     from trainyard.tracking import check_tracking_uri, resolve_tracking_uri
 
     name, alias, version = parse_model_uri(uri)
@@ -207,6 +207,8 @@ def fetch_registered_onnx(
                     f"registry records {expected}; refusing it"
                 )
             shutil.move(str(got), dest)
+    # The same sidecar the export stage writes: one verification path for every model file.
+    atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
     return dest, {
         "model_source": uri,
         "registry_model": name,

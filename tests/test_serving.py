@@ -1,0 +1,719 @@
+"""The BentoML service as users meet it: a real `bentoml serve` process, real HTTP clients.
+
+The model is made here (a few Lightning steps on real Fashion-MNIST images, then the real
+export with its parity gate), so these tests never depend on `make run` having happened.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import yaml
+from PIL import Image
+
+from trainyard.idx import read_idx
+from trainyard.io import sha256_file
+
+from conftest import REPO, VENV_BIN, has_cuda
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "s3cret-test-key"
+N_IMAGES = 240  # real test images compared over HTTP with offline ONNX Runtime
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def test_set(fashion_dir):
+    images = read_idx(fashion_dir / "t10k-images-idx3-ubyte.gz")[:N_IMAGES]
+    labels = read_idx(fashion_dir / "t10k-labels-idx1-ubyte.gz")[:N_IMAGES]
+    return images, labels
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, fashion_dir, test_set):
+    """models/model.onnx + .sha256 from the real export code, after a few training steps."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from trainyard.datamodule import TensorBatches
+    from trainyard.export import export_and_verify
+    from trainyard.models import Classifier
+
+    root = tmp_path_factory.mktemp("serving-model")
+    train = read_idx(fashion_dir / "train-images-idx3-ubyte.gz")[:512]
+    labels = read_idx(fashion_dir / "train-labels-idx1-ubyte.gz")[:512]
+    images = torch.from_numpy(train.copy()).unsqueeze(1)
+    loader = DataLoader(
+        TensorBatches(images, torch.from_numpy(labels.astype(np.int64)), 64, shuffle=True),
+        batch_size=None,
+    )
+    L.seed_everything(0, verbose=False)
+    model = Classifier(arch="cnn", mean=0.286, std=0.353)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+    )
+    trainer.fit(model, loader)
+    trainer.save_checkpoint(root / "best.ckpt")
+    export_and_verify(
+        root / "best.ckpt",
+        root / "model.onnx",
+        test_set[0],
+        opset=18,
+        max_abs_diff=1e-4,
+        run_id="run-for-serving-tests",
+        data_sha256="d" * 64,
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir, test_set):
+    """What ONNX Runtime says about the test images, without HTTP: the reference."""
+    from trainyard.inference import load_onnx
+
+    model = load_onnx(model_dir / "model.onnx", device="cpu")
+    norm = json.loads(model.metadata["normalization"])  # written out here, independently
+    x = ((test_set[0].astype(np.float32) / norm["scale"] - norm["mean"]) / norm["std"])[:, None]
+    logits = model.predict_logits(x).astype(np.float64)
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_params(path: Path, **serve) -> Path:
+    """The repository's params.yaml with some `serve` keys changed."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["serve"].update(serve)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def server_env(params: Path, model: Path | str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("TRAINYARD_API_KEY", None)
+    env.update(
+        TRAINYARD_PARAMS=str(params),
+        TRAINYARD_MODEL=str(model),
+        BENTOML_DO_NOT_TRACK="true",  # no usage reports from test runs
+        BENTOML_HOME=str(params.parent / "bentoml-home"),
+        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+    )
+    env.update(extra)
+    return env
+
+
+class Server:
+    """`bentoml serve` in its own process group, killed as a group on stop()."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [
+            str(VENV_BIN / "bentoml"),
+            "serve",
+            "serving.service:FashionClassifier",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, deadline_s: float = 90) -> None:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                pytest.fail(f"bentoml serve exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        pytest.fail(f"bentoml serve not ready within {deadline_s} s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    """Batching on, no API key, small limits so the limit tests stay small."""
+    tmp = tmp_path_factory.mktemp("server")
+    params = write_params(
+        tmp / "params.yaml",
+        batching=True,
+        max_batch_size=16,
+        max_batch_images=16,
+        max_body_bytes=1024 * 1024,
+    )
+    srv = Server(server_env(params, model_dir / "model.onnx"), tmp / "serve.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory, model_dir):
+    """Batching off, an API key, and room for only 2 requests in flight."""
+    tmp = tmp_path_factory.mktemp("keyed-server")
+    params = write_params(tmp / "params.yaml", batching=False, max_concurrency=2)
+    env = server_env(params, model_dir / "model.onnx", TRAINYARD_API_KEY=API_KEY)
+    srv = Server(env, tmp / "serve.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def png(pixels: np.ndarray | Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    im = pixels if isinstance(pixels, Image.Image) else Image.fromarray(pixels)
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def classify(url: str, data: bytes, headers: dict | None = None, **form) -> requests.Response:
+    files = {"image": ("image.png", data, "image/png")}
+    return requests.post(f"{url}/classify", files=files, data=form, headers=headers, timeout=30)
+
+
+# ---------------------------------------------------------------------------- predictions
+
+
+def test_http_predictions_equal_offline_onnx_runtime(server, test_set, offline, model_dir):
+    images, _ = test_set
+    # 8 clients at once: adaptive batching merges them, and each must get its own answer.
+    with cf.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda img: classify(server.url, png(img)), images))
+    assert [r.status_code for r in responses] == [200] * len(images)
+    got = [r.json() for r in responses]
+    version = sha256_file(model_dir / "model.onnx")[:12]
+    for i, pred in enumerate(got):
+        assert pred["class_id"] == int(offline[i].argmax()), f"image {i}"
+        assert np.allclose(pred["probabilities"], offline[i], atol=1e-5), f"image {i}"
+        assert abs(sum(pred["probabilities"]) - 1.0) < 1e-5
+        assert pred["model_version"] == version
+    labels = server_metadata(server.url)["classes"]
+    assert all(p["label"] == labels[p["class_id"]] for p in got)
+    # The batcher really ran multi-image batches (BentoML's own histogram says so).
+    metrics = requests.get(f"{server.url}/metrics", timeout=10).text
+    total = count = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("bentoml_service_adaptive_batch_size_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("bentoml_service_adaptive_batch_size_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    assert total >= len(images) and count > 0
+
+
+def server_metadata(url: str, headers: dict | None = None) -> dict:
+    resp = requests.get(f"{url}/metadata", headers=headers, timeout=10)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_batch_endpoint_agrees_with_single_images(server, test_set, offline):
+    images, _ = test_set
+    got = []
+    for start in range(0, len(images), 16):  # serve.max_batch_images = 16 here
+        body = {"images": images[start : start + 16].tolist()}
+        resp = requests.post(f"{server.url}/classify_batch", json=body, timeout=30)
+        assert resp.status_code == 200, resp.text
+        got += resp.json()
+    assert len(got) == len(images)
+    assert [p["class_id"] for p in got] == [int(i) for i in offline.argmax(axis=1)]
+    assert np.allclose([p["probabilities"] for p in got], offline, atol=1e-5)
+
+
+def test_python_client_from_the_readme(server, test_set, offline, tmp_path):
+    import bentoml
+
+    shirt = tmp_path / "shirt.png"
+    shirt.write_bytes(png(test_set[0][0]))
+    with bentoml.SyncHTTPClient(server.url) as client:
+        pred = client.classify(image=shirt)
+    assert pred["class_id"] == int(offline[0].argmax())
+
+
+def test_metadata_names_the_model_and_the_provider(server, model_dir):
+    import onnxruntime as ort
+
+    meta = server_metadata(server.url)
+    assert meta["model"]["sha256"] == sha256_file(model_dir / "model.onnx")
+    assert meta["model"]["mlflow_run_id"] == "run-for-serving-tests"
+    assert meta["classes"][0] == "T-shirt/top" and len(meta["classes"]) == 10
+    assert meta["input"]["shape"] == [-1, 1, 28, 28]
+    assert meta["input"]["normalization"] == {"scale": 255.0, "mean": 0.286, "std": 0.353}
+    expected = (
+        "CUDAExecutionProvider"
+        if has_cuda() and "CUDAExecutionProvider" in ort.get_available_providers()
+        else "CPUExecutionProvider"
+    )
+    assert meta["provider"] == expected and meta["device"] == "auto"
+
+
+def test_any_image_mode_and_size_is_converted_the_same_way(server, test_set):
+    img = test_set[0][7]
+    reference = np.array(classify(server.url, png(img)).json()["probabilities"])
+    lossless = {  # decode to exactly the original pixels: exactly the same answer
+        "RGB": png(Image.fromarray(img).convert("RGB")),
+        "RGBA": png(Image.fromarray(img).convert("RGBA")),
+        "palette": png(Image.fromarray(img).convert("P")),
+        "16-bit": png(Image.fromarray(img.astype(np.uint16) * 257)),
+    }
+    for name, data in lossless.items():
+        resp = classify(server.url, data)
+        assert resp.status_code == 200, f"{name}: {resp.text}"
+        assert np.allclose(resp.json()["probabilities"], reference, atol=1e-6), name
+    # A 30x larger JPEG photo comes back to (nearly) the same 28x28 input.
+    big = Image.fromarray(img).resize((840, 840), Image.Resampling.BICUBIC).convert("RGB")
+    resp = classify(server.url, png(big, "JPEG", quality=95))
+    assert resp.status_code == 200, resp.text
+    assert np.abs(np.array(resp.json()["probabilities"]) - reference).max() < 0.05
+    # A dark garment on white, with invert=true, is the original image again.
+    inverted = classify(server.url, png(255 - img), invert="true").json()
+    assert np.allclose(inverted["probabilities"], reference, atol=1e-6)
+
+
+def test_one_pixel_image_is_valid(server):
+    resp = classify(server.url, png(np.full((1, 1), 200, np.uint8)))
+    assert resp.status_code == 200 and len(resp.json()["probabilities"]) == 10
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def multipart_raw(url: str, body: bytes, ctype: str) -> requests.Response:
+    return requests.post(f"{url}/classify", data=body, headers={"Content-Type": ctype}, timeout=30)
+
+
+def bomb_png() -> bytes:
+    return png(Image.new("1", (30_000, 30_000)))  # 900 megapixels in ~110 kB
+
+
+def truncated_png(test_set) -> bytes:
+    noisy = np.random.default_rng(0).integers(0, 256, (200, 200), dtype=np.uint8)
+    data = png(noisy)
+    return data[: len(data) // 2]
+
+
+def batch(images) -> dict:
+    return {"images": images}
+
+
+ZERO = [[0] * 28 for _ in range(28)]
+
+
+def bad_requests(url: str, test_set) -> dict[str, tuple]:
+    """name -> (thunk sending the request, expected status, text the error must contain)."""
+    post = requests.post
+    good = png(test_set[0][0])
+    nan_image = json.dumps(ZERO).replace("0", "NaN", 1)
+    return {
+        "empty body": (
+            lambda: multipart_raw(url, b"", "multipart/form-data; boundary=x"),
+            400,
+            "empty request body",
+        ),
+        "no content type": (lambda: post(f"{url}/classify", timeout=30), 415, "multipart"),
+        "wrong field name": (
+            lambda: post(f"{url}/classify", files={"file": ("a.png", good)}, timeout=30),
+            400,
+            "file: unknown form field",
+        ),
+        "text instead of a file": (
+            lambda: post(f"{url}/classify", files={"image": (None, "http://x/y.png")}, timeout=30),
+            400,
+            "image: must be a file upload",
+        ),
+        "wrong content type": (
+            lambda: post(f"{url}/classify", data=good, headers={"Content-Type": "image/png"}),
+            415,
+            "takes multipart/form-data, got 'image/png'",
+        ),
+        "malformed multipart": (
+            lambda: multipart_raw(url, b"garbage", "multipart/form-data"),
+            400,
+            "malformed multipart",
+        ),
+        "text file named .png": (
+            lambda: classify(url, b"hello, I am not an image\n"),
+            400,
+            "image: not a PNG or JPEG image",
+        ),
+        "truncated PNG": (lambda: classify(url, truncated_png(test_set)), 400, "truncated"),
+        "decompression bomb": (lambda: classify(url, bomb_png()), 413, "image too large"),
+        "invert not a boolean": (lambda: classify(url, good, invert="maybe"), 400, "invert"),
+        "JSON wrong shape": (
+            lambda: post(f"{url}/classify_batch", json=batch([ZERO[:27]]), timeout=30),
+            400,
+            "images[0]: expected 28 rows of 28 numbers, got 27 items",
+        ),
+        "JSON non-number": (
+            lambda: post(f"{url}/classify_batch", json=batch([[["a"] * 28] * 28]), timeout=30),
+            400,
+            'images[0][0][0]: expected a number 0–255, got a string "a"',
+        ),
+        "JSON NaN": (
+            lambda: post(
+                f"{url}/classify_batch",
+                data='{"images": [' + nan_image + "]}",
+                headers={"Content-Type": "application/json"},
+                timeout=30,
+            ),
+            400,
+            "NaN",
+        ),
+        "JSON out of range": (
+            lambda: post(f"{url}/classify_batch", json=batch([[[300] * 28] * 28]), timeout=30),
+            400,
+            "images[0][0][0]: pixel value 300 is outside 0–255",
+        ),
+        "JSON empty list": (
+            lambda: post(f"{url}/classify_batch", json=batch([]), timeout=30),
+            400,
+            "images: the list is empty",
+        ),
+        "JSON too many images": (
+            lambda: post(f"{url}/classify_batch", json=batch([ZERO] * 17), timeout=30),
+            413,
+            "17 images, more than the limit of 16",
+        ),
+        "JSON missing field": (
+            lambda: post(f"{url}/classify_batch", json={"imgs": []}, timeout=30),
+            400,
+            "images",
+        ),
+        "not JSON": (
+            lambda: post(
+                f"{url}/classify_batch",
+                data=b"{not json",
+                headers={"Content-Type": "application/json"},
+                timeout=30,
+            ),
+            400,
+            "Invalid JSON",
+        ),
+        "oversized body": (
+            lambda: classify(url, b"\0" * (1024 * 1024 + 1)),
+            413,
+            "request body over 1,048,576 bytes",
+        ),
+        "oversized chunked body": (
+            lambda: post(
+                f"{url}/classify_batch",
+                data=iter([b"[" * 65536] * 17),  # a generator: sent chunked, no length
+                headers={"Content-Type": "application/json"},
+                timeout=30,
+            ),
+            413,
+            "request body over",
+        ),
+        "pickle to /classify": (
+            lambda: post(
+                f"{url}/classify",
+                data=b"\x80\x04K\x01.",
+                headers={"Content-Type": "application/vnd.bentoml+pickle"},
+                timeout=30,
+            ),
+            415,
+            "pickle",
+        ),
+        "pickle to /classify_batch": (
+            lambda: post(
+                f"{url}/classify_batch",
+                data=b"\x80\x04K\x01.",
+                headers={"Content-Type": "application/vnd.bentoml+pickle"},
+                timeout=30,
+            ),
+            415,
+            "pickle",
+        ),
+        "internal route from outside": (
+            lambda: post(f"{url}/internal/infer", json={"pixels": [ZERO]}, timeout=30),
+            404,
+            "Not Found",
+        ),
+    }
+
+
+def strings_in(obj: object) -> str:
+    """Every string in a JSON answer, joined: error texts without JSON escaping."""
+    if isinstance(obj, str):
+        return obj
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, list):
+        return "\n".join(strings_in(v) for v in obj)
+    return ""
+
+
+def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_stays_up(server, test_set):
+    failures = []
+    for name, (send, status, text) in bad_requests(server.url, test_set).items():
+        start = time.perf_counter()
+        resp = send()
+        took = time.perf_counter() - start
+        if not resp.headers.get("content-type", "").startswith("application/json"):
+            failures.append(f"{name}: {resp.status_code}, not JSON: {resp.text[:200]}")
+        elif resp.status_code != status or text not in strings_in(resp.json()):
+            failures.append(f"{name}: got {resp.status_code} {resp.text[:300]}")
+        elif took > 5:
+            failures.append(f"{name}: took {took:.1f} s")
+    assert not failures, "\n".join(failures)
+    assert requests.get(f"{server.url}/healthz", timeout=5).status_code == 200
+    assert classify(server.url, png(test_set[0][0])).status_code == 200
+    # BentoML's access log: no request of this module's server was answered by a crash.
+    assert "status=500" not in server.tail(10_000_000)
+
+
+# ---------------------------------------------------------------------------- API key
+
+
+def test_api_key_guards_predictions_and_leaves_probes_open(keyed_server, test_set, offline):
+    url, good = keyed_server.url, png(test_set[0][0])
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        resp = classify(url, good, headers=headers)
+        assert resp.status_code == 401 and "Authorization: Bearer" in resp.json()["error"]
+        assert resp.headers["www-authenticate"].startswith("Bearer")
+    resp = requests.post(f"{url}/classify_batch", json=batch([ZERO]), timeout=10)
+    assert resp.status_code == 401
+    assert requests.get(f"{url}/metadata", timeout=10).status_code == 401
+    for probe in ("/healthz", "/livez", "/readyz", "/metrics"):
+        assert requests.get(f"{url}{probe}", timeout=10).status_code == 200, probe
+
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    resp = classify(url, good, headers=key)
+    assert resp.status_code == 200  # and the unbatched path gives the offline answer too
+    assert np.allclose(resp.json()["probabilities"], offline[0], atol=1e-5)
+    assert server_metadata(url, headers=key)["batching"]["enabled"] is False
+
+    import bentoml
+
+    with bentoml.SyncHTTPClient(url, token=API_KEY) as client:
+        assert client.classify_batch(images=[ZERO])[0]["label"]
+
+
+def test_over_concurrency_gets_a_fast_429_not_a_hang(keyed_server, test_set):
+    # Photos big enough that each request holds its slot for a while (max_concurrency = 2).
+    photo = Image.fromarray(test_set[0][1]).resize((2400, 2400)).convert("RGB")
+    data = png(photo, "JPEG", quality=90)
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    gate = threading.Barrier(24)
+
+    def send(_: int) -> tuple[int, float]:
+        gate.wait()
+        start = time.perf_counter()
+        resp = classify(keyed_server.url, data, headers=key)
+        return resp.status_code, time.perf_counter() - start
+
+    with cf.ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(send, range(24)))
+    codes = [c for c, _ in results]
+    assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 2
+    assert max(t for c, t in results if c == 429) < 2.0
+    assert requests.get(f"{keyed_server.url}/healthz", timeout=5).status_code == 200
+
+
+# ---------------------------------------------------------------------------- start-up
+
+
+def start_and_expect_failure(
+    tmp: Path, model: Path | str, env_extra: dict[str, str] | None = None, **serve
+) -> str:
+    """Run `bentoml serve` expecting it to stop by itself; return what it printed."""
+    params = write_params(tmp / "params.yaml", **serve)
+    env = server_env(params, model, **(env_extra or {}))
+    cmd = [str(VENV_BIN / "bentoml"), "serve", "serving.service:FashionClassifier"]
+    cmd += ["--host", "127.0.0.1", "--port", str(free_port())]
+    try:
+        done = subprocess.run(
+            cmd,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"bentoml serve kept running instead of failing: {err.stdout}{err.stderr}")
+    assert done.returncode != 0
+    return done.stdout + done.stderr
+
+
+def test_altered_model_stops_start_up_with_a_clear_message(tmp_path, model_dir):
+    model = tmp_path / "model.onnx"
+    shutil.copy(model_dir / "model.onnx", model)
+    (tmp_path / "model.onnx.sha256").write_text(f"{'0' * 64}  model.onnx\n")
+    out = start_and_expect_failure(tmp_path, model)
+    assert "does not match" in out and "Re-export it" in out
+
+    (tmp_path / "model.onnx.sha256").unlink()
+    assert "checksum file missing" in start_and_expect_failure(tmp_path, model)
+    assert "model not found" in start_and_expect_failure(tmp_path, tmp_path / "nope.onnx")
+
+
+@pytest.mark.skipif(has_cuda(), reason="checks the no-GPU path")
+def test_asking_for_cuda_without_a_gpu_is_a_clear_error_not_a_crash(tmp_path, model_dir):
+    out = start_and_expect_failure(tmp_path, model_dir / "model.onnx", device="cuda")
+    assert "device 'cuda' asked for, but" in out and "use 'auto' or 'cpu'" in out
+
+
+@pytest.mark.gpu
+def test_gpu_serving_reports_cuda(tmp_path, model_dir, test_set, offline):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime without the CUDA provider")
+    params = write_params(tmp_path / "params.yaml", device="cuda")
+    srv = Server(server_env(params, model_dir / "model.onnx"), tmp_path / "serve.log")
+    try:
+        srv.wait_ready()
+        assert server_metadata(srv.url)["provider"] == "CUDAExecutionProvider"
+        pred = classify(srv.url, png(test_set[0][0])).json()
+        assert np.allclose(pred["probabilities"], offline[0], atol=1e-4)
+    finally:
+        srv.stop()
+
+
+# ---------------------------------------------------------------------------- registry
+
+REGISTERED = "fashion-mnist-classifier"
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory, model_dir, test_set):
+    """A real MLflow registry (sqlite store) where model_dir's ONNX file is champion v1, as
+    the evaluate stage leaves it; v2 is the same file with a wrong sha256 tag."""
+    import mlflow
+
+    from trainyard.export import normalized_example
+    from trainyard.registry import log_onnx_model, register_and_promote
+
+    root = tmp_path_factory.mktemp("registry")
+    uri = f"sqlite:///{root}/mlflow.db"
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        exp = mlflow.create_experiment("serving", artifact_location=(root / "art").as_uri())
+        with mlflow.start_run(experiment_id=exp) as run:
+            example = normalized_example(model_dir / "model.onnx", test_set[0][:1])
+            model_uri = log_onnx_model(model_dir / "model.onnx", example)
+        client = mlflow.MlflowClient(uri)
+        sha = sha256_file(model_dir / "model.onnx")
+        v1 = register_and_promote(
+            client, REGISTERED, model_uri, run.info.run_id, 0.5, "data-v1", sha, 0.0
+        )
+        assert (v1["version"], v1["alias"]) == (1, "champion")
+        v2 = client.create_model_version(
+            REGISTERED, model_uri, run.info.run_id, tags={"onnx_sha256": "0" * 64}
+        )
+        client.set_registered_model_alias(REGISTERED, "tampered", v2.version)
+    finally:
+        mlflow.set_tracking_uri(previous)
+    return {"uri": uri, "run_id": run.info.run_id, "root": root}
+
+
+def test_serves_the_registry_champion_and_every_answer_names_it(
+    tmp_path, registry, model_dir, test_set, offline
+):
+    params = write_params(tmp_path / "params.yaml", batching=False)
+    env = server_env(
+        params,
+        f"models:/{REGISTERED}@champion",
+        MLFLOW_TRACKING_URI=registry["uri"],
+        TRAINYARD_MODEL_CACHE=str(tmp_path / "cache"),
+    )
+    srv = Server(env, tmp_path / "serve.log")
+    try:
+        srv.wait_ready()
+        for i in range(5):  # the same answers as the local file
+            r = classify(srv.url, png(test_set[0][i]))
+            assert r.status_code == 200, r.text
+            assert np.allclose(r.json()["probabilities"], offline[i], atol=1e-5)
+        assert r.headers["x-model-registry-version"] == f"{REGISTERED}/1"
+        assert r.headers["x-mlflow-run-id"] == registry["run_id"]
+        assert r.headers["x-data-version"] == "data-v1"
+        assert r.headers["x-model-version"] == sha256_file(model_dir / "model.onnx")[:12]
+        source = server_metadata(srv.url)["source"]
+        assert (source["registry_model"], source["registry_version"]) == (REGISTERED, "1")
+        assert source["registry_alias"] == "champion"
+    finally:
+        srv.stop()
+    cached = tmp_path / "cache" / REGISTERED / "1" / "model.onnx"
+    assert sha256_file(cached) == sha256_file(model_dir / "model.onnx")
+
+
+def test_local_model_answers_carry_its_run_and_data_version(server):
+    r = requests.get(f"{server.url}/healthz", timeout=5)
+    assert r.headers["x-model-registry-version"] == "local"
+    assert r.headers["x-mlflow-run-id"] == "run-for-serving-tests"
+    assert r.headers["x-data-version"] == "d" * 64
+
+
+def test_unknown_alias_or_model_stops_start_up(tmp_path, registry):
+    env = {"MLFLOW_TRACKING_URI": registry["uri"]}
+    out = start_and_expect_failure(tmp_path, f"models:/{REGISTERED}@nope", env)
+    assert f"models:/{REGISTERED}@nope: not found in the registry" in out
+    out = start_and_expect_failure(tmp_path, "models:/no-such-model@champion", env)
+    assert "not found in the registry" in out
+    assert "expected models:/NAME@ALIAS" in start_and_expect_failure(tmp_path, "models:/x", env)
+
+
+def test_registry_model_whose_sha256_does_not_match_is_refused(tmp_path, registry):
+    env = {"MLFLOW_TRACKING_URI": registry["uri"], "TRAINYARD_MODEL_CACHE": str(tmp_path / "cache")}
+    out = start_and_expect_failure(tmp_path, f"models:/{REGISTERED}@tampered", env)
+    assert "downloaded model.onnx has sha256" in out and "refusing it" in out
+    assert not (tmp_path / "cache" / REGISTERED / "2" / "model.onnx").exists()
