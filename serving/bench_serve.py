@@ -32,6 +32,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 LEVELS = (1, 16, 64)
+SERVERS = {
+    True: "BentoML, batching on",
+    False: "BentoML, batching off",
+    None: "Starlette + ORT (reference)",
+}
 SECTION = "## Serving"
 
 WRK_SCRIPT = """
@@ -113,15 +118,22 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return 0, ""
 
 
-def start_server(params: Path, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(
+    params: Path, model: Path, log: Path, reference: bool = False
+) -> tuple[subprocess.Popen, str]:
+    """`bentoml serve` the service, or (``reference``) uvicorn the bare Starlette server."""
     port = free_port()
     env = dict(os.environ)
     env.pop("TRAINYARD_API_KEY", None)
     env.update(
         TRAINYARD_PARAMS=str(params), TRAINYARD_MODEL=str(model), BENTOML_DO_NOT_TRACK="true"
     )
-    bentoml = Path(sys.executable).parent / "bentoml"
-    cmd = [str(bentoml), "serve", "serving.service:FashionClassifier"]
+    bindir = Path(sys.executable).parent
+    if reference:
+        cmd = [str(bindir / "uvicorn"), "serving.reference_server:app", "--workers", "1"]
+        cmd += ["--no-access-log", "--log-level", "warning"]
+    else:
+        cmd = [str(bindir / "bentoml"), "serve", "serving.service:FashionClassifier"]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -131,12 +143,12 @@ def start_server(params: Path, model: Path, log: Path) -> tuple[subprocess.Popen
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"bentoml serve exited:\n{log.read_text()[-3000:]}")
+            raise SystemExit(f"{cmd[0]} exited:\n{log.read_text()[-3000:]}")
         if http_get(f"{url}/readyz", 1.0)[0] == 200:
             return proc, url
         time.sleep(0.25)
     stop_server(proc)
-    raise SystemExit(f"bentoml serve not ready in 90 s:\n{log.read_text()[-3000:]}")
+    raise SystemExit(f"{cmd[0]} not ready in 90 s:\n{log.read_text()[-3000:]}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -180,29 +192,33 @@ def wrk(url: str, script: Path, clients: int, seconds: float) -> dict[str, Any]:
 
 
 def load_test(
-    batching: bool, model: Path, script: Path, tmp: Path, seconds: float, warmup: float
+    batching: bool | None, model: Path, script: Path, tmp: Path, seconds: float, warmup: float
 ) -> list[dict[str, Any]]:
+    """wrk at each level against the service (batching on/off) or, for ``batching=None``,
+    against the bare Starlette + ONNX Runtime reference server."""
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     # Room for 64 clients plus their internal batching hop, so only the service is measured.
     room = max(raw["serve"]["max_concurrency"], 256)
-    raw["serve"].update(batching=batching, max_concurrency=room)
-    params = tmp / f"params-{'on' if batching else 'off'}.yaml"
+    raw["serve"].update(batching=bool(batching), max_concurrency=room)
+    name = {True: "on", False: "off", None: "reference"}[batching]
+    params = tmp / f"params-{name}.yaml"
     params.write_text(yaml.safe_dump(raw))
-    log = tmp / f"serve-{'on' if batching else 'off'}.log"
-    proc, url = start_server(params, model, log)
+    log = tmp / f"serve-{name}.log"
+    proc, url = start_server(params, model, log, reference=batching is None)
     rows = []
     try:
         wrk(url, script, 16, warmup)  # trains BentoML's batching optimizer, warms caches
         for clients in LEVELS:
-            before = batch_histogram(url)
+            before = batch_histogram(url) if batching else (0.0, 0.0)
             row = wrk(url, script, clients, seconds)
-            after = batch_histogram(url)
+            after = batch_histogram(url) if batching else (0.0, 0.0)
             calls = after[1] - before[1]
             row["mean_batch"] = (after[0] - before[0]) / calls if batching and calls else None
             row["batching"] = batching
+            row["server"] = SERVERS[batching]
             rows.append(row)
             print(
-                f"  batching {'on ' if batching else 'off'} {clients:>3} clients: "
+                f"  {row['server']:28s} {clients:>3} clients: "
                 f"{row['req_per_s']:7.1f} req/s  p50 {row['p50_ms']:6.1f} ms  "
                 f"p99 {row['p99_ms']:6.1f} ms  errors {row['errors']}",
                 flush=True,
@@ -257,13 +273,13 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['warmup']:g} s warm-up; every request is one real test image as a PNG "
         "upload to `/classify`.",
         "",
-        "| batching | clients | req/s | p50 ms | p99 ms | errors | mean batch |",
+        "| server | clients | req/s | p50 ms | p99 ms | errors | mean batch |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         batch = f"{r['mean_batch']:.1f}" if r["mean_batch"] else "–"
         lines.append(
-            f"| {'on' if r['batching'] else 'off'} | {r['clients']} | {r['req_per_s']:.0f} | "
+            f"| {SERVERS[r['batching']]} | {r['clients']} | {r['req_per_s']:.0f} | "
             f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['errors']} | {batch} |"
         )
     lines += [
@@ -274,8 +290,9 @@ def markdown(result: dict[str, Any]) -> str:
         "|---:|---:|---:|",
     ]
     lines += [f"| {r['batch']} | {r['img_per_s']:.0f} | {r['ms_per_batch']:.2f} |" for r in ort]
-    on = {r["clients"]: r for r in rows if r["batching"]}
-    off = {r["clients"]: r for r in rows if not r["batching"]}
+    on = {r["clients"]: r for r in rows if r["batching"] is True}
+    off = {r["clients"]: r for r in rows if r["batching"] is False}
+    ref = {r["clients"]: r for r in rows if r["batching"] is None}
     top = max(LEVELS)
     ratio = on[top]["req_per_s"] / off[top]["req_per_s"]
     per_request = 1000 / off[top]["req_per_s"]
@@ -296,8 +313,20 @@ def markdown(result: dict[str, Any]) -> str:
         "larger model, or a GPU with per-call launch overhead.",
         "",
     ]
-    errors = sum(r["errors"] for r in rows)
-    best16 = min(r["p99_ms"] for r in rows if r["clients"] == 16)
+    if ref:
+        shares = ", ".join(
+            f"{c} clients {off[c]['req_per_s'] / ref[c]['req_per_s']:.2f}x" for c in LEVELS
+        )
+        lines += [
+            "BentoML (batching off) / the bare Starlette + ONNX Runtime server, same model, "
+            f"same preprocessing, same wrk load: {shares} of its req/s. The difference is "
+            "BentoML's own per-request work (its request parsing and validation, the "
+            "service's guard, metrics and tracing).",
+            "",
+        ]
+    service_rows = [r for r in rows if r["batching"] is not None]
+    errors = sum(r["errors"] for r in service_rows)
+    best16 = min(r["p99_ms"] for r in service_rows if r["clients"] == 16)
     lines += [
         "Against the targets of the serving issue, on this run: errors "
         f"{errors} ({'met' if errors == 0 else 'not met'}); batching on >= 2x off at "
@@ -355,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = ", ".join(json.dumps(str(b)) for b in bodies)
         script.write_text(WRK_SCRIPT % {"paths": paths, "boundary": boundary})
         rows = []
-        for batching in (True, False):
-            print(f"serving with batching {'on' if batching else 'off'}", flush=True)
+        for batching in (True, False, None):
+            print(SERVERS[batching], flush=True)
             rows += load_test(batching, MODEL_PATH, script, tmp, args.seconds, args.warmup)
     print("ONNX Runtime alone", flush=True)
     ort, provider = raw_onnx(MODEL_PATH, SETTINGS.device, SETTINGS.intra_op_threads, 2.0)

@@ -125,3 +125,38 @@ def set_params(repo: Path, **changes: dict) -> None:
     for section, values in changes.items():
         params[section].update(values)
     path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def train_checkpoint(
+    root: Path,
+    images: np.ndarray,
+    labels: np.ndarray,
+    steps: int,
+    batch_size: int,
+    mean: float,
+    std: float,
+) -> Path:
+    """A real Lightning checkpoint (``root/best.ckpt``) after ``steps`` CPU steps."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from trainyard.datamodule import TensorBatches
+    from trainyard.models import Classifier
+
+    x = torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)).unsqueeze(1)
+    y = torch.from_numpy(labels.astype(np.int64))
+    loader = DataLoader(TensorBatches(x, y, batch_size, shuffle=True), batch_size=None)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+    )
+    trainer.fit(Classifier(arch="cnn", mean=mean, std=std), loader)
+    trainer.save_checkpoint(root / "best.ckpt")
+    return root / "best.ckpt"

@@ -4,43 +4,26 @@ from __future__ import annotations
 
 import json
 
-import lightning as L
 import numpy as np
 import onnx
 import pytest
-import torch
-from torch.utils.data import DataLoader
 
-from trainyard.datamodule import TensorBatches
 from trainyard.errors import ExportError
 from trainyard.export import export_and_verify, load_checkpoint
 from trainyard.inference import load_onnx
-from trainyard.models import Classifier
+
+from conftest import train_checkpoint
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A real Lightning checkpoint after a few CPU steps on random images."""
-    root = tmp_path_factory.mktemp("ckpt")
-    g = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (64, 1, 28, 28), dtype=torch.uint8, generator=g)
-    labels = torch.randint(0, 10, (64,), generator=g)
-    loader = DataLoader(TensorBatches(images, labels, 16, shuffle=True), batch_size=None)
-    L.seed_everything(0, verbose=False)
-    model = Classifier(arch="cnn", mean=0.3, std=0.35)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (64, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, 64)
+    return train_checkpoint(
+        tmp_path_factory.mktemp("ckpt"), images, labels, steps=3, batch_size=16, mean=0.3, std=0.35
     )
-    trainer.fit(model, loader)
-    path = root / "best.ckpt"
-    trainer.save_checkpoint(path)
-    return path
 
 
 @pytest.fixture(scope="module")

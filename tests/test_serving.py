@@ -27,7 +27,7 @@ from PIL import Image
 from trainyard.idx import read_idx
 from trainyard.io import sha256_file
 
-from conftest import REPO, VENV_BIN, has_cuda
+from conftest import REPO, VENV_BIN, has_cuda, train_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -48,35 +48,12 @@ def test_set(fashion_dir):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, fashion_dir, test_set):
     """models/model.onnx + .sha256 from the real export code, after a few training steps."""
-    import lightning as L
-    import torch
-    from torch.utils.data import DataLoader
-
-    from trainyard.datamodule import TensorBatches
     from trainyard.export import export_and_verify
-    from trainyard.models import Classifier
 
     root = tmp_path_factory.mktemp("serving-model")
     train = read_idx(fashion_dir / "train-images-idx3-ubyte.gz")[:512]
     labels = read_idx(fashion_dir / "train-labels-idx1-ubyte.gz")[:512]
-    images = torch.from_numpy(train.copy()).unsqueeze(1)
-    loader = DataLoader(
-        TensorBatches(images, torch.from_numpy(labels.astype(np.int64)), 64, shuffle=True),
-        batch_size=None,
-    )
-    L.seed_everything(0, verbose=False)
-    model = Classifier(arch="cnn", mean=0.286, std=0.353)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-    )
-    trainer.fit(model, loader)
-    trainer.save_checkpoint(root / "best.ckpt")
+    train_checkpoint(root, train, labels, steps=8, batch_size=64, mean=0.286, std=0.353)
     export_and_verify(
         root / "best.ckpt",
         root / "model.onnx",
