@@ -88,7 +88,8 @@ def free_port() -> int:
 def write_params(path: Path, **serve) -> Path:
     """The repository's params.yaml with some `serve` keys changed."""
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    raw["serve"].update(serve)
+    # One worker unless a test asks: start-up stays quick and the limits stay per-process.
+    raw["serve"].update({"workers": 1, **serve})
     path.write_text(yaml.safe_dump(raw))
     return path
 

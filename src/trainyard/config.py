@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -102,7 +102,7 @@ class ServeParams(_Strict):
     model: str = Field("models/model.onnx", min_length=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     intra_op_threads: int = Field(1, ge=0, le=256)
-    workers: int = Field(1, ge=1, le=64)
+    workers: Annotated[int, Field(ge=1, le=64)] | Literal["cpu_count"] = "cpu_count"
     batching: bool = False
     max_batch_size: int = Field(64, ge=2, le=4096)
     max_latency_ms: int = Field(1000, ge=1, le=60_000)
