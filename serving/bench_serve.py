@@ -16,7 +16,6 @@ import argparse
 import io
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -254,16 +253,6 @@ def raw_onnx(
     return rows, session.provider
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def markdown(result: dict[str, Any]) -> str:
     m, rows, ort = result["machine"], result["serving"], result["onnx_runtime"]
     lines = [
@@ -378,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     os.chdir(REPO)
     from serving.service import MODEL_PATH, SETTINGS  # verifies the model's sha256
+    from trainyard.bench import cpu_name
     from trainyard.io import atomic_write_json, sha256_file
 
     loadavg = os.getloadavg()[0]
