@@ -168,6 +168,44 @@ def test_two_trainings_at_once_on_the_embedded_store(repo):
         assert run.data.params["train.lr"] == "0.002"
 
 
+def test_ddp_on_two_cpu_processes_logs_one_run(repo, tmp_path):
+    """Lightning DDP (gloo, 2 CPU ranks): both data paths shard by rank, rank 0 alone
+    owns the MLflow run, outputs and per-epoch lines."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
+    exp = client.get_experiment_by_name("trainyard")
+    before = len(client.search_runs([exp.experiment_id]))
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"].update(accelerator="cpu", devices=2, max_epochs=2, limit_train_batches=None)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    out = subprocess.run(
+        [
+            "python",
+            "pipelines/train.py",
+            "--params",
+            str(tmp_path / "params.yaml"),
+            "--data",
+            "data/prepared",
+            "--out",
+            str(tmp_path / "ddp"),
+        ],
+        cwd=repo,
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "MEMBER: 2/2" in out.stdout + out.stderr
+    assert out.stdout.count("trainyard: epoch 2/2") == 1  # rank 0 prints, rank 1 does not
+    info = json.loads((tmp_path / "ddp/train.json").read_text())
+    assert len(client.search_runs([exp.experiment_id])) == before + 1
+    run = client.get_run(info["run_id"])
+    assert run.data.params["train.devices"] == "2"
+    assert 0.0 < run.data.metrics["val/acc"] <= 1.0
+
+
 def test_bad_param_fails_naming_the_key_and_changes_nothing(repo):
     lock = (repo / "dvc.lock").read_text()
     set_params(repo, train={"batch_sise": 64})

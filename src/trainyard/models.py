@@ -183,6 +183,10 @@ class Classifier(L.LightningModule):
         loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
         acc = (logits.argmax(1) == y).float().mean()
         on_step = stage == "train"
+        # Under DDP each rank sees its own shard: epoch metrics of val/test (what checkpoints
+        # and early stopping watch) are averaged over ranks; per-step train loss is not
+        # (a sync every step would cost more than it tells).
+        sync = stage != "train"
         self.log(
             f"{stage}/loss",
             loss,
@@ -190,9 +194,16 @@ class Classifier(L.LightningModule):
             on_epoch=True,
             prog_bar=True,
             batch_size=y.shape[0],
+            sync_dist=sync,
         )
         self.log(
-            f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=True, batch_size=y.shape[0]
+            f"{stage}/acc",
+            acc,
+            on_step=False,
+            on_epoch=True,
+            prog_bar=True,
+            batch_size=y.shape[0],
+            sync_dist=sync,
         )
         return loss
 

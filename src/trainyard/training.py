@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
 
 from trainyard.config import Params, TrainParams
 from trainyard.errors import ParamsError
@@ -94,9 +95,12 @@ class EpochTimer(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         dt = time.perf_counter() - self.t0
-        rate = self.seen / max(self.t_train_end - self.t0, 1e-9)
-        pl_module.log("train/epoch_time_s", dt, on_epoch=True)
-        pl_module.log("train/img_per_s", rate, on_epoch=True)
+        # Under DDP every rank trains an equal shard in lockstep: total = world_size x own.
+        rate = self.seen * trainer.world_size / max(self.t_train_end - self.t0, 1e-9)
+        pl_module.log("train/epoch_time_s", dt, on_epoch=True, rank_zero_only=True)
+        pl_module.log("train/img_per_s", rate, on_epoch=True, rank_zero_only=True)
+        if not trainer.is_global_zero:
+            return
         m = trainer.callback_metrics
         # One plain line per epoch: readable in `dvc repro` logs, where no progress bar draws.
         print(
@@ -159,16 +163,20 @@ def train(
         experiment_name=params.mlflow.experiment, tracking_uri=uri, tags=tags, log_model=False
     )
     logger.log_hyperparams(params.flat())
+    # Under DDP every rank runs this script; only rank 0 owns the MLflow run.
+    lead = rank_zero_only.rank == 0
     client, run_id = logger.experiment, logger.run_id
-    splits = {split: load_split(data_dir, split) for split in ("train", "val")}
-    log_dataset_inputs(
-        client, run_id, splits, dm.stats["data_sha256"], source=str(Path(data_dir).resolve())
-    )
-    if params_file is not None:
-        client.log_artifact(run_id, str(params_file), "config")
+    if lead:
+        splits = {split: load_split(data_dir, split) for split in ("train", "val")}
+        log_dataset_inputs(
+            client, run_id, splits, dm.stats["data_sha256"], source=str(Path(data_dir).resolve())
+        )
+        if params_file is not None:
+            client.log_artifact(run_id, str(params_file), "config")
 
     ckpt_dir = out_dir / "checkpoints"
-    shutil.rmtree(ckpt_dir, ignore_errors=True)  # stale checkpoints would get -v1 names
+    if lead:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)  # stale checkpoints would get -v1 names
     checkpoint = ModelCheckpoint(
         dirpath=ckpt_dir,
         filename="best",
@@ -198,7 +206,7 @@ def train(
     )
     t0 = time.perf_counter()
     mp = params.mlflow
-    with SystemMetrics(run_id, uri, mp.system_metrics_interval_s, mp.system_metrics):
+    with SystemMetrics(run_id, uri, mp.system_metrics_interval_s, mp.system_metrics and lead):
         trainer.fit(model, datamodule=dm)
     fit_s = time.perf_counter() - t0
     if trainer.global_rank != 0:
