@@ -12,7 +12,7 @@ from trainyard.datamodule import load_split
 from trainyard.evaluation import evaluate_onnx, write_reports
 from trainyard.io import atomic_write_json
 from trainyard.registry import register_and_promote
-from trainyard.tracking import dvc_data_version, open_run, read_run_file
+from trainyard.tracking import open_run, read_run_file
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +65,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
             export_report["mlflow_model_uri"],
             run_id,
             m["accuracy"],
-            dvc_data_version() or info["data_sha256"],
+            info["data_version"],
             export_report["onnx_sha256"],
             params.registry.promote_margin,
         )

@@ -160,3 +160,16 @@ def train_checkpoint(
     trainer.fit(Classifier(arch="cnn", mean=mean, std=std), loader)
     trainer.save_checkpoint(root / "best.ckpt")
     return root / "best.ckpt"
+
+
+def small_pipeline_repo(dest: Path, fashion_dir: Path) -> Path:
+    """A committed copy of the repository set to a 3,000-image slice, 1 epoch, and system
+    metrics every second: a real pipeline that runs in about a minute."""
+    repo = copy_repo(dest)
+    set_params(
+        repo,
+        data={"limit": 3000, "val_size": 500, "debian_dir": str(fashion_dir)},
+        train={"max_epochs": 1},
+        mlflow={"system_metrics_interval_s": 1},
+    )
+    return repo

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import copy_repo, dvc, set_params, stage_env
+from conftest import dvc, set_params, small_pipeline_repo, stage_env
 
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
@@ -24,13 +24,7 @@ def ran(output: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def repo(fashion_dir, tmp_path_factory) -> Path:
-    repo = copy_repo(tmp_path_factory.mktemp("pipeline") / "trainyard")
-    set_params(
-        repo,
-        data={"limit": 3000, "val_size": 500, "debian_dir": str(fashion_dir)},
-        train={"max_epochs": 1},
-        mlflow={"system_metrics_interval_s": 1},
-    )
+    repo = small_pipeline_repo(tmp_path_factory.mktemp("pipeline") / "trainyard", fashion_dir)
     first = dvc(repo, "repro")
     (repo / "first_repro.log").write_text(first.stdout + first.stderr)
     return repo

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VENV_BIN, copy_repo, dvc, set_params, stage_env
+from conftest import VENV_BIN, dvc, small_pipeline_repo, stage_env
 
 pytestmark = pytest.mark.slow
 
@@ -77,12 +77,8 @@ def server(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def repo(server, fashion_dir, tmp_path_factory) -> Path:
-    repo = copy_repo(tmp_path_factory.mktemp("server-pipeline") / "trainyard")
-    set_params(
-        repo,
-        data={"limit": 3000, "val_size": 500, "debian_dir": str(fashion_dir)},
-        train={"max_epochs": 1},
-        mlflow={"system_metrics_interval_s": 1},
+    repo = small_pipeline_repo(
+        tmp_path_factory.mktemp("server-pipeline") / "trainyard", fashion_dir
     )
     dvc(repo, "repro", MLFLOW_TRACKING_URI=server)
     return repo

@@ -199,7 +199,6 @@ def lightning_throughput(
     data_path: str = "fast",
     precision: str = "32-true",
     channels_last: bool = False,
-    compile: bool = False,
     on_window: Callable[[bool], None] | None = None,
 ) -> float:
     """img/s of trainyard's own training (FashionDataModule + Classifier + Lightning)."""
@@ -238,7 +237,7 @@ def lightning_throughput(
         seed=0,
         data_path=data_path,
     )  # type: ignore[arg-type]
-    model = _classifier(arch, data["stats"], channels_last=channels_last, compile=compile)
+    model = _classifier(arch, data["stats"], channels_last=channels_last)
     window = Window()
     trainer = L.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu",

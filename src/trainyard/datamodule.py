@@ -173,7 +173,7 @@ class FashionDataModule(L.LightningDataModule):
         self.batch_size, self.eval_batch_size, self.seed = batch_size, eval_batch_size, seed
         self.data_path, self.device_resident = data_path, device_resident
         self.stats = stats if stats is not None else load_stats(self.data_dir)
-        self._arrays = arrays
+        self._arrays: Splits = dict(arrays) if arrays is not None else {}
         self.tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -183,6 +183,12 @@ class FashionDataModule(L.LightningDataModule):
     @property
     def std(self) -> float:
         return float(self.stats["pixel_std"])
+
+    def split_arrays(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """(uint8 images [N,H,W], uint8 labels [N]) of ``split``, read from disk once."""
+        if split not in self._arrays:
+            self._arrays[split] = load_split(self.data_dir, split)
+        return self._arrays[split]
 
     def _device(self) -> torch.device:
         trainer = self.trainer
@@ -195,10 +201,7 @@ class FashionDataModule(L.LightningDataModule):
         for split in SPLITS:
             if split in self.tensors:
                 continue
-            if self._arrays is not None:
-                images, labels = self._arrays[split]
-            else:
-                images, labels = load_split(self.data_dir, split)
+            images, labels = self.split_arrays(split)
             # [N,H,W] uint8 -> [N,1,H,W]; stays uint8 (4x smaller than float) until the
             # batch is on the device.
             self.tensors[split] = (

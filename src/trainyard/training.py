@@ -123,7 +123,7 @@ def train(
     from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger
 
-    from trainyard.datamodule import FashionDataModule, load_split
+    from trainyard.datamodule import FashionDataModule
     from trainyard.models import Classifier
 
     tp = params.train
@@ -157,7 +157,8 @@ def train(
     )
 
     tags = run_tags(root, dm.stats["data_sha256"], device)
-    tags["data.dvc_md5"] = dvc_data_version(root) or "not in dvc.lock"
+    dvc_md5 = dvc_data_version(root)
+    tags["data.dvc_md5"] = dvc_md5 or "not in dvc.lock"
     tags["precision"] = precision
     logger = MLFlowLogger(
         experiment_name=params.mlflow.experiment, tracking_uri=uri, tags=tags, log_model=False
@@ -167,7 +168,7 @@ def train(
     lead = rank_zero_only.rank == 0
     client, run_id = logger.experiment, logger.run_id
     if lead:
-        splits = {split: load_split(data_dir, split) for split in ("train", "val")}
+        splits = {split: dm.split_arrays(split) for split in ("train", "val")}
         log_dataset_inputs(
             client, run_id, splits, dm.stats["data_sha256"], source=str(Path(data_dir).resolve())
         )
@@ -232,6 +233,8 @@ def train(
         "checkpoint": BEST_CKPT,
         "checkpoint_sha256": ckpt_sha,
         "data_sha256": dm.stats["data_sha256"],
+        # What the registry records as the data version: DVC's hash where dvc.lock has it.
+        "data_version": dvc_md5 or dm.stats["data_sha256"],
         "fit_time_s": round(fit_s, 2),
     }
     write_run_file(out_dir / RUN_FILE, info)
