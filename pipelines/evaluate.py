@@ -9,7 +9,7 @@ import mlflow
 from trainyard.cli import stage_main
 from trainyard.config import Params
 from trainyard.datamodule import load_split
-from trainyard.evaluation import evaluate_onnx, write_reports
+from trainyard.evaluation import evaluate_onnx, metric_key, write_reports
 from trainyard.io import atomic_write_json
 from trainyard.registry import register_and_promote
 from trainyard.tracking import open_run, read_run_file
@@ -48,8 +48,12 @@ def run(params: Params, args: argparse.Namespace) -> None:
     atomic_write_json(Path(args.reports, "metrics.json"), metrics)
     with mlflow.start_run(run_id=run_id):
         mlflow.log_metrics({"test/accuracy": m["accuracy"], "test/macro_f1": m["macro_f1"]})
+        # Class names may hold '/', spaces or any letter: keys are index + a safe spelling.
         mlflow.log_metrics(
-            {f"test/f1/{c.replace('/', '_')}": v["f1"] for c, v in m["per_class"].items()}
+            {
+                metric_key("test/f1", i, c): v["f1"]
+                for i, (c, v) in enumerate(m["per_class"].items())
+            }
         )
         for path in paths.values():
             mlflow.log_artifact(str(path), "evaluation")
@@ -61,13 +65,14 @@ def run(params: Params, args: argparse.Namespace) -> None:
     if params.registry.enabled:
         registry |= register_and_promote(
             mlflow.MlflowClient(),
-            params.registry.model_name,
+            params.registry_model_name(),
             export_report["mlflow_model_uri"],
             run_id,
             m["accuracy"],
             info["data_version"],
             export_report["onnx_sha256"],
             params.registry.promote_margin,
+            contract=result["card"],
         )
         with mlflow.start_run(run_id=run_id):
             mlflow.set_tags(

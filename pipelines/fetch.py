@@ -1,13 +1,24 @@
-"""DVC stage `fetch`: the four Fashion-MNIST IDX .gz files, verified, into data/raw/."""
+"""DVC stage `fetch`: the four Fashion-MNIST IDX .gz files, verified, into data/raw/.
+
+With ``data.source: folder`` there is nothing to download: the folder itself is the
+prepare stage's dependency, so data/raw only records that.
+"""
 
 import argparse
 
 from trainyard.cli import stage_main
 from trainyard.config import Params
-from trainyard.fetch import fetch_raw
+from trainyard.io import atomic_dir
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
+    if params.data.source != "fashion-mnist":
+        with atomic_dir(args.out) as tmp:
+            (tmp / "SOURCE").write_text(f"{params.data.source}: nothing to fetch\n")
+        print(f"fetch: data.source is {params.data.source!r}; nothing to fetch")
+        return
+    from trainyard.sources.fashion_fetch import fetch_raw
+
     for f in fetch_raw(params.data, args.out):
         print(f"fetch: {f.name} from {f.origin} (content sha256 {f.content_sha256[:12]}… ok)")
 

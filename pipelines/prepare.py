@@ -1,4 +1,4 @@
-"""DVC stage `prepare`: IDX -> uint8 .npy splits + stats.json in data/prepared/."""
+"""DVC stage `prepare`: the data source -> uint8 [N,C,H,W] splits + card.json in data/prepared/."""
 
 import argparse
 
@@ -13,9 +13,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
-    stats = prepare(args.raw, args.out, params.data, params.seed)
-    counts = {s: c["total"] for s, c in stats["counts"].items()}
-    print(f"prepare: {counts}, pixel mean {stats['pixel_mean']:.4f} std {stats['pixel_std']:.4f}")
+    # The service refuses uploads over serve.max_image_pixels: prepare holds images to the
+    # same limit, so nothing trains on an image the service would refuse.
+    card = prepare(args.raw, args.out, params.data, params.seed, params.serve.max_image_pixels)
+    counts = {s: c["total"] for s, c in card.counts.items()}
+    mean = ", ".join(f"{m:.4f}" for m in card.mean)
+    std = ", ".join(f"{s:.4f}" for s in card.std)
+    print(
+        f"prepare: {card.source}, {card.num_classes} classes, {card.channels}x{card.height}x"
+        f"{card.width} ({card.resize}), {counts}, mean [{mean}] std [{std}]"
+        + (f", {len(card.skipped)} bad file(s) skipped" if card.skipped else "")
+    )
 
 
 if __name__ == "__main__":

@@ -67,14 +67,15 @@ end
 
 
 def test_images(count: int) -> np.ndarray:
-    """Real test images: the prepared split if `make run` made it, else the raw files."""
+    """Real test images [N,C,H,W]: the prepared split if `make run` made it, else the raw
+    Fashion-MNIST files."""
     prepared = REPO / "data/prepared/test_images.npy"
     if prepared.is_file():
-        return np.load(prepared)[:count]
+        return np.array(np.load(prepared, mmap_mode="r")[:count])
     from trainyard.idx import read_idx
 
     raw = Path("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
-    return read_idx(raw)[:count]
+    return read_idx(raw)[:count, None]
 
 
 def multipart_bodies(images: np.ndarray, folder: Path, boundary: str) -> list[Path]:
@@ -83,7 +84,10 @@ def multipart_bodies(images: np.ndarray, folder: Path, boundary: str) -> list[Pa
     paths = []
     for i, img in enumerate(images):
         buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="PNG")
+        # [C,H,W] -> what PIL takes: [H,W] (grayscale) or [H,W,C]
+        Image.fromarray(img[0] if img.shape[0] == 1 else img.transpose(1, 2, 0)).save(
+            buf, format="PNG"
+        )
         body = (
             (
                 f'--{boundary}\r\nContent-Disposition: form-data; name="image"; '

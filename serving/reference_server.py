@@ -11,28 +11,28 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from trainyard.card import card_from_metadata
 from trainyard.inference import load_onnx
-from trainyard.preprocess import InputContract, decode_image, normalize, softmax
+from trainyard.preprocess import decode_image, normalize, softmax
 
 MODEL = load_onnx(
     os.environ.get("TRAINYARD_MODEL", "models/model.onnx"),
     device="cpu",
     intra_op_threads=int(os.environ.get("TRAINYARD_ORT_THREADS", "1")),
 )
-CONTRACT = InputContract.from_metadata(MODEL.metadata)
+CARD = card_from_metadata(MODEL.metadata)
 CLASSES = MODEL.classes
 
 
 def _predict(data: bytes) -> dict:
-    pixels = decode_image(data, CONTRACT)
-    probs = softmax(MODEL.run(normalize(pixels[None].astype(np.float32), CONTRACT)))[0]
+    pixels = decode_image(data, CARD)
+    probs = softmax(MODEL.run(normalize(pixels[None], CARD)))[0]
     i = int(probs.argmax())
     return {"label": CLASSES[i], "class_id": i, "probabilities": probs.tolist()}
 

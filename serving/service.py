@@ -31,14 +31,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from trainyard.card import card_from_metadata
 from trainyard.config import ServeParams, load_params
 from trainyard.errors import InputError, ModelError
 from trainyard.inference import OnnxModel, choose_providers, load_onnx
 from trainyard.io import sha256_file
 from trainyard.preprocess import (
     IMAGE_FORMATS,
-    InputContract,
     decode_image,
+    image_shape_text,
     normalize,
     pixel_arrays,
     softmax,
@@ -173,7 +174,7 @@ CONTENT_TYPES = {
     ),
     "/classify_batch": (
         "application/json",
-        'send JSON: {"images": [28x28 arrays of 0–255 numbers]}',
+        'send JSON: {"images": [arrays of 0–255 numbers shaped as GET /metadata input.image]}',
     ),
 }
 
@@ -412,7 +413,10 @@ _ImagesField = Annotated[
                     "items": {"type": "number", "minimum": 0, "maximum": 255},
                 },
             },
-            "description": "28x28 grayscale images, pixel values 0–255, light on dark",
+            "description": (
+                "images, pixel values 0–255, shaped as GET /metadata's input.image: "
+                "H rows of W numbers for a grayscale model, C planes of those for colour"
+            ),
         }
     ),
 ]
@@ -441,7 +445,8 @@ class FashionClassifier:
         self.params = SETTINGS
         self.model_path = MODEL_PATH
         self.model, self.sha256 = load_model(MODEL_PATH, SETTINGS)
-        self.contract = InputContract.from_metadata(self.model.metadata)
+        # The dataset card the model carries: channels, size, resize policy, normalisation.
+        self.card = card_from_metadata(self.model.metadata, str(MODEL_PATH))
         self.classes = self.model.classes
         self.version = self.sha256[:12]
         self._internal_ready = False
@@ -472,15 +477,17 @@ class FashionClassifier:
         max_latency_ms=SETTINGS.max_latency_ms,
     )
     def infer(self, pixels: Annotated[np.ndarray, DType("float32")]) -> np.ndarray:
-        """Internal (404 from outside): pixels 0–255 [N,28,28] -> probabilities [N,10]."""
+        """Internal (404 from outside): pixels 0–255 [N,C,H,W] -> probabilities [N,K]."""
         return self.probabilities(pixels)
 
     def probabilities(self, pixels: np.ndarray) -> np.ndarray:
-        """Pixels 0–255 [N,H,W] -> softmax probabilities [N,classes] (float32)."""
-        h, w = self.contract.height, self.contract.width
-        if pixels.ndim != 3 or pixels.shape[1:] != (h, w):
-            raise ValueError(f"pixels must be [N,{h},{w}], got {list(pixels.shape)}")
-        return softmax(self.model.run(normalize(pixels, self.contract)))
+        """Pixels 0–255 [N,C,H,W] -> softmax probabilities [N,classes] (float32)."""
+        if pixels.ndim != 4 or pixels.shape[1:] != self.card.input_shape:
+            raise ValueError(
+                f"pixels must be [N,{','.join(map(str, self.card.input_shape))}], "
+                f"got {list(pixels.shape)}"
+            )
+        return softmax(self.model.run(normalize(pixels, self.card)))
 
     async def _probabilities_one(self, pixels: np.ndarray) -> np.ndarray:
         if not self.params.batching:
@@ -518,7 +525,7 @@ class FashionClassifier:
             pixels = await run_in_threadpool(
                 decode_image,
                 data,
-                self.contract,
+                self.card,
                 invert=invert,
                 max_pixels=self.params.max_image_pixels,
             )
@@ -543,9 +550,9 @@ class FashionClassifier:
         self,
         images: Annotated[_ImagesField, Field(description="up to serve.max_batch_images")],
     ) -> list[Prediction]:
-        """Classify a JSON list of 28x28 arrays of 0–255 numbers, in one ONNX Runtime run."""
+        """Classify a JSON list of images (arrays of 0–255 numbers), in one ONNX Runtime run."""
         try:
-            pixels = pixel_arrays(images, self.contract, max_images=self.params.max_batch_images)
+            pixels = pixel_arrays(images, self.card, max_images=self.params.max_batch_images)
         except InputError as err:
             return _error_response(err)  # type: ignore[return-value]
         probs = await run_in_threadpool(self.probabilities, pixels)
@@ -554,7 +561,7 @@ class FashionClassifier:
     def describe(self) -> dict[str, Any]:
         """What GET /metadata answers: the model's identity, contract and provider."""
         meta = self.model.metadata
-        c = self.contract
+        c = self.card
         return {
             "model": {
                 "path": str(self.model_path),
@@ -567,10 +574,13 @@ class FashionClassifier:
                 "checkpoint_sha256": meta.get("checkpoint_sha256"),
             },
             "classes": self.classes,
+            "dataset_card": c.contract(),
             "input": {
-                "shape": [-1, 1, c.height, c.width],
+                "shape": [-1, *c.input_shape],
+                "image": image_shape_text(c),
                 "dtype": meta.get("input_dtype", "float32"),
-                "normalization": {"scale": c.scale, "mean": c.mean, "std": c.std},
+                "normalization": {"scale": 255.0, "mean": list(c.mean), "std": list(c.std)},
+                "resize": c.resize,
                 "image_formats": list(IMAGE_FORMATS),
                 "max_image_pixels": self.params.max_image_pixels,
                 "max_batch_images": self.params.max_batch_images,

@@ -173,3 +173,72 @@ def small_pipeline_repo(dest: Path, fashion_dir: Path) -> Path:
         mlflow={"system_metrics_interval_s": 1},
     )
     return repo
+
+
+# ---------------------------------------------------------------- folder datasets
+
+PHOTO_CLASSES = ("circle", "square", "triangle")
+
+
+def _load_make_shapes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_shapes", REPO / "examples/make_shapes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+draw_shape = _load_make_shapes().draw_shape
+
+
+def make_photo_folder(
+    root: Path,
+    per_class: int = 12,
+    classes: tuple[str, ...] = PHOTO_CLASSES,
+    seed: int = 0,
+    litter: bool = True,
+    bad: bool = False,
+) -> dict[str, list[str]]:
+    """A class-per-folder tree of shapes: mixed sizes, modes and formats, plus OS litter
+    and (``bad``) broken files. Returns {"good": [rel...], "bad": [rel...]}."""
+    rng = np.random.default_rng(seed)
+    formats = [
+        ("png", "RGB"),
+        ("jpg", "RGB"),
+        ("JPEG", "L"),
+        ("webp", "RGB"),
+        ("bmp", "RGB"),
+        ("gif", "P"),
+        ("tif", "RGB"),
+        ("png", "RGBA"),
+        ("png", "LA"),
+    ]
+    good: list[str] = []
+    for c, name in enumerate(classes):
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            ext, mode = formats[(i + c) % len(formats)]
+            size = (int(rng.integers(40, 160)), int(rng.integers(40, 160)))
+            im = draw_shape(PHOTO_CLASSES[c % 3], size, rng, mode)
+            rel = f"{name}/img_{i:03d}.{ext}"
+            fmt = {"jpg": "JPEG", "tif": "TIFF"}.get(ext.lower(), ext.upper())
+            im.save(root / rel, format=fmt)
+            good.append(rel)
+    if litter:
+        (root / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+        (root / classes[0] / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
+        (root / classes[0] / "notes.txt").write_text("taken on holiday\n")
+        (root / ".hidden").mkdir(exist_ok=True)
+        (root / ".hidden" / "x.png").write_bytes(b"not even an image")
+        (root / classes[1] / "._img_000.png").write_bytes(b"\0\5\26\7 AppleDouble")
+    bad_files: list[str] = []
+    if bad:
+        target = root / classes[0]
+        (target / "zero.png").write_bytes(b"")
+        (target / "text.jpg").write_text("this is not a jpeg\n")
+        full = (root / good[0]).read_bytes()
+        (target / "truncated.png").write_bytes(full[: len(full) // 2])
+        bad_files = [f"{classes[0]}/{n}" for n in ("zero.png", "text.jpg", "truncated.png")]
+    return {"good": good, "bad": bad_files}

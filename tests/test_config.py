@@ -41,7 +41,7 @@ def test_unknown_top_level_key_is_named():
         ("train", "max_epochs", "many", r"train\.max_epochs: .*integer"),
         ("train", "max_epochs", 0, r"train\.max_epochs: .*greater than or equal to 1"),
         ("train", "lr", -1.0, r"train\.lr: .*greater than 0"),
-        ("train", "arch", "vgg", r"train\.arch: .*'cnn' or 'resnet'"),
+        ("train", "arch", "vgg", r"train\.arch: .*'cnn', 'resnet', 'resnet18'"),
         ("train", "precision", "8-bit", r"train\.precision"),
         ("data", "limit", 5, r"data\.limit: .*greater than or equal to 20"),
         ("data", "mirrors", ["ftp://x"], r"data\.mirrors: .*http"),

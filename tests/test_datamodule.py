@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from trainyard.config import DataParams
-from trainyard.datamodule import FashionDataModule, TensorBatches
-from trainyard.fetch import fetch_raw
+from trainyard.datamodule import ImageDataModule, TensorBatches
+from trainyard.sources.fashion_fetch import fetch_raw
 from trainyard.models import Classifier
 from trainyard.prepare import prepare
 
@@ -63,22 +63,24 @@ def prepared(fashion_dir, tmp_path_factory):
 
 
 def test_datamodule_shapes_and_device_normalisation(prepared):
-    dm = FashionDataModule(prepared, batch_size=64, eval_batch_size=500, seed=0)
+    dm = ImageDataModule(prepared, batch_size=64, eval_batch_size=500, seed=0)
     dm.setup("fit")
+    dm.setup("test")
+    assert dm.placement == "ram" and "available RAM" in dm.placement_reason
     images, labels = next(iter(dm.train_dataloader()))
     assert images.dtype == torch.uint8 and images.shape == (64, 1, 28, 28)
     assert labels.dtype == torch.int64 and labels.max() < 10
     assert sum(len(y) for _, y in dm.val_dataloader()) == 200
     assert sum(len(y) for _, y in dm.test_dataloader()) == 10_000
 
-    model = Classifier(mean=dm.mean, std=dm.std, augment=False)
+    model = Classifier(card=dm.card.contract(), augment=False)
     model.trainer = type("T", (), {"training": False})()  # only .training is read here
     all_images = dm.tensors["train"][0]
     x, _ = model.on_after_batch_transfer((all_images, torch.zeros(len(all_images))), 0)
     # Normalised with the training split's own statistics: mean 0, std 1.
     assert x.dtype == torch.float32
     assert abs(float(x.mean())) < 1e-3 and abs(float(x.std()) - 1) < 1e-3
-    assert np.isclose(dm.mean, float(all_images.float().mean() / 255), atol=1e-5)
+    assert np.isclose(dm.card.mean[0], float(all_images.float().mean() / 255), atol=1e-5)
 
 
 def _arrays(n_train: int = 300) -> dict:
@@ -86,18 +88,32 @@ def _arrays(n_train: int = 300) -> dict:
 
     def split(n: int) -> tuple[np.ndarray, np.ndarray]:
         return (
-            rng.integers(0, 256, (n, 28, 28), dtype=np.uint8),
-            rng.integers(0, 10, n, dtype=np.uint8),
+            rng.integers(0, 256, (n, 1, 28, 28), dtype=np.uint8),
+            rng.integers(0, 10, n, dtype=np.int32),
         )
 
     return {"train": split(n_train), "val": split(50), "test": split(50)}
 
 
+def _card(channels: int = 1, size: int = 28):
+    from trainyard.card import Card
+
+    return Card(
+        source="test",
+        classes=tuple(f"c{i}" for i in range(10)),
+        channels=channels,
+        height=size,
+        width=size,
+        mean=(0.3,) * channels,
+        std=(0.35,) * channels,
+    )
+
+
 def test_fast_and_naive_paths_yield_identical_batches():
-    arrays, stats = _arrays(), {"pixel_mean": 0.3, "pixel_std": 0.35}
+    arrays, card = _arrays(), _card()
     loaders = {}
     for path in ("fast", "naive"):
-        dm = FashionDataModule(arrays=arrays, stats=stats, batch_size=64, seed=11, data_path=path)
+        dm = ImageDataModule(arrays=arrays, card=card, batch_size=64, seed=11, data_path=path)
         dm.setup("fit")
         loaders[path] = dm.train_dataloader()
     for _epoch in range(2):  # a fresh permutation each epoch, the same for both paths
@@ -114,4 +130,49 @@ def test_fast_and_naive_paths_yield_identical_batches():
 
 def test_datamodule_needs_exactly_one_source(tmp_path):
     with pytest.raises(ValueError, match="exactly one"):
-        FashionDataModule()
+        ImageDataModule()
+
+
+def test_placement_follows_the_budget_and_says_why():
+    from trainyard.datamodule import choose_placement
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_placement(100, cpu, True, 0.5, ram_bytes=1000)[0] == "ram"
+    where, why = choose_placement(600, cpu, True, 0.5, ram_bytes=1000)
+    assert where == "mmap" and "memory-mapped" in why and "50%" in why
+    big_ram = {"ram_bytes": 10**9}
+    assert choose_placement(100, cuda, True, 0.5, gpu_free_bytes=1000, **big_ram)[0] == "device"
+    where, why = choose_placement(600, cuda, True, 0.5, gpu_free_bytes=1000, **big_ram)
+    assert where == "ram" and "GPU" in why
+    # device_resident off (or the naive path): never on the GPU
+    assert choose_placement(100, cuda, False, 0.5, gpu_free_bytes=1000, **big_ram)[0] == "ram"
+
+
+def test_memory_mapped_split_serves_the_same_batches_as_ram(tmp_path):
+    n = 300
+    labels = np.arange(n, dtype=np.int32) % 10
+    images = np.zeros((n, 3, 8, 8), dtype=np.uint8)
+    images[:, 0, 0, 0] = np.arange(n) % 256  # each image names its sample
+    images[:, 1, 0, 0] = np.arange(n) // 256
+    for split in ("train", "val", "test"):
+        np.save(tmp_path / f"{split}_images.npy", images)
+        np.save(tmp_path / f"{split}_labels.npy", labels)
+    card = _card(channels=3, size=8)
+    (tmp_path / "card.json").write_text(card.to_json())
+
+    def epoch(dm: ImageDataModule) -> list[list[int]]:
+        out = []
+        for x, y in dm.train_dataloader():
+            ids = (x[:, 0, 0, 0].long() + 256 * x[:, 1, 0, 0].long()).tolist()
+            assert [i % 10 for i in ids] == y.tolist()  # images travel with their labels
+            out.append(sorted(ids))
+        return out
+
+    ram = ImageDataModule(tmp_path, batch_size=64, seed=3)
+    mapped = ImageDataModule(tmp_path, batch_size=64, seed=3, memory_budget=1e-12)
+    for dm in (ram, mapped):
+        dm.setup("fit")
+    assert (ram.placement, mapped.placement) == ("ram", "mmap")
+    assert isinstance(mapped.tensors["train"][0], np.ndarray)  # stays on disk
+    for _ in range(2):
+        assert epoch(ram) == epoch(mapped)

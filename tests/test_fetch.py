@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from trainyard.config import DataParams
-from trainyard.dataset import RAW_FILES
+from trainyard.sources.fashion_mnist import RAW_FILES
 from trainyard.errors import DataError
-from trainyard.fetch import fetch_raw
+from trainyard.sources.fashion_fetch import fetch_raw
 
 NAMES = [f.name for f in RAW_FILES]
 

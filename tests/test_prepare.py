@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from trainyard.config import DataParams
-from trainyard.dataset import CLASS_NAMES
+from trainyard.sources.fashion_mnist import CLASS_NAMES
 from trainyard.errors import DataError
-from trainyard.fetch import fetch_raw
+from trainyard.sources.fashion_fetch import fetch_raw
 from trainyard.prepare import prepare, split_train_val, stratified_take
 
 
@@ -23,8 +23,8 @@ def raw_dir(fashion_dir, tmp_path_factory):
 
 def test_prepare_with_limit(raw_dir, tmp_path):
     out = tmp_path / "prepared"
-    stats = prepare(raw_dir, out, DataParams(limit=2000, val_size=500), seed=1)
-    counts = stats["counts"]
+    card = prepare(raw_dir, out, DataParams(limit=2000, val_size=500), seed=1)
+    counts = card.counts
     assert (counts["train"]["total"], counts["val"]["total"], counts["test"]["total"]) == (
         1500,
         500,
@@ -35,10 +35,18 @@ def test_prepare_with_limit(raw_dir, tmp_path):
     assert set(counts["val"]["per_class"].values()) == {50}
     assert list(counts["test"]["per_class"]) == list(CLASS_NAMES)
     train = np.load(out / "train_images.npy")
-    assert train.dtype == np.uint8 and train.shape == (1500, 28, 28)
-    assert 0.25 < stats["pixel_mean"] < 0.32 and 0.30 < stats["pixel_std"] < 0.40
-    on_disk = json.loads((out / "stats.json").read_text())
-    assert on_disk["data_sha256"] == stats["data_sha256"]
+    assert train.dtype == np.uint8 and train.shape == (1500, 1, 28, 28)
+    labels = np.load(out / "train_labels.npy")
+    assert labels.dtype == np.int32 and labels.shape == (1500,)
+    # The card's statistics are the train split's own.
+    assert card.mean[0] == pytest.approx(train.mean() / 255, abs=1e-6)
+    assert card.std[0] == pytest.approx(train.std() / 255, abs=1e-6)
+    assert 0.25 < card.mean[0] < 0.32 and 0.30 < card.std[0] < 0.40
+    assert card.classes == CLASS_NAMES and card.input_shape == (1, 28, 28)
+    assert (card.source, card.resize, card.fill) == ("fashion-mnist", "pad", 0)
+    on_disk = json.loads((out / "card.json").read_text())
+    assert on_disk["data_sha256"] == card.data_sha256 and len(card.data_sha256) == 64
+    assert on_disk["classes"] == list(CLASS_NAMES)
     assert not list(tmp_path.glob(".prepared.*"))
 
 
@@ -46,7 +54,7 @@ def test_same_seed_same_data_other_seed_other_split(raw_dir, tmp_path):
     a = prepare(raw_dir, tmp_path / "a", DataParams(limit=1000, val_size=100), seed=7)
     b = prepare(raw_dir, tmp_path / "b", DataParams(limit=1000, val_size=100), seed=7)
     c = prepare(raw_dir, tmp_path / "c", DataParams(limit=1000, val_size=100), seed=8)
-    assert a["data_sha256"] == b["data_sha256"] != c["data_sha256"]
+    assert a.data_sha256 == b.data_sha256 != c.data_sha256
 
 
 def test_split_is_disjoint_and_stratified():

@@ -36,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from trainyard.dataset import CLASS_NAMES
-from trainyard.prepare import load_raw, split_train_val
+from trainyard.card import Card
+from trainyard.prepare import channel_stats, split_train_val
+from trainyard.sources.fashion_mnist import CLASS_NAMES, load_raw
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 DOCS_START = "<!-- bench:{key}:start -->"
@@ -48,22 +49,31 @@ DOCS_END = "<!-- bench:{key}:end -->"
 
 
 def load_data(raw_dir: Path, limit: int | None, seed: int = 42) -> dict[str, Any]:
-    """Train/val/test uint8 splits straight from the raw IDX files (no DVC needed)."""
+    """Train/val/test uint8 [N,1,28,28] splits + card straight from the raw IDX files
+    (no DVC needed)."""
     raw = load_raw(raw_dir)
     images, labels = raw["train"]
+    images = images[:, None]
     val_size = 5000 if limit is None else max(10, limit // 10)
     train_idx, val_idx = split_train_val(labels, val_size, limit, seed)
     train_x = images[train_idx]
+    mean, std = channel_stats(train_x)
+    card = Card(
+        source="fashion-mnist",
+        classes=CLASS_NAMES,
+        channels=1,
+        height=28,
+        width=28,
+        mean=mean,
+        std=std,
+    )
     return {
         "arrays": {
             "train": (train_x, labels[train_idx]),
             "val": (images[val_idx], labels[val_idx]),
-            "test": raw["test"],
+            "test": (raw["test"][0][:, None], raw["test"][1]),
         },
-        "stats": {
-            "pixel_mean": float(train_x.mean() / 255.0),
-            "pixel_std": float(train_x.std() / 255.0),
-        },
+        "card": card,
     }
 
 
@@ -125,10 +135,10 @@ def _sync(device: str) -> None:
 # ----------------------------------------------------------------------------- training
 
 
-def _classifier(arch: str, stats: dict[str, Any], **kw: Any) -> Any:
+def _classifier(arch: str, card: Card, **kw: Any) -> Any:
     from trainyard.models import Classifier
 
-    return Classifier(arch=arch, mean=stats["pixel_mean"], std=stats["pixel_std"], **kw)
+    return Classifier(card=card.contract(), arch=arch, **kw)
 
 
 def plain_loop_throughput(
@@ -155,7 +165,7 @@ def plain_loop_throughput(
 
     torch.manual_seed(0)
     images, labels = data["arrays"]["train"]
-    x_all = torch.from_numpy(np.ascontiguousarray(images)).unsqueeze(1)
+    x_all = torch.from_numpy(np.ascontiguousarray(images))
     y_all = torch.from_numpy(labels.astype(np.int64))
     if loader == "textbook":
         batches = DataLoader(
@@ -167,8 +177,10 @@ def plain_loop_throughput(
         )
     else:
         batches = TensorBatches(x_all, y_all, batch_size, shuffle=True, drop_last=True)
-    mean, std = data["stats"]["pixel_mean"], data["stats"]["pixel_std"]
-    model = build_model(arch).to(device).train()
+    card = data["card"]
+    mean, std = card.mean, card.std
+    model = build_model(arch, card.channels, card.num_classes, (card.height, card.width))
+    model = model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4)
     gen = torch.Generator(device=device).manual_seed(0)
     done, t0 = 0, 0.0
@@ -201,10 +213,10 @@ def lightning_throughput(
     channels_last: bool = False,
     on_window: Callable[[bool], None] | None = None,
 ) -> float:
-    """img/s of trainyard's own training (FashionDataModule + Classifier + Lightning)."""
+    """img/s of trainyard's own training (ImageDataModule + Classifier + Lightning)."""
     import lightning as L
 
-    from trainyard.datamodule import FashionDataModule
+    from trainyard.datamodule import ImageDataModule
 
     class Window(L.Callback):
         """Times steps [warmup, warmup+steps) with the device synchronised at both ends."""
@@ -230,14 +242,14 @@ def lightning_throughput(
                     on_window(False)
 
     L.seed_everything(0, verbose=False)
-    dm = FashionDataModule(
+    dm = ImageDataModule(
         arrays=data["arrays"],
-        stats=data["stats"],
+        card=data["card"],
         batch_size=batch_size,
         seed=0,
         data_path=data_path,
     )  # type: ignore[arg-type]
-    model = _classifier(arch, data["stats"], channels_last=channels_last)
+    model = _classifier(arch, data["card"], channels_last=channels_last)
     window = Window()
     trainer = L.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu",
@@ -423,7 +435,6 @@ def _export_for_bench(model: Any, path: Path) -> str:
     """ONNX for the inference rows: the pipeline's exporter, else TorchScript's (bare GPU box)."""
     import torch
 
-    from trainyard.dataset import INPUT_SHAPE
     from trainyard.export import export_onnx
 
     try:
@@ -432,7 +443,7 @@ def _export_for_bench(model: Any, path: Path) -> str:
     except Exception:  # e.g. onnxscript missing: the legacy exporter needs only torch
         torch.onnx.export(
             model,
-            (torch.zeros(1, *INPUT_SHAPE),),
+            (torch.zeros(1, *model.card.input_shape),),
             str(path),
             dynamo=False,
             input_names=["image"],
@@ -470,7 +481,7 @@ def inference_benchmarks(
     from trainyard.inference import CPU, CUDA, cuda_device_count
     from trainyard.models import normalize
 
-    model = _classifier(cfg["arch"], data["stats"]).eval()
+    model = _classifier(cfg["arch"], data["card"]).eval()
     images = data["arrays"]["test"][0]
     out: dict[str, Any] = {"arch": cfg["arch"], "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -502,11 +513,7 @@ def inference_benchmarks(
                 log(f"bench: ONNX Runtime {provider} unavailable: ORT {device} rows skipped")
             sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
             for bs in cfg["inference_batches"]:
-                x = normalize(
-                    torch.from_numpy(images[:bs]).unsqueeze(1),
-                    model.hparams.mean,
-                    model.hparams.std,
-                )
+                x = normalize(torch.from_numpy(images[:bs]), model.card.mean, model.card.std)
                 x_dev, x_np = x.to(device), x.numpy()
                 row: dict[str, Any] = {"device": device, "batch": bs}
 
@@ -557,7 +564,7 @@ def time_to_target(
     import lightning as L
     import torch
 
-    from trainyard.datamodule import FashionDataModule
+    from trainyard.datamodule import ImageDataModule
 
     tp = preset["train"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -598,9 +605,9 @@ def time_to_target(
     arrays = dict(data["arrays"])
     arrays["val"] = arrays["test"]  # the target is *test* accuracy, checked each epoch
     L.seed_everything(0, verbose=False)
-    dm = FashionDataModule(
+    dm = ImageDataModule(
         arrays=arrays,
-        stats=data["stats"],
+        card=data["card"],
         batch_size=tp["batch_size"],
         eval_batch_size=2048,
         seed=0,
@@ -609,7 +616,7 @@ def time_to_target(
     )
     model = _classifier(
         tp["arch"],
-        data["stats"],
+        data["card"],
         lr=tp["lr"],
         weight_decay=tp.get("weight_decay", 5e-4),
         label_smoothing=tp.get("label_smoothing", 0.1),

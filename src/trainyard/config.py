@@ -7,6 +7,7 @@ dotted name (``train.max_epoch: unknown key``) instead of being silently ignored
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +26,21 @@ class _Strict(BaseModel):
 
 
 class DataParams(_Strict):
+    source: Literal["fashion-mnist", "folder"] = "fashion-mnist"
+    folder: str | None = None
+    on_bad_file: Literal["error", "skip"] = "error"
+    # folder source
+    image_size: (
+        Annotated[int, Field(ge=8, le=1024)]
+        | tuple[Annotated[int, Field(ge=8, le=1024)], Annotated[int, Field(ge=8, le=1024)]]
+    ) = 64
+    resize: Literal["crop", "pad", "stretch"] = "crop"
+    channels: Literal["auto", 1, 3] = "auto"
+    val_fraction: float = Field(0.1, ge=0, lt=1)
+    test_fraction: float = Field(0.1, ge=0, lt=1)
+    dedupe: bool = False
+    workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = "auto"
+    # fashion-mnist source
     source_dir: str | None = None
     debian_dir: str = "/usr/share/datasets/fashion-mnist"
     mirrors: list[str] = Field(default_factory=list)
@@ -48,11 +64,28 @@ class DataParams(_Strict):
                 f"val_size ({self.val_size}) must be smaller than the train pool "
                 f"({pool}{' = data.limit' if self.limit else ''})"
             )
+        if self.val_fraction + self.test_fraction >= 0.9:
+            raise ValueError(
+                f"val_fraction + test_fraction ({self.val_fraction} + {self.test_fraction}) "
+                "must leave at least 10% of each class for training"
+            )
+        if self.source == "folder" and not self.folder:
+            raise ValueError(
+                "source is 'folder' but data.folder is not set; set it to your "
+                "class-per-subfolder image tree (dvc exp run -S data.folder=/path/to/photos)"
+            )
         return self
+
+    @property
+    def size_hw(self) -> tuple[int, int]:
+        """(height, width) of prepared folder images."""
+        s = self.image_size
+        return (s, s) if isinstance(s, int) else (s[0], s[1])
 
 
 class TrainParams(_Strict):
-    arch: Literal["cnn", "resnet"] = "cnn"
+    arch: Literal["cnn", "resnet", "resnet18", "mobilenet_v3_small", "efficientnet_b0"] = "cnn"
+    pretrained: str | None = None
     max_epochs: int = Field(8, ge=1, le=1000)
     batch_size: int = Field(256, ge=1, le=65536)
     lr: float = Field(3e-3, gt=0, le=10)
@@ -61,6 +94,7 @@ class TrainParams(_Strict):
     augment: bool = True
     data_path: Literal["fast", "naive"] = "fast"
     device_resident: bool = True
+    memory_budget: float = Field(0.5, gt=0, le=0.95)
     channels_last: bool = False
     compile: bool = False
     accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "auto"
@@ -92,7 +126,7 @@ class MlflowParams(_Strict):
 
 class RegistryParams(_Strict):
     enabled: bool = True
-    model_name: str = Field("fashion-mnist-classifier", min_length=1, pattern=r"^[\w.-]+$")
+    model_name: str = Field("auto", min_length=1, pattern=r"^[\w.-]+$")
     promote_margin: float = Field(0.0, ge=0, le=1)
 
 
@@ -122,6 +156,16 @@ class Params(_Strict):
     mlflow: MlflowParams = Field(default_factory=MlflowParams)
     registry: RegistryParams = Field(default_factory=RegistryParams)
     serve: ServeParams = Field(default_factory=ServeParams)
+
+    def registry_model_name(self) -> str:
+        """``registry.model_name``, or with ``auto`` one per dataset: fashion-mnist-classifier,
+        or <folder name>-classifier; versions of one name must be comparable to compete."""
+        if self.registry.model_name != "auto":
+            return self.registry.model_name
+        if self.data.source == "folder" and self.data.folder:
+            base = re.sub(r"[^\w.-]+", "-", Path(self.data.folder).expanduser().resolve().name)
+            return f"{base.strip('-.') or 'folder'}-classifier"
+        return f"{self.data.source}-classifier"
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys (``train.lr``) for MLflow params."""

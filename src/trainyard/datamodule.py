@@ -1,26 +1,35 @@
-"""Lightning DataModule over the prepared uint8 arrays, fed as whole in-memory batches.
+"""Lightning DataModule over the prepared uint8 arrays, fed as whole batches.
 
-Why not a per-sample Dataset: on 28x28 images, per-sample ``__getitem__`` + collate costs
-more than the forward pass, which is the classic reason GPU utilisation sits low. Here the
-whole split is one uint8 tensor; each batch is one index gather. Normalisation and
-augmentation run later on whole batches, on the training device (see models.Classifier).
+Why not a per-sample Dataset: on small images, per-sample ``__getitem__`` + collate costs
+more than the forward pass, which is the classic reason GPU utilisation sits low. Here each
+batch is one index gather from a split. Normalisation and augmentation run later on whole
+batches, on the training device (see models.Classifier).
+
+Where a split lives is chosen by size, and logged: on the GPU (device-resident: no batch
+ever crosses the bus), whole in RAM, or memory-mapped from disk (batches gathered from the
+map, pinned and copied asynchronously on a GPU) when it fits neither budget.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+from trainyard.card import SPLITS, Card, load_card
 from trainyard.errors import DataError
-from trainyard.prepare import SPLITS, STATS_FILE
+
+log = logging.getLogger(__name__)
+
+
+DataPath = Literal["fast", "naive"]
 
 
 def epoch_order(
@@ -45,17 +54,18 @@ def epoch_order(
 
 
 class TensorBatches(IterableDataset):
-    """Yields (uint8 images [B,1,H,W], int64 labels [B]) batches by index from memory.
+    """Yields (uint8 images [B,C,H,W], int64 labels [B]) batches by index.
 
     The fast path: one gather per batch, no per-sample Python. Every epoch is a fresh,
     reproducible permutation in which every sample appears exactly once; with
-    ``world_size > 1`` (DDP) each rank takes a disjoint, equal-length share. The tensors
-    may live on the GPU, and then batches never cross the bus at all.
+    ``world_size > 1`` (DDP) each rank takes a disjoint, equal-length share. ``images``
+    is a tensor (in RAM, or on the GPU: then batches never cross the bus at all) or a
+    numpy memory map (a batch's rows are read in file order: sequential-ish disk reads).
     """
 
     def __init__(
         self,
-        images: torch.Tensor,
+        images: torch.Tensor | np.ndarray,
         labels: torch.Tensor,
         batch_size: int,
         shuffle: bool,
@@ -87,22 +97,31 @@ class TensorBatches(IterableDataset):
         )
         self.epoch += 1
         stop = len(idx) - len(idx) % self.batch_size if self.drop_last else len(idx)
+        mapped = isinstance(self.images, np.ndarray)
         for start in range(0, stop, self.batch_size):
             sel = idx[start : start + self.batch_size]
-            yield self.images[sel], self.labels[sel]
+            if mapped:
+                # The same samples as in RAM, in file order within the batch.
+                sel = torch.sort(sel).values
+                yield torch.from_numpy(self.images[sel.numpy()]), self.labels[sel]
+            else:
+                yield self.images[sel], self.labels[sel]
 
 
 class PerSampleDataset(Dataset):
     """The textbook path, kept for comparison: one ``__getitem__`` per image + collate."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+    def __init__(self, images: torch.Tensor | np.ndarray, labels: torch.Tensor) -> None:
         self.images, self.labels = images, labels
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.images[i], self.labels[i]
+        image = self.images[i]
+        if isinstance(image, np.ndarray):
+            image = torch.from_numpy(np.array(image))
+        return image, self.labels[i]
 
 
 class EpochSampler(Sampler[int]):
@@ -121,38 +140,100 @@ class EpochSampler(Sampler[int]):
         return iter(order.tolist())
 
 
-def load_split(data_dir: str | os.PathLike[str], split: str) -> tuple[np.ndarray, np.ndarray]:
+def load_split(
+    data_dir: str | os.PathLike[str], split: str, mmap: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 images [N,C,H,W], integer labels [N]) of a prepared split.
+
+    ``mmap``: the images stay on disk, read on demand (any size); labels are read whole.
+    """
     data_dir = Path(data_dir)
-    out = []
-    for kind in ("images", "labels"):
-        path = data_dir / f"{split}_{kind}.npy"
+    paths = [data_dir / f"{split}_{kind}.npy" for kind in ("images", "labels")]
+    for path in paths:
         if not path.is_file():
             raise DataError(f"{path}: missing; run `dvc repro prepare` first")
-        arr = np.load(path, allow_pickle=False)
-        if arr.dtype != np.uint8:
-            raise DataError(f"{path}: expected uint8, got {arr.dtype}")
-        out.append(arr)
-    return out[0], out[1]
+    images = np.load(paths[0], mmap_mode="r" if mmap else None, allow_pickle=False)
+    labels = np.load(paths[1], allow_pickle=False)
+    if images.dtype != np.uint8 or images.ndim != 4:
+        raise DataError(
+            f"{paths[0]}: expected uint8 [N,C,H,W], got {images.dtype} {list(images.shape)}; "
+            "rerun `dvc repro prepare`"
+        )
+    if labels.ndim != 1 or labels.shape[0] != images.shape[0] or labels.dtype.kind not in "iu":
+        raise DataError(
+            f"{paths[1]}: expected {images.shape[0]} integer labels, got {labels.dtype} "
+            f"{list(labels.shape)}; rerun `dvc repro prepare`"
+        )
+    return images, labels
 
 
-def load_stats(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    path = Path(data_dir) / STATS_FILE
-    if not path.is_file():
-        raise DataError(f"{path}: missing; run `dvc repro prepare` first")
-    return json.loads(path.read_text())
+def available_ram() -> int:
+    """Bytes of RAM available now (MemAvailable), or 0 when it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
-DataPath = Literal["fast", "naive"]
+Placement = Literal["device", "ram", "mmap"]
+
+
+def choose_placement(
+    nbytes: int,
+    device: torch.device,
+    device_resident: bool,
+    budget: float,
+    ram_bytes: int | None = None,
+    gpu_free_bytes: int | None = None,
+) -> tuple[Placement, str]:
+    """Where the training splits go, and why: the GPU, RAM, or a memory map.
+
+    ``budget`` is the fraction of free GPU memory (or available RAM) the splits may take;
+    the rest is the model's, the optimizer's and everyone else's.
+    """
+    gib = nbytes / 2**30
+    if device.type == "cuda" and device_resident:
+        if gpu_free_bytes is None:
+            gpu_free_bytes = torch.cuda.mem_get_info(device)[0]
+        if nbytes <= budget * gpu_free_bytes:
+            return "device", (
+                f"{gib:.2f} GiB fits {budget:.0%} of the GPU's {gpu_free_bytes / 2**30:.1f} GiB "
+                "free: device-resident, no batch crosses the bus"
+            )
+        why_not_gpu = (
+            f"{gib:.2f} GiB is over {budget:.0%} of the GPU's {gpu_free_bytes / 2**30:.1f} GiB "
+            "free; "
+        )
+    else:
+        why_not_gpu = ""
+    ram = available_ram() if ram_bytes is None else ram_bytes
+    if nbytes <= budget * ram:
+        return "ram", (
+            f"{why_not_gpu}{gib:.2f} GiB fits {budget:.0%} of {ram / 2**30:.1f} GiB available "
+            "RAM: loaded whole, batches gathered in memory"
+        )
+    return "mmap", (
+        f"{why_not_gpu}{gib:.2f} GiB is over {budget:.0%} of {ram / 2**30:.1f} GiB available "
+        "RAM: batches are gathered from the memory-mapped files"
+    )
+
+
 Splits = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
-class FashionDataModule(L.LightningDataModule):
+class ImageDataModule(L.LightningDataModule):
     """Train/val/test splits from ``data/prepared`` (or arrays), served by either data path.
 
-    ``data_path="fast"``: whole-batch gathers from one tensor (TensorBatches);
-    ``"naive"``: per-sample Dataset + DataLoader, for comparison.
-    ``device_resident``: on a GPU, the uint8 splits are copied to the device once
-    (Fashion-MNIST is 55 MB) so no batch ever waits on a host-to-device copy.
+    ``data_path="fast"``: whole-batch gathers (TensorBatches); ``"naive"``: per-sample
+    Dataset + DataLoader, for comparison. Where the splits live is ``choose_placement``'s
+    call (device-resident needs ``device_resident`` and the fast path), made in ``setup``
+    and reported in ``placement`` / ``placement_reason``.
     """
 
     def __init__(
@@ -164,50 +245,62 @@ class FashionDataModule(L.LightningDataModule):
         data_path: DataPath = "fast",
         device_resident: bool = True,
         arrays: Splits | None = None,
-        stats: dict[str, Any] | None = None,
+        card: Card | None = None,
+        memory_budget: float = 0.5,
     ) -> None:
         super().__init__()
         if (data_dir is None) == (arrays is None):
             raise ValueError("give exactly one of data_dir or arrays")
+        if card is None and data_dir is None:
+            raise ValueError("arrays need a card")
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.batch_size, self.eval_batch_size, self.seed = batch_size, eval_batch_size, seed
         self.data_path, self.device_resident = data_path, device_resident
-        self.stats = stats if stats is not None else load_stats(self.data_dir)
+        self.memory_budget = memory_budget
+        self.card = card if card is not None else load_card(self.data_dir)
         self._arrays: Splits = dict(arrays) if arrays is not None else {}
-        self.tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @property
-    def mean(self) -> float:
-        return float(self.stats["pixel_mean"])
-
-    @property
-    def std(self) -> float:
-        return float(self.stats["pixel_std"])
+        self.tensors: dict[str, tuple[torch.Tensor | np.ndarray, torch.Tensor]] = {}
+        self.placement: Placement | None = None
+        self.placement_reason = ""
 
     def split_arrays(self, split: str) -> tuple[np.ndarray, np.ndarray]:
-        """(uint8 images [N,H,W], uint8 labels [N]) of ``split``, read from disk once."""
+        """(uint8 images [N,C,H,W], labels [N]) of ``split``: memory-mapped, opened once."""
         if split not in self._arrays:
             self._arrays[split] = load_split(self.data_dir, split)
         return self._arrays[split]
 
     def _device(self) -> torch.device:
         trainer = self.trainer
-        if trainer is None or not self.device_resident or self.data_path != "fast":
+        if trainer is None:
             return torch.device("cpu")
         return trainer.strategy.root_device
 
+    def _splits_for(self, stage: str | None) -> tuple[str, ...]:
+        # The test split is evaluate's (ONNX Runtime); training never needs it in memory.
+        return ("test",) if stage == "test" else ("train", "val") if stage else SPLITS
+
     def setup(self, stage: str | None = None) -> None:
+        splits = [s for s in self._splits_for(stage) if s not in self.tensors]
+        if not splits:
+            return
         device = self._device()
-        for split in SPLITS:
-            if split in self.tensors:
-                continue
+        nbytes = sum(self.split_arrays(s)[0].nbytes for s in splits)
+        resident = self.device_resident and self.data_path == "fast"
+        self.placement, self.placement_reason = choose_placement(
+            nbytes, device, resident, self.memory_budget
+        )
+        log.info("data: %s (%s)", self.placement, self.placement_reason)
+        for split in splits:
             images, labels = self.split_arrays(split)
-            # [N,H,W] uint8 -> [N,1,H,W]; stays uint8 (4x smaller than float) until the
-            # batch is on the device.
-            self.tensors[split] = (
-                torch.from_numpy(np.ascontiguousarray(images)).unsqueeze(1).to(device),
-                torch.from_numpy(labels.astype(np.int64)).to(device),
-            )
+            y = torch.from_numpy(labels.astype(np.int64))
+            if self.placement == "mmap":
+                self.tensors[split] = (images, y)
+                continue
+            # np.array copies the map into RAM (from_numpy alone would stay on the map).
+            # uint8 (4x smaller than float) until the batch is on the device.
+            x = torch.from_numpy(np.array(images))
+            target = device if self.placement == "device" else torch.device("cpu")
+            self.tensors[split] = (x.to(target), y.to(target))
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -218,7 +311,9 @@ class FashionDataModule(L.LightningDataModule):
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
         images, labels = self.tensors[split]
         rank, world = self._rank_world()
-        pin = torch.cuda.is_available() and images.device.type == "cpu"
+        on_host = isinstance(images, np.ndarray) or images.device.type == "cpu"
+        # Pinned host batches let the host-to-device copy run asynchronously.
+        pin = torch.cuda.is_available() and on_host
         if self.data_path == "naive":
             sampler = EpochSampler(len(labels), shuffle, self.seed, rank, world)
             return DataLoader(

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from trainyard import __version__
-from trainyard.dataset import CLASS_NAMES, INPUT_SHAPE
+from trainyard.card import METADATA_KEY, normalize_pixels
 from trainyard.errors import ExportError
 from trainyard.io import atomic_file, atomic_write_text, sha256_file
 
@@ -51,7 +51,7 @@ def export_onnx(
     import onnx
     import torch
 
-    example = torch.zeros(2, *INPUT_SHAPE)
+    example = torch.zeros(2, *model.card.input_shape)
     with atomic_file(path) as tmp:
         torch.onnx.export(
             model,
@@ -70,20 +70,32 @@ def export_onnx(
         onnx.checker.check_model(proto, full_check=True)
         del proto.metadata_props[:]
         onnx.helper.set_model_props(proto, metadata)
-        proto.doc_string = "trainyard Fashion-MNIST classifier; see metadata_props"
+        proto.doc_string = (
+            f"trainyard image classifier ({model.card.source}, {model.card.num_classes} "
+            "classes); its dataset card is in metadata_props['dataset_card']"
+        )
         onnx.save(proto, str(tmp))
 
 
 def model_metadata(model: Any, ckpt_sha256: str, run_id: str, data_sha256: str) -> dict[str, str]:
-    hp = model.hparams
+    """The ONNX metadata: the dataset card the checkpoint carries, plus provenance.
+
+    ``dataset_card`` is the contract (classes, C/H/W, normalisation, resize policy) that
+    evaluate, the registry and the service read; ``classes``, ``input_shape`` and
+    ``normalization`` repeat parts of it for tools that read ONNX metadata generically.
+    """
+    card = model.card
     return {
-        "classes": json.dumps(list(CLASS_NAMES)),
+        METADATA_KEY: json.dumps(card.contract(), ensure_ascii=False, sort_keys=True),
+        "classes": json.dumps(list(card.classes), ensure_ascii=False),
         "input_name": INPUT_NAME,
-        "input_shape": json.dumps([-1, *INPUT_SHAPE]),  # -1: dynamic batch
+        "input_shape": json.dumps([-1, *card.input_shape]),  # -1: dynamic batch
         "input_dtype": "float32",
-        # x = (pixel / scale - mean) / std, pixels 0..255, light garment on dark background.
-        "normalization": json.dumps({"scale": 255.0, "mean": hp.mean, "std": hp.std}),
-        "arch": str(hp.arch),
+        # x = (pixel / scale - mean[c]) / std[c], pixels 0..255.
+        "normalization": json.dumps(
+            {"scale": 255.0, "mean": list(card.mean), "std": list(card.std)}
+        ),
+        "arch": str(model.hparams.arch),
         "trainyard_version": __version__,
         "checkpoint_sha256": ckpt_sha256,
         "mlflow_run_id": run_id,
@@ -98,13 +110,13 @@ def check_parity(
     import torch
 
     from trainyard.inference import load_onnx
-    from trainyard.models import normalize
 
-    x = normalize(torch.tensor(images).unsqueeze(1), model.hparams.mean, model.hparams.std)
+    # numpy normalisation: exactly what evaluate and the service feed ONNX Runtime.
+    x = normalize_pixels(images, model.card.mean, model.card.std)
     with torch.inference_mode():
-        ref = model(x).numpy()
+        ref = model(torch.from_numpy(x)).numpy()
     ort_model = load_onnx(onnx_path, device="cpu")
-    got = ort_model.predict_logits(x.numpy(), batch_size=256)
+    got = ort_model.predict_logits(x, batch_size=256)
     diff = float(np.abs(ref - got).max())
     agreement = float((ref.argmax(1) == got.argmax(1)).mean())
     report = {
@@ -147,11 +159,11 @@ def export_and_verify(
 
 
 def normalized_example(onnx_path: str | os.PathLike[str], images: np.ndarray) -> np.ndarray:
-    """uint8 images [N,H,W] -> the model's float32 input, by the ONNX file's own metadata."""
+    """uint8 images [N,C,H,W] -> the model's float32 input, by the ONNX file's own card."""
     import onnx
 
-    from trainyard.preprocess import InputContract, normalize
+    from trainyard.card import card_from_metadata
 
     proto = onnx.load(str(onnx_path), load_external_data=False)
-    meta = {p.key: p.value for p in proto.metadata_props}
-    return normalize(images, InputContract.from_metadata(meta))
+    card = card_from_metadata({p.key: p.value for p in proto.metadata_props}, str(onnx_path))
+    return normalize_pixels(images, card.mean, card.std)

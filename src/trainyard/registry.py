@@ -86,25 +86,38 @@ def register_and_promote(
     data_version: str,
     onnx_sha256: str,
     margin: float,
+    contract: Any | None = None,
 ) -> dict[str, Any]:
     """Register a new version, then move `champion` or `challenger` to it.
 
+    ``contract`` (the ONNX model's dataset card) puts the input contract on the version:
+    source, class count and names, input shape and resize policy, so the registry UI shows
+    what a version takes and answers without downloading it.
     If anything fails after the version exists, the version is deleted again: a version
     without its alias and tags would look like a decision that was never made.
     """
+    import json
+
     import mlflow
 
+    tags = {
+        ACCURACY_TAG: f"{test_acc:.6f}",
+        DATA_TAG: data_version,
+        SHA_TAG: onnx_sha256,
+        "run_id": run_id,
+    }
+    if contract is not None:
+        classes = json.dumps(list(contract.classes), ensure_ascii=False)
+        tags |= {
+            "dataset.source": contract.source,
+            "dataset.num_classes": str(contract.num_classes),
+            # MLflow caps a tag value at 5,000 characters; hundreds of long names exceed it.
+            "dataset.classes": classes if len(classes) <= 5000 else classes[:4990] + "...",
+            "input_shape": "x".join(str(d) for d in contract.input_shape),
+            "resize": contract.resize,
+        }
     champion = current_alias(client, name, CHAMPION)
-    version = mlflow.register_model(
-        model_uri,
-        name,
-        tags={
-            ACCURACY_TAG: f"{test_acc:.6f}",
-            DATA_TAG: data_version,
-            SHA_TAG: onnx_sha256,
-            "run_id": run_id,
-        },
-    )
+    version = mlflow.register_model(model_uri, name, tags=tags)
     try:
         alias, reason = decide(test_acc, champion, margin)
         client.set_model_version_tag(name, version.version, "decision", alias)

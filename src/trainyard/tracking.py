@@ -174,7 +174,12 @@ class SystemMetrics:
 
 
 def log_dataset_inputs(
-    client: Any, run_id: str, splits: dict[str, tuple[Any, Any]], digest: str, source: str
+    client: Any,
+    run_id: str,
+    splits: dict[str, tuple[Any, Any]],
+    digest: str,
+    source: str,
+    name: str = "dataset",
 ) -> None:
     """Record the splits as MLflow dataset inputs (name, digest, source, schema)."""
     import mlflow.data
@@ -189,7 +194,7 @@ def log_dataset_inputs(
                 images,
                 targets=labels,
                 source=source,
-                name=f"fashion-mnist-{split}",
+                name=f"{name}-{split}",
                 digest=f"{digest[:16]}-{split}",
             )
         context = {"train": "training", "val": "validation"}.get(split, split)

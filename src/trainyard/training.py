@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from trainyard.card import CARD_FILE
 from trainyard.config import Params, TrainParams
 from trainyard.errors import ParamsError
 from trainyard.io import atomic_file, sha256_file
@@ -123,7 +124,7 @@ def train(
     from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger
 
-    from trainyard.datamodule import FashionDataModule
+    from trainyard.datamodule import ImageDataModule
     from trainyard.models import Classifier
 
     tp = params.train
@@ -135,15 +136,22 @@ def train(
     print(f"trainyard: training on {device} (accelerator={accelerator}, precision={precision})")
 
     L.seed_everything(params.seed, workers=True, verbose=False)
-    dm = FashionDataModule(
+    dm = ImageDataModule(
         data_dir,
         batch_size=tp.batch_size,
         eval_batch_size=params.evaluate.batch_size,
         seed=params.seed,
         data_path=tp.data_path,
         device_resident=tp.device_resident,
+        memory_budget=tp.memory_budget,
+    )
+    card = dm.card
+    print(
+        f"trainyard: {card.source} data, {card.num_classes} classes, "
+        f"{card.channels}x{card.height}x{card.width}, arch {tp.arch}"
     )
     model = Classifier(
+        card=card.contract(),
         arch=tp.arch,
         lr=tp.lr,
         weight_decay=tp.weight_decay,
@@ -151,15 +159,22 @@ def train(
         augment=tp.augment,
         channels_last=tp.channels_last,
         compile=tp.compile,
-        mean=dm.mean,
-        std=dm.std,
         seed=params.seed,
+        pretrained=tp.pretrained,
     )
 
-    tags = run_tags(root, dm.stats["data_sha256"], device)
+    tags = run_tags(root, card.data_sha256, device)
     dvc_md5 = dvc_data_version(root)
     tags["data.dvc_md5"] = dvc_md5 or "not in dvc.lock"
     tags["precision"] = precision
+    tags["data.source"] = card.source
+    tags["data.classes"] = str(card.num_classes)
+    tags["data.input_shape"] = "x".join(str(d) for d in card.input_shape)
+    tags["data.skipped_files"] = str(len(card.skipped))
+    if model.pretrained_info:
+        # Which weights the backbone started from, and their exact bytes.
+        tags["pretrained.source"] = model.pretrained_info["source"]
+        tags["pretrained.sha256"] = model.pretrained_info["sha256"]
     logger = MLFlowLogger(
         experiment_name=params.mlflow.experiment, tracking_uri=uri, tags=tags, log_model=False
     )
@@ -170,10 +185,18 @@ def train(
     if lead:
         splits = {split: dm.split_arrays(split) for split in ("train", "val")}
         log_dataset_inputs(
-            client, run_id, splits, dm.stats["data_sha256"], source=str(Path(data_dir).resolve())
+            client,
+            run_id,
+            splits,
+            card.data_sha256,
+            source=str(Path(data_dir).resolve()),
+            name=card.source,
         )
         if params_file is not None:
             client.log_artifact(run_id, str(params_file), "config")
+        # The card (classes, normalisation, counts, every skipped file and why) beside the run.
+        client.log_artifact(run_id, str(Path(data_dir) / CARD_FILE), "data")
+        client.log_metric(run_id, "data/skipped_files", len(card.skipped))
 
     ckpt_dir = out_dir / "checkpoints"
     if lead:
@@ -197,7 +220,7 @@ def train(
         deterministic=tp.deterministic,
         # per-step loss at least ~5 times an epoch, even on the small slices tests use
         log_every_n_steps=max(
-            1, min(10, -(-dm.stats["counts"]["train"]["total"] // tp.batch_size) // 5)
+            1, min(10, -(-card.counts["train"]["total"] // tp.batch_size) // 5)
         ),
         # Both data paths shard by rank themselves (epoch_order); no DistributedSampler.
         use_distributed_sampler=False,
@@ -232,9 +255,10 @@ def train(
         "precision": precision,
         "checkpoint": BEST_CKPT,
         "checkpoint_sha256": ckpt_sha,
-        "data_sha256": dm.stats["data_sha256"],
+        "data_sha256": card.data_sha256,
         # What the registry records as the data version: DVC's hash where dvc.lock has it.
-        "data_version": dvc_md5 or dm.stats["data_sha256"],
+        "data_version": dvc_md5 or card.data_sha256,
+        "data_placement": dm.placement,
         "fit_time_s": round(fit_s, 2),
     }
     write_run_file(out_dir / RUN_FILE, info)

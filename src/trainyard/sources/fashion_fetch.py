@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainyard.dataset import RAW_FILES, RawFile
 from trainyard.errors import DataError
 from trainyard.idx import read_gz
 from trainyard.io import atomic_dir, atomic_file
+from trainyard.sources.fashion_mnist import RAW_FILES, RawFile
 
 if TYPE_CHECKING:  # pydantic stays out of the light paths (bench, gpu-check)
     from trainyard.config import DataParams
