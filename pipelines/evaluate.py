@@ -49,10 +49,11 @@ def run(params: Params, args: argparse.Namespace) -> None:
     with mlflow.start_run(run_id=run_id):
         mlflow.log_metrics({"test/accuracy": m["accuracy"], "test/macro_f1": m["macro_f1"]})
         # Class names may hold '/', spaces or any letter: keys are index + a safe spelling.
+        classes = result["classes"]
         mlflow.log_metrics(
             {
-                metric_key("test/f1", i, c): v["f1"]
-                for i, (c, v) in enumerate(m["per_class"].items())
+                metric_key("test/f1", i, c, len(classes)): m["per_class"][c]["f1"]
+                for i, c in enumerate(classes)
             }
         )
         for path in paths.values():

@@ -127,6 +127,23 @@ def set_params(repo: Path, **changes: dict) -> None:
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+def fashion_card(mean: float = 0.286, std: float = 0.353):
+    """The card the Fashion-MNIST source writes, with the given statistics."""
+    from trainyard.card import Card
+    from trainyard.sources.fashion_mnist import CLASS_NAMES
+
+    return Card(
+        source="fashion-mnist",
+        classes=CLASS_NAMES,
+        channels=1,
+        height=28,
+        width=28,
+        mean=(mean,),
+        std=(std,),
+        resize="pad",
+    )
+
+
 def train_checkpoint(
     root: Path,
     images: np.ndarray,
@@ -136,7 +153,8 @@ def train_checkpoint(
     mean: float,
     std: float,
 ) -> Path:
-    """A real Lightning checkpoint (``root/best.ckpt``) after ``steps`` CPU steps."""
+    """A real Lightning checkpoint (``root/best.ckpt``) after ``steps`` CPU steps, on
+    Fashion-MNIST-like images [N,28,28] or [N,1,28,28], carrying a Fashion-MNIST card."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -144,7 +162,9 @@ def train_checkpoint(
     from trainyard.datamodule import TensorBatches
     from trainyard.models import Classifier
 
-    x = torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)).unsqueeze(1)
+    if images.ndim == 3:
+        images = images[:, None]
+    x = torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8))
     y = torch.from_numpy(labels.astype(np.int64))
     loader = DataLoader(TensorBatches(x, y, batch_size, shuffle=True), batch_size=None)
     L.seed_everything(0, verbose=False)
@@ -157,7 +177,7 @@ def train_checkpoint(
         enable_model_summary=False,
         default_root_dir=str(root),
     )
-    trainer.fit(Classifier(arch="cnn", mean=mean, std=std), loader)
+    trainer.fit(Classifier(card=fashion_card(mean, std).contract(), arch="cnn"), loader)
     trainer.save_checkpoint(root / "best.ckpt")
     return root / "best.ckpt"
 

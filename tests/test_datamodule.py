@@ -8,9 +8,9 @@ import torch
 
 from trainyard.config import DataParams
 from trainyard.datamodule import ImageDataModule, TensorBatches
-from trainyard.sources.fashion_fetch import fetch_raw
 from trainyard.models import Classifier
 from trainyard.prepare import prepare
+from trainyard.sources.fashion_fetch import fetch_raw
 
 
 def _ds(n: int = 103, **kw) -> TensorBatches:

@@ -36,7 +36,7 @@ AWKWARD = [
     'say "cheese", please',
     "line\nbreak",
     "carriage\rreturn",
-    "price $5 - $\\bogus$",
+    "price $\\bogus$ tag",
     "a,b",
     "a/b",
     "a_b",

@@ -29,12 +29,13 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def test_images():
     rng = np.random.default_rng(1)
-    return rng.integers(0, 256, size=(300, 28, 28), dtype=np.uint8)
+    return rng.integers(0, 256, size=(300, 1, 28, 28), dtype=np.uint8)
 
 
 def test_lightning_checkpoint_loads_weights_only(checkpoint):
     model = load_checkpoint(checkpoint)
-    assert not model.training and model.hparams.mean == pytest.approx(0.3)
+    assert not model.training and model.card.mean == (0.3,)
+    assert model.card.classes[0] == "T-shirt/top" and model.card.input_shape == (1, 28, 28)
 
 
 def test_export_metadata_dynamic_batch_and_parity(checkpoint, test_images, tmp_path):
@@ -55,7 +56,11 @@ def test_export_metadata_dynamic_batch_and_parity(checkpoint, test_images, tmp_p
     meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
     assert json.loads(meta["classes"])[0] == "T-shirt/top"
     assert json.loads(meta["input_shape"]) == [-1, 1, 28, 28]
-    assert json.loads(meta["normalization"]) == {"scale": 255.0, "mean": 0.3, "std": 0.35}
+    assert json.loads(meta["normalization"]) == {"scale": 255.0, "mean": [0.3], "std": [0.35]}
+    # The whole contract travels as the dataset card, equal to the checkpoint's.
+    card = json.loads(meta["dataset_card"])
+    assert card == load_checkpoint(checkpoint).card.contract()
+    assert (card["channels"], card["height"], card["width"], card["resize"]) == (1, 28, 28, "pad")
     assert meta["mlflow_run_id"] == "run123" and len(meta["checkpoint_sha256"]) == 64
 
     model = load_onnx(out, device="cpu")

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from trainyard.config import DataParams
-from trainyard.sources.fashion_mnist import RAW_FILES
 from trainyard.errors import DataError
 from trainyard.sources.fashion_fetch import fetch_raw
+from trainyard.sources.fashion_mnist import RAW_FILES
 
 NAMES = [f.name for f in RAW_FILES]
 

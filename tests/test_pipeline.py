@@ -35,11 +35,18 @@ def test_first_repro_runs_every_stage_and_writes_outputs(repo):
     assert ran(log) == set(STAGES)
     assert "trainyard: training on cpu" in log
     assert len(list((repo / "data/raw").iterdir())) == 4
-    stats = json.loads((repo / "data/prepared/stats.json").read_text())
-    assert stats["counts"]["train"]["total"] == 2500 and stats["counts"]["test"]["total"] == 10_000
+    card = json.loads((repo / "data/prepared/card.json").read_text())
+    assert card["counts"]["train"]["total"] == 2500 and card["counts"]["test"]["total"] == 10_000
+    assert (card["source"], card["channels"], card["height"], card["width"]) == (
+        "fashion-mnist",
+        1,
+        28,
+        28,
+    )
+    assert card["classes"][0] == "T-shirt/top" and len(card["classes"]) == 10
     for out in ("models/best.ckpt", "models/model.onnx", "reports/confusion_matrix.png"):
         assert (repo / out).stat().st_size > 0, out
-    with open(repo / "reports/predictions.csv") as fh:
+    with open(repo / "reports/predictions.csv", newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 10_000 and set(rows[0]) == {"actual", "predicted"}
 
@@ -197,7 +204,8 @@ def test_ddp_on_two_cpu_processes_logs_one_run(repo, tmp_path):
     assert len(client.search_runs([exp.experiment_id])) == before + 1
     run = client.get_run(info["run_id"])
     assert run.data.params["train.devices"] == "2"
-    assert 0.0 < run.data.metrics["val/acc"] <= 1.0
+    # Two epochs on 2,500 images: well above chance (0.10), whichever rank computed it.
+    assert run.data.metrics["val/acc"] > 0.5
 
 
 def test_bad_param_fails_naming_the_key_and_changes_nothing(repo):

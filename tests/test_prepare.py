@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from trainyard.config import DataParams
-from trainyard.sources.fashion_mnist import CLASS_NAMES
 from trainyard.errors import DataError
-from trainyard.sources.fashion_fetch import fetch_raw
 from trainyard.prepare import prepare, split_train_val, stratified_take
+from trainyard.sources.fashion_fetch import fetch_raw
+from trainyard.sources.fashion_mnist import CLASS_NAMES
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,37 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from trainyard.card import METADATA_KEY, Card, card_from_metadata
 from trainyard.errors import InputError, ModelError
-from trainyard.preprocess import InputContract, decode_image, normalize, pixel_arrays, softmax
+from trainyard.preprocess import decode_image, normalize, pixel_arrays, softmax
 
-CONTRACT = InputContract(height=28, width=28, scale=255.0, mean=0.3, std=0.35)
+CONTRACT = Card(
+    source="test",
+    classes=tuple(f"c{i}" for i in range(10)),
+    channels=1,
+    height=28,
+    width=28,
+    mean=(0.3,),
+    std=(0.35,),
+    resize="pad",
+)
+RGB = Card(
+    source="test",
+    classes=("a", "b"),
+    channels=3,
+    height=8,
+    width=6,
+    mean=(0.1, 0.2, 0.3),
+    std=(0.5, 0.25, 0.2),
+    resize="crop",
+)
+
+
+def decode1(data: bytes, card: Card, **kw) -> np.ndarray:
+    """decode_image for a grayscale card: [1,H,W] -> [H,W]."""
+    out = decode_image(data, card, **kw)
+    assert out.shape == (1, card.height, card.width) and out.dtype == np.uint8
+    return out[0]
 
 
 def encode(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
@@ -29,21 +56,18 @@ def garment() -> np.ndarray:
     return np.clip(255 - 12 * np.hypot(yy - 14, xx - 12), 0, 255).astype(np.uint8)
 
 
-def test_contract_is_read_from_model_metadata():
-    meta = {
-        "input_shape": "[-1, 1, 28, 28]",
-        "normalization": json.dumps({"scale": 255.0, "mean": 0.286, "std": 0.353}),
-    }
-    c = InputContract.from_metadata(meta)
-    assert (c.height, c.width, c.mean, c.std) == (28, 28, 0.286, 0.353)
-    with pytest.raises(ModelError, match="no usable input_shape"):
-        InputContract.from_metadata({"input_shape": "[-1, 1, 28, 28]"})
-    with pytest.raises(ModelError, match="grayscale models"):
-        InputContract.from_metadata({**meta, "input_shape": "[-1, 3, 28, 28]"})
+def test_card_is_read_from_model_metadata():
+    meta = {METADATA_KEY: json.dumps(RGB.contract())}
+    assert card_from_metadata(meta) == Card.from_dict(RGB.contract())
+    with pytest.raises(ModelError, match="no dataset_card"):
+        card_from_metadata({"input_shape": "[-1, 1, 28, 28]"})
+    broken = {**RGB.contract(), "std": [0.5, 0.0, 0.2]}
+    with pytest.raises(ModelError, match="std must be positive"):
+        card_from_metadata({METADATA_KEY: json.dumps(broken)})
 
 
 def test_model_sized_grayscale_png_passes_through_exactly(garment):
-    assert np.array_equal(decode_image(encode(Image.fromarray(garment)), CONTRACT), garment)
+    assert np.array_equal(decode1(encode(Image.fromarray(garment)), CONTRACT), garment)
 
 
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "P", "LA", "I;16"])
@@ -52,21 +76,21 @@ def test_every_png_mode_gives_the_same_pixels(garment, mode):
         im = Image.fromarray(garment.astype(np.uint16) * 257)  # 16-bit grayscale
     else:
         im = Image.fromarray(garment).convert(mode)
-    assert np.abs(decode_image(encode(im), CONTRACT).astype(int) - garment).max() <= 1
+    assert np.abs(decode1(encode(im), CONTRACT).astype(int) - garment).max() <= 1
 
 
 def test_transparency_is_composited_on_black(garment):
     rgba = np.zeros((28, 28, 4), np.uint8)
     rgba[..., :3] = 255  # white everywhere; only the alpha channel draws the garment
     rgba[..., 3] = garment
-    out = decode_image(encode(Image.fromarray(rgba, "RGBA")), CONTRACT)
+    out = decode1(encode(Image.fromarray(rgba, "RGBA")), CONTRACT)
     assert np.abs(out.astype(int) - garment).max() <= 1
 
 
 def test_invert_turns_a_dark_on_light_photo_into_the_dataset_look(garment):
     photo = Image.fromarray(255 - garment).resize((280, 280)).convert("RGB")
-    plain = decode_image(encode(photo, "JPEG", quality=95), CONTRACT)
-    inverted = decode_image(encode(photo, "JPEG", quality=95), CONTRACT, invert=True)
+    plain = decode1(encode(photo, "JPEG", quality=95), CONTRACT)
+    inverted = decode1(encode(photo, "JPEG", quality=95), CONTRACT, invert=True)
     assert plain.mean() > 128 > inverted.mean()  # background white vs black
     assert np.abs(inverted.astype(int) - garment).mean() < 8
 
@@ -74,13 +98,13 @@ def test_invert_turns_a_dark_on_light_photo_into_the_dataset_look(garment):
 def test_non_square_image_is_padded_not_stretched():
     tall = np.zeros((100, 50), np.uint8)
     tall[:, :] = 255  # a white 1:2 rectangle
-    out = decode_image(encode(Image.fromarray(tall)), CONTRACT)
+    out = decode1(encode(Image.fromarray(tall)), CONTRACT)
     assert out[:, :5].max() < 30 and out[:, -5:].max() < 30  # black bars left and right
     assert out[:, 10:18].min() > 200
 
 
 def test_one_pixel_image_is_valid():
-    out = decode_image(encode(Image.new("L", (1, 1), 200)), CONTRACT)
+    out = decode1(encode(Image.new("L", (1, 1), 200)), CONTRACT)
     assert out.shape == (28, 28) and np.all(out == 200)
 
 
@@ -89,11 +113,11 @@ def test_decompression_bomb_is_refused_before_decoding():
     assert len(bomb) < 200_000
     start = time.perf_counter()
     with pytest.raises(InputError, match="image too large") as err:
-        decode_image(bomb, CONTRACT)
+        decode1(bomb, CONTRACT)
     assert err.value.status == 413 and time.perf_counter() - start < 1.0
     medium = encode(Image.new("1", (6000, 6000)))  # 36 MP: under Pillow's guard, over ours
     with pytest.raises(InputError, match=r"6000x6000 pixels.*25,000,000") as err:
-        decode_image(medium, CONTRACT, max_pixels=25_000_000)
+        decode1(medium, CONTRACT, max_pixels=25_000_000)
     assert err.value.status == 413
 
 
@@ -101,13 +125,13 @@ def test_decompression_bomb_is_refused_before_decoding():
     ("data", "message"),
     [
         (b"", "the file is empty"),
-        (b"just some text, not a picture", "not a PNG or JPEG image"),
-        (b"GIF89a" + bytes(100), "not a PNG or JPEG image"),
+        (b"just some text, not a picture", "not an image"),
+        (b"GIF89a" + bytes(100), "(not an image|the GIF image is truncated or corrupt)"),
     ],
 )
 def test_unreadable_bytes_are_a_400_naming_the_field(data, message):
     with pytest.raises(InputError, match=f"image: {message}") as err:
-        decode_image(data, CONTRACT)
+        decode1(data, CONTRACT)
     assert err.value.status == 400 and err.value.field == "image"
 
 
@@ -115,12 +139,12 @@ def test_truncated_png_is_a_400(garment):
     noisy = np.random.default_rng(0).integers(0, 256, (200, 200), dtype=np.uint8)
     data = encode(Image.fromarray(noisy))
     with pytest.raises(InputError, match="truncated or corrupt") as err:
-        decode_image(data[: len(data) // 2], CONTRACT)
+        decode1(data[: len(data) // 2], CONTRACT)
     assert err.value.status == 400
 
 
 def test_normalize_matches_the_evaluate_stage(garment):
-    x = normalize(garment[None], CONTRACT)
+    x = normalize(garment[None, None], CONTRACT)
     expected = (garment.astype(np.float32) / 255.0 - 0.3) / 0.35
     assert x.shape == (1, 1, 28, 28) and x.dtype == np.float32
     assert np.array_equal(x[0, 0], expected)
@@ -134,8 +158,35 @@ def test_softmax_rows_sum_to_one():
 def test_pixel_arrays_accepts_ints_and_floats(garment):
     imgs = [garment.tolist(), (garment / 2).tolist()]
     out = pixel_arrays(imgs, CONTRACT, max_images=4)
-    assert out.shape == (2, 28, 28) and out.dtype == np.float32
-    assert np.array_equal(out[0], garment.astype(np.float32))
+    assert out.shape == (2, 1, 28, 28) and out.dtype == np.float32
+    assert np.array_equal(out[0, 0], garment.astype(np.float32))
+
+
+def test_colour_arrays_are_channel_first_planes():
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (3, 8, 6))
+    out = pixel_arrays([img.tolist()], RGB, max_images=2)
+    assert out.shape == (1, 3, 8, 6) and np.array_equal(out[0], img.astype(np.float32))
+    x = normalize(out, RGB)
+    expected = (img / 255.0 - np.array([0.1, 0.2, 0.3])[:, None, None]) / np.array(
+        [0.5, 0.25, 0.2]
+    )[:, None, None]
+    assert np.allclose(x[0], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("images", "field", "message"),
+    [
+        ([[[[0] * 6] * 8] * 2], "images[0]", "expected 3 channel planes of 8 rows of 6 numbers"),
+        ([[[0] * 6] * 8], "images[0]", "expected 3 channel planes of 8 rows of 6 numbers, got 8"),
+        ([[[[0] * 6] * 7] * 3], "images[0][0]", "expected 8 rows of 6 numbers, got 7 items"),
+        ([[[[0] * 6] * 8] * 2 + [[[0] * 5] * 8]], "images[0][2][0]", "expected 6 numbers"),
+    ],
+)
+def test_colour_arrays_with_the_wrong_shape_name_the_field(images, field, message):
+    with pytest.raises(InputError) as err:
+        pixel_arrays(images, RGB, max_images=2)
+    assert err.value.field == field and message in str(err.value)
 
 
 def image_with(value, row: int = 3, col: int = 7) -> list:

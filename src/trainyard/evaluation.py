@@ -85,7 +85,7 @@ def metric_key(prefix: str, index: int, name: str, num_classes: int) -> str:
     # NFKD splits "è" into "e" + a combining accent, which the filter then drops.
     ascii_name = unicodedata.normalize("NFKD", name)
     ascii_name = "".join(c for c in ascii_name if not unicodedata.combining(c))
-    clean = ascii_name.replace("/", "_")
+    clean = _METRIC_UNSAFE.sub("_", ascii_name).strip()
     return head + clean[: MAX_METRIC_KEY_LENGTH - len(head)].rstrip()
 
 
@@ -303,7 +303,7 @@ def evaluate_onnx(
     metrics = classification_metrics(labels.astype(np.int64), preds, classes)
     metrics["samples"] = int(labels.shape[0])
     metrics["provider"] = model.provider
-    return {"metrics": metrics, "predictions": preds, "classes": classes}
+    return {"metrics": metrics, "predictions": preds, "classes": classes, "card": card}
 
 
 def write_reports(

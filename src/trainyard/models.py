@@ -242,7 +242,9 @@ def build_model(
                 f"weights; set {PRETRAINED_KEY} to null, or pick a torchvision backbone "
                 f"({', '.join(BACKBONES)})"
             )
-        model = ARCHITECTURES[arch](in_channels=in_channels, num_classes=num_classes, image_size=size)
+        model = ARCHITECTURES[arch](
+            in_channels=in_channels, num_classes=num_classes, image_size=size
+        )
         info: dict[str, str] = {}
     else:
         model, info = _build_backbone(arch, in_channels, num_classes, pretrained)
@@ -320,8 +322,8 @@ def _pretrained_state_dict(arch: str, pretrained: str) -> tuple[Mapping[str, Any
     if path.suffix.lower() not in STATE_DICT_SUFFIXES:
         raise ParamsError(
             f"{PRETRAINED_KEY}: {pretrained!r} is neither 'imagenet' nor a state-dict file "
-            f"({', '.join(STATE_DICT_SUFFIXES)}); set it to null, 'imagenet', or a path to "
-            f"torch.save(model.state_dict(), 'weights.pth') output of torchvision's {arch}"
+            f"({', '.join(STATE_DICT_SUFFIXES)}); set it to null, 'imagenet', or a file "
+            f"holding the state_dict() of torchvision's {arch}"
         )
     if not path.is_file():
         raise ParamsError(
