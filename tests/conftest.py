@@ -129,19 +129,9 @@ def set_params(repo: Path, **changes: dict) -> None:
 
 def fashion_card(mean: float = 0.286, std: float = 0.353):
     """The card the Fashion-MNIST source writes, with the given statistics."""
-    from trainyard.card import Card
-    from trainyard.sources.fashion_mnist import CLASS_NAMES
+    from trainyard.sources import fashion_mnist
 
-    return Card(
-        source="fashion-mnist",
-        classes=CLASS_NAMES,
-        channels=1,
-        height=28,
-        width=28,
-        mean=(mean,),
-        std=(std,),
-        resize="pad",
-    )
+    return fashion_mnist.fashion_card(mean, std)
 
 
 def train_checkpoint(

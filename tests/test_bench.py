@@ -96,7 +96,8 @@ def test_time_to_target_path_runs(bench_run):
     tmp, _ = bench_run
     ttt = json.loads((tmp / "bench.json").read_text())["time_to_target"]
     assert ttt["history"] and ttt["history"][0]["train_s"] > 0
-    assert 0 <= ttt["history"][0]["test_acc"] <= 1
+    # One short epoch: far from the target, but twice chance (0.10) or training is broken.
+    assert ttt["history"][0]["test_acc"] > 0.2
 
 
 def test_chart_and_docs_section(bench_run):

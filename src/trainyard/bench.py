@@ -38,7 +38,7 @@ import numpy as np
 
 from trainyard.card import Card
 from trainyard.prepare import channel_stats, split_train_val
-from trainyard.sources.fashion_mnist import CLASS_NAMES, load_raw
+from trainyard.sources.fashion_mnist import fashion_card, load_raw
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 DOCS_START = "<!-- bench:{key}:start -->"
@@ -57,16 +57,8 @@ def load_data(raw_dir: Path, limit: int | None, seed: int = 42) -> dict[str, Any
     val_size = 5000 if limit is None else max(10, limit // 10)
     train_idx, val_idx = split_train_val(labels, val_size, limit, seed)
     train_x = images[train_idx]
-    mean, std = channel_stats(train_x)
-    card = Card(
-        source="fashion-mnist",
-        classes=CLASS_NAMES,
-        channels=1,
-        height=28,
-        width=28,
-        mean=mean,
-        std=std,
-    )
+    (mean,), (std,) = channel_stats(train_x)
+    card = fashion_card(mean, std)
     return {
         "arrays": {
             "train": (train_x, labels[train_idx]),
@@ -861,7 +853,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         or "unknown",
         "hardware": hw,
         "config": cfg,
-        "classes": len(CLASS_NAMES),
+        "classes": fashion_card().num_classes,
     }
     t0 = time.perf_counter()
     if not args.skip_training:

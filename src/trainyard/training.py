@@ -219,9 +219,7 @@ def train(
         callbacks=[checkpoint, early, LearningRateMonitor("step"), EpochTimer()],
         deterministic=tp.deterministic,
         # per-step loss at least ~5 times an epoch, even on the small slices tests use
-        log_every_n_steps=max(
-            1, min(10, -(-card.counts["train"]["total"] // tp.batch_size) // 5)
-        ),
+        log_every_n_steps=max(1, min(10, -(-card.counts["train"]["total"] // tp.batch_size) // 5)),
         # Both data paths shard by rank themselves (epoch_order); no DistributedSampler.
         use_distributed_sampler=False,
         limit_train_batches=tp.limit_train_batches,

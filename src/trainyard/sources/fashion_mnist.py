@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -98,6 +98,24 @@ RAW_FILES: tuple[RawFile, ...] = (
 RAW_BY_NAME = {f.name: f for f in RAW_FILES}
 
 
+def fashion_card(mean: float = 0.0, std: float = 1.0, extra: dict[str, Any] | None = None) -> Card:
+    """Fashion-MNIST's card (prepare fills in the statistics and counts)."""
+    return Card(
+        source=SOURCE,
+        classes=CLASS_NAMES,
+        channels=1,
+        height=IMAGE_SIZE,
+        width=IMAGE_SIZE,
+        mean=(mean,),
+        std=(std,),
+        # Uploads of any size are padded to square with black (the dataset's background)
+        # and resized, so a garment keeps its proportions, as in the dataset.
+        resize="pad",
+        fill=0,
+        extra=extra or {},
+    )
+
+
 def load_raw(raw_dir: str | os.PathLike[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Read and validate the raw IDX files: {'train': (images, labels), 'test': (...)}."""
     raw_dir = Path(raw_dir)
@@ -127,20 +145,7 @@ def prepare_fashion_mnist(
         "val": (train_images[val_idx], train_labels[val_idx]),
         "test": raw["test"],
     }
-    card = Card(
-        source=SOURCE,
-        classes=CLASS_NAMES,
-        channels=1,
-        height=IMAGE_SIZE,
-        width=IMAGE_SIZE,
-        mean=(0.0,),
-        std=(1.0,),
-        # Uploads of any size are padded to square with black (the dataset's background)
-        # and resized, so a garment keeps its proportions, as in the dataset.
-        resize="pad",
-        fill=0,
-        extra={"seed": seed, "limit": params.limit, "val_size": params.val_size},
-    )
+    card = fashion_card(extra={"seed": seed, "limit": params.limit, "val_size": params.val_size})
     with open_prepared(out_dir) as writer:
         for split in SPLITS:
             images, labels = arrays[split]

@@ -514,7 +514,8 @@ def prepare_folder(
     finally:
         pool.close()
     dt = time.perf_counter() - t0
-    log.info("prepared %d images in %.1f s (%.0f images/s)", len(entries), dt, len(entries) / dt)
+    done = sum(c["total"] for c in card.counts.values())
+    log.info("prepared %d images in %.1f s (%.0f images/s)", done, dt, done / dt)
     return card
 
 
