@@ -8,7 +8,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
-	bench-serve clean
+	bench-serve bench-prepare clean
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
@@ -20,6 +20,7 @@ help:
 	@echo "make serve  - the inference service (BentoML) on http://$(SERVE_HOST):$(SERVE_PORT), after make run"
 	@echo "make bento  - bentoml build: service + verified model, ready for bentoml containerize"
 	@echo "make bench-serve - load test of the service (wrk), batching on/off: docs/benchmarks.md"
+	@echo "make bench-prepare - prepare on 20,000 generated JPEGs, 1 vs 2 workers: docs/benchmarks.md"
 	@echo "make lint   - ruff check + format check"
 
 venv: $(VENV)/.installed
@@ -54,6 +55,11 @@ train-fast: venv data
 # Side-by-side ratios in one run; never imports mlflow/dvc/bentoml.
 bench: venv data
 	$(BIN)/python -m trainyard.bench
+
+# A few minutes: the prepare stage on 20,000 generated JPEGs (made once under the temp dir),
+# workers 1 vs 2, 64 vs 224 px, peak RSS; reports/bench-prepare.json + docs/benchmarks.md.
+bench-prepare: venv
+	$(BIN)/python -m trainyard.bench_prepare
 
 # For a GPU machine that has torch/lightning/onnx/onnxruntime but not this venv:
 # GPU_PYTHON=python3 make gpu-check  (carry data/raw, or have Debian's package)

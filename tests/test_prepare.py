@@ -85,3 +85,24 @@ def test_corrupt_raw_label_stops_prepare(raw_dir, tmp_path):
     with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte\.gz: 1 labels outside 0\.\.9"):
         prepare(bad, out, DataParams(limit=100, val_size=20), seed=0)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("block_bytes", [1, 7_000, 16 << 20])
+def test_channel_stats_is_exact_for_arrays_and_files_whatever_the_block(
+    tmp_path, monkeypatch, block_bytes
+):
+    import trainyard.prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "_STATS_BYTES", block_bytes)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (301, 3, 9, 11), dtype=np.uint8)
+    images[:, 2] = 77  # a constant channel: std falls back to 1.0, not a division by 0
+    np.save(tmp_path / "train_images.npy", images)
+    as_float = images.astype(np.float64)
+    want_mean = tuple(np.round(as_float.mean(axis=(0, 2, 3))[:2] / 255, 6))
+    want_std = tuple(np.round(as_float.std(axis=(0, 2, 3))[:2] / 255, 6))
+    for source in (images, tmp_path / "train_images.npy"):
+        mean, std = prepare_module.channel_stats(source)
+        assert mean[:2] == pytest.approx(want_mean, abs=1e-6)
+        assert std[:2] == pytest.approx(want_std, abs=1e-6)
+        assert (mean[2], std[2]) == (round(77 / 255, 6), 1.0)

@@ -21,6 +21,7 @@ neither pass holds more than a few images per process.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -79,6 +80,13 @@ def _walk(root: Path, top: Path, bad: list[tuple[str, str]]) -> Iterator[Path]:
     skipped; files without an image extension are counted by the caller as ignored.
     """
     seen: set[tuple[int, int]] = set()
+    # The folders above ``top`` (the root included): a link back to one of them is a loop
+    # too, and following it would read other classes' images under this class's label.
+    above: set[tuple[int, int]] = set()
+    for parent in top.parents:
+        with contextlib.suppress(OSError):
+            st = parent.stat()
+            above.add((st.st_dev, st.st_ino))
     stack = [top]
     while stack:
         folder = stack.pop()
@@ -88,6 +96,9 @@ def _walk(root: Path, top: Path, bad: list[tuple[str, str]]) -> Iterator[Path]:
             bad.append((_rel(folder, root), f"unreadable folder ({err.strerror or err})"))
             continue
         key = (st.st_dev, st.st_ino)
+        if key in above:
+            bad.append((_rel(folder, root), "symlink loop: it links back to a folder above it"))
+            continue
         if key in seen:
             bad.append((_rel(folder, root), "symlink loop: this folder is already included"))
             continue
@@ -520,16 +531,29 @@ def prepare_folder(
 
 
 def _compact(writer: Any, split: str, keep: list[bool]) -> None:
-    """Rewrite ``split``'s images without the rows of files that failed to decode."""
-    src = writer.images(split)
-    idx = np.flatnonzero(keep)
+    """Rewrite ``split``'s images without the rows of files that failed to decode.
+
+    Both files are streamed (plain reads in blocks, appends): memory stays bounded.
+    """
+    from trainyard.prepare import row_blocks
+
+    path = writer.images_path(split)
+    mask = np.asarray(keep, dtype=bool)
     tmp = writer.tmp / f".{split}_images.compact.npy"
-    dst = np.lib.format.open_memmap(
-        tmp, mode="w+", dtype=np.uint8, shape=(len(idx), *src.shape[1:])
-    )
-    for start in range(0, len(idx), 1024):
-        sel = idx[start : start + 1024]
-        dst[start : start + len(sel)] = src[sel]
-    dst.flush()
-    del dst, src
-    os.replace(tmp, writer.images_path(split))
+    first = np.load(path, mmap_mode="r")
+    shape = (int(mask.sum()), *first.shape[1:])
+    del first
+    with open(tmp, "wb") as out:
+        np.lib.format.write_array_header_1_0(
+            out,
+            {
+                "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+                "fortran_order": False,
+                "shape": shape,
+            },
+        )
+        start = 0
+        for block in row_blocks(path):
+            out.write(np.ascontiguousarray(block[mask[start : start + len(block)]]).data)
+            start += len(block)
+    os.replace(tmp, path)
