@@ -79,3 +79,15 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("- a list")
     with pytest.raises(ParamsError, match="expected a mapping"):
         load_params(bad)
+
+
+def test_few_steps_warning_names_the_keys_only_for_small_runs():
+    from trainyard.training import few_steps_warning
+
+    # Fashion-MNIST defaults: 55,000 images, batch 256, 10 epochs = 2,150 steps
+    assert few_steps_warning(55_000, 256, 10) is None
+    warning = few_steps_warning(257, 256, 10)
+    assert warning is not None
+    assert "only 20 optimizer steps" in warning
+    assert "train.batch_size" in warning and "train.max_epochs" in warning
+    assert few_steps_warning(257, 32, 30) is None  # 9 x 30 = 270 steps

@@ -35,3 +35,9 @@ def test_worse_is_challenger():
 def test_champion_without_accuracy_is_replaced():
     alias, reason = decide(0.5, version("2", None), margin=0.0)
     assert alias == CHAMPION and "no test_accuracy tag" in reason
+
+
+def test_the_same_accuracy_does_not_beat_its_own_rounded_tag():
+    acc = 7 / 31  # 0.2258064516..., stored in the tag as 0.225806
+    assert decide(acc, version("1", f"{acc:.6f}"), margin=0.0)[0] == CHALLENGER
+    assert decide(acc + 1e-5, version("1", f"{acc:.6f}"), margin=0.0)[0] == CHAMPION

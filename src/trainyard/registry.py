@@ -65,7 +65,9 @@ def decide(test_acc: float, champion: Any | None, margin: float) -> tuple[str, s
         return CHAMPION, (
             f"champion v{champion.version} has no {ACCURACY_TAG} tag to beat: replaced"
         )
-    if test_acc > champ_acc + margin:
+    # The tag holds 6 decimals: compare at that precision, or a rerun with the very same
+    # accuracy (0.225806... against the tag's 0.225806) would "beat" its own champion.
+    if round(test_acc, 6) > round(champ_acc + margin, 6):
         return CHAMPION, (
             f"test accuracy {test_acc:.4f} beats champion v{champion.version} "
             f"({champ_acc:.4f}) by more than the margin {margin:g}"

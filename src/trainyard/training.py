@@ -47,6 +47,25 @@ def cpu_has_bf16() -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
+MIN_STEPS = 200  # optimizer steps below which a run has little chance to fit anything
+
+
+def few_steps_warning(train_images: int, batch_size: int, max_epochs: int) -> str | None:
+    """A warning naming the keys to change when the whole run is only a handful of
+    optimizer steps: the defaults suit Fashion-MNIST's 55k images (215 steps an epoch),
+    and a folder of a few hundred photos gets one or two steps an epoch from them."""
+    steps_per_epoch = -(-train_images // batch_size)
+    total = steps_per_epoch * max_epochs
+    if total >= MIN_STEPS:
+        return None
+    return (
+        f"only {total} optimizer steps in the whole run ({train_images} train images, "
+        f"train.batch_size {batch_size}, train.max_epochs {max_epochs}); a small dataset "
+        f"needs more: e.g. -S train.batch_size={max(8, min(32, batch_size))} "
+        f"-S train.max_epochs={max(max_epochs, 30)}"
+    )
+
+
 def resolve_device(train: TrainParams) -> tuple[str, str, str]:
     """(Lightning accelerator, precision, device name) from params and what is present.
 
@@ -150,6 +169,9 @@ def train(
         f"trainyard: {card.source} data, {card.num_classes} classes, "
         f"{card.channels}x{card.height}x{card.width}, arch {tp.arch}"
     )
+    if warning := few_steps_warning(card.counts["train"]["total"], tp.batch_size, tp.max_epochs):
+        log.warning(warning)
+        print(f"trainyard: WARNING {warning}")
     model = Classifier(
         card=card.contract(),
         arch=tp.arch,
