@@ -237,6 +237,10 @@ def train(
         devices=tp.devices,
         precision=precision,
         max_epochs=tp.max_epochs,
+        # Early stopping judges only the second half: OneCycle's high-lr first half often
+        # plateaus (on a small photo folder for 5+ epochs) before annealing lifts val/acc,
+        # and patience alone stopped such runs at chance accuracy.
+        min_epochs=-(-tp.max_epochs // 2),
         logger=logger,
         callbacks=[checkpoint, early, LearningRateMonitor("step"), EpochTimer()],
         deterministic=tp.deterministic,
