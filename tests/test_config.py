@@ -89,5 +89,6 @@ def test_few_steps_warning_names_the_keys_only_for_small_runs():
     warning = few_steps_warning(257, 256, 10)
     assert warning is not None
     assert "only 20 optimizer steps" in warning
-    assert "train.batch_size" in warning and "train.max_epochs" in warning
+    for key in ("train.batch_size", "train.max_epochs", "train.early_stopping_patience"):
+        assert f"-S {key}=" in warning
     assert few_steps_warning(257, 32, 30) is None  # 9 x 30 = 270 steps

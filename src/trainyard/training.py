@@ -62,7 +62,9 @@ def few_steps_warning(train_images: int, batch_size: int, max_epochs: int) -> st
         f"only {total} optimizer steps in the whole run ({train_images} train images, "
         f"train.batch_size {batch_size}, train.max_epochs {max_epochs}); a small dataset "
         f"needs more: e.g. -S train.batch_size={max(8, min(32, batch_size))} "
-        f"-S train.max_epochs={max(max_epochs, 30)}"
+        f"-S train.max_epochs={max(max_epochs, 30)} "
+        f"-S train.early_stopping_patience={max(max_epochs, 30)} (a few hundred images "
+        "learn slowly and a small val split is noisy: let the schedule run out)"
     )
 
 
