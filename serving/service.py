@@ -1,11 +1,23 @@
-"""BentoML service: the exported ONNX model over HTTP, on CUDA or CPU, refusing bad input.
+"""BentoML service: any exported trainyard model over HTTP, on CUDA or CPU, refusing bad input.
 
-    make serve          # bentoml serve serving.service:FashionClassifier on 127.0.0.1:3000
-    curl -F image=@shirt.png http://127.0.0.1:3000/classify
+    make serve          # bentoml serve serving.service:ImageClassifier on 127.0.0.1:3000
+    curl -F image=@photo.jpg http://127.0.0.1:3000/classify
+    curl --data-binary @photo.jpg -H 'Content-Type: image/jpeg' 'http://127.0.0.1:3000/classify?top_k=3'
+    curl -F images=@a.jpg -F images=@b.png http://127.0.0.1:3000/classify_batch
 
-Everything the model needs to know about its input (size, normalisation, class names) is
-read from the ONNX metadata; the knobs are the ``serve`` section of params.yaml. Requests
-pass a guard (API key, content type, body size, no pickle) before BentoML parses anything.
+Everything the model needs to know about its input (channels, size, resize policy,
+normalisation, class names) is the dataset card in the ONNX metadata; the knobs are the
+``serve`` section of params.yaml.
+
+Why the prediction endpoints are Starlette routes inside the BentoML service rather than
+``@bentoml.api`` methods: a file input there is parsed by BentoML's IO layer, written to a
+temporary file and validated again, and a raw image body (``Content-Type: image/png``)
+cannot be expressed at all. Measured (docs/benchmarks.md, Serving) that layer cost more
+than the model. The routes parse each body once; BentoML still runs the process model
+(workers), the traffic limits (max concurrency, timeout), /metrics, the probes and the
+bento, and its own adaptive batcher (``CorkDispatcher``) merges concurrent /classify
+requests into one ONNX Runtime run, fed the decoded pixels in process instead of through
+BentoML's in-process HTTP client, which would serialise every image to JSON.
 """
 
 from __future__ import annotations
@@ -14,19 +26,16 @@ import gc
 import hmac
 import logging
 import os
-import secrets
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import bentoml
 import numpy as np
-from bentoml.exceptions import BentoMLException
-from bentoml.validators import DType
-from pydantic import BaseModel, Field, WithJsonSchema
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import Headers
+from starlette.datastructures import FormData, Headers, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -51,11 +60,6 @@ log = logging.getLogger("bentoml.serve.trainyard")
 
 PARAMS_ENV, MODEL_ENV, API_KEY_ENV = "TRAINYARD_PARAMS", "TRAINYARD_MODEL", "TRAINYARD_API_KEY"
 CACHE_ENV = "TRAINYARD_MODEL_CACHE"
-INTERNAL_ROUTE = "/internal/infer"
-INTERNAL_HEADER = "x-trainyard-internal"
-# Per process: only this process's own in-memory client (the batching hop) can reach
-# INTERNAL_ROUTE; to anyone else it does not exist.
-_INTERNAL_TOKEN = secrets.token_urlsafe(32)
 
 
 def read_settings() -> tuple[ServeParams, Path, Path, dict[str, str]]:
@@ -82,9 +86,14 @@ def read_settings() -> tuple[ServeParams, Path, Path, dict[str, str]]:
 
 def model_provenance(path: Path, provenance: dict[str, str]) -> dict[str, str]:
     """Where the served model came from: registry version (if any), run, data version."""
-    import onnx
+    # ONNX Runtime reads the metadata itself: the deployed bento needs no `onnx` package.
+    import onnxruntime as ort
 
-    meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    meta = dict(session.get_modelmeta().custom_metadata_map)
+    del session
     return {
         "model_source": provenance.get("model_source", str(path)),
         "registry_model": provenance.get("registry_model", ""),
@@ -161,22 +170,42 @@ TRACE_HEADERS = [
 ]
 
 
+# ---------------------------------------------------------------------------- monitoring
+
+# bentoml.metrics, not prometheus_client: BentoML sets up the multiprocess registry that
+# merges every worker's series into its /metrics, beside its own request series.
+PREDICTIONS = bentoml.metrics.Counter(
+    name="trainyard_predictions",
+    documentation="Images classified, by predicted class (top-1 label)",
+    labelnames=["label"],
+)
+CONFIDENCE = bentoml.metrics.Histogram(
+    name="trainyard_top1_confidence",
+    documentation="Top-1 softmax probability of each prediction (drift: it falls)",
+    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0),
+)
+REFUSED = bentoml.metrics.Counter(
+    name="trainyard_requests_refused",
+    documentation="Requests answered 4xx/503 by the service, by reason",
+    labelnames=["reason"],
+)
+IMAGE_PIXELS = bentoml.metrics.Histogram(
+    name="trainyard_input_image_pixels",
+    documentation="Width x height of each uploaded image, before any resize",
+    buckets=(1e3, 1e4, 5e4, 1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8),
+)
+BATCH_SIZE = bentoml.metrics.Histogram(
+    name="trainyard_batch_size",
+    documentation="Images per ONNX Runtime run (adaptive batches and /classify_batch)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
+)
+
+
 # ---------------------------------------------------------------------------- request guard
 
 # Reachable without the API key (probes, metrics, the docs UI); everything else needs it.
 OPEN_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/metrics", "/", "/docs.json"})
 OPEN_PREFIXES = ("/static_content/", "/assets/")
-# What each prediction endpoint accepts; anything else is refused before parsing.
-CONTENT_TYPES = {
-    "/classify": (
-        "multipart/form-data",
-        "send the image as a multipart file field: curl -F image=@shirt.png URL/classify",
-    ),
-    "/classify_batch": (
-        "application/json",
-        'send JSON: {"images": [arrays of 0–255 numbers shaped as GET /metadata input.image]}',
-    ),
-}
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -185,21 +214,17 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class RequestGuard:
-    """Pure ASGI middleware in front of BentoML's request parsing.
+    """Pure ASGI middleware in front of every route, BentoML's and ours.
 
     - API key (when set): ``Authorization: Bearer <key>``, constant-time compare, 401 else;
     - ``application/vnd.bentoml+pickle`` -> 415 on every route (never unpickle a request);
-    - a prediction endpoint with the wrong content type -> 415 saying what to send;
-    - a body over ``max_body_bytes`` -> 413, read no further (Content-Length or counted);
-    - the internal batching route only for this process's own client (404 for others).
+    - a POST body over ``max_body_bytes`` -> 413, read no further (Content-Length or
+      counted), else handed on whole, so no route ever holds more than the limit.
     """
 
-    def __init__(
-        self, app: Any, *, api_key: str | None, internal_token: str, max_body_bytes: int
-    ) -> None:
+    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
-        self.internal_token = internal_token.encode()
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -209,13 +234,6 @@ class RequestGuard:
         send = _with_trace_headers(send)
         path, method = scope["path"], scope["method"]
         headers = Headers(scope=scope)
-        if path == INTERNAL_ROUTE:
-            given = headers.get(INTERNAL_HEADER, "").encode("latin-1")
-            if not hmac.compare_digest(given, self.internal_token):
-                await _error(send, scope, 404, "Not Found")
-                return
-            await self.app(scope, receive, send)
-            return
         is_open = method in ("GET", "HEAD") and (
             path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
         )
@@ -226,6 +244,7 @@ class RequestGuard:
                 401,
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                 field="Authorization",
+                reason="unauthorized",
                 extra_headers={"www-authenticate": 'Bearer realm="trainyard"'},
             )
             return
@@ -238,32 +257,14 @@ class RequestGuard:
                 send,
                 scope,
                 415,
-                "pickle request bodies are refused; send JSON or multipart",
+                "pickle request bodies are refused; send JSON, multipart or an image",
                 field="Content-Type",
-            )
-            return
-        expected = CONTENT_TYPES.get(path)
-        if expected is not None and media != expected[0]:
-            got = f"'{media}'" if media else "no Content-Type"
-            await _error(
-                send,
-                scope,
-                415,
-                f"{path} takes {expected[0]}, got {got}; {expected[1]}",
-                field="Content-Type",
+                reason="unsupported_media_type",
             )
             return
         body = await self._read_body(scope, receive, send, headers)
         if body is None:
             return
-        if expected is not None and not body:
-            await _error(send, scope, 400, f"empty request body; {expected[1]}", field="body")
-            return
-        if path == "/classify":
-            problem = await _classify_form_problem(headers, body)
-            if problem is not None:
-                await _error(send, scope, 400, problem[1], field=problem[0])
-                return
         await self.app(scope, _replay(body, receive), send)
 
     async def _read_body(
@@ -275,10 +276,17 @@ class RequestGuard:
         declared = headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
-                await _error(send, scope, 400, "Content-Length is not a number", field="body")
+                await _error(
+                    send,
+                    scope,
+                    400,
+                    "Content-Length is not a number",
+                    field="body",
+                    reason="bad_request",
+                )
                 return None
             if int(declared) > limit:
-                await _error(send, scope, 413, too_big, field="body")
+                await _error(send, scope, 413, too_big, field="body", reason="body_too_large")
                 return None
         chunks, size = [], 0
         while True:
@@ -288,7 +296,7 @@ class RequestGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:  # chunked upload that never declared its length
-                await _error(send, scope, 413, too_big, field="body")
+                await _error(send, scope, 413, too_big, field="body", reason="body_too_large")
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -311,49 +319,6 @@ def _authorized(headers: Headers, key: bytes) -> bool:
     return hmac.compare_digest(given, key) and scheme.lower() == "bearer"
 
 
-CLASSIFY_FIELDS = ("image", "invert")
-
-
-async def _classify_form_problem(headers: Headers, body: bytes) -> tuple[str, str] | None:
-    """(field, message) if /classify's multipart body is not one `image` file (+ `invert`).
-
-    BentoML answers these with a 500 (a text field is json-decoded, a malformed body
-    raises), and it fetches a *text* `image` value as a URL; checking the form here turns
-    all of them into a 400 that names the field, and no URL is ever fetched.
-    """
-    from starlette.datastructures import UploadFile
-    from starlette.formparsers import MultiPartException, MultiPartParser
-
-    async def stream() -> Any:
-        yield body
-
-    try:
-        parser = MultiPartParser(headers, stream(), max_files=4, max_fields=8)
-        form = await parser.parse()
-    except MultiPartException as err:
-        return "body", f"body: malformed multipart/form-data ({err.message})"
-    try:
-        unknown = sorted(set(form.keys()) - set(CLASSIFY_FIELDS))
-        if unknown:
-            return unknown[0], (
-                f"{unknown[0]}: unknown form field; /classify takes a file field 'image' "
-                "and an optional 'invert' (true/false)"
-            )
-        images = form.getlist("image")
-        if len(images) != 1:
-            return "image", (
-                f"image: expected one file field 'image', got {len(images)}; "
-                "send curl -F image=@shirt.png URL/classify"
-            )
-        if not isinstance(images[0], UploadFile):
-            return "image", "image: must be a file upload (curl -F image=@shirt.png), not text"
-        if any(isinstance(v, UploadFile) for v in form.getlist("invert")):
-            return "invert", "invert: must be the text true or false, not a file"
-        return None
-    finally:
-        await form.close()
-
-
 def _replay(body: bytes, receive: Receive) -> Receive:
     """A receive() that hands the app the body already read, then the real stream's end."""
     sent = False
@@ -374,9 +339,11 @@ async def _error(
     status: int,
     message: str,
     *,
-    field: str | None = None,
+    field: str | None,
+    reason: str,
     extra_headers: dict[str, str] | None = None,
 ) -> None:
+    REFUSED.labels(reason=reason).inc()
     response = JSONResponse({"error": message, "field": field}, status, extra_headers)
 
     async def no_body() -> Message:  # the response never reads the request
@@ -385,41 +352,155 @@ async def _error(
     await response(scope, no_body, send)
 
 
-# ---------------------------------------------------------------------------- API types
+# ---------------------------------------------------------------------------- requests
 
 
-class Prediction(BaseModel):
-    label: str = Field(description="class name, e.g. 'Shirt'")
-    class_id: int = Field(description="index of the class in /metadata's classes")
-    probabilities: list[float] = Field(description="softmax over all classes; sums to 1")
-    model_version: str = Field(description="first 12 hex digits of the model's sha256")
+class Refused(Exception):
+    """A 4xx/503 answer: the message names the field and says what to send instead."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        field: str | None,
+        reason: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.field, self.reason, self.headers = status, field, reason, headers
+
+    @classmethod
+    def from_input(cls, err: InputError, reason: str) -> Refused:
+        return cls(err.status, str(err), field=err.field, reason=reason)
+
+    def response(self) -> JSONResponse:
+        REFUSED.labels(reason=self.reason).inc()
+        return JSONResponse({"error": str(self), "field": self.field}, self.status, self.headers)
 
 
-def _error_response(err: InputError) -> JSONResponse:
-    return JSONResponse(err.to_json(), status_code=err.status)
+CLASSIFY_USAGE = (
+    "send one image as a multipart file field 'image' (curl -F image=@photo.jpg URL/classify) "
+    "or as the whole body with its image content type "
+    "(curl --data-binary @photo.jpg -H 'Content-Type: image/jpeg' URL/classify)"
+)
+BATCH_USAGE = (
+    "send image files as repeated multipart fields 'images' "
+    "(curl -F images=@a.jpg -F images=@b.png URL/classify_batch), or JSON "
+    '{"images": [arrays of 0–255 numbers shaped as GET /metadata input.image]}'
+)
+TRUE, FALSE = frozenset({"true", "1", "yes", "on"}), frozenset({"false", "0", "no", "off", ""})
 
 
-_ImagesField = Annotated[
-    list[Any],
-    # Validated by trainyard.preprocess.pixel_arrays (first error only, field and index
-    # named); the schema is what the Swagger UI shows.
-    WithJsonSchema(
-        {
-            "type": "array",
-            "items": {
-                "type": "array",
-                "items": {
-                    "type": "array",
-                    "items": {"type": "number", "minimum": 0, "maximum": 255},
-                },
-            },
-            "description": (
-                "images, pixel values 0–255, shaped as GET /metadata's input.image: "
-                "H rows of W numbers for a grayscale model, C planes of those for colour"
-            ),
-        }
-    ),
-]
+def _media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _unsupported(path: str, media: str, usage: str) -> Refused:
+    got = f"'{media}'" if media else "a body without a Content-Type"
+    return Refused(
+        415,
+        f"{path} does not take {got}; {usage}",
+        field="Content-Type",
+        reason="unsupported_media_type",
+    )
+
+
+def _flag(name: str, value: str | None) -> bool:
+    text = (value or "").strip().lower()
+    if text in TRUE:
+        return True
+    if text in FALSE:
+        return False
+    raise Refused(
+        400, f"{name}: expected true or false, got {value!r}", field=name, reason="bad_field"
+    )
+
+
+def _top_k(value: str | None, num_classes: int, default: int) -> int:
+    if value is None:
+        return min(default, num_classes)
+    if not value.strip().isdigit() or int(value) < 1:
+        raise Refused(
+            400,
+            f"top_k: expected a whole number from 1 to {num_classes}, got {value!r}",
+            field="top_k",
+            reason="bad_field",
+        )
+    return min(int(value), num_classes)
+
+
+async def _parse_form(
+    request: Request,
+    body: bytes,
+    *,
+    files: str,
+    texts: tuple[str, ...],
+    max_files: int,
+    usage: str,
+) -> FormData:
+    """The multipart body, parsed once; unknown fields, text where a file belongs and a
+    file where text belongs are 400s that name the field (a text ``image`` is never taken
+    for a URL to fetch)."""
+
+    async def stream() -> Any:
+        yield body
+
+    try:
+        # One more file than allowed is parsed, so "too many" is a 413 that says how many.
+        form = await MultiPartParser(
+            request.headers, stream(), max_files=max_files + 1, max_fields=len(texts) + 1
+        ).parse()
+    except MultiPartException as err:
+        if err.message.startswith("Too many files"):
+            if files == "image":
+                raise Refused(
+                    400,
+                    f"image: expected one file field 'image', got more; {usage}",
+                    field="image",
+                    reason="bad_field",
+                ) from None
+            raise Refused(
+                413,
+                f"{files}: more than the limit of {max_files} per request "
+                "(serve.max_batch_images); split them over several requests",
+                field=files,
+                reason="too_many_images",
+            ) from None
+        if err.message.startswith("Too many fields"):
+            raise Refused(
+                400, f"body: too many text fields; {usage}", field="body", reason="bad_field"
+            ) from None
+        raise Refused(
+            400,
+            f"body: malformed multipart/form-data ({err.message}); {usage}",
+            field="body",
+            reason="bad_request",
+        ) from None
+    for key in form:
+        if key != files and key not in texts:
+            await form.close()
+            raise Refused(400, f"{key}: unknown form field; {usage}", field=key, reason="bad_field")
+    for key in texts:
+        if any(isinstance(v, UploadFile) for v in form.getlist(key)):
+            await form.close()
+            raise Refused(400, f"{key}: must be text, not a file", field=key, reason="bad_field")
+    return form
+
+
+async def _file_fields(form: FormData, name: str, usage: str) -> list[bytes]:
+    out = []
+    for i, value in enumerate(form.getlist(name)):
+        if not isinstance(value, UploadFile):
+            where = name if name == "image" else f"{name}[{i}]"
+            raise Refused(
+                400,
+                f"{where}: must be a file upload, not text; {usage}",
+                field=where,
+                reason="bad_field",
+            )
+        out.append(await value.read())
+    return out
 
 
 # ---------------------------------------------------------------------------- service
@@ -429,17 +510,11 @@ _ImagesField = Annotated[
     name="trainyard_classifier",
     workers=SETTINGS.workers,
     traffic={"timeout": SETTINGS.timeout_s, "max_concurrency": SETTINGS.max_concurrency},
-    # The batching hop's in-process client: BentoML >= 1.4.30 recycles its session every
-    # 100 requests and closes it under in-flight calls ("Server disconnected" -> 500 under
-    # load; bentoml#5540, #5544). One session for the process's life avoids that.
-    runner_connection={"max_requests": 2**31 - 1, "max_age": 1e9},
-    # The outer /classify request is logged; its internal batching hop would double the lines.
-    logging={
-        "access": {"skip_paths": ["/metrics", "/healthz", "/livez", "/readyz", INTERNAL_ROUTE]}
-    },
+    logging={"access": {"skip_paths": ["/metrics", "/healthz", "/livez", "/readyz"]}},
 )
-class FashionClassifier:
-    """Fashion-MNIST classifier: the ONNX model the pipeline exported and verified."""
+class ImageClassifier:
+    """Any trainyard model: the ONNX file the pipeline exported and verified, and the
+    dataset card it carries (classes, channels, size, resize policy, normalisation)."""
 
     def __init__(self) -> None:
         self.params = SETTINGS
@@ -449,17 +524,20 @@ class FashionClassifier:
         self.card = card_from_metadata(self.model.metadata, str(MODEL_PATH))
         self.classes = self.model.classes
         self.version = self.sha256[:12]
-        self._internal_ready = False
+        self._batcher: Callable[[np.ndarray], Awaitable[np.ndarray | None]] | None = None
         # Everything built so far (BentoML, pydantic, ONNX Runtime, the model) lives as long as
         # the process: freezing it keeps the collector from re-scanning it on every full
         # collection, which stalled ~1% of requests for 50-150 ms (p99; make bench-serve).
         gc.collect()
         gc.freeze()
         log.info(
-            "trainyard: serving %s (sha256 %s, %d classes) on %s; params %s; batching %s",
+            "trainyard: serving %s (sha256 %s, %d classes, input %s, resize %s) on %s; "
+            "params %s; batching %s",
             MODEL_PATH,
             self.sha256,
             len(self.classes),
+            image_shape_text(self.card),
+            self.card.resize,
             self.model.provider,
             PARAMS_FILE,
             f"on (max {SETTINGS.max_batch_size}, {SETTINGS.max_latency_ms} ms)"
@@ -467,18 +545,14 @@ class FashionClassifier:
             else "off",
         )
 
-    # The batching hop: /classify calls this through BentoML's in-process client, so the
-    # adaptive batcher merges concurrent requests into one ONNX Runtime run.
-    @bentoml.api(
-        route=INTERNAL_ROUTE,
-        batchable=SETTINGS.batching,
-        batch_dim=0,
-        max_batch_size=SETTINGS.max_batch_size,
-        max_latency_ms=SETTINGS.max_latency_ms,
-    )
-    def infer(self, pixels: Annotated[np.ndarray, DType("float32")]) -> np.ndarray:
-        """Internal (404 from outside): pixels 0–255 [N,C,H,W] -> probabilities [N,K]."""
-        return self.probabilities(pixels)
+    @bentoml.on_startup
+    def warm_up(self) -> None:
+        """One inference per worker before /readyz says ready: ONNX Runtime allocates its
+        arenas and picks kernels on the first run, which otherwise lands on a user."""
+        c, h, w = self.card.input_shape
+        self.probabilities(np.zeros((1, c, h, w), dtype=np.float32))
+
+    # ------------------------------------------------------------------ model
 
     def probabilities(self, pixels: np.ndarray) -> np.ndarray:
         """Pixels 0–255 [N,C,H,W] -> softmax probabilities [N,classes] (float32)."""
@@ -487,76 +561,184 @@ class FashionClassifier:
                 f"pixels must be [N,{','.join(map(str, self.card.input_shape))}], "
                 f"got {list(pixels.shape)}"
             )
+        BATCH_SIZE.observe(pixels.shape[0])
         return softmax(self.model.run(normalize(pixels, self.card)))
 
-    async def _probabilities_one(self, pixels: np.ndarray) -> np.ndarray:
+    async def probabilities_one(self, pixels: np.ndarray) -> np.ndarray:
+        """[C,H,W] -> [classes]: through the adaptive batcher when batching is on."""
+        x = pixels[None].astype(np.float32)
         if not self.params.batching:
-            return await run_in_threadpool(self.probabilities, pixels)
-        client = self.to_async  # type: ignore[attr-defined]  # set by BentoML at start-up
-        if not self._internal_ready:
-            # The in-process client builds its sessions from this dict, lazily, on first use.
-            client.default_headers[INTERNAL_HEADER] = _INTERNAL_TOKEN
-            self._internal_ready = True
-        return await client.infer(pixels)
-
-    def _predictions(self, probs: np.ndarray) -> list[Prediction]:
-        ids = probs.argmax(axis=1)
-        return [
-            Prediction(
-                label=self.classes[int(i)],
-                class_id=int(i),
-                probabilities=[float(p) for p in row],
-                model_version=self.version,
+            return (await run_in_threadpool(self.probabilities, x))[0]
+        if self._batcher is None:  # created on first use, on this worker's event loop
+            self._batcher = _adaptive_batcher(self)
+        probs = await self._batcher(x)
+        if probs is None:  # shed: the queue could not be served within max_latency_ms
+            raise Refused(
+                503,
+                "server overloaded: the request could not be answered within "
+                f"serve.max_latency_ms ({self.params.max_latency_ms} ms); retry shortly",
+                field=None,
+                reason="overloaded",
+                headers={"retry-after": "1"},
             )
-            for i, row in zip(ids, probs, strict=True)
-        ]
+        return probs[0]
 
-    @bentoml.api
-    async def classify(
-        self,
-        image: Annotated[Path, Field(description="a PNG or JPEG, any size and mode")],
-        invert: Annotated[
-            bool, Field(description="true for dark garments on a light background")
-        ] = False,
-    ) -> Prediction:
-        """Classify one image (multipart field `image`)."""
+    def prediction(self, probs: np.ndarray, top_k: int) -> dict[str, Any]:
+        order = np.argsort(-probs, kind="stable")[:top_k]
+        best = int(order[0])
+        label = self.classes[best]
+        PREDICTIONS.labels(label=label).inc()
+        CONFIDENCE.observe(float(probs[best]))
+        return {
+            "label": label,
+            "class_id": best,
+            "probabilities": probs.tolist(),
+            "top_k": [
+                {"label": self.classes[int(i)], "class_id": int(i), "probability": float(probs[i])}
+                for i in order
+            ],
+            "model_version": self.version,
+        }
+
+    def decode(self, data: bytes, field: str, invert: bool) -> np.ndarray:
+        """Image bytes -> uint8 [C,H,W] by the card (the function prepare used)."""
+        info: dict[str, Any] = {}
         try:
-            data = await run_in_threadpool(image.read_bytes)
-            pixels = await run_in_threadpool(
-                decode_image,
+            return decode_image(
                 data,
                 self.card,
                 invert=invert,
                 max_pixels=self.params.max_image_pixels,
+                field=field,
+                info=info,
             )
         except InputError as err:
-            return _error_response(err)  # type: ignore[return-value]  # BentoML sends Responses as-is
-        try:
-            probs = await self._probabilities_one(pixels[None].astype(np.float32))
-        except BentoMLException as err:
-            status = int(err.error_code)
-            if status not in (429, 503):
-                raise
-            # The batcher shed the request (queue past max_latency_ms) or the server is full.
-            return JSONResponse(  # type: ignore[return-value]
-                {"error": "server overloaded; retry shortly", "field": None},
-                status_code=status,
-                headers={"retry-after": "1"},
-            )
-        return self._predictions(np.asarray(probs))[0]
+            reason = "image_too_large" if err.status == 413 else "bad_image"
+            raise Refused.from_input(err, reason) from None
+        finally:
+            if "width" in info:
+                IMAGE_PIXELS.observe(info["width"] * info["height"])
 
-    @bentoml.api
-    async def classify_batch(
-        self,
-        images: Annotated[_ImagesField, Field(description="up to serve.max_batch_images")],
-    ) -> list[Prediction]:
-        """Classify a JSON list of images (arrays of 0–255 numbers), in one ONNX Runtime run."""
-        try:
-            pixels = pixel_arrays(images, self.card, max_images=self.params.max_batch_images)
-        except InputError as err:
-            return _error_response(err)  # type: ignore[return-value]
+    # ------------------------------------------------------------------ endpoints
+
+    async def classify(self, request: Request, body: bytes) -> dict[str, Any]:
+        media = _media_type(request)
+        query = request.query_params
+        if media == "multipart/form-data":
+            form = await _parse_form(
+                request,
+                body,
+                files="image",
+                texts=("invert", "top_k"),
+                max_files=1,
+                usage=CLASSIFY_USAGE,
+            )
+            try:
+                images = await _file_fields(form, "image", CLASSIFY_USAGE)
+                if len(images) != 1:
+                    raise Refused(
+                        400,
+                        f"image: expected one file field 'image', got {len(images)}; "
+                        f"{CLASSIFY_USAGE}",
+                        field="image",
+                        reason="bad_field",
+                    )
+                invert = _flag("invert", _text(form, "invert") or query.get("invert"))
+                top_k = _top_k(
+                    _text(form, "top_k") or query.get("top_k"),
+                    len(self.classes),
+                    self.params.top_k,
+                )
+            finally:
+                await form.close()
+            data = images[0]
+        elif media.startswith("image/"):
+            invert = _flag("invert", query.get("invert"))
+            top_k = _top_k(query.get("top_k"), len(self.classes), self.params.top_k)
+            data = body
+        else:
+            raise _unsupported("/classify", media, CLASSIFY_USAGE)
+        if not data:
+            raise Refused(
+                400,
+                f"image: the image is empty (0 bytes); {CLASSIFY_USAGE}",
+                field="image",
+                reason="bad_image",
+            )
+        pixels = await run_in_threadpool(self.decode, data, "image", invert)
+        return self.prediction(await self.probabilities_one(pixels), top_k)
+
+    async def classify_batch(self, request: Request, body: bytes) -> list[dict[str, Any]]:
+        media = _media_type(request)
+        query = request.query_params
+        limit = self.params.max_batch_images
+        top_k = _top_k(query.get("top_k"), len(self.classes), self.params.top_k)
+        if media == "multipart/form-data":
+            form = await _parse_form(
+                request,
+                body,
+                files="images",
+                texts=("invert",),
+                max_files=limit,
+                usage=BATCH_USAGE,
+            )
+            try:
+                files = await _file_fields(form, "images", BATCH_USAGE)
+                invert = _flag("invert", _text(form, "invert") or query.get("invert"))
+            finally:
+                await form.close()
+            _check_count(len(files), limit)
+            pixels = await run_in_threadpool(self._decode_all, files, invert)
+        elif media == "application/json":
+            pixels = await run_in_threadpool(self._json_pixels, body)
+        else:
+            raise _unsupported("/classify_batch", media, BATCH_USAGE)
         probs = await run_in_threadpool(self.probabilities, pixels)
-        return self._predictions(probs)
+        return [self.prediction(row, top_k) for row in probs]
+
+    def _decode_all(self, files: Sequence[bytes], invert: bool) -> np.ndarray:
+        c, h, w = self.card.input_shape
+        out = np.empty((len(files), c, h, w), dtype=np.float32)
+        for i, data in enumerate(files):
+            if not data:
+                raise Refused(
+                    400,
+                    f"images[{i}]: the image is empty (0 bytes)",
+                    field=f"images[{i}]",
+                    reason="bad_image",
+                )
+            out[i] = self.decode(data, f"images[{i}]", invert)
+        return out
+
+    def _json_pixels(self, body: bytes) -> np.ndarray:
+        import json
+
+        try:
+            doc = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise Refused(
+                400,
+                f"body: Invalid JSON ({err}); {BATCH_USAGE}",
+                field="body",
+                reason="bad_request",
+            ) from None
+        if not isinstance(doc, dict) or "images" not in doc:
+            raise Refused(
+                400, f"images: missing; {BATCH_USAGE}", field="images", reason="bad_field"
+            )
+        unknown = sorted(set(doc) - {"images"})
+        if unknown:
+            raise Refused(
+                400,
+                f"{unknown[0]}: unknown field; {BATCH_USAGE}",
+                field=unknown[0],
+                reason="bad_field",
+            )
+        try:
+            return pixel_arrays(doc["images"], self.card, max_images=self.params.max_batch_images)
+        except InputError as err:
+            reason = "too_many_images" if err.status == 413 else "bad_field"
+            raise Refused.from_input(err, reason) from None
 
     def describe(self) -> dict[str, Any]:
         """What GET /metadata answers: the model's identity, contract and provider."""
@@ -585,6 +767,12 @@ class FashionClassifier:
                 "max_image_pixels": self.params.max_image_pixels,
                 "max_batch_images": self.params.max_batch_images,
                 "max_body_bytes": self.params.max_body_bytes,
+                "top_k": self.params.top_k,
+            },
+            "endpoints": {
+                "POST /classify": CLASSIFY_USAGE + "; query: top_k, invert",
+                "POST /classify_batch": BATCH_USAGE + "; query: top_k",
+                "GET /metadata": "this document",
             },
             "source": PROVENANCE,
             "provider": self.model.provider,
@@ -597,17 +785,112 @@ class FashionClassifier:
         }
 
 
+def _text(form: FormData, key: str) -> str | None:
+    value = form.get(key)
+    return value if isinstance(value, str) else None
+
+
+def _check_count(n: int, limit: int) -> None:
+    if n == 0:
+        raise Refused(
+            400, f"images: no image files; {BATCH_USAGE}", field="images", reason="bad_field"
+        )
+    if n > limit:
+        raise Refused(
+            413,
+            f"images: more than the limit of {limit} per request (serve.max_batch_images); "
+            "split them over several requests",
+            field="images",
+            reason="too_many_images",
+        )
+
+
+def _adaptive_batcher(
+    service: ImageClassifier,
+) -> Callable[[np.ndarray], Awaitable[np.ndarray | None]]:
+    """BentoML's adaptive batcher (the CorkDispatcher behind ``batchable=True`` APIs),
+    driven with decoded pixels: it learns the model's cost per batch and waits for more
+    requests only while that keeps every queued request within max_latency_ms, shedding
+    (None -> 503) those it cannot. Imported from BentoML's internals, so the bento pins
+    BentoML's minor version and tests/test_serving.py exercises it on every run."""
+    from bentoml._internal.marshal.dispatcher import CorkDispatcher
+
+    dispatcher: Any = CorkDispatcher(
+        max_latency_in_ms=service.params.max_latency_ms,
+        max_batch_size=service.params.max_batch_size,
+        fallback=lambda: None,
+        get_batch_size=lambda x: x.shape[0],
+        batch_dim=(0, 0),
+    )
+
+    async def run(batches: Sequence[np.ndarray]) -> list[np.ndarray]:
+        sizes = np.cumsum([b.shape[0] for b in batches])[:-1]
+        probs = await run_in_threadpool(service.probabilities, np.concatenate(batches))
+        return np.split(probs, sizes)
+
+    return dispatcher(run)
+
+
+def _service() -> ImageClassifier:
+    return bentoml.get_current_service()  # type: ignore[no-any-return]
+
+
+def _endpoint(
+    name: str,
+) -> Callable[[Request], Awaitable[JSONResponse]]:
+    async def handle(request: Request) -> JSONResponse:
+        try:
+            body = await request.body()
+            if not body:
+                usage = CLASSIFY_USAGE if name == "classify" else BATCH_USAGE
+                raise Refused(
+                    400, f"empty request body; {usage}", field="body", reason="bad_request"
+                )
+            result = await getattr(_service(), name)(request, body)
+        except Refused as err:
+            return err.response()
+        return JSONResponse(result)
+
+    handle.__name__ = name
+    return handle
+
+
 async def _metadata(request: Request) -> JSONResponse:
-    return JSONResponse(bentoml.get_current_service().describe())
+    return JSONResponse(_service().describe())
 
 
-# BentoML APIs are POST-only; GET /metadata is a small Starlette app mounted beside them.
-FashionClassifier.mount_asgi_app(
-    Starlette(routes=[Route("/metadata", _metadata, methods=["GET"])]), path="/"
+async def _not_found(request: Request, exc: Exception | None = None) -> JSONResponse:
+    # JSON like every other answer, and the list of what exists.
+    status = getattr(exc, "status_code", 404)
+    REFUSED.labels(reason="not_found" if status == 404 else "method_not_allowed").inc()
+    return JSONResponse(
+        {
+            "error": f"{request.method} {request.url.path}: "
+            + ("Not Found" if status == 404 else "Method Not Allowed")
+            + "; endpoints: POST /classify, POST /classify_batch, GET /metadata, "
+            "GET /healthz, GET /readyz, GET /livez, GET /metrics",
+            "field": None,
+        },
+        status,
+    )
+
+
+ImageClassifier.mount_asgi_app(
+    Starlette(
+        exception_handlers={404: _not_found, 405: _not_found},
+        routes=[
+            Route("/classify", _endpoint("classify"), methods=["POST"]),
+            Route("/classify_batch", _endpoint("classify_batch"), methods=["POST"]),
+            Route("/metadata", _metadata, methods=["GET"]),
+            # Last: any other path. The mount sees only what BentoML's own routes did not
+            # take, and Starlette's default 404 there is plain text.
+            Route("/{path:path}", _not_found, methods=["GET", "HEAD", "POST", "PUT", "DELETE"]),
+        ],
+    ),
+    path="/",
 )
-FashionClassifier.add_asgi_middleware(
+ImageClassifier.add_asgi_middleware(
     RequestGuard,
     api_key=os.environ.get(API_KEY_ENV) or None,
-    internal_token=_INTERNAL_TOKEN,
     max_body_bytes=SETTINGS.max_body_bytes,
 )

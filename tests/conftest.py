@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -142,9 +143,11 @@ def train_checkpoint(
     batch_size: int,
     mean: float,
     std: float,
+    card: Any = None,
 ) -> Path:
     """A real Lightning checkpoint (``root/best.ckpt``) after ``steps`` CPU steps, on
-    Fashion-MNIST-like images [N,28,28] or [N,1,28,28], carrying a Fashion-MNIST card."""
+    Fashion-MNIST-like images [N,28,28] or [N,1,28,28], carrying a Fashion-MNIST card
+    (or ``card``, for images [N,C,H,W] of another contract)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -167,7 +170,8 @@ def train_checkpoint(
         enable_model_summary=False,
         default_root_dir=str(root),
     )
-    trainer.fit(Classifier(card=fashion_card(mean, std).contract(), arch="cnn"), loader)
+    card = fashion_card(mean, std) if card is None else card
+    trainer.fit(Classifier(card=card.contract(), arch="cnn"), loader)
     trainer.save_checkpoint(root / "best.ckpt")
     return root / "best.ckpt"
 

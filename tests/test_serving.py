@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import io
+import itertools
 import json
 import os
 import shutil
@@ -119,7 +120,7 @@ class Server:
         cmd = [
             str(VENV_BIN / "bentoml"),
             "serve",
-            "serving.service:FashionClassifier",
+            "serving.service:ImageClassifier",
             "--host",
             "127.0.0.1",
             "--port",
@@ -225,15 +226,25 @@ def test_http_predictions_equal_offline_onnx_runtime(server, test_set, offline, 
         assert pred["model_version"] == version
     labels = server_metadata(server.url)["classes"]
     assert all(p["label"] == labels[p["class_id"]] for p in got)
-    # The batcher really ran multi-image batches (BentoML's own histogram says so).
-    metrics = requests.get(f"{server.url}/metrics", timeout=10).text
-    total = count = 0.0
-    for line in metrics.splitlines():
-        if line.startswith("bentoml_service_adaptive_batch_size_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("bentoml_service_adaptive_batch_size_count"):
-            count += float(line.rsplit(" ", 1)[1])
-    assert total >= len(images) and count > 0
+    # The batcher really merged requests: fewer ONNX Runtime runs than images.
+    before = metric_values(server.url)
+    with cf.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda img: classify(server.url, png(img)), images))
+    after = metric_values(server.url)
+    runs = after.get("trainyard_batch_size_count", 0) - before.get("trainyard_batch_size_count", 0)
+    summed = after.get("trainyard_batch_size_sum", 0) - before.get("trainyard_batch_size_sum", 0)
+    assert summed == len(images) and 0 < runs < len(images), (runs, summed)
+
+
+def metric_values(url: str, headers: dict | None = None) -> dict[str, float]:
+    """/metrics as {series with labels: value}, summed over workers."""
+    text = requests.get(f"{url}/metrics", headers=headers, timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
 
 
 def server_metadata(url: str, headers: dict | None = None) -> dict:
@@ -255,14 +266,23 @@ def test_batch_endpoint_agrees_with_single_images(server, test_set, offline):
     assert np.allclose([p["probabilities"] for p in got], offline, atol=1e-5)
 
 
-def test_python_client_from_the_readme(server, test_set, offline, tmp_path):
-    import bentoml
-
-    shirt = tmp_path / "shirt.png"
-    shirt.write_bytes(png(test_set[0][0]))
-    with bentoml.SyncHTTPClient(server.url) as client:
-        pred = client.classify(image=shirt)
-    assert pred["class_id"] == int(offline[0].argmax())
+def test_raw_body_and_multipart_give_the_same_answer_with_top_k(server, test_set, offline):
+    data = png(test_set[0][3])
+    raw = requests.post(
+        f"{server.url}/classify?top_k=3",
+        data=data,
+        headers={"Content-Type": "image/png"},
+        timeout=30,
+    )
+    assert raw.status_code == 200, raw.text
+    multi = classify(server.url, data).json()
+    assert raw.json()["probabilities"] == multi["probabilities"]
+    assert np.allclose(multi["probabilities"], offline[3], atol=1e-5)
+    top = raw.json()["top_k"]
+    assert [t["class_id"] for t in top] == [int(i) for i in np.argsort(-offline[3])[:3]]
+    assert top[0]["label"] == raw.json()["label"]
+    assert len(multi["top_k"]) == 5  # serve.top_k's default
+    assert all(a["probability"] >= b["probability"] for a, b in itertools.pairwise(top))
 
 
 def test_metadata_names_the_model_and_the_provider(server, model_dir):
@@ -312,6 +332,161 @@ def test_one_pixel_image_is_valid(server):
     assert resp.status_code == 200 and len(resp.json()["probabilities"]) == 10
 
 
+# ---------------------------------------------------------------------------- any contract
+
+RGB_CLASSES = ("red car", "Straße/β", "ünïcode ✓")
+
+
+@pytest.fixture(scope="module")
+def rgb_model(tmp_path_factory):
+    """An RGB 3x40x48 model, centre-crop policy, class names with spaces, '/' and
+    non-ASCII letters: trained a few steps by the real code and exported with its card."""
+    from trainyard.card import Card
+    from trainyard.export import export_and_verify
+
+    from conftest import draw_shape
+
+    root = tmp_path_factory.mktemp("rgb-model")
+    rng = np.random.default_rng(3)
+    card = Card(
+        source="folder",
+        classes=RGB_CLASSES,
+        channels=3,
+        height=40,
+        width=48,
+        mean=(0.5, 0.45, 0.4),
+        std=(0.25, 0.26, 0.27),
+        resize="crop",
+    )
+    kinds = ("circle", "square", "triangle")
+    images = np.stack(
+        [
+            np.asarray(draw_shape(kinds[i % 3], (48, 40), rng, "RGB")).transpose(2, 0, 1)
+            for i in range(96)
+        ]
+    )
+    labels = np.arange(96) % 3
+    train_checkpoint(root, images, labels, steps=6, batch_size=32, mean=0, std=1, card=card)
+    export_and_verify(
+        root / "best.ckpt",
+        root / "model.onnx",
+        images[:32],
+        opset=18,
+        max_abs_diff=1e-4,
+        run_id="rgb-run",
+        data_sha256="e" * 64,
+    )
+    return root / "model.onnx"
+
+
+@pytest.fixture(scope="module")
+def rgb_server(tmp_path_factory, rgb_model):
+    tmp = tmp_path_factory.mktemp("rgb-server")
+    params = write_params(tmp / "params.yaml", batching=True, max_batch_images=4, top_k=2)
+    srv = Server(server_env(params, rgb_model), tmp / "serve.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def rgb_photos(n: int) -> list[bytes]:
+    """RGB photos of mixed sizes and formats, none at the model's 48x40."""
+    from conftest import draw_shape
+
+    rng = np.random.default_rng(11)
+    out = []
+    for i in range(n):
+        size = (int(rng.integers(60, 400)), int(rng.integers(60, 400)))
+        im = draw_shape(("circle", "square", "triangle")[i % 3], size, rng, "RGB")
+        out.append(png(im, ("PNG", "JPEG", "WEBP")[i % 3]))
+    return out
+
+
+def test_an_rgb_model_serves_photos_with_its_own_contract(rgb_server, rgb_model):
+    from trainyard.card import card_from_metadata
+    from trainyard.inference import load_onnx
+    from trainyard.preprocess import decode_image, normalize, softmax
+
+    model = load_onnx(rgb_model, device="cpu")
+    card = card_from_metadata(model.metadata)
+    photos = rgb_photos(6)
+    # offline: the same bytes through the same imaging function, then ONNX Runtime
+    offline = softmax(model.run(normalize(np.stack([decode_image(p, card) for p in photos]), card)))
+
+    meta = server_metadata(rgb_server.url)
+    assert meta["classes"] == list(RGB_CLASSES)
+    assert meta["input"]["shape"] == [-1, 3, 40, 48] and meta["input"]["image"] == "3x40x48"
+    assert meta["input"]["resize"] == "crop" and meta["dataset_card"]["resize"] == "crop"
+    assert meta["input"]["normalization"]["mean"] == [0.5, 0.45, 0.4]
+
+    before = metric_values(rgb_server.url)
+    for i, data in enumerate(photos):
+        multi = classify(rgb_server.url, data)
+        raw = requests.post(
+            f"{rgb_server.url}/classify",
+            data=data,
+            headers={"Content-Type": ("image/png", "image/jpeg", "image/webp")[i % 3]},
+            timeout=30,
+        )
+        for resp in (multi, raw):
+            assert resp.status_code == 200, resp.text
+            pred = resp.json()
+            assert np.allclose(pred["probabilities"], offline[i], atol=1e-5), i
+            assert pred["label"] == RGB_CLASSES[int(offline[i].argmax())]
+            assert len(pred["top_k"]) == 2  # serve.top_k: 2
+    files = [("images", (f"p{i}", data)) for i, data in enumerate(photos[:4])]
+    resp = requests.post(f"{rgb_server.url}/classify_batch", files=files, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert np.allclose([p["probabilities"] for p in resp.json()], offline[:4], atol=1e-5)
+
+    # The monitoring series moved: predictions per class, confidence, input sizes.
+    after = metric_values(rgb_server.url)
+    served = 2 * len(photos) + 4
+    predicted = sum(
+        after.get(f'trainyard_predictions_total{{label="{c}"}}', 0)
+        - before.get(f'trainyard_predictions_total{{label="{c}"}}', 0)
+        for c in RGB_CLASSES
+    )
+    assert predicted == served
+    for series in ("trainyard_top1_confidence_count", "trainyard_input_image_pixels_count"):
+        assert after[series] - before.get(series, 0) == served, series
+    label_of_first = RGB_CLASSES[int(offline[0].argmax())]
+    assert f'trainyard_predictions_total{{label="{label_of_first}"}}' in after
+
+
+def test_an_rgb_model_refuses_what_does_not_fit_its_contract(rgb_server):
+    url = rgb_server.url
+    plane = [[0] * 48 for _ in range(40)]
+    cases = {
+        "one channel for an RGB model": (
+            {"images": [plane]},
+            "images[0]: expected 3 channel planes of 40 rows of 48 numbers, got 40 items",
+        ),
+        "wrong height": (
+            {"images": [[plane[:39]] * 3]},
+            "images[0][0]: expected 40 rows of 48 numbers, got 39 items",
+        ),
+        "wrong width": (
+            {"images": [[[row[:47] for row in plane]] * 3]},
+            "images[0][0][0]: expected 48 numbers, got 47 items",
+        ),
+    }
+    for name, (body, text) in cases.items():
+        resp = requests.post(f"{url}/classify_batch", json=body, timeout=30)
+        assert resp.status_code == 400 and text in resp.json()["error"], (name, resp.text)
+    good = rgb_photos(1)[0]
+    resp = requests.post(
+        f"{url}/classify_batch",
+        files=[("images", ("ok.png", good)), ("images", ("x.png", b"")), ("images", ("y", good))],
+        timeout=30,
+    )
+    assert resp.status_code == 400 and resp.json()["field"] == "images[1]", resp.text
+    assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+    assert "status=500" not in rgb_server.tail(10_000_000)
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -347,7 +522,12 @@ def bad_requests(url: str, test_set) -> dict[str, tuple]:
             400,
             "empty request body",
         ),
-        "no content type": (lambda: post(f"{url}/classify", timeout=30), 415, "multipart"),
+        "no content type": (
+            lambda: post(f"{url}/classify", data=b"x", headers={"Content-Type": ""}, timeout=30),
+            415,
+            "a body without a Content-Type",
+        ),
+        "no body at all": (lambda: post(f"{url}/classify", timeout=30), 400, "empty request body"),
         "wrong field name": (
             lambda: post(f"{url}/classify", files={"file": ("a.png", good)}, timeout=30),
             400,
@@ -358,10 +538,57 @@ def bad_requests(url: str, test_set) -> dict[str, tuple]:
             400,
             "image: must be a file upload",
         ),
-        "wrong content type": (
-            lambda: post(f"{url}/classify", data=good, headers={"Content-Type": "image/png"}),
+        "raw body that is not an image type": (
+            lambda: post(f"{url}/classify", data=good, headers={"Content-Type": "text/plain"}),
             415,
-            "takes multipart/form-data, got 'image/png'",
+            "does not take 'text/plain'",
+        ),
+        "raw image body that is empty": (
+            lambda: post(f"{url}/classify", data=b"", headers={"Content-Type": "image/png"}),
+            400,
+            "empty request body",
+        ),
+        "raw image body that is not an image": (
+            lambda: post(f"{url}/classify", data=b"GIF89a?", headers={"Content-Type": "image/gif"}),
+            400,
+            "image: ",
+        ),
+        "two image fields": (
+            lambda: post(
+                f"{url}/classify",
+                files=[("image", ("a.png", good)), ("image", ("b.png", good))],
+                timeout=30,
+            ),
+            400,
+            "expected one file field 'image'",
+        ),
+        "top_k not a number": (
+            lambda: post(f"{url}/classify?top_k=all", files={"image": ("a.png", good)}),
+            400,
+            "top_k: expected a whole number",
+        ),
+        "batch with one corrupt file": (
+            lambda: post(
+                f"{url}/classify_batch",
+                files=[("images", ("a.png", good)), ("images", ("b.png", b"\x89PNG broken"))],
+                timeout=30,
+            ),
+            400,
+            "images[1]: ",
+        ),
+        "batch with more files than the limit": (
+            lambda: post(
+                f"{url}/classify_batch",
+                files=[("images", (f"{i}.png", good)) for i in range(17)],
+                timeout=30,
+            ),
+            413,
+            "more than the limit of 16",
+        ),
+        "batch in another content type": (
+            lambda: post(f"{url}/classify_batch", data=good, headers={"Content-Type": "image/png"}),
+            415,
+            "repeated multipart fields 'images'",
         ),
         "malformed multipart": (
             lambda: multipart_raw(url, b"garbage", "multipart/form-data"),
@@ -461,7 +688,7 @@ def bad_requests(url: str, test_set) -> dict[str, tuple]:
             415,
             "pickle",
         ),
-        "internal route from outside": (
+        "unknown route": (
             lambda: post(f"{url}/internal/infer", json={"pixels": [ZERO]}, timeout=30),
             404,
             "Not Found",
@@ -482,6 +709,7 @@ def strings_in(obj: object) -> str:
 
 def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_stays_up(server, test_set):
     failures = []
+    before = metric_values(server.url)
     for name, (send, status, text) in bad_requests(server.url, test_set).items():
         start = time.perf_counter()
         resp = send()
@@ -497,6 +725,25 @@ def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_stays_up(server,
     assert classify(server.url, png(test_set[0][0])).status_code == 200
     # BentoML's access log: no request of this module's server was answered by a crash.
     assert "status=500" not in server.tail(10_000_000)
+    # Every refusal is counted on /metrics by reason, beside BentoML's own series.
+    after = metric_values(server.url)
+
+    def moved(reason: str) -> float:
+        key = f'trainyard_requests_refused_total{{reason="{reason}"}}'
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for reason in (
+        "unsupported_media_type",
+        "bad_request",
+        "bad_field",
+        "bad_image",
+        "image_too_large",
+        "too_many_images",
+        "body_too_large",
+        "not_found",
+    ):
+        assert moved(reason) >= 1, reason
+    assert any(k.startswith("bentoml_service_request_total") for k in after)
 
 
 # ---------------------------------------------------------------------------- API key
@@ -520,10 +767,9 @@ def test_api_key_guards_predictions_and_leaves_probes_open(keyed_server, test_se
     assert np.allclose(resp.json()["probabilities"], offline[0], atol=1e-5)
     assert server_metadata(url, headers=key)["batching"]["enabled"] is False
 
-    import bentoml
-
-    with bentoml.SyncHTTPClient(url, token=API_KEY) as client:
-        assert client.classify_batch(images=[ZERO])[0]["label"]
+    resp = requests.post(f"{url}/classify_batch", json=batch([ZERO]), headers=key, timeout=10)
+    assert resp.status_code == 200 and resp.json()[0]["label"]
+    assert metric_values(url)['trainyard_requests_refused_total{reason="unauthorized"}'] >= 5
 
 
 def test_over_concurrency_gets_a_fast_429_not_a_hang(keyed_server, test_set):
@@ -556,7 +802,7 @@ def start_and_expect_failure(
     """Run `bentoml serve` expecting it to stop by itself; return what it printed."""
     params = write_params(tmp / "params.yaml", **serve)
     env = server_env(params, model, **(env_extra or {}))
-    cmd = [str(VENV_BIN / "bentoml"), "serve", "serving.service:FashionClassifier"]
+    cmd = [str(VENV_BIN / "bentoml"), "serve", "serving.service:ImageClassifier"]
     cmd += ["--host", "127.0.0.1", "--port", str(free_port())]
     try:
         done = subprocess.run(

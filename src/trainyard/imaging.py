@@ -102,8 +102,13 @@ def image_to_pixels(
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     field: str = "image",
     invert: bool = False,
+    info: dict[str, Any] | None = None,
 ) -> np.ndarray:
     """Image bytes of any supported format and mode -> uint8 pixels ``[C, H, W]``.
+
+    ``info``, when given, receives the file's ``format``, ``width`` and ``height`` as soon
+    as the header is read (also when decoding then fails): what the service reports as
+    input image sizes, without opening the image twice.
 
     In order: header check (format, pixel count), decode (JPEGs far larger than needed
     decode at 1/2..1/8 scale), EXIF orientation, conversion to ``channels`` (16-bit maps to
@@ -117,6 +122,8 @@ def image_to_pixels(
         raise ValueError(f"channels must be 1 or 3, got {channels}")
     with _open(data, max_pixels, field) as im:
         fmt = im.format
+        if info is not None:
+            info.update(format=fmt, width=im.width, height=im.height)
         try:
             if fmt in ("JPEG", "MPO"):
                 # Any scale that keeps both sides at least twice the target: enough for every

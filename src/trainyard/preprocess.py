@@ -49,6 +49,7 @@ def decode_image(
     invert: bool = False,
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     field: str = "image",
+    info: dict[str, Any] | None = None,
 ) -> np.ndarray:
     """Image bytes of any supported format, size and mode -> uint8 [C,H,W] for ``card``.
 
@@ -66,6 +67,7 @@ def decode_image(
         max_pixels=max_pixels,
         field=field,
         invert=invert,
+        info=info,
     )
 
 
