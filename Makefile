@@ -75,7 +75,7 @@ SERVE_HOST ?= 127.0.0.1
 SERVE_PORT ?= 3000
 export BENTOML_DO_NOT_TRACK := true
 serve: venv
-	$(BIN)/bentoml serve serving.service:FashionClassifier --host $(SERVE_HOST) --port $(SERVE_PORT)
+	$(BIN)/bentoml serve serving.service:ImageClassifier --host $(SERVE_HOST) --port $(SERVE_PORT)
 
 bento: venv
 	$(BIN)/bentoml build -f serving/bentofile.yaml .
