@@ -510,7 +510,12 @@ async def _file_fields(form: FormData, name: str, usage: str) -> list[bytes]:
     name="trainyard_classifier",
     workers=SETTINGS.workers,
     traffic={"timeout": SETTINGS.timeout_s, "max_concurrency": SETTINGS.max_concurrency},
-    logging={"access": {"skip_paths": ["/metrics", "/healthz", "/livez", "/readyz"]}},
+    logging={
+        "access": {
+            "enabled": SETTINGS.access_log,
+            "skip_paths": ["/metrics", "/healthz", "/livez", "/readyz"],
+        }
+    },
 )
 class ImageClassifier:
     """Any trainyard model: the ONNX file the pipeline exported and verified, and the
@@ -665,8 +670,15 @@ class ImageClassifier:
                 field="image",
                 reason="bad_image",
             )
+        if not self.params.batching:
+            # Decode and inference in one worker-thread hop: each hop costs a GIL handoff.
+            return await run_in_threadpool(self._classify_now, data, invert, top_k)
         pixels = await run_in_threadpool(self.decode, data, "image", invert)
         return self.prediction(await self.probabilities_one(pixels), top_k)
+
+    def _classify_now(self, data: bytes, invert: bool, top_k: int) -> dict[str, Any]:
+        pixels = self.decode(data, "image", invert)
+        return self.prediction(self.probabilities(pixels[None].astype(np.float32))[0], top_k)
 
     async def classify_batch(self, request: Request, body: bytes) -> list[dict[str, Any]]:
         media = _media_type(request)

@@ -142,6 +142,7 @@ class ServeParams(_Strict):
     max_latency_ms: int = Field(1000, ge=1, le=60_000)
     max_batch_images: int = Field(256, ge=1, le=4096)
     top_k: int = Field(5, ge=1, le=100_000)
+    access_log: bool = True
     max_image_pixels: int = Field(25_000_000, ge=1, le=500_000_000)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=1024**3)
     max_concurrency: int = Field(256, ge=2, le=100_000)

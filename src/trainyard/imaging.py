@@ -130,7 +130,8 @@ def image_to_pixels(
                 # policy (crop needs the shorter side >= target) and far cheaper to decode.
                 im.draft(im.mode, (2 * width, 2 * height))
             im.load()
-            im = ImageOps.exif_transpose(im)
+            # In place: without EXIF orientation (most uploads) nothing is copied.
+            ImageOps.exif_transpose(im, in_place=True)
             arr = _to_channels(im, channels, fill, invert)
         except InputError:
             raise
