@@ -19,7 +19,7 @@ help:
 	@echo "make train-fast - dvc exp run with the fast preset (presets/fast.yaml)"
 	@echo "make serve  - the inference service (BentoML) on http://$(SERVE_HOST):$(SERVE_PORT), after make run"
 	@echo "make bento  - bentoml build: service + verified model, ready for bentoml containerize"
-	@echo "make bench-serve - load test of the service (wrk), batching on/off: docs/benchmarks.md"
+	@echo "make bench-serve - service load test (wrk): vs reference, p99, cold start, batching: docs/benchmarks.md"
 	@echo "make bench-prepare - prepare on 20,000 generated JPEGs, 1 vs 2 workers: docs/benchmarks.md"
 	@echo "make lint   - ruff check + format check"
 
@@ -80,9 +80,13 @@ serve: venv
 bento: venv
 	$(BIN)/bentoml build -f serving/bentofile.yaml .
 
-# About 75 s: two servers on free 127.0.0.1 ports, wrk at 1/16/64 clients (apt-get install wrk).
+# About 3 min on 2 cores (apt-get install wrk): service vs reference server (1 worker,
+# 1/16/64 clients), p99 with cpu_count workers, cold start of `make serve`, adaptive
+# batching on/off on the Fashion CNN and a 160 px resnet18; needs models/model.onnx
+# (make run). BENCH_SERVE_ARGS=--quick for a smoke run; --render re-renders the docs.
+BENCH_SERVE_ARGS ?=
 bench-serve: venv
-	$(BIN)/python serving/bench_serve.py
+	$(BIN)/python serving/bench_serve.py $(BENCH_SERVE_ARGS)
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -33,7 +33,6 @@ from typing import Any
 import bentoml
 import numpy as np
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
@@ -139,7 +138,7 @@ def load_model(path: Path, params: ServeParams) -> tuple[OnnxModel, str]:
     ProviderError, never a quiet CPU run)."""
     sha = verify_model(path)
     try:
-        model = load_onnx(path, device=params.device, intra_op_threads=params.intra_op_threads)
+        model = load_onnx(path, device=params.device, intra_op_threads=params.model_threads())
     except (OSError, RuntimeError) as err:  # onnxruntime's load failures (InvalidGraph, ...)
         raise ModelError(f"{path}: ONNX Runtime cannot load it: {err}") from None
     return model, sha
@@ -530,6 +529,7 @@ class ImageClassifier:
         self.classes = self.model.classes
         self.version = self.sha256[:12]
         self._batcher: Callable[[np.ndarray], Awaitable[np.ndarray | None]] | None = None
+        self._limiter: Any = None  # anyio.CapacityLimiter, made on this worker's loop
         # Everything built so far (BentoML, pydantic, ONNX Runtime, the model) lives as long as
         # the process: freezing it keeps the collector from re-scanning it on every full
         # collection, which stalled ~1% of requests for 50-150 ms (p99; make bench-serve).
@@ -537,7 +537,7 @@ class ImageClassifier:
         gc.freeze()
         log.info(
             "trainyard: serving %s (sha256 %s, %d classes, input %s, resize %s) on %s; "
-            "params %s; batching %s",
+            "params %s; %d ONNX Runtime thread(s), %d inference(s) at once; batching %s",
             MODEL_PATH,
             self.sha256,
             len(self.classes),
@@ -545,6 +545,8 @@ class ImageClassifier:
             self.card.resize,
             self.model.provider,
             PARAMS_FILE,
+            SETTINGS.model_threads(),
+            SETTINGS.concurrent_inferences(),
             f"on (max {SETTINGS.max_batch_size}, {SETTINGS.max_latency_ms} ms)"
             if SETTINGS.batching
             else "off",
@@ -569,6 +571,15 @@ class ImageClassifier:
 
     # ------------------------------------------------------------------ model
 
+    async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a worker thread, at most ``concurrent_inferences`` at once
+        (FIFO): CPU work beyond the worker's cores only queues inside ONNX Runtime."""
+        import anyio.to_thread
+
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.params.concurrent_inferences())
+        return await anyio.to_thread.run_sync(lambda: fn(*args), limiter=self._limiter)
+
     def probabilities(self, pixels: np.ndarray) -> np.ndarray:
         """Pixels 0–255 [N,C,H,W] -> softmax probabilities [N,classes] (float32)."""
         if pixels.ndim != 4 or pixels.shape[1:] != self.card.input_shape:
@@ -583,7 +594,7 @@ class ImageClassifier:
         """[C,H,W] -> [classes]: through the adaptive batcher when batching is on."""
         x = pixels[None].astype(np.float32)
         if not self.params.batching:
-            return (await run_in_threadpool(self.probabilities, x))[0]
+            return (await self.in_thread(self.probabilities, x))[0]
         if self._batcher is None:  # created on first use, on this worker's event loop
             self._batcher = _adaptive_batcher(self)
         probs = await self._batcher(x)
@@ -682,8 +693,8 @@ class ImageClassifier:
             )
         if not self.params.batching:
             # Decode and inference in one worker-thread hop: each hop costs a GIL handoff.
-            return await run_in_threadpool(self._classify_now, data, invert, top_k)
-        pixels = await run_in_threadpool(self.decode, data, "image", invert)
+            return await self.in_thread(self._classify_now, data, invert, top_k)
+        pixels = await self.in_thread(self.decode, data, "image", invert)
         return self.prediction(await self.probabilities_one(pixels), top_k)
 
     def _classify_now(self, data: bytes, invert: bool, top_k: int) -> dict[str, Any]:
@@ -710,12 +721,12 @@ class ImageClassifier:
             finally:
                 await form.close()
             _check_count(len(files), limit)
-            pixels = await run_in_threadpool(self._decode_all, files, invert)
+            pixels = await self.in_thread(self._decode_all, files, invert)
         elif media == "application/json":
-            pixels = await run_in_threadpool(self._json_pixels, body)
+            pixels = await self.in_thread(self._json_pixels, body)
         else:
             raise _unsupported("/classify_batch", media, BATCH_USAGE)
-        probs = await run_in_threadpool(self.probabilities, pixels)
+        probs = await self.in_thread(self.probabilities, pixels)
         return [self.prediction(row, top_k) for row in probs]
 
     def _decode_all(self, files: Sequence[bytes], invert: bool) -> np.ndarray:
@@ -799,6 +810,10 @@ class ImageClassifier:
             "source": PROVENANCE,
             "provider": self.model.provider,
             "device": self.params.device,
+            "threads": {
+                "onnxruntime_intra_op": self.params.model_threads(),
+                "concurrent_inferences": self.params.concurrent_inferences(),
+            },
             "batching": {
                 "enabled": self.params.batching,
                 "max_batch_size": self.params.max_batch_size,
@@ -847,7 +862,7 @@ def _adaptive_batcher(
 
     async def run(batches: Sequence[np.ndarray]) -> list[np.ndarray]:
         sizes = np.cumsum([b.shape[0] for b in batches])[:-1]
-        probs = await run_in_threadpool(service.probabilities, np.concatenate(batches))
+        probs = await service.in_thread(service.probabilities, np.concatenate(batches))
         return np.split(probs, sizes)
 
     return dispatcher(run)

@@ -1,0 +1,285 @@
+"""serving/bench_serve.py's pure parts: figures, verdicts, markdown and the docs section.
+
+The load test itself (servers, wrk) is not run here: `make bench-serve` is the check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import REPO
+
+_spec = importlib.util.spec_from_file_location("bench_serve", REPO / "serving/bench_serve.py")
+assert _spec is not None and _spec.loader is not None
+bs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bs)
+
+
+def row(section: str, model: str, server: str, workers: int, batching: bool | None, **kw: Any):
+    r = {
+        "run": f"{section}-{model}-{server}-{workers}-{batching}",
+        "section": section,
+        "model": model,
+        "server": server,
+        "workers": workers,
+        "batching": batching,
+        "phase": "warm",
+        "clients": 16,
+        "seconds": 6.0,
+        "requests": 600,
+        "req_per_s": 100.0,
+        "ok_per_s": 100.0,
+        "p50_ms": 10.0,
+        "p99_ms": 40.0,
+        "non_2xx": 0,
+        "socket_errors": 0,
+        "mean_batch": None if server == "reference" else 1.0,
+        "shed": None if server == "reference" else 0,
+    }
+    r.update(kw)
+    return r
+
+
+def result(
+    svc16: float = 300.0,
+    ref16: float = 500.0,
+    p99: float = 45.0,
+    first: float = 400.0,
+    large_on64: float = 60.0,
+) -> dict[str, Any]:
+    """A fixed run: every figure is chosen, so each ratio and verdict is known."""
+    F, L = bs.FASHION, bs.LARGE
+    rows = []
+    for c, svc, ref in ((1, 200.0, 400.0), (16, svc16, ref16), (64, 250.0, 450.0)):
+        rows.append(row("throughput", F, "service", 1, False, clients=c, ok_per_s=svc))
+        rows.append(row("throughput", F, "reference", 1, None, clients=c, ok_per_s=ref))
+    cold = row("latency", F, "service", 2, False, run="cold", ok_per_s=800.0, p99_ms=p99)
+    rows.append({**cold, "section": "cold", "phase": "first", "ok_per_s": first})
+    rows.append(cold)
+    rows.append(row("latency", F, "reference", 2, None, ok_per_s=1500.0))
+    for c, on in ((16, 330.0), (64, 500.0)):
+        rows.append(row("batching", F, "service", 1, True, clients=c, ok_per_s=on, mean_batch=8))
+    for c, off, on in ((16, 50.0, 45.0), (64, 40.0, large_on64)):
+        rows.append(row("batching", L, "service", 1, False, clients=c, ok_per_s=off))
+        rows.append(
+            row(
+                "batching",
+                L,
+                "service",
+                1,
+                True,
+                clients=c,
+                ok_per_s=on,
+                req_per_s=on + 5,
+                non_2xx=c,
+                shed=c,
+                mean_batch=12.5,
+            )
+        )
+    ort = {
+        F: [
+            {"batch": b, "img_per_s": b / t, "ms_per_batch": t * 1e3, "ms_per_image": t * 1e3 / b}
+            for b, t in ((1, 1e-4), (8, 6e-4), (32, 2.4e-3))
+        ],
+        L: [
+            {"batch": b, "img_per_s": b / t, "ms_per_batch": t * 1e3, "ms_per_image": t * 1e3 / b}
+            for b, t in ((1, 0.010), (8, 0.072), (32, 0.28))
+        ],
+    }
+    # Batch 1 from 2 threads at once, and batch 32 on one intra-op thread per core.
+    ort[L].append({"batch": 1, "threads": 1, "callers": 2, "img_per_s": 190.0})
+    ort[L].append({"batch": 32, "threads": 0, "callers": 1, "img_per_s": 210.0})
+    for r in ort[L][-2:]:
+        r["ms_per_image"] = 1000 / r["img_per_s"]
+        r["ms_per_batch"] = r["ms_per_image"] * r["batch"] * r["callers"]
+    return {
+        "date": "2026-12-03 07:00",
+        "command": ".venv/bin/python serving/bench_serve.py",
+        "machine": {"cpu": "Test CPU", "cores": 2, "loadavg": 0.5},
+        "provider": "CPUExecutionProvider",
+        "threads": 1,
+        "seconds": 6,
+        "warmup": 3,
+        "first_seconds": 5,
+        "models": {
+            F: {"sha256": "ab" * 32, "input": "1x28x28", "requests": "PNGs"},
+            L: {
+                "description": "resnet18, random init",
+                "sha256": "cd" * 32,
+                "input": "3x160x160",
+                "size_mb": 45.0,
+                "build_s": 9.0,
+                "requests": "JPEGs",
+            },
+        },
+        "servers": [],
+        "cold_start": {
+            "run": "cold",
+            "model": F,
+            "server": "service",
+            "workers": 2,
+            "workers_param": "cpu_count",
+            "batching": False,
+            "ready_s": 4.25,
+        },
+        "rows": rows,
+        "onnx_runtime": ort,
+        "decode_ms": {F: 0.05, L: 1.5},
+    }
+
+
+def test_summary_ratios_compare_2xx_answers():
+    s = bs.summary(result())
+    assert s["throughput"][16] == pytest.approx(300 / 500)
+    assert s["throughput"][1] == pytest.approx(200 / 400)
+    assert s["latency_p99_ms"] == 45.0
+    assert s["cold_ready_s"] == 4.25
+    assert s["cold_ratio"] == pytest.approx(400 / 800)
+    assert s["batching"][bs.FASHION] == {16: pytest.approx(330 / 300), 64: pytest.approx(2.0)}
+    # 503s are not service: the larger model's "on" rows served ok_per_s, not req_per_s.
+    assert s["batching"][bs.LARGE] == {16: pytest.approx(0.9), 64: pytest.approx(1.5)}
+    assert s["non_2xx"] == 16 + 64 and s["shed"] == 16 + 64
+    assert {k: t["met"] for k, t in s["targets"].items()} == {
+        "throughput": True,
+        "latency": True,
+        "cold_start": True,
+        "batching": True,
+    }
+
+
+def test_verdicts_follow_the_figures():
+    s = bs.summary(result(svc16=200.0, p99=51.0, first=390.0, large_on64=40.0))
+    assert {k: t["met"] for k, t in s["targets"].items()} == {
+        "throughput": False,  # 0.4x
+        "latency": False,  # 51 ms
+        "cold_start": False,  # 390 / 800
+        "batching": False,  # exactly 1.0x is not "beats"
+    }
+
+
+def test_missing_figures_are_not_verdicts():
+    r = result()
+    r["rows"] = [x for x in r["rows"] if x["model"] != bs.LARGE]
+    s = bs.summary(r)
+    assert s["targets"]["batching"] == {
+        "value": None,
+        "met": None,
+        "text": bs.TARGETS["batching"]["text"],
+    }
+    assert "not measured" in bs.markdown(r)
+
+
+def test_markdown_states_targets_and_verdicts():
+    md = bs.markdown(result())
+    assert md.startswith(bs.SECTION + "\n")
+    assert "`.venv/bin/python serving/bench_serve.py` on 2026-12-03 07:00: Test CPU, 2 cores" in md
+    for text in (">= 0.5x of reference", "p99 <= 50 ms", "first 5 s not at half speed"):
+        assert text in md
+    assert "batching on beats off at 64 clients on the larger model" in md
+    assert "| 0.60x | **met** |" in md and "| 45 ms | **met** |" in md
+    assert "| 1.50x | **met** |" in md and "**not met**" not in md
+    assert "**4.2 s**" in md and "Batching won on resnet18 here. With" in md
+    assert "64 clients **1.50x**" in md  # resnet18 on / off
+    assert "64 requests shed with 503" in md
+
+    bad = bs.markdown(result(svc16=200.0, p99=80.0, large_on64=30.0))
+    assert "| 0.40x | **not met** |" in bad and "| 80 ms | **not met** |" in bad
+    assert "| 0.75x | **not met** |" in bad
+    # The explanation comes with the figures it rests on: ONNX Runtime's own batch gain,
+    # one call at a time (batching on) vs calls side by side (off), and every core.
+    assert "Batching did not win on resnet18 here. With `serve.intra_op_threads` = 1" in bad
+    assert "gains 1.14x img/s from batch 1 to batch 32 (100 -> 114 img/s)" in bad
+    assert "batch 1 from 2 threads at once gives 190 img/s" in bad
+    assert "(`serve.intra_op_threads: 0`) gives 210 img/s" in bad
+    assert "| resnet18 | 32 | one per core | 1 | 210 |" in bad
+    assert "| resnet18 | 1 | 1 | 2 | 190 |" in bad
+
+
+DOC = """# Benchmarks
+
+intro
+
+## Training and inference
+
+train text
+
+## Serving
+
+old serving text
+
+<!-- bench:prepare:start -->
+## Prepare
+
+prepare text
+<!-- bench:prepare:end -->
+
+History after the marker.
+"""
+
+
+def test_replace_section_keeps_the_other_sections(tmp_path: Path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(DOC)
+    bs.replace_section(doc, "## Serving\n\nnew text\n")
+    want = DOC.replace("old serving text", "new text")
+    assert doc.read_text() == want
+    bs.replace_section(doc, "## Serving\n\nnew text\n")  # idempotent
+    assert doc.read_text() == want
+
+    doc.write_text("# Benchmarks\n\n## Training\n\nx\n")
+    bs.replace_section(doc, "## Serving\n\nappended\n")
+    assert doc.read_text() == "# Benchmarks\n\n## Training\n\nx\n\n## Serving\n\nappended\n"
+
+    fresh = tmp_path / "new" / "benchmarks.md"
+    bs.replace_section(fresh, "## Serving\n\nonly\n")
+    assert fresh.read_text() == "# Benchmarks\n\n## Serving\n\nonly\n"
+
+
+def test_render_rewrites_the_section_from_the_json(tmp_path: Path, capsys):
+    doc, js = tmp_path / "benchmarks.md", tmp_path / "bench-serve.json"
+    doc.write_text(DOC)
+    # Through JSON as the bench writes it: integer keys come back as strings, tuples as lists.
+    js.write_text(json.dumps(result()))
+    assert bs.main(["--render", "--json", str(js), "--docs", str(doc)]) == 0
+    text = doc.read_text()
+    assert "### Targets" in text and "old serving text" not in text
+    assert "## Training and inference\n\ntrain text" in text
+    assert "<!-- bench:prepare:start -->\n## Prepare" in text
+    assert "service / reference, 1 worker, 16 clients: 0.60x" in capsys.readouterr().out
+
+
+def test_parse_metrics_sums_over_workers():
+    text = "\n".join(
+        [
+            "# HELP trainyard_batch_size Images per ONNX Runtime run",
+            'trainyard_batch_size_bucket{le="1.0"} 3.0',
+            "trainyard_batch_size_sum 40.0",
+            "trainyard_batch_size_count 4.0",
+            "trainyard_batch_size_sum 10.0",
+            "trainyard_batch_size_count 1.0",
+            'trainyard_requests_refused_total{reason="overloaded"} 7.0',
+            'trainyard_requests_refused_total{reason="bad_image"} 2.0',
+        ]
+    )
+    assert bs.parse_metrics(text) == {"batch_sum": 50.0, "batch_count": 5.0, "shed": 7.0}
+
+
+def test_photos_are_rgb_jpegs_of_mixed_sizes():
+    import io
+
+    from PIL import Image
+
+    sizes = set()
+    for data in bs.photo_jpegs(6):
+        im = Image.open(io.BytesIO(data))
+        assert im.format == "JPEG" and im.mode == "RGB"
+        assert 320 <= im.width <= 640 and 240 <= im.height <= 480
+        sizes.add(im.size)
+    assert len(sizes) > 1
+    body = bs.multipart_body(b"xyz", "0.jpg", "image/jpeg")
+    assert body.startswith(b"--trainyardbench\r\n") and body.endswith(b"\r\n--trainyardbench--\r\n")
