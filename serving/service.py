@@ -850,7 +850,8 @@ def _adaptive_batcher(
     requests only while that keeps every queued request within max_latency_ms, shedding
     (None -> 503) those it cannot. Imported from BentoML's internals, so the bento pins
     BentoML's minor version and tests/test_serving.py exercises it on every run."""
-    from bentoml._internal.marshal.dispatcher import CorkDispatcher
+    import anyio.to_thread
+    from bentoml._internal.marshal.dispatcher import CorkDispatcher, NonBlockSema
 
     dispatcher: Any = CorkDispatcher(
         max_latency_in_ms=service.params.max_latency_ms,
@@ -858,11 +859,17 @@ def _adaptive_batcher(
         fallback=lambda: None,
         get_batch_size=lambda x: x.shape[0],
         batch_dim=(0, 0),
+        # One batch in flight per core of the worker (BentoML's default is one in all),
+        # so a CPU worker keeps every core busy with batches, one thread each.
+        shared_sema=NonBlockSema(service.params.concurrent_inferences()),
     )
 
     async def run(batches: Sequence[np.ndarray]) -> list[np.ndarray]:
         sizes = np.cumsum([b.shape[0] for b in batches])[:-1]
-        probs = await service.in_thread(service.probabilities, np.concatenate(batches))
+        x = np.concatenate(batches)
+        # Not through the worker's limiter: the semaphore above already bounds the batches,
+        # and decodes waiting on the limiter behind them would starve the next batch.
+        probs = await anyio.to_thread.run_sync(service.probabilities, x)
         return np.split(probs, sizes)
 
     return dispatcher(run)
