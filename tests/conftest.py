@@ -120,6 +120,23 @@ def dvc(repo: Path, *args: str, check: bool = True, **env: str) -> subprocess.Co
     return proc
 
 
+def stop_group(proc: subprocess.Popen, timeout: float = 15) -> bool:
+    """SIGTERM a server started with ``start_new_session=True`` (its whole process group),
+    SIGKILL after ``timeout``; True when it stopped on SIGTERM (or had already exited)."""
+    import signal
+
+    if proc.poll() is not None:
+        return True
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return False
+
+
 def set_params(repo: Path, **changes: dict) -> None:
     path = repo / "params.yaml"
     params = yaml.safe_load(path.read_text())

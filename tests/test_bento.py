@@ -18,7 +18,6 @@ import copy
 import io
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import pytest
 import requests
 import yaml
 
-from conftest import REPO, VENV_BIN, dvc, small_pipeline_repo, stage_env
+from conftest import REPO, VENV_BIN, dvc, small_pipeline_repo, stage_env, stop_group
 
 BENTO_NAME = "trainyard_classifier"
 MANIFEST = REPO / "deploy" / "kubernetes.yaml"
@@ -375,14 +374,8 @@ def test_bento_from_a_clean_venv_answers_like_offline_onnx_runtime(
         metrics = requests.get(f"{url}/metrics", timeout=10).text
         assert "trainyard_predictions" in metrics
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                pytest.fail(f"bentoml serve ignored SIGTERM for 30 s:\n{tail(log.read_text())}")
+        if not stop_group(proc, timeout=30):
+            pytest.fail(f"bentoml serve ignored SIGTERM for 30 s:\n{tail(log.read_text())}")
     # The workers (own sessions under BentoML's supervisor) let go of the port too.
     end = time.monotonic() + 15
     while not port_closed(port) and time.monotonic() < end:

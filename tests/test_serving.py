@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -28,7 +27,7 @@ from PIL import Image
 from trainyard.idx import read_idx
 from trainyard.io import sha256_file
 
-from conftest import REPO, VENV_BIN, has_cuda, train_checkpoint
+from conftest import REPO, VENV_BIN, has_cuda, stop_group, train_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -154,13 +153,7 @@ class Server:
         return self.log.read_text(errors="replace")[-n:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc)
 
 
 @pytest.fixture(scope="module")

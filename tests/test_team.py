@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -26,7 +25,7 @@ from PIL import Image
 from trainyard.idx import read_idx
 from trainyard.io import sha256_file
 
-from conftest import VENV_BIN, dvc, git_env, small_pipeline_repo
+from conftest import VENV_BIN, dvc, git_env, small_pipeline_repo, stop_group
 
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
@@ -192,10 +191,4 @@ def test_make_serve_in_the_clone_serves_the_pulled_model(team, fashion_dir):
         # The served model answers as the evaluate stage recorded in git.
         assert served == evaluated
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import time
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VENV_BIN, dvc, small_pipeline_repo, stage_env
+from conftest import VENV_BIN, dvc, small_pipeline_repo, stage_env, stop_group
 
 pytestmark = pytest.mark.slow
 
@@ -67,11 +65,7 @@ def server(tmp_path_factory) -> Iterator[str]:
             time.sleep(0.5)
         yield uri
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc, timeout=20)
         log.close()
 
 
