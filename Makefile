@@ -8,7 +8,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
-	bench-serve bench-prepare clean
+	bench-serve bench-prepare doctor clean
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
@@ -21,6 +21,7 @@ help:
 	@echo "make bento  - bentoml build: service + verified model, ready for bentoml containerize"
 	@echo "make bench-serve - service load test (wrk): vs reference, p99, cold start, batching: docs/benchmarks.md"
 	@echo "make bench-prepare - prepare on 20,000 generated JPEGs, 1 vs 2 workers: docs/benchmarks.md"
+	@echo "make doctor - this machine (CPU, RAM, GPUs, torch, ONNX Runtime, disk) and what trainyard will do on it"
 	@echo "make lint   - ruff check + format check"
 
 venv: $(VENV)/.installed
@@ -87,6 +88,13 @@ bento: venv
 BENCH_SERVE_ARGS ?=
 bench-serve: venv
 	$(BIN)/python serving/bench_serve.py $(BENCH_SERVE_ARGS)
+
+# A few seconds: CPU/RAM/GPUs, the 2x RAM rule, torch + ONNX Runtime builds and the providers
+# that load, free disk, and where the configured dataset will live (device/RAM/memory map) and
+# in which precision; exits 1 on a broken setup. DOCTOR_ARGS=--json for one JSON document.
+DOCTOR_ARGS ?=
+doctor: venv
+	$(BIN)/trainyard doctor $(DOCTOR_ARGS)
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
