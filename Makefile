@@ -8,7 +8,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
-	bench-serve bench-prepare doctor clean
+	bench-serve bench-prepare soak doctor clean
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
@@ -20,6 +20,7 @@ help:
 	@echo "make serve  - the inference service (BentoML) on http://$(SERVE_HOST):$(SERVE_PORT), after make run"
 	@echo "make bento  - bentoml build: service + verified model, ready for bentoml containerize"
 	@echo "make bench-serve - service load test (wrk): vs reference, p99, cold start, batching: docs/benchmarks.md"
+	@echo "make soak   - 60 s at 64 clients, good and bad requests: 0 errors, RSS growth < 10%/worker: docs/benchmarks.md"
 	@echo "make bench-prepare - prepare on 20,000 generated JPEGs, 1 vs 2 workers: docs/benchmarks.md"
 	@echo "make doctor - this machine (CPU, RAM, GPUs, torch, ONNX Runtime, disk) and what trainyard will do on it"
 	@echo "make lint   - ruff check + format check"
@@ -88,6 +89,14 @@ bento: venv
 BENCH_SERVE_ARGS ?=
 bench-serve: venv
 	$(BIN)/python serving/bench_serve.py $(BENCH_SERVE_ARGS)
+
+# About 80 s (apt-get install wrk), not part of `make test`: `make serve`'s configuration on a free
+# port, 64 wrk clients for 60 s sending good and bad requests (their 4xx are expected);
+# passes with no 5xx or socket error and each worker's RSS within 10% of its post-warm-up
+# size. Writes reports/soak.json + docs/benchmarks.md ("Soak"); SOAK_ARGS="--seconds 20".
+SOAK_ARGS ?=
+soak: venv
+	$(BIN)/python serving/soak.py $(SOAK_ARGS)
 
 # A few seconds: CPU/RAM/GPUs, the 2x RAM rule, torch + ONNX Runtime builds and the providers
 # that load, free disk, and where the configured dataset will live (device/RAM/memory map) and

@@ -866,16 +866,16 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def replace_section(doc: Path, section: str) -> None:
-    """Put ``section`` in place of the existing "## Serving" section (or at the end).
+def replace_section(doc: Path, section: str, heading: str = SECTION) -> None:
+    """Put ``section`` in place of the existing ``heading`` section (or at the end).
     The section ends at the next "## " heading or marked block (``<!-- bench:...``), so
     other benchmarks' sections and markers are left as they are."""
     text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    start = text.find(f"\n{SECTION}\n")
+    start = text.find(f"\n{heading}\n")
     if start == -1:
         text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
     else:
-        body = start + len(SECTION) + 2
+        body = start + len(heading) + 2
         ends = [i for i in (text.find("\n## ", body), text.find("\n<!-- bench:", body)) if i != -1]
         tail = "\n" + text[min(ends) :].lstrip("\n") if ends else ""
         text = text[: start + 1] + section.rstrip("\n") + "\n" + tail

@@ -569,6 +569,44 @@ class ImageClassifier:
         c, h, w = self.card.input_shape
         self.model.run(normalize(np.zeros((1, c, h, w), dtype=np.float32), self.card))
 
+    @bentoml.on_startup
+    def refuse_connections_on_sigterm(self) -> None:
+        """On SIGTERM, stop the port listening before uvicorn drains (tests/test_serving_drain.py).
+
+        BentoML already drains: `bentoml serve` (circus) passes SIGTERM on to each worker,
+        whose uvicorn stops accepting, lets every request in flight finish (each bounded by
+        serve.timeout_s) and exits; then the main process exits 0. But the listening socket
+        is shared with the main process, which closes it only after the last worker has gone,
+        so meanwhile the kernel still completes new connections into the backlog, and they
+        are reset when it closes. ``shutdown()`` on the shared socket stops it listening for
+        every process at once: a new connection is refused (safe for a client or proxy to
+        retry elsewhere) rather than reset after its request was sent. uvicorn's own handler
+        then runs as before."""
+        import signal
+        import socket
+
+        import psutil
+
+        listening = [
+            conn.fd
+            for conn in psutil.Process().net_connections("tcp")
+            if conn.status == psutil.CONN_LISTEN and conn.fd >= 0
+        ]
+        uvicorn_handler = signal.getsignal(signal.SIGTERM)
+        if not listening or not callable(uvicorn_handler):
+            return
+
+        def stop_listening(sig: int, frame: Any) -> None:
+            for fd in listening:
+                try:
+                    with socket.socket(fileno=os.dup(fd)) as sock:
+                        sock.shutdown(socket.SHUT_RDWR)
+                except OSError:  # already shut by another worker, or closed
+                    pass
+            uvicorn_handler(sig, frame)
+
+        signal.signal(signal.SIGTERM, stop_listening)
+
     # ------------------------------------------------------------------ model
 
     async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
