@@ -82,6 +82,15 @@ def test_mlflow_run_holds_params_metrics_artifacts(repo):
     assert run.data.tags["git.commit"] == run.data.tags["mlflow.source.git.commit"] != "unknown"
     assert run.data.tags["data.dvc_md5"].endswith(".dir")  # DVC's hash of data/prepared
     assert "system/cpu_utilization_percentage" in metrics  # MLflow's system metrics
+    # The input-bound verdict (perf.py): per-epoch split of the step, one verdict, a tag.
+    verdict = info["input_bound"]
+    assert verdict["level"] in ("input-bound", "moderately input-bound", "not input-bound")
+    assert 0 <= verdict["data_wait_fraction"] <= 1 and verdict["fix"] and verdict["steps"] >= 1
+    assert (verdict["data_path"], verdict["placement"]) == ("fast", "ram")
+    for key in ("perf/data_wait_fraction", "perf/step_ms", "perf/compute_ms", "perf/h2d_ms"):
+        assert key in metrics, key
+    assert run.data.tags["perf.verdict"] == verdict["level"]
+    assert "trainyard: input-bound verdict: " in (repo / "first_repro.log").read_text()
     inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}
     assert set(inputs) == {"fashion-mnist-train", "fashion-mnist-val"}
     assert inputs["fashion-mnist-train"].dataset.digest.startswith(info["data_sha256"][:16])

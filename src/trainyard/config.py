@@ -105,6 +105,8 @@ class TrainParams(_Strict):
     early_stopping_patience: int = Field(3, ge=1)
     deterministic: bool = False
     limit_train_batches: int | float | None = None
+    resume: Literal["auto", "never"] = "auto"
+    checkpoint_every_min: float = Field(10.0, ge=0, le=24 * 60)
 
 
 class ExportParams(_Strict):

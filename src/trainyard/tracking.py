@@ -153,14 +153,22 @@ class SystemMetrics:
     """MLflow's own system-metrics monitor (CPU, RAM, disk, network; GPU via NVML) on a run
     created outside the fluent API (Lightning's MLFlowLogger creates its run by client)."""
 
-    def __init__(self, run_id: str, tracking_uri: str, interval_s: float, enabled: bool) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        tracking_uri: str,
+        interval_s: float,
+        enabled: bool,
+        resume: bool = False,
+    ) -> None:
         self.monitor = None
         if not enabled:
             return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+        # resume: a resumed run's samples continue after its last step, not over it
         self.monitor = SystemMetricsMonitor(
-            run_id, sampling_interval=interval_s, tracking_uri=tracking_uri
+            run_id, sampling_interval=interval_s, tracking_uri=tracking_uri, resume_logging=resume
         )
 
     def __enter__(self) -> SystemMetrics:

@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,15 @@ from trainyard.card import CARD_FILE
 from trainyard.config import Params, TrainParams
 from trainyard.errors import ParamsError
 from trainyard.io import atomic_file, sha256_file
+from trainyard.resume import (
+    AtomicCheckpointIO,
+    ResumeCallback,
+    end_killed,
+    interruptions,
+    reopen_run,
+    resume_key,
+)
+from trainyard.resume import prepare as prepare_resume
 from trainyard.tracking import (
     RUN_FILE,
     SystemMetrics,
@@ -104,6 +114,10 @@ class EpochTimer(L.Callback):
         self.t0, self.seen = time.perf_counter(), 0
         self.t_train_end = self.t0
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A fit resumed within an epoch (a timed checkpoint) skips on_train_epoch_start.
+        self.on_train_epoch_start(trainer, pl_module)
+
     def on_train_batch_end(
         self,
         trainer: L.Trainer,
@@ -144,6 +158,7 @@ def train(
     """Fit the model; write ``out_dir/best.ckpt`` and ``out_dir/train.json`` (run id)."""
     from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger
+    from mlflow import MlflowClient
 
     from trainyard.datamodule import ImageDataModule
     from trainyard.models import Classifier
@@ -199,10 +214,21 @@ def train(
         # Which weights the backbone started from, and their exact bytes.
         tags["pretrained.source"] = model.pretrained_info["source"]
         tags["pretrained.sha256"] = model.pretrained_info["sha256"]
+    # An interrupted run of these exact params, data and code resumes: same MLflow run.
+    mlc = MlflowClient(tracking_uri=uri) if rank_zero_only.rank == 0 else None
+    key = resume_key(params, card.data_sha256, uri, out_dir)
+    resume = prepare_resume(root, key, tp.resume, uri, mlc, lead=rank_zero_only.rank == 0)
     logger = MLFlowLogger(
-        experiment_name=params.mlflow.experiment, tracking_uri=uri, tags=tags, log_model=False
+        experiment_name=params.mlflow.experiment,
+        tracking_uri=uri,
+        tags=tags,
+        log_model=False,
+        run_id=resume.run_id,
     )
-    logger.log_hyperparams(params.flat())
+    if resume.run_id and mlc is not None:
+        reopen_run(mlc, resume.run_id, params.flat())
+    else:
+        logger.log_hyperparams(params.flat())
     # Under DDP every rank runs this script; only rank 0 owns the MLflow run.
     lead = rank_zero_only.rank == 0
     client, run_id = logger.experiment, logger.run_id
@@ -222,9 +248,11 @@ def train(
         client.log_artifact(run_id, str(Path(data_dir) / CARD_FILE), "data")
         client.log_metric(run_id, "data/skipped_files", len(card.skipped))
 
-    ckpt_dir = out_dir / "checkpoints"
+    # Best and last checkpoints live in the resume folder (outside DVC's outs; emptied by a
+    # fresh start, so no stale files and no -v1 names); last.ckpt is what a rerun resumes.
+    ckpt_dir = resume.folder
     if lead:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)  # stale checkpoints would get -v1 names
+        resume.write_state(run_id, logger.experiment_id, uri)
     checkpoint = ModelCheckpoint(
         dirpath=ckpt_dir,
         filename="best",
@@ -232,8 +260,24 @@ def train(
         mode="max",
         save_top_k=1,
         save_last=True,
+        enable_version_counter=False,
     )
+    resume_callbacks: list[L.Callback] = [ResumeCallback(resume, run_id)]
+    if tp.checkpoint_every_min > 0:  # long epochs: last.ckpt also every N minutes
+        resume_callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_dir,
+                save_top_k=0,
+                save_last=True,
+                train_time_interval=timedelta(minutes=tp.checkpoint_every_min),
+                enable_version_counter=False,
+            )
+        )
     early = EarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
+    from trainyard.perf import InputBoundMeter
+
+    # Data wait / host->device copy / compute per step; the input-bound verdict at the end.
+    meter = InputBoundMeter(data_path=tp.data_path, device_resident=tp.device_resident)
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=tp.devices,
@@ -244,7 +288,15 @@ def train(
         # and patience alone stopped such runs at chance accuracy.
         min_epochs=-(-tp.max_epochs // 2),
         logger=logger,
-        callbacks=[checkpoint, early, LearningRateMonitor("step"), EpochTimer()],
+        callbacks=[
+            checkpoint,
+            early,
+            LearningRateMonitor("step"),
+            EpochTimer(),
+            meter,
+            *resume_callbacks,
+        ],
+        plugins=[AtomicCheckpointIO()],  # tmp + rename: a kill never leaves half a checkpoint
         deterministic=tp.deterministic,
         # per-step loss at least ~5 times an epoch, even on the small slices tests use
         log_every_n_steps=max(1, min(10, -(-card.counts["train"]["total"] // tp.batch_size) // 5)),
@@ -256,8 +308,20 @@ def train(
     )
     t0 = time.perf_counter()
     mp = params.mlflow
-    with SystemMetrics(run_id, uri, mp.system_metrics_interval_s, mp.system_metrics and lead):
-        trainer.fit(model, datamodule=dm)
+    monitor = SystemMetrics(
+        run_id, uri, mp.system_metrics_interval_s, mp.system_metrics and lead, resume.resuming
+    )
+    try:
+        with interruptions(resume), monitor:
+            trainer.fit(model, datamodule=dm, ckpt_path=resume.ckpt_path)
+    except BaseException:
+        if resume.signal is None:
+            resume.release()
+            raise
+    if resume.signal is not None:  # SIGTERM/SIGINT: run KILLED, checkpoint kept, exit 143/130
+        if lead:
+            end_killed(resume, mlc, run_id, trainer)
+        raise SystemExit(128 + resume.signal)
     fit_s = time.perf_counter() - t0
     if trainer.global_rank != 0:
         return {}
@@ -286,8 +350,11 @@ def train(
         "data_version": dvc_md5 or card.data_sha256,
         "data_placement": dm.placement,
         "fit_time_s": round(fit_s, 2),
+        # perf.py: level, data_wait_fraction, why, fix, ms per step (also MLflow tag perf.verdict)
+        "input_bound": meter.result,
     }
     write_run_file(out_dir / RUN_FILE, info)
+    resume.finish()  # done: a forced rerun of the same params trains anew
     print(f"trainyard: best val/acc {best_acc:.4f}; MLflow run {logger.run_id} at {uri}")
     return info
 
