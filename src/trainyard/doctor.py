@@ -9,7 +9,7 @@ runtime); RAM against GPU memory (the 2x rule); the torch and ONNX Runtime build
 ONNX Runtime providers actually load; free disk for the data and the DVC cache; and for the
 configured dataset where training will put it and which precision ``auto`` picks. Every
 verdict says why, and the verdicts are the pipeline's own decisions: placement is
-``datamodule.choose_placement``, precision ``training.resolve_device``, the ONNX Runtime
+``hardware.choose_placement``, precision ``hardware.resolve_device``, the ONNX Runtime
 providers ``inference.choose_providers``.
 
 Exit status: 0 fine (warnings allowed), 1 a broken setup (the message says what is broken
@@ -97,7 +97,7 @@ def _cpuinfo() -> str:
 def collect_cpu() -> dict[str, Any]:
     """Model, logical/usable/physical cores, and the SIMD flags that decide bf16."""
     from trainyard.bench import cpu_name
-    from trainyard.training import cpu_has_bf16
+    from trainyard.hardware import cpu_has_bf16
 
     info = _cpuinfo()
     flags = set()
@@ -157,7 +157,7 @@ def cgroup_memory_limit() -> int | None:
 
 
 def collect_ram() -> dict[str, Any]:
-    from trainyard.datamodule import available_ram
+    from trainyard.hardware import available_ram
 
     mem = meminfo()
     total = mem.get("MemTotal")
@@ -168,7 +168,7 @@ def collect_ram() -> dict[str, Any]:
             total = None
     return {
         "total_bytes": total,
-        # What training's placement reads (datamodule.available_ram: MemAvailable).
+        # What training's placement reads (hardware.available_ram: MemAvailable).
         "available_bytes": available_ram(),
         "cgroup_limit_bytes": cgroup_memory_limit(),
     }
@@ -622,8 +622,8 @@ def _card_mismatch(card: Any, counts: dict[str, int], params: Params) -> str:
 
 
 def collect_precision(params: Params) -> dict[str, Any]:
-    """Training's own choice (training.resolve_device): accelerator, precision, device."""
-    from trainyard.training import resolve_device
+    """Training's own choice (hardware.resolve_device): accelerator, precision, device."""
+    from trainyard.hardware import resolve_device
 
     out: dict[str, Any] = {"setting": params.train.precision, "error": None}
     try:
@@ -738,11 +738,11 @@ def ram_vs_gpu(facts: dict[str, Any]) -> dict[str, Any]:
 
 
 def placement(facts: dict[str, Any]) -> dict[str, Any]:
-    """Where training will put train+val, by ``datamodule.choose_placement`` itself, with
+    """Where training will put train+val, by ``hardware.choose_placement`` itself, with
     whether the data fits GPU memory, fits RAM, or must stream from the memory map."""
     import torch
 
-    from trainyard.datamodule import choose_placement
+    from trainyard.hardware import choose_placement
 
     dataset = facts.get("dataset") or {}
     nbytes = dataset.get("placed_bytes")
