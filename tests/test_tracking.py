@@ -33,3 +33,21 @@ def test_default_is_embedded_sqlite(tmp_path, monkeypatch):
     assert resolve_tracking_uri(tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://example:5000")
     assert resolve_tracking_uri(tmp_path) == "http://example:5000"
+
+
+def test_a_run_shorter_than_one_sampling_interval_still_gets_system_metrics(tmp_path):
+    # MLflow publishes only after a whole interval; the last partial one is published on
+    # exit, so a short fit (or the tail of any fit) is not lost.
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from trainyard.tracking import SystemMetrics
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("short"))
+    with SystemMetrics(run.info.run_id, uri, interval_s=30.0, enabled=True):
+        time.sleep(0.3)
+    metrics = client.get_run(run.info.run_id).data.metrics
+    assert "system/cpu_utilization_percentage" in metrics, sorted(metrics)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import socket
@@ -15,6 +16,8 @@ from typing import Any
 
 from trainyard.errors import TrackingError
 from trainyard.io import atomic_write_json
+
+log = logging.getLogger(__name__)
 
 RUN_FILE = "train.json"  # written by train, read by export and evaluate
 
@@ -177,8 +180,19 @@ class SystemMetrics:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.monitor is not None:
-            self.monitor.finish()  # flushes the last samples
+        if self.monitor is None:
+            return
+        self.monitor.finish()  # stops the sampling thread, flushes what it published
+        # MLflow publishes only after a whole sampling interval: the samples of the last,
+        # partial interval were dropped, and a fit shorter than one interval logged no system
+        # metrics at all. Publish what was collected since the last publish.
+        try:
+            metrics = self.monitor.aggregate_metrics()
+            if metrics:
+                self.monitor.publish_metrics(metrics)
+                self.monitor.mlflow_logger.flush()
+        except Exception as err:  # a tracking hiccup must not fail a finished training
+            log.warning("could not log the last system metrics sample: %s", err)
 
 
 def log_dataset_inputs(
