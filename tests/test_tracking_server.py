@@ -135,3 +135,40 @@ def test_server_going_away_stops_export_fast_and_registers_nothing(server, repo)
         MlflowClient(tracking_uri=server).search_model_versions("name='fashion-mnist-classifier'")
     )
     assert after == before
+
+
+def test_two_trainings_at_once_against_the_server_both_complete(server, repo):
+    """Two concurrent trainings logging to one `mlflow server` (sqlite backend, separate
+    artifact store behind --artifacts-destination): both finish, with their metrics, and
+    each run's checkpoint lands in the server's artifact store."""
+    from mlflow.tracking import MlflowClient
+
+    procs = [
+        subprocess.Popen(
+            ["python", "pipelines/train.py", "--data", "data/prepared", "--out", f"server-run{i}"],
+            cwd=repo,
+            env=stage_env(MLFLOW_TRACKING_URI=server),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    client = MlflowClient(tracking_uri=server)
+    run_ids = set()
+    for i in range(2):
+        info = json.loads((repo / f"server-run{i}/train.json").read_text())
+        run = client.get_run(info["run_id"])
+        run_ids.add(run.info.run_id)
+        assert run.info.status == "FINISHED"
+        assert {"val/acc", "train/loss_epoch", "system/cpu_utilization_percentage"} <= set(
+            run.data.metrics
+        )
+        assert run.info.artifact_uri.startswith("mlflow-artifacts:")
+        names = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
+        assert names == {"checkpoints/best.ckpt"}
+    assert len(run_ids) == 2
+    assert not (repo / "mlflow.db").exists()  # nothing went to an embedded store
