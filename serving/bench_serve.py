@@ -912,6 +912,25 @@ def print_summary(result: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- main
 
 
+def preflight(name: str, script: str, argv: Sequence[str]) -> tuple[Any, str] | None:
+    """What a load test needs before it starts: wrk, and the exported model with its
+    .sha256 (the service refuses to start without both). None after saying what is missing;
+    else (the serve settings, the command line to record), with the repository as cwd."""
+    if shutil.which("wrk") is None:
+        print(f"{name} needs wrk: apt-get install wrk", file=sys.stderr)
+        return None
+    model = REPO / "models/model.onnx"
+    if not model.is_file() or not model.with_name("model.onnx.sha256").is_file():
+        print(f"{model} (and its .sha256) not found: run `make run` first", file=sys.stderr)
+        return None
+    os.chdir(REPO)
+    from trainyard.config import load_params
+
+    python = Path(sys.executable)
+    shown = python.relative_to(REPO) if python.is_relative_to(REPO) else python
+    return load_params(REPO / "params.yaml").serve, shlex.join([str(shown), script, *argv])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -944,23 +963,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.seconds, args.warmup, args.first_seconds = 2, 1, 2
         args.ort_seconds, args.images = 0.3, 8
-    if shutil.which("wrk") is None:
-        print("bench-serve needs wrk: apt-get install wrk", file=sys.stderr)
+    ready = preflight("bench-serve", "serving/bench_serve.py", argv)
+    if ready is None:
         return 2
+    settings, command = ready
     fashion = REPO / "models/model.onnx"
-    if not fashion.is_file() or not fashion.with_name("model.onnx.sha256").is_file():
-        print(f"{fashion} (and its .sha256) not found: run `make run` first", file=sys.stderr)
-        return 2
-
-    os.chdir(REPO)
     from trainyard.bench import cpu_name
-    from trainyard.config import load_params
     from trainyard.io import atomic_write_json, sha256_file
 
-    settings = load_params(REPO / "params.yaml").serve
-    python = Path(sys.executable)
-    shown = python.relative_to(REPO) if python.is_relative_to(REPO) else python
-    command = shlex.join([str(shown), "serving/bench_serve.py", *argv])
     loadavg = os.getloadavg()[0]
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:

@@ -24,8 +24,6 @@ import argparse
 import io
 import json
 import os
-import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,6 +39,7 @@ from bench_serve import (
     multipart_body,
     photo_jpegs,
     png_images,
+    preflight,
     replace_section,
     start_server,
     stop_server,
@@ -382,23 +381,14 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(Path(args.json).read_text())
         replace_section(Path(args.docs), markdown(result), SECTION)
         return 0 if result["verdict"]["passed"] else 1
-    if shutil.which("wrk") is None:
-        print("soak needs wrk: apt-get install wrk", file=sys.stderr)
+    ready = preflight("soak", "serving/soak.py", argv)
+    if ready is None:
         return 2
+    settings, command = ready
     model = REPO / "models/model.onnx"
-    if not model.is_file():
-        print(f"{model} not found: run `make run` first", file=sys.stderr)
-        return 2
-
-    os.chdir(REPO)
     from trainyard.bench import cpu_name
-    from trainyard.config import load_params
     from trainyard.io import atomic_write_json
 
-    settings = load_params(REPO / "params.yaml").serve
-    python = Path(sys.executable)
-    shown = python.relative_to(REPO) if python.is_relative_to(REPO) else python
-    command = shlex.join([str(shown), "serving/soak.py", *argv])
     loadavg = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp_name:
         tmp = Path(tmp_name)
