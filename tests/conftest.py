@@ -120,6 +120,27 @@ def dvc(repo: Path, *args: str, check: bool = True, **env: str) -> subprocess.Co
     return proc
 
 
+def train_concurrently(repo: Path, outs: list[str], **env: str) -> list[Path]:
+    """The train stage's script run once per out folder, all at the same time; each must
+    exit 0. Returns each run's train.json."""
+    procs = [
+        subprocess.Popen(
+            ["python", "pipelines/train.py", "--data", "data/prepared", "--out", out],
+            cwd=repo,
+            env=stage_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for out in outs
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+        assert "database is locked" not in out
+    return [repo / out / "train.json" for out in outs]
+
+
 def stop_group(proc: subprocess.Popen, timeout: float = 15) -> bool:
     """SIGTERM a server started with ``start_new_session=True`` (its whole process group),
     SIGKILL after ``timeout``; True when it stopped on SIGTERM (or had already exited)."""

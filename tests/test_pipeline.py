@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import dvc, set_params, small_pipeline_repo, stage_env
+from conftest import dvc, set_params, small_pipeline_repo, stage_env, train_concurrently
 
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
@@ -154,24 +154,10 @@ def test_two_trainings_at_once_on_the_embedded_store(repo):
     """Concurrent runs against one sqlite file: both finish and log fully (no lock errors)."""
     from mlflow.tracking import MlflowClient
 
-    procs = [
-        subprocess.Popen(
-            ["python", "pipelines/train.py", "--data", "data/prepared", "--out", f"concurrent{i}"],
-            cwd=repo,
-            env=stage_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out[-3000:]
-        assert "database is locked" not in out
+    infos = train_concurrently(repo, ["concurrent0", "concurrent1"])
     client = MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
-    for i in range(2):
-        info = json.loads((repo / f"concurrent{i}/train.json").read_text())
+    for path in infos:
+        info = json.loads(path.read_text())
         run = client.get_run(info["run_id"])
         assert run.info.status == "FINISHED"
         assert {"val/acc", "train/loss_epoch", "train/img_per_s"} <= set(run.data.metrics)

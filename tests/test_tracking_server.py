@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VENV_BIN, dvc, small_pipeline_repo, stage_env, stop_group
+from conftest import VENV_BIN, dvc, small_pipeline_repo, stage_env, stop_group, train_concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -143,24 +143,11 @@ def test_two_trainings_at_once_against_the_server_both_complete(server, repo):
     each run's checkpoint lands in the server's artifact store."""
     from mlflow.tracking import MlflowClient
 
-    procs = [
-        subprocess.Popen(
-            ["python", "pipelines/train.py", "--data", "data/prepared", "--out", f"server-run{i}"],
-            cwd=repo,
-            env=stage_env(MLFLOW_TRACKING_URI=server),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out[-3000:]
+    infos = train_concurrently(repo, ["server-run0", "server-run1"], MLFLOW_TRACKING_URI=server)
     client = MlflowClient(tracking_uri=server)
     run_ids = set()
-    for i in range(2):
-        info = json.loads((repo / f"server-run{i}/train.json").read_text())
+    for path in infos:
+        info = json.loads(path.read_text())
         run = client.get_run(info["run_id"])
         run_ids.add(run.info.run_id)
         assert run.info.status == "FINISHED"
