@@ -8,7 +8,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
-	bench-serve bench-prepare soak doctor clean
+	bench-serve bench-prepare soak doctor gpu-wheels clean
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
@@ -61,14 +61,28 @@ bench: venv data
 # A few minutes: the prepare stage on 20,000 generated JPEGs (made once under the temp dir),
 # workers 1 vs 2, 64 vs 224 px, peak RSS; reports/bench-prepare.json + docs/benchmarks.md.
 bench-prepare: venv
-	$(BIN)/python -m trainyard.bench_prepare
+	$(BIN)/python -m trainyard.bench.prepare
 
 # For a GPU machine that has torch/lightning/onnx/onnxruntime but not this venv:
 # GPU_PYTHON=python3 make gpu-check  (carry data/raw, or have Debian's package)
+# Its image-folder rows run the prepare stage, which needs pydantic: `make gpu-wheels` (here,
+# with pip and an index) saves it for the GPU machine's Python into .whl/; carry .whl there
+# and gpu-check installs it into a temp folder (nothing is installed into that Python).
 GPU_PYTHON ?= python3
 GPU_OUT ?= reports
+GPU_SITE ?= /tmp/trainyard-gpu-site
+GPU_PY_VERSION ?= 3.12
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing-extensions==4.16.0
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 gpu-check:
-	PYTHONPATH=src $(GPU_PYTHON) -m trainyard.bench --gpu-check \
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+	    --target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=src:$(GPU_SITE) $(GPU_PYTHON) -m trainyard.bench --gpu-check \
 	  --out $(GPU_OUT)/gpu-check.json --chart $(GPU_OUT)/gpu-check.png --docs $(GPU_OUT)/gpu-check.md
 
 # The inference service (serving/service.py) on models/model.onnx; Swagger UI at /.

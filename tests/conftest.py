@@ -192,6 +192,7 @@ def train_checkpoint(
 
     from trainyard.datamodule import TensorBatches
     from trainyard.models import Classifier
+    from trainyard.trainer import build_trainer
 
     if images.ndim == 3:
         images = images[:, None]
@@ -199,15 +200,7 @@ def train_checkpoint(
     y = torch.from_numpy(labels.astype(np.int64))
     loader = DataLoader(TensorBatches(x, y, batch_size, shuffle=True), batch_size=None)
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-    )
+    trainer = build_trainer(max_steps=steps, root=root)
     card = fashion_card(mean, std) if card is None else card
     trainer.fit(Classifier(card=card.contract(), arch="cnn"), loader)
     trainer.save_checkpoint(root / "best.ckpt")

@@ -51,6 +51,8 @@ def bench_run(fashion_dir, tmp_path_factory):
             str(tmp / "bench.png"),
             "--docs",
             str(docs),
+            "--folder-work",
+            str(tmp / "folder"),
         ],
         cwd=REPO,
         capture_output=True,
@@ -80,6 +82,36 @@ def test_bench_json_has_every_cpu_measurement(bench_run):
     assert batches == [1, 64]
     assert all(r["ort_provider"] == "CPUExecutionProvider" for r in result["inference"]["rows"])
     assert result["hardware"]["cpu_threads"] >= 1
+
+
+def test_image_folder_data_paths_side_by_side(bench_run):
+    tmp, _ = bench_run
+    result = json.loads((tmp / "bench.json").read_text())
+    fd = result["folder_data_paths"]
+    assert fd["dataset"]["images"] == 256 and fd["dataset"]["size_range_px"] == [128, 224]
+    assert fd["textbook"] == "torchvision ImageFolder"
+    w, m = fd["cores"], fd["models"][0]  # tiny on a CPU, cnn on a GPU
+    rows = fd["img_per_s"]
+    want = {f"{m}/imagefolder_w0", f"{m}/imagefolder_w{w}", f"{m}/prepared_mmap"}
+    want |= {f"{m}/prepared_ram"} | (
+        {f"{m}/prepared_device"} if result["hardware"]["gpu"] else set()
+    )
+    assert want <= set(rows)
+    for name in want:
+        assert rows[name]["median"] > 0, name
+        assert 0 <= rows[name]["data_wait_fraction"] < 1, name
+    # prepare's own figures, from a fresh process: not the ~800 MiB of the torch parent
+    # (Linux keeps ru_maxrss across exec; VmHWM is the child's own)
+    p = fd["prepare"]
+    assert p["images"] == 256 and p["images_per_s"] > 0
+    assert 10 < p["peak_rss_mib"] < 400, p
+    assert all("folder" in k for k in fd["ratios"])
+    assert f"folder [{m}]: prepared memmap / ImageFolder 0 workers" in fd["ratios"]
+    target = fd["targets"][f"folder [{m}]: prepared memmap / prepared in RAM"]
+    assert target["target"] == 0.9 and isinstance(target["met"], bool)
+    docs = (tmp / "benchmarks.md").read_text()
+    assert "**Data paths on an image folder**" in docs
+    assert f"| {m}/prepared_mmap |" in docs and f"folder [{m}]: prepared memmap" in docs
 
 
 def test_gpu_parts_are_skipped_with_a_message_on_cpu(bench_run):

@@ -190,8 +190,9 @@ def test_augment_scales_the_shift_with_the_image_and_moves_channels_together():
 
 
 def test_classifier_checkpoint_rebuilds_from_the_card_alone(tmp_path):
-    import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
+
+    from trainyard.trainer import build_trainer
 
     card = card_dict(channels=3, size=(32, 40), classes=4)
     images = torch.randint(0, 256, (8, 3, 32, 40), dtype=torch.uint8)
@@ -199,14 +200,7 @@ def test_classifier_checkpoint_rebuilds_from_the_card_alone(tmp_path):
     model = Classifier(card, arch="cnn", augment=False)
     assert isinstance(model.card, Card) and model.card.num_classes == 4
     assert model.pretrained_info == {}
-    trainer = L.Trainer(
-        fast_dev_run=True,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = build_trainer(fast_dev_run=True, root=tmp_path)
     trainer.fit(model, DataLoader(TensorDataset(images, labels), batch_size=4))
 
     # the device-side normalisation is the card's per-channel formula

@@ -17,6 +17,7 @@ from trainyard.card import Card
 from trainyard.datamodule import TensorBatches
 from trainyard.models import Classifier
 from trainyard.perf import InputBoundMeter, StepTotals, level_of, verdict
+from trainyard.trainer import build_trainer
 
 # ------------------------------------------------------------------ verdict (pure)
 
@@ -147,16 +148,7 @@ def one_thread():
 def fit(model: L.LightningModule, loader: DataLoader, root: Path, data_path: str | None = None):
     meter = InputBoundMeter(data_path=data_path)
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        callbacks=[meter],
-    )
+    trainer = build_trainer(max_epochs=1, root=root, callbacks=[meter])
     trainer.fit(model, loader)
     return meter
 
@@ -231,16 +223,7 @@ def test_data_path_and_placement_come_from_trainyards_datamodule(tmp_path, one_t
         data_path="naive",
     )
     meter = InputBoundMeter()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[meter],
-    )
+    trainer = build_trainer(max_epochs=1, root=tmp_path, callbacks=[meter])
     trainer.fit(Classifier(card=card(3, 16), arch="cnn"), datamodule=dm)
     r = meter.result
     assert (r["data_path"], r["placement"], r["steps"]) == ("naive", "ram", 8 - 3)

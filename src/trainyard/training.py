@@ -37,6 +37,7 @@ from trainyard.tracking import (
     run_tags,
     write_run_file,
 )
+from trainyard.trainer import build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -240,15 +241,10 @@ def train(
 
     # Data wait / host->device copy / compute per step; the input-bound verdict at the end.
     meter = InputBoundMeter(data_path=tp.data_path, device_resident=tp.device_resident)
-    trainer = L.Trainer(
+    trainer = build_trainer(
         accelerator=accelerator,
         devices=tp.devices,
         precision=precision,
-        max_epochs=tp.max_epochs,
-        # Early stopping judges only the second half: OneCycle's high-lr first half often
-        # plateaus (on a small photo folder for 5+ epochs) before annealing lifts val/acc,
-        # and patience alone stopped such runs at chance accuracy.
-        min_epochs=-(-tp.max_epochs // 2),
         logger=logger,
         callbacks=[
             checkpoint,
@@ -258,15 +254,18 @@ def train(
             meter,
             *resume_callbacks,
         ],
+        root=out_dir,
+        verbose=True,
+        max_epochs=tp.max_epochs,
+        # Early stopping judges only the second half: OneCycle's high-lr first half often
+        # plateaus (on a small photo folder for 5+ epochs) before annealing lifts val/acc,
+        # and patience alone stopped such runs at chance accuracy.
+        min_epochs=-(-tp.max_epochs // 2),
         plugins=[AtomicCheckpointIO()],  # tmp + rename: a kill never leaves half a checkpoint
         deterministic=tp.deterministic,
         # per-step loss at least ~5 times an epoch, even on the small slices tests use
         log_every_n_steps=max(1, min(10, -(-card.counts["train"]["total"] // tp.batch_size) // 5)),
-        # Both data paths shard by rank themselves (epoch_order); no DistributedSampler.
-        use_distributed_sampler=False,
         limit_train_batches=tp.limit_train_batches,
-        default_root_dir=str(out_dir),
-        enable_model_summary=True,
     )
     t0 = time.perf_counter()
     mp = params.mlflow

@@ -1,8 +1,8 @@
 """Benchmark: the prepare stage on a folder of photos, 1 vs 2 workers, 64 vs 224 px, one run.
 
-    python -m trainyard.bench_prepare                 # make bench-prepare: 20,000 images
-    python -m trainyard.bench_prepare --images 5000   # smaller folder
-    python -m trainyard.bench_prepare --quick         # 512 images, seconds; what the tests run
+    python -m trainyard.bench.prepare                 # make bench-prepare: 20,000 images
+    python -m trainyard.bench.prepare --images 5000   # smaller folder
+    python -m trainyard.bench.prepare --quick         # 512 images, seconds; what the tests run
 
 The folder (``--work DIR``, default ``<system temp>/trainyard-bench-prepare/<N>``) is made
 once and reused while its ``manifest.json`` matches (image count, seed, recipe version):
@@ -26,10 +26,10 @@ Every file is read once before the runs (page cache warm for all of them alike).
 configuration then runs ``trainyard.prepare.prepare`` (source ``folder``, the default
 ``crop`` resize, val/test fractions 0.1) in a fresh Python process, which reports its wall
 time, where the time went (header pass, decode pass, statistics, hash) and its peak RSS:
-``ru_maxrss`` of itself (RUSAGE_SELF) and of its finished pool workers (RUSAGE_CHILDREN,
-the largest one of them). The table shows the larger of the two: the largest single
-process, not a sum. ``ru_maxrss`` counts resident pages of memory-mapped files as well as
-allocated memory.
+its own high-water mark (``VmHWM``; ``ru_maxrss`` where /proc lacks it) and ``ru_maxrss``
+of its finished pool workers (RUSAGE_CHILDREN, the largest one of them). The table shows the
+larger of the two: the largest single process, not a sum. Both count resident pages of
+memory-mapped files as well as allocated memory.
 
 Imports only numpy, Pillow and trainyard's data modules (pydantic in the child process):
 never torch, lightning, mlflow, dvc or bentoml.
@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 import trainyard.prepare as prep_module
-from trainyard.bench import cpu_name, update_docs
+from trainyard.bench.common import cpu_name, update_docs
 
 DOCS_KEY = "prepare"
 RECIPE = 1  # bump when the way images are drawn changes: old folders are then remade
@@ -67,7 +67,7 @@ NOISE_SIGMA = 12.0
 FULL_IMAGES = 20_000
 QUICK_IMAGES = 512  # the subset (N/4 = 128) still gets the 2 workers prepare asks for
 HEAVY = ("torch", "lightning", "mlflow", "dvc", "bentoml")
-MAKE_SHAPES = Path(__file__).resolve().parents[2] / "examples" / "make_shapes.py"
+MAKE_SHAPES = Path(__file__).resolve().parents[3] / "examples" / "make_shapes.py"
 
 # (name, workers, image_size, on the subset): the subset row repeats the largest one.
 CONFIGS = (
@@ -196,7 +196,7 @@ def ensure_photos(
         jobs = [(str(photos), i, seed) for i in range(n)]
         # By its importable name: run as __main__ (python -m, runpy), this module's own
         # functions would not pickle by reference.
-        from trainyard.bench_prepare import _make_image as make_image
+        from trainyard.bench.prepare import _make_image as make_image
 
         with multiprocessing.Pool(processes) as pool:
             total = sum(pool.imap_unordered(make_image, jobs, chunksize=64))
@@ -225,6 +225,22 @@ def warm_cache(photos: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- one run
+
+
+def peak_rss_self() -> int:
+    """This process's peak RSS in bytes: ``VmHWM`` where /proc has it, else ``ru_maxrss``.
+
+    Linux keeps ``ru_maxrss`` across ``exec``: a child started from a process holding torch
+    (the data-path benchmark) would report its parent's ~800 MiB. ``VmHWM`` belongs to the
+    new address space alone."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # KiB on Linux, bytes on macOS
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def child_run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -266,7 +282,7 @@ def child_run(spec: dict[str, Any]) -> dict[str, Any]:
 
     def channel_stats(images: Any) -> Any:
         # ru_maxrss only grows: read here, it is the peak of both passes (the streaming).
-        before_stats.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        before_stats.append(peak_rss_self())
         return stats(images)
 
     prep.channel_stats = channel_stats
@@ -288,9 +304,9 @@ def child_run(spec: dict[str, Any]) -> dict[str, Any]:
         "images": int(sum(c["total"] for c in card.counts.values())),
         "pool_workers": pool_workers[0] if pool_workers else None,
         "phases_s": {k: round(v, 3) for k, v in phases.items()},
-        "rss_self_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
+        "rss_self_bytes": peak_rss_self(),
         "rss_children_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale,
-        "rss_before_stats_bytes": before_stats[0] * scale if before_stats else None,
+        "rss_before_stats_bytes": before_stats[0] if before_stats else None,
         "heavy_imports": sorted(m for m in HEAVY if m in sys.modules),
     }
 
@@ -300,9 +316,10 @@ def _dir_bytes(path: Path) -> int:
 
 
 def run_prepare(
-    folder: Path, out: Path, workers: int, image_size: int, seed: int
+    folder: Path, out: Path, workers: int, image_size: int, seed: int, keep: bool = False
 ) -> dict[str, Any]:
-    """prepare in a fresh process (its rusage is this run's alone); returns its numbers."""
+    """prepare in a fresh process (its rusage is this run's alone); returns its numbers.
+    ``keep``: leave the prepared folder in ``out`` (the data-path benchmark trains on it)."""
     shutil.rmtree(out, ignore_errors=True)
     spec = {
         "folder": str(folder),
@@ -313,7 +330,7 @@ def run_prepare(
     }
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "trainyard.bench_prepare", "--child", json.dumps(spec)],
+        [sys.executable, "-m", "trainyard.bench.prepare", "--child", json.dumps(spec)],
         capture_output=True,
         text=True,
         check=False,
@@ -327,7 +344,8 @@ def run_prepare(
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["process_s"] = outer  # with interpreter start-up and imports
     result["output_bytes"] = _dir_bytes(out)
-    shutil.rmtree(out, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
     return result
 
 
@@ -428,7 +446,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
-        prog="python -m trainyard.bench_prepare",
+        prog="python -m trainyard.bench.prepare",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -522,7 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ratios[f"peak RSS, {n:,} / {n_sub:,} images (workers=2, 224 px)"] = (
             big["peak_rss_mib"] / small["peak_rss_mib"]
         )
-    command = "python -m trainyard.bench_prepare " + " ".join(
+    command = "python -m trainyard.bench.prepare " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     result = {
