@@ -281,7 +281,7 @@ def child_run(spec: dict[str, Any]) -> dict[str, Any]:
     stats = timed(prep.channel_stats, "stats_s")
 
     def channel_stats(images: Any) -> Any:
-        # ru_maxrss only grows: read here, it is the peak of both passes (the streaming).
+        # The high-water mark only grows: read here, it is the peak of both passes (the streaming).
         before_stats.append(peak_rss_self())
         return stats(images)
 
@@ -408,8 +408,8 @@ def markdown(result: dict[str, Any]) -> str:
         "one `prepare` (source `folder`, resize `crop`, val/test fractions 0.1) in a "
         "fresh process; wall time excludes interpreter start-up; images/s = images "
         "prepared / wall time; peak RSS is the largest single process (the stage's own "
-        "process or its largest pool worker, `ru_maxrss`, which includes resident pages "
-        "of the memory-mapped output); output = the prepared folder's size.",
+        "process or its largest pool worker; `VmHWM` or `ru_maxrss`, which include "
+        "resident pages of the memory-mapped output); output = the prepared folder's size.",
         "",
         table(result),
         "",
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "subset": {"images": n_sub, "how": subset.get("how", "reused")},
         "runs": runs,
         "ratios": ratios,
-        "peak_rss_note": "largest single process: max(ru_maxrss of the prepare process, "
+        "peak_rss_note": "largest single process: max(VmHWM of the prepare process, "
         "largest ru_maxrss among its finished pool workers); includes resident pages of "
         "memory-mapped files",
     }
