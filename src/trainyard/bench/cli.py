@@ -120,6 +120,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--preset", default="presets/fast.yaml")
     parser.add_argument("--folder-images", type=int, help="JPEGs in the generated folder")
     parser.add_argument("--folder-work", help="where the folder is made (default: temp dir)")
+    parser.add_argument(
+        "--folder",
+        help="your own class-per-folder images instead of the generated JPEGs (read as they "
+        "are: ImageFolder stops at a broken file, prepare with data.on_bad_file's default)",
+    )
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--skip-folder", action="store_true")
     parser.add_argument("--skip-inference", action="store_true")
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg["folder"]["images"] = args.folder_images
     if args.folder_work:
         cfg["folder"]["work"] = args.folder_work
+    if args.folder:
+        cfg["folder"]["photos"] = args.folder
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     # Lightning announces the accelerators (and a tip) at every fit: dozens of fits here.
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)

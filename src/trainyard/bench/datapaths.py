@@ -188,13 +188,28 @@ def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[s
     n, size, bs = cfg["images"], cfg["image_size"], cfg["batch_size"]
     names = cfg["gpu_folder_models"] if gpu else cfg["folder_models"]
     w = cores()
-    work = Path(cfg.get("work") or WORK / str(n))
+    if cfg.get("photos"):  # the user's own class-per-folder images, used as they are
+        photos = Path(cfg["photos"])
+        files = [p for p in photos.rglob("*") if p.is_file()]
+        made = {
+            "images": len(files),
+            "bytes": sum(p.stat().st_size for p in files),
+            "size_range_px": None,
+            "jpeg_quality": None,
+            "classes": sum(1 for p in photos.iterdir() if p.is_dir()),
+            "how": f"the folder {photos}",
+        }
+        work = Path(cfg.get("work") or WORK / "own")
+    else:
+        work = Path(cfg.get("work") or WORK / str(n))
+        made = ensure_photos(
+            work / "full", n, SEED, lambda m: log(m.replace("bench-prepare", "bench"))
+        )
+        photos = work / "full" / "photos"
     work.mkdir(parents=True, exist_ok=True)
-    made = ensure_photos(work / "full", n, SEED, lambda m: log(m.replace("bench-prepare", "bench")))
-    photos = work / "full" / "photos"
-    warm_cache(photos)  # every path reads from the page cache alike
+    warm_cache(photos)  # every path then reads from the page cache alike
     prepared = work / "prepared"
-    log(f"bench: folder: prepare {n:,} JPEGs -> {size} px uint8 arrays on {w} workers ...")
+    log(f"bench: folder: prepare {photos} -> {size} px uint8 arrays on {w} workers ...")
     try:
         prep = run_prepare(photos, prepared, w, size, SEED, keep=True)
     except SystemExit as err:  # e.g. a bare GPU machine without pydantic: say so, go on
@@ -307,14 +322,20 @@ def markdown(fd: dict[str, Any]) -> list[str]:
     if "skipped" in fd:
         return [f"**Data paths on an image folder**: skipped ({fd['skipped']})", ""]
     ds, p = fd["dataset"], fd["prepare"]
+    what = (
+        f"{ds['images']:,} RGB JPEGs of {ds['size_range_px'][0]}-{ds['size_range_px'][1]} px, "
+        f"{ds['classes']} classes, {ds['bytes'] / 2**20:,.0f} MiB, from "
+        "`python -m trainyard.bench.prepare`'s generator"
+        if ds["size_range_px"]
+        else f"{ds['how']}: {ds['images']:,} files, {ds['classes']} classes, "
+        f"{ds['bytes'] / 2**20:,.0f} MiB"
+    )
     lines = [
-        f"**Data paths on an image folder** ({ds['images']:,} RGB JPEGs of "
-        f"{ds['size_range_px'][0]}-{ds['size_range_px'][1]} px, {ds['classes']} classes, "
-        f"{ds['bytes'] / 2**20:,.0f} MiB, from `python -m trainyard.bench.prepare`'s generator; "
+        f"**Data paths on an image folder** ({what}; "
         f"trained at {fd['image_size']} px, batch {fd['batch_size']}, {fd['steps']} timed "
         f"steps after {fd['warmup']} warm-up, median of {fd['repeats']}, on {fd['device']}; "
         f"`tiny` = the default CNN at width 8, `cnn` = the default CNN). "
-        f"Textbook rows: {fd['textbook']} + DataLoader, decoding every JPEG each epoch.",
+        f"Textbook rows: {fd['textbook']} + DataLoader, decoding every image file each epoch.",
         "",
         f"prepare (the stage, {p['workers']} workers): {p['images']:,} images in "
         f"{p['wall_s']:.2f} s = **{p['images_per_s']:,.0f} images/s**, peak RSS "

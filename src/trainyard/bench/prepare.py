@@ -219,8 +219,9 @@ def ensure_photos(
 def warm_cache(photos: Path) -> int:
     """Read every file once so each run finds them all in the page cache alike."""
     total = 0
-    for path in sorted(photos.rglob("*.jpg")):
-        total += len(path.read_bytes())
+    for path in sorted(photos.rglob("*")):
+        if path.is_file():
+            total += len(path.read_bytes())
     return total
 
 
