@@ -68,6 +68,7 @@ bench-prepare: venv
 # Its image-folder rows run the prepare stage, which needs pydantic: `make gpu-wheels` (here,
 # with pip and an index) saves it for the GPU machine's Python into .whl/; carry .whl there
 # and gpu-check installs it into a temp folder (nothing is installed into that Python).
+# GPU_ARGS="--folder DIR" runs the image-folder rows on your own photos instead.
 GPU_PYTHON ?= python3
 GPU_OUT ?= reports
 GPU_SITE ?= /tmp/trainyard-gpu-site
@@ -82,7 +83,7 @@ gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then \
 	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade \
 	    --target $(GPU_SITE) .whl/*.whl; fi
-	PYTHONPATH=src:$(GPU_SITE) $(GPU_PYTHON) -m trainyard.bench --gpu-check \
+	PYTHONPATH=src:$(GPU_SITE) $(GPU_PYTHON) -m trainyard.bench --gpu-check $(GPU_ARGS) \
 	  --out $(GPU_OUT)/gpu-check.json --chart $(GPU_OUT)/gpu-check.png --docs $(GPU_OUT)/gpu-check.md
 
 # The inference service (serving/service.py) on models/model.onnx; Swagger UI at /.
