@@ -58,8 +58,8 @@ FULL = {
         "image_size": 32,
         "batch_size": 128,
         "warmup": 5,
-        "steps": 40,
-        "repeats": 3,
+        "steps": 60,  # ~2 epochs of the 4,000 images: the textbook rows restart their workers
+        "repeats": 5,
         "folder_models": ["tiny", "cnn"],
         "gpu_folder_models": ["cnn"],
         "gpu_batch_size": 512,
