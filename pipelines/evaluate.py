@@ -12,7 +12,7 @@ from trainyard.datamodule import load_split
 from trainyard.evaluation import evaluate_onnx, metric_key, write_reports
 from trainyard.io import atomic_write_json
 from trainyard.registry import register_and_promote
-from trainyard.tracking import open_run, read_run_file
+from trainyard.tracking import logging_into, open_run, read_run_file
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +46,11 @@ def run(params: Params, args: argparse.Namespace) -> None:
         "train": {"best_val_acc": info["best_val_acc"], "fit_time_s": info["fit_time_s"]},
     }
     atomic_write_json(Path(args.reports, "metrics.json"), metrics)
-    with mlflow.start_run(run_id=run_id):
+    with logging_into(run_id, "evaluate"):
+        print(
+            f"evaluate: test accuracy {m['accuracy']:.4f} on {m['samples']} images "
+            f"({m['provider']}); logging it to MLflow run {run_id}"
+        )
         mlflow.log_metrics({"test/accuracy": m["accuracy"], "test/macro_f1": m["macro_f1"]})
         # Class names may hold '/', spaces or any letter: keys are index + a safe spelling.
         classes = result["classes"]
@@ -58,15 +62,15 @@ def run(params: Params, args: argparse.Namespace) -> None:
         )
         for path in paths.values():
             mlflow.log_artifact(str(path), "evaluation")
-    print(
-        f"evaluate: test accuracy {m['accuracy']:.4f} on {m['samples']} images "
-        f"({m['provider']}); MLflow run {run_id}"
-    )
     registry: dict = {"enabled": params.registry.enabled}
     if params.registry.enabled:
+        name = params.registry_model_name()
+        # Registration is a handful of registry writes that must all land or none: name the
+        # step, so a failure or a Ctrl-C here is not taken for one in the metrics above.
+        print(f"evaluate: registering the model as a new version of {name}")
         registry |= register_and_promote(
             mlflow.MlflowClient(),
-            params.registry_model_name(),
+            name,
             export_report["mlflow_model_uri"],
             run_id,
             m["accuracy"],
@@ -75,7 +79,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
             params.registry.promote_margin,
             contract=result["card"],
         )
-        with mlflow.start_run(run_id=run_id):
+        with logging_into(run_id, "evaluate"):
             mlflow.set_tags(
                 {
                     "registry.model": registry["model_name"],
@@ -84,10 +88,17 @@ def run(params: Params, args: argparse.Namespace) -> None:
                     "registry.reason": registry["reason"],
                 }
             )
-        print(
-            f"evaluate: registered {registry['model_name']} v{registry['version']} as "
-            f"{registry['alias']}: {registry['reason']}"
-        )
+        if registry["already_registered"]:
+            print(
+                f"evaluate: this model is already {registry['model_name']} "
+                f"v{registry['version']} ({registry['alias']}), not registered again: "
+                f"{registry['reason']}"
+            )
+        else:
+            print(
+                f"evaluate: registered {registry['model_name']} v{registry['version']} as "
+                f"{registry['alias']}: {registry['reason']}"
+            )
     atomic_write_json(Path(args.reports, "registry.json"), registry)
 
 

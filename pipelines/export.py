@@ -10,7 +10,7 @@ from trainyard.datamodule import load_split
 from trainyard.export import export_and_verify, normalized_example
 from trainyard.io import atomic_write_json
 from trainyard.registry import log_onnx_model
-from trainyard.tracking import open_run, read_run_file
+from trainyard.tracking import logging_into, open_run, read_run_file
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -33,8 +33,14 @@ def run(params: Params, args: argparse.Namespace) -> None:
         run_id,
         info["data_sha256"],
     )
+    print(
+        f"export: parity ok on {report['samples']} images, max abs diff "
+        f"{report['max_abs_diff']:.2e}, agreement {report['argmax_agreement']:.2%}"
+    )
     example = normalized_example(f"{args.models}/model.onnx", images[:1])
-    with mlflow.start_run(run_id=run_id):
+    with logging_into(run_id, "export"):
+        # Logging the model takes seconds: say so, and where it goes.
+        print(f"export: logging the ONNX model to MLflow run {run_id}")
         mlflow.log_metrics(
             {
                 "export/max_abs_diff": report["max_abs_diff"],
@@ -44,10 +50,6 @@ def run(params: Params, args: argparse.Namespace) -> None:
         mlflow.set_tag("onnx.sha256", report["onnx_sha256"])
         report["mlflow_model_uri"] = log_onnx_model(f"{args.models}/model.onnx", example)
     atomic_write_json(args.report, report)
-    print(
-        f"export: parity ok on {report['samples']} images, max abs diff "
-        f"{report['max_abs_diff']:.2e}, agreement {report['argmax_agreement']:.2%}"
-    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from trainyard.errors import TrackingError
+from trainyard.tracking import release_interrupted_store
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,15 @@ def register_and_promote(
     ``contract`` (the ONNX model's dataset card) puts the input contract on the version:
     source, class count and names, input shape and resize policy, so the registry UI shows
     what a version takes and answers without downloading it.
-    If anything fails after the version exists, the version is deleted again: a version
-    without its alias and tags would look like a decision that was never made.
+
+    A registration is complete once its alias points at it (the last write). Nothing less
+    is left behind: if anything fails or is interrupted (Ctrl-C) before that, the version is
+    deleted again, since a version without its alias would look like a decision that was
+    never made. A rerun for the same model (same run, ONNX sha256, data and accuracy) whose
+    version still holds its alias reuses that version instead of registering the model a
+    second time (an evaluate interrupted after the alias moved, or a forced rerun); one that
+    finds versions of this run cut off before their decision (SIGKILL, or a Ctrl-C inside
+    MLflow's own register call) deletes them first.
     """
     import json
 
@@ -118,28 +126,108 @@ def register_and_promote(
             "input_shape": "x".join(str(d) for d in contract.input_shape),
             "resize": contract.resize,
         }
+    done = _already_registered(client, name, run_id, tags)
+    if done is not None:
+        return done
+    _remove_cut_off(client, name, run_id)
     champion = current_alias(client, name, CHAMPION)
-    version = mlflow.register_model(model_uri, name, tags=tags)
+    alias, reason = decide(test_acc, champion, margin)
+    previous = int(champion.version) if champion is not None else None
+    tags |= {"previous_champion": str(previous or "")}
+    version = None
     try:
-        alias, reason = decide(test_acc, champion, margin)
-        client.set_model_version_tag(name, version.version, "decision", alias)
+        version = mlflow.register_model(model_uri, name, tags=tags)
         client.set_model_version_tag(name, version.version, "decision_reason", reason)
+        client.set_model_version_tag(name, version.version, "decision", alias)
         client.set_registered_model_alias(name, alias, version.version)
-    except Exception as err:
-        try:
-            client.delete_model_version(name, version.version)
-        except Exception:  # the store is already failing; report the first error
-            log.exception("could not remove half-registered version %s", version.version)
-        raise TrackingError(f"registering {name} v{version.version} failed: {err}") from err
+    except BaseException as err:
+        # BaseException: a Ctrl-C (KeyboardInterrupt) cuts a registration off as surely as a
+        # store error does, and must not leave a version without its alias either.
+        if not isinstance(err, Exception):
+            release_interrupted_store(err)
+        _undo(client, name, run_id, alias, version)
+        if not isinstance(err, Exception):
+            raise
+        what = f"v{version.version}" if version is not None else "a new version"
+        raise TrackingError(f"registering {name} {what} failed: {err}") from err
     return {
         "model_name": name,
         "version": int(version.version),
         "alias": alias,
         "reason": reason,
-        "previous_champion": int(champion.version) if champion is not None else None,
+        "previous_champion": previous,
         "model_uri": f"models:/{name}@{alias}",
         "source": model_uri,
+        "already_registered": False,
     }
+
+
+def _versions_of_run(client: Any, name: str, run_id: str) -> list[Any]:
+    """Versions of ``name`` that register_and_promote made for ``run_id`` (its run_id tag)."""
+    # Filter on the run id only (hex): a model name may hold quotes the filter cannot escape.
+    found = client.search_model_versions(f"tags.run_id = '{run_id}'")
+    return [v for v in found if v.name == name]
+
+
+def _already_registered(
+    client: Any, name: str, run_id: str, tags: dict[str, str]
+) -> dict[str, Any] | None:
+    """The record of a complete registration of this very model that still stands, if any."""
+    same = (ACCURACY_TAG, DATA_TAG, SHA_TAG)
+    candidates = [
+        v
+        for v in _versions_of_run(client, name, run_id)
+        if v.tags.get("decision") and all(v.tags.get(k) == tags[k] for k in same)
+    ]
+    if not candidates:
+        return None
+    aliases = client.get_registered_model(name).aliases  # {alias: version}
+    for v in sorted(candidates, key=lambda v: -int(v.version)):
+        alias = v.tags["decision"]
+        if str(aliases.get(alias)) == str(v.version):
+            previous = v.tags.get("previous_champion", "")
+            return {
+                "model_name": name,
+                "version": int(v.version),
+                "alias": alias,
+                "reason": v.tags.get("decision_reason", ""),
+                "previous_champion": int(previous) if previous.isdigit() else None,
+                "model_uri": f"models:/{name}@{alias}",
+                "source": v.source,
+                "already_registered": True,
+            }
+    return None
+
+
+def _remove_cut_off(client: Any, name: str, run_id: str) -> None:
+    """Delete this run's versions that never got a decision: registrations cut off by a kill.
+
+    MLflow creates the version with our tags (run_id, onnx_sha256) in one write; the decision
+    tags follow, then the alias. So a version with our tags and no decision was never
+    promoted and nothing points at it. One registered by hand from this run (in the UI) has
+    no onnx_sha256 tag and is left alone.
+    """
+    for v in _versions_of_run(client, name, run_id):
+        if v.tags.get(SHA_TAG) and not v.tags.get("decision"):
+            client.delete_model_version(name, v.version)
+            print(
+                f"registry: deleted {name} v{v.version}: its registration was cut off "
+                "before the decision",
+                flush=True,
+            )
+
+
+def _undo(client: Any, name: str, run_id: str, alias: str, version: Any | None) -> None:
+    """After a failed or interrupted registration: remove what it left; never raises."""
+    try:
+        if version is None:
+            # Cut off inside MLflow's register call, which may have created the version.
+            _remove_cut_off(client, name, run_id)
+        elif str(client.get_registered_model(name).aliases.get(alias)) != str(version.version):
+            client.delete_model_version(name, version.version)
+        # else the alias moved before the interruption: the registration is complete
+    except Exception:  # the store is already failing; report the first error
+        log.exception("could not remove a half-registered version of %s", name)
 
 
 def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:

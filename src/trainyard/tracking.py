@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import os
 import platform
 import socket
 import subprocess
+import traceback
 import urllib.error
 import urllib.request
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,9 @@ from trainyard.io import atomic_write_json
 log = logging.getLogger(__name__)
 
 RUN_FILE = "train.json"  # written by train, read by export and evaluate
+# Why a run ended other than FINISHED; the same tag train's resume.py sets (not imported from
+# there: that would load Lightning into evaluate).
+END_REASON_TAG = "trainyard.end_reason"
 
 
 def resolve_tracking_uri(root: str | os.PathLike[str] = ".") -> str:
@@ -135,6 +142,69 @@ def open_run(info: dict[str, Any], root: str | os.PathLike[str] = ".") -> str:
             f"{err.message}. Rerun train with the same MLFLOW_TRACKING_URI."
         ) from None
     return info["run_id"]
+
+
+@contextlib.contextmanager
+def logging_into(run_id: str, stage: str) -> Iterator[None]:
+    """Reopen the train run ``run_id`` as the active run for a later stage (export, evaluate).
+
+    MLflow sets the run RUNNING while it is open; it ends FINISHED, or FAILED on an error.
+    A Ctrl-C ends it KILLED with a ``trainyard.end_reason`` tag naming the stage, as a Ctrl-C
+    in train does: MLflow's own context manager would call it FAILED, as if the training
+    had failed. The next successful run of the stage ends it FINISHED again and keeps the
+    old reason as ``trainyard.previous_end``.
+    """
+    import mlflow
+
+    try:
+        # Inside the try: a Ctrl-C that lands within start_run, after it has set the run
+        # RUNNING, must not leave it RUNNING.
+        mlflow.start_run(run_id=run_id)
+        run = mlflow.get_run(run_id)
+        if END_REASON_TAG in run.data.tags:
+            mlflow.set_tag("trainyard.previous_end", run.data.tags[END_REASON_TAG])
+            mlflow.MlflowClient().delete_tag(run_id, END_REASON_TAG)
+        yield
+    except KeyboardInterrupt as err:
+        release_interrupted_store(err)
+        _end_run(run_id, "KILLED", f"Ctrl-C (SIGINT) in {stage}")
+        raise
+    except BaseException:
+        _end_run(run_id, "FAILED")
+        raise
+    mlflow.end_run("FINISHED")
+
+
+def release_interrupted_store(err: BaseException) -> None:
+    """Let go of the store after a Ctrl-C, before writing to it again.
+
+    A Ctrl-C that lands while sqlite runs one of MLflow's statements leaves that statement
+    half-stepped, holding a lock on mlflow.db until its cursor is freed, and the cursor lives
+    on in the frames of the interrupt's traceback. A write from the handler (mark the run
+    KILLED, undo a registration) then waits out MLflow's 20 s busy timeout and fails: the
+    run stayed RUNNING (seen in tests/test_interrupt.py). Clearing those finished frames
+    frees the cursor and its lock.
+    """
+    traceback.clear_frames(err.__traceback__)
+    gc.collect()  # cursors held in reference cycles
+
+
+def _end_run(run_id: str, status: str, reason: str | None = None) -> None:
+    """End ``run_id`` ``status`` on the way out of an error; never raises, so the stage
+    reports the error it is handling, not a tracking hiccup on top of it."""
+    import mlflow
+
+    try:
+        client = mlflow.MlflowClient()
+        if reason is not None:
+            client.set_tag(run_id, END_REASON_TAG, reason)
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == run_id:
+            mlflow.end_run(status)
+        else:  # interrupted inside start_run, before it made the run the active one
+            client.set_terminated(run_id, status)
+    except Exception as err:
+        log.warning("could not mark MLflow run %s %s: %s", run_id, status, err)
 
 
 def dvc_data_version(root: str | os.PathLike[str] = ".", out: str = "data/prepared") -> str:
