@@ -18,6 +18,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ import yaml
 from trainyard.registry import CHALLENGER, CHAMPION, SHA_TAG, register_and_promote
 from trainyard.tracking import END_REASON_TAG
 
-from conftest import dvc, set_params, small_pipeline_repo, stage_env
+from conftest import REPO, dvc, set_params, small_pipeline_repo, stage_env
 
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 EXPORT_OUTS = ("models/model.onnx", "models/model.onnx.sha256", "reports/export.json")
@@ -182,6 +183,53 @@ def test_the_same_model_again_is_not_registered_twice(store):
 
 
 # ---------------------------------------------------------- real dvc repro (slow)
+
+
+# A stage that holds the train run open in MLflow (as export and evaluate do) and waits.
+STAGE = """
+import sys, time
+from trainyard.cli import stage_main
+from trainyard.tracking import logging_into
+
+def body(params, args):
+    with logging_into(args.run, "export"):
+        print("logging", flush=True)
+        time.sleep(60)
+
+stage_main("export", body, lambda p: p.add_argument("--run"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "reason"),
+    [(signal.SIGTERM, 143, "SIGTERM in export"), (signal.SIGINT, 130, "Ctrl-C (SIGINT) in export")],
+)
+def test_sigterm_in_a_stage_is_unwound_like_ctrl_c(tmp_path, signum, code, reason):
+    """kill, a scheduler or a container stop sends SIGTERM: the run ends KILLED with the
+    reason, not RUNNING, and the stage exits 128 + the signal."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    client.set_terminated(run_id, "FINISHED")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STAGE, "--run", run_id],
+        env=stage_env(MLFLOW_TRACKING_URI=uri),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "logging", proc.stderr.read()
+    assert client.get_run(run_id).info.status == "RUNNING"
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags[END_REASON_TAG] == reason
+    assert ("terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted") in err
 
 
 @pytest.fixture(scope="module")

@@ -43,3 +43,8 @@ class InputError(TrainyardError):
 
     def to_json(self) -> dict[str, str | None]:
         return {"error": str(self), "field": self.field}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler, a container stop) raised in a stage: unwound exactly
+    like a Ctrl-C, so the same clean-up runs (temp files removed, MLflow run KILLED)."""

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainyard.errors import TrackingError
+from trainyard.errors import Terminated, TrackingError
 from trainyard.io import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,8 @@ def logging_into(run_id: str, stage: str) -> Iterator[None]:
         yield
     except KeyboardInterrupt as err:
         release_interrupted_store(err)
-        _end_run(run_id, "KILLED", f"Ctrl-C (SIGINT) in {stage}")
+        what = "SIGTERM" if isinstance(err, Terminated) else "Ctrl-C (SIGINT)"
+        _end_run(run_id, "KILLED", f"{what} in {stage}")
         raise
     except BaseException:
         _end_run(run_id, "FAILED")
