@@ -968,7 +968,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     settings, command = ready
     fashion = REPO / "models/model.onnx"
-    from trainyard.bench import cpu_name
+    from trainyard.bench.common import cpu_name
     from trainyard.io import atomic_write_json, sha256_file
 
     loadavg = os.getloadavg()[0]

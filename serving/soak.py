@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     settings, command = ready
     model = REPO / "models/model.onnx"
-    from trainyard.bench import cpu_name
+    from trainyard.bench.common import cpu_name
     from trainyard.io import atomic_write_json
 
     loadavg = os.getloadavg()[0]

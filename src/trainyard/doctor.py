@@ -96,7 +96,7 @@ def _cpuinfo() -> str:
 
 def collect_cpu() -> dict[str, Any]:
     """Model, logical/usable/physical cores, and the SIMD flags that decide bf16."""
-    from trainyard.bench import cpu_name
+    from trainyard.bench.common import cpu_name
     from trainyard.hardware import cpu_has_bf16
 
     info = _cpuinfo()

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from trainyard.errors import TrackingError
-from trainyard.tracking import release_interrupted_store
+from trainyard.tracking import release_interrupted_store, signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +136,13 @@ def register_and_promote(
     tags |= {"previous_champion": str(previous or "")}
     version = None
     try:
-        version = mlflow.register_model(model_uri, name, tags=tags)
-        client.set_model_version_tag(name, version.version, "decision_reason", reason)
-        client.set_model_version_tag(name, version.version, "decision", alias)
-        client.set_registered_model_alias(name, alias, version.version)
+        # A Ctrl-C or SIGTERM waits for these four writes (milliseconds) and then stops
+        # the stage: the registration is whole, and the rerun finds it registered.
+        with signals_deferred():
+            version = mlflow.register_model(model_uri, name, tags=tags)
+            client.set_model_version_tag(name, version.version, "decision_reason", reason)
+            client.set_model_version_tag(name, version.version, "decision", alias)
+            client.set_registered_model_alias(name, alias, version.version)
     except BaseException as err:
         # BaseException: a Ctrl-C (KeyboardInterrupt) cuts a registration off as surely as a
         # store error does, and must not leave a version without its alias either.

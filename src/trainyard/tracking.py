@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import platform
+import signal
 import socket
 import subprocess
 import traceback
@@ -174,6 +175,38 @@ def logging_into(run_id: str, stage: str) -> Iterator[None]:
         _end_run(run_id, "FAILED")
         raise
     mlflow.end_run("FINISHED")
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM during a few store writes that belong together, then deliver
+    them to the handlers that were in place.
+
+    Ctrl-C raises wherever Python happens to be; inside MLflow's sqlite session code that can
+    leave a statement or a transaction holding mlflow.db's write lock, so the clean-up's
+    own writes wait out MLflow's 20 s busy timeout (seen in tests/test_interrupt.py). A
+    registration's writes take milliseconds: letting them finish and stopping right after is
+    both faster and leaves the registry whole. SIGKILL cannot be held; the next registration
+    removes what it cut off. Outside the main thread signals cannot be handled: no deferral.
+    """
+    received: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        received.append(signum)
+
+    watched = (signal.SIGINT, signal.SIGTERM)
+    try:
+        previous = {s: signal.signal(s, hold) for s in watched}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if received:  # once, to the handler that would have had it (KeyboardInterrupt, ...)
+            signal.raise_signal(received[0])
 
 
 def release_interrupted_store(err: BaseException) -> None:
