@@ -67,7 +67,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
         name = params.registry_model_name()
         # Registration is a handful of registry writes that must all land or none: name the
         # step, so a failure or a Ctrl-C here is not taken for one in the metrics above.
-        print(f"evaluate: registering the model as a new version of {name}")
+        print(f"evaluate: registering the model in {name}")
         registry |= register_and_promote(
             mlflow.MlflowClient(),
             name,

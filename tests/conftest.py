@@ -107,6 +107,12 @@ def stage_env(**extra: str) -> dict[str, str]:
     env.pop("MLFLOW_TRACKING_URI", None)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
+    # DVC runs stage commands through $SHELL; CI has none set, so /bin/sh (dash). Use it
+    # here too: the tests see what CI sees, not what an interactive bash would hide.
+    env["SHELL"] = "/bin/sh"
+    # pytest's marker for its own process: inherited, it turns on MLflow's test-only checks
+    # inside the pipeline, which is not what a user's `dvc repro` runs.
+    env.pop("PYTEST_CURRENT_TEST", None)
     env.update(extra)
     return env
 

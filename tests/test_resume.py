@@ -15,7 +15,6 @@ import torch
 
 from trainyard.config import parse_params
 from trainyard.resume import (
-    END_REASON_TAG,
     LAST_CKPT,
     RESUME_ROOT,
     STATE_FILE,
@@ -25,6 +24,7 @@ from trainyard.resume import (
     prepare,
     resume_key,
 )
+from trainyard.tracking import END_REASON_TAG
 
 from conftest import dvc, set_params, small_pipeline_repo, stage_env
 

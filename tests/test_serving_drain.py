@@ -64,11 +64,14 @@ def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(tmp_path, mode
         assert requests.post(f"{srv.url}/classify", data=body, headers=headers).status_code == 200
 
         results: list[tuple[float, float, object]] = []  # (sent, answered, status or error)
+        outstanding: dict[int, float] = {}  # client -> when its unanswered request was sent
         lock, stop = threading.Lock(), threading.Event()
 
-        def client() -> None:
+        def client(i: int) -> None:
             while not stop.is_set():
                 sent = time.monotonic()
+                with lock:
+                    outstanding[i] = sent
                 try:
                     got: object = requests.post(
                         f"{srv.url}/classify", data=body, headers=headers, timeout=GRACE_S
@@ -76,12 +79,27 @@ def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(tmp_path, mode
                 except requests.RequestException as err:
                     got = repr(err)
                 with lock:
+                    del outstanding[i]
                     results.append((sent, time.monotonic(), got))
 
-        threads = [threading.Thread(target=client, daemon=True) for _ in range(CLIENTS)]
+        def settled_in_flight() -> int:
+            """Requests sent more than ACCEPT_S ago and not answered yet."""
+            now = time.monotonic()
+            with lock:
+                return sum(now - sent > ACCEPT_S for sent in outstanding.values())
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
         for t in threads:
             t.start()
-        time.sleep(3)  # under load
+        time.sleep(2)  # under load
+        # Signal at a moment with enough requests in flight, rather than at a fixed time:
+        # how many a closed loop of clients has in flight at one instant swings around its
+        # mean, and the drain must be shown on many. The margin covers answers that arrive
+        # between this check and the signal.
+        deadline = time.monotonic() + 20
+        while settled_in_flight() < CLIENTS // 2 + 4:
+            assert time.monotonic() < deadline, "the load never had enough requests in flight"
+            time.sleep(0.002)
 
         signalled = time.monotonic()
         os.kill(srv.proc.pid, signal.SIGTERM)  # the main process, as the kubelet does
@@ -100,6 +118,7 @@ def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(tmp_path, mode
         in_flight = [r for r in before if r[1] > signalled]
         failed = [r for r in before if r[2] != 200]
         log = srv.tail()
+        print(f"\n{len(in_flight)} requests in flight at SIGTERM, exit {exited_s:.2f} s later")
         assert len(in_flight) >= CLIENTS // 2, f"too few requests in flight: {len(in_flight)}"
         assert not failed, f"{len(failed)} requests sent before SIGTERM failed: {failed[:3]}\n{log}"
         assert exited_s < GRACE_S and code == 0, f"exit code {code} after {exited_s:.1f} s\n{log}"

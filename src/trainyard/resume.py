@@ -35,13 +35,13 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from trainyard.config import Params
 from trainyard.io import atomic_write_json
+from trainyard.tracking import END_REASON_TAG, carry_end_reason
 
 log = logging.getLogger(__name__)
 
 RESUME_ROOT = Path(".cache") / "train-resume"
 LAST_CKPT = "last.ckpt"
 STATE_FILE = "state.json"
-END_REASON_TAG = "trainyard.end_reason"
 # Train params that do not change what is learned: left out of the key.
 NOT_IN_KEY = ("resume", "checkpoint_every_min")
 # Code whose change makes an old checkpoint a different model or data order.
@@ -257,9 +257,7 @@ def reopen_run(client: Any, run_id: str, flat_params: dict[str, Any]) -> None:
     client.set_tag(run_id, "trainyard.resumes", str(resumes))
     if changed:
         client.set_tag(run_id, "trainyard.params_changed_on_resume", ", ".join(changed)[:5000])
-    if END_REASON_TAG in run.data.tags:
-        client.set_tag(run_id, "trainyard.previous_end", run.data.tags[END_REASON_TAG])
-        client.delete_tag(run_id, END_REASON_TAG)
+    carry_end_reason(client, run_id, run.data.tags)
     client.update_run(run_id, status="RUNNING")
 
 

@@ -25,9 +25,18 @@ from trainyard.io import atomic_write_json
 log = logging.getLogger(__name__)
 
 RUN_FILE = "train.json"  # written by train, read by export and evaluate
-# Why a run ended other than FINISHED; the same tag train's resume.py sets (not imported from
-# there: that would load Lightning into evaluate).
+# Why a run ended other than FINISHED (Ctrl-C, SIGTERM, an error), set by every stage that
+# ends a run early; kept as PREVIOUS_END_TAG once the run is finished again.
 END_REASON_TAG = "trainyard.end_reason"
+PREVIOUS_END_TAG = "trainyard.previous_end"
+
+
+def carry_end_reason(client: Any, run_id: str, tags: dict[str, str]) -> None:
+    """A run going on again after an early end: its reason becomes the previous one, so a
+    run that later ends FINISHED carries no stale reason but keeps the history."""
+    if END_REASON_TAG in tags:
+        client.set_tag(run_id, PREVIOUS_END_TAG, tags[END_REASON_TAG])
+        client.delete_tag(run_id, END_REASON_TAG)
 
 
 def resolve_tracking_uri(root: str | os.PathLike[str] = ".") -> str:
@@ -153,7 +162,7 @@ def logging_into(run_id: str, stage: str) -> Iterator[None]:
     A Ctrl-C ends it KILLED with a ``trainyard.end_reason`` tag naming the stage, as a Ctrl-C
     in train does: MLflow's own context manager would call it FAILED, as if the training
     had failed. The next successful run of the stage ends it FINISHED again and keeps the
-    old reason as ``trainyard.previous_end``.
+    old reason as ``trainyard.previous_end`` (carry_end_reason).
     """
     import mlflow
 
@@ -161,10 +170,7 @@ def logging_into(run_id: str, stage: str) -> Iterator[None]:
         # Inside the try: a Ctrl-C that lands within start_run, after it has set the run
         # RUNNING, must not leave it RUNNING.
         mlflow.start_run(run_id=run_id)
-        run = mlflow.get_run(run_id)
-        if END_REASON_TAG in run.data.tags:
-            mlflow.set_tag("trainyard.previous_end", run.data.tags[END_REASON_TAG])
-            mlflow.MlflowClient().delete_tag(run_id, END_REASON_TAG)
+        carry_end_reason(mlflow.MlflowClient(), run_id, mlflow.get_run(run_id).data.tags)
         yield
     except KeyboardInterrupt as err:
         release_interrupted_store(err)
