@@ -8,7 +8,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
-	bench-serve bench-prepare soak doctor gpu-wheels clean
+	bench-serve bench-prepare bench-resume soak doctor gpu-wheels clean
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
@@ -22,6 +22,7 @@ help:
 	@echo "make bench-serve - service load test (wrk): vs reference, p99, cold start, batching: docs/benchmarks.md"
 	@echo "make soak   - 60 s at 64 clients, good and bad requests: 0 errors, RSS growth < 10%/worker: docs/benchmarks.md"
 	@echo "make bench-prepare - prepare on 20,000 generated JPEGs, 1 vs 2 workers: docs/benchmarks.md"
+	@echo "make bench-resume - SIGKILL after epoch 2 of 4, rerun resumes: time saved vs an uninterrupted run"
 	@echo "make doctor - this machine (CPU, RAM, GPUs, torch, ONNX Runtime, disk) and what trainyard will do on it"
 	@echo "make lint   - ruff check + format check"
 
@@ -62,6 +63,12 @@ bench: venv data
 # workers 1 vs 2, 64 vs 224 px, peak RSS; reports/bench-prepare.json + docs/benchmarks.md.
 bench-prepare: venv
 	$(BIN)/python -m trainyard.bench.prepare
+
+# About 4 Fashion-MNIST epochs x 2 on 2 cores (~5 min): in a clone of the committed repo,
+# dvc repro train SIGKILLed after epoch 2 of 4, rerun (resumes), vs an uninterrupted run;
+# reports/bench-resume.json + docs/benchmarks.md. BENCH_RESUME_ARGS="--limit 20000".
+bench-resume: venv
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m trainyard.bench.resume $(BENCH_RESUME_ARGS)
 
 # For a GPU machine that has torch/lightning/onnx/onnxruntime but not this venv:
 # GPU_PYTHON=python3 make gpu-check  (carry data/raw, or have Debian's package)
