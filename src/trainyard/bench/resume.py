@@ -13,8 +13,9 @@ with ``train.max_epochs`` set to ``--epochs`` (and ``data.limit`` to ``--limit``
 4. ``dvc repro -f train``: the same training, uninterrupted, from scratch.
 
 Printed and written to ``reports/bench-resume.json`` (+ docs/benchmarks.md "Resume"): the
-seconds of 2, 3 and 4, the resumed rerun / uninterrupted ratio (ideal: the share of epochs
-left, (epochs - kill_after) / epochs, plus the rerun's fixed start-up cost), and the best
+seconds of 2, 3 and 4, the resumed rerun / uninterrupted ratio (about the share of epochs
+left, (epochs - kill_after) / epochs: the rerun adds its start-up, while the uninterrupted
+run's first epoch also pays one-off warm-up costs), and the best
 val/acc of both trainings: a resume that changed what is learned would show here.
 """
 
@@ -157,7 +158,7 @@ def markdown(r: dict[str, Any]) -> str:
             f"| uninterrupted run, from scratch | {r['uninterrupted_s']:,.1f} |",
             "",
             f"Resumed / uninterrupted: **{r['resumed_over_uninterrupted']:.2f}** (epochs left:"
-            f" {r['epochs_left_share']:.2f}; the rest is the rerun's start-up), "
+            f" {r['epochs_left_share']:.2f}), "
             f"{r['saved_s']:,.1f} s saved. Best val/acc: resumed {r['best_val_acc_resumed']:.4f},"
             f" uninterrupted {r['best_val_acc_uninterrupted']:.4f}.",
         ]
