@@ -68,7 +68,7 @@ bench-prepare: venv
 # dvc repro train SIGKILLed after epoch 2 of 4, rerun (resumes), vs an uninterrupted run;
 # reports/bench-resume.json + docs/benchmarks.md. BENCH_RESUME_ARGS="--limit 20000".
 bench-resume: venv
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m trainyard.bench.resume $(BENCH_RESUME_ARGS)
+	$(BIN)/python -m trainyard.bench.resume $(BENCH_RESUME_ARGS)
 
 # For a GPU machine that has torch/lightning/onnx/onnxruntime but not this venv:
 # GPU_PYTHON=python3 make gpu-check  (carry data/raw, or have Debian's package)

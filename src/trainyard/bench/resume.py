@@ -67,20 +67,23 @@ def _checkpoint_epoch(path: Path) -> int | None:
 def _kill_after(repo: Path, env: dict[str, str], epochs_done: int) -> float:
     """``dvc repro train``, SIGKILLed once its checkpoint holds ``epochs_done`` epochs."""
     t0 = time.perf_counter()
-    log = (repo / "killed.log").open("w")
-    proc = subprocess.Popen(
-        ["dvc", "repro", "train"],
-        cwd=repo,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    log = repo / "killed.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            ["dvc", "repro", "train"],
+            cwd=repo,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     seen: float | None = None
     deadline = time.monotonic() + 3600
     while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"training ended before epoch {epochs_done}: see {repo}/killed.log")
+        if proc.poll() is not None:  # the clone is deleted on exit: show its log now
+            raise SystemExit(
+                f"training ended before epoch {epochs_done}:\n{log.read_text()[-3000:]}"
+            )
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             raise SystemExit("no checkpoint within an hour")
