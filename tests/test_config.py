@@ -92,3 +92,16 @@ def test_few_steps_warning_names_the_keys_only_for_small_runs():
     for key in ("train.batch_size", "train.max_epochs", "train.early_stopping_patience"):
         assert f"-S {key}=" in warning
     assert few_steps_warning(257, 32, 30) is None  # 9 x 30 = 270 steps
+    # Already at the batch and epochs a fixed suggestion would give: the advice must go
+    # further, to settings that reach MIN_STEPS (88 images / 32 = 3 steps x 67 epochs).
+    warning = few_steps_warning(88, 32, 30)
+    assert "only 90 optimizer steps" in warning
+    assert "-S train.batch_size=32 -S train.max_epochs=67" in warning
+    assert "-S train.early_stopping_patience=67" in warning
+    for images, batch, epochs in [(257, 256, 10), (88, 32, 30), (5, 4, 1), (150, 64, 3)]:
+        got = dict(
+            item.split("=")
+            for item in few_steps_warning(images, batch, epochs).split("-S train.")[1:]
+        )
+        b, e = int(got["batch_size"]), int(got["max_epochs"].split()[0])
+        assert few_steps_warning(images, b, e) is None, (images, batch, epochs, got)

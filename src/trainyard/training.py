@@ -56,17 +56,19 @@ def few_steps_warning(train_images: int, batch_size: int, max_epochs: int) -> st
     """A warning naming the keys to change when the whole run is only a handful of
     optimizer steps: the defaults suit Fashion-MNIST's 55k images (215 steps an epoch),
     and a folder of a few hundred photos gets one or two steps an epoch from them."""
-    steps_per_epoch = -(-train_images // batch_size)
-    total = steps_per_epoch * max_epochs
+    total = -(-train_images // batch_size) * max_epochs
     if total >= MIN_STEPS:
         return None
+    # The suggestion must itself reach MIN_STEPS: a smaller batch (not below 8), then as
+    # many epochs as that takes (the user may already run at batch 32 for 30 epochs).
+    batch = max(8, min(32, batch_size))
+    epochs = max(max_epochs, -(-MIN_STEPS // -(-train_images // batch)))
     return (
         f"only {total} optimizer steps in the whole run ({train_images} train images, "
         f"train.batch_size {batch_size}, train.max_epochs {max_epochs}); a small dataset "
-        f"needs more: e.g. -S train.batch_size={max(8, min(32, batch_size))} "
-        f"-S train.max_epochs={max(max_epochs, 30)} "
-        f"-S train.early_stopping_patience={max(max_epochs, 30)} (a few hundred images "
-        "learn slowly and a small val split is noisy: let the schedule run out)"
+        f"needs {MIN_STEPS} or more: e.g. -S train.batch_size={batch} "
+        f"-S train.max_epochs={epochs} -S train.early_stopping_patience={epochs} (a few "
+        "hundred images learn slowly and a small val split is noisy: let the schedule run out)"
     )
 
 
@@ -150,8 +152,7 @@ def train(
         f"{card.channels}x{card.height}x{card.width}, arch {tp.arch}"
     )
     if warning := few_steps_warning(card.counts["train"]["total"], tp.batch_size, tp.max_epochs):
-        log.warning(warning)
-        print(f"trainyard: WARNING {warning}")
+        log.warning(warning)  # once: "[train] WARNING ..." (it was also printed: twice)
     model = Classifier(
         card=card.contract(),
         arch=tp.arch,
