@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from trainyard.config import Params
 from trainyard.io import atomic_write_json
-from trainyard.tracking import END_REASON_TAG, carry_end_reason
+from trainyard.tracking import END_REASON_TAG, carry_end_reason, signals_handled
 
 log = logging.getLogger(__name__)
 
@@ -399,24 +399,14 @@ def interruptions(resume: Resume):
     """Record SIGTERM/SIGINT in ``resume.signal``. Inside ``trainer.fit`` Lightning's own
     SIGTERM handler (which chains to this one) stops at the next batch; outside it, and for
     SIGINT, the signal raises KeyboardInterrupt here."""
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum: int, frame: Any) -> None:
         resume.signal = signum
         if signum == signal.SIGINT or signal.getsignal(signal.SIGTERM) is handler:
             raise KeyboardInterrupt
 
-    try:
-        for s in previous:
-            signal.signal(s, handler)
-    except ValueError:  # not the main thread: leave signals alone
+    with signals_handled(handler):  # not the main thread: signals left alone
         yield
-        return
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def end_killed(resume: Resume, client: Any, run_id: str, trainer: L.Trainer) -> None:

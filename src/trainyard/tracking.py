@@ -183,6 +183,26 @@ def logging_into(run_id: str, stage: str) -> Iterator[None]:
     mlflow.end_run("FINISHED")
 
 
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_handled(handler: Any, signals: tuple[int, ...] = INTERRUPTS) -> Iterator[bool]:
+    """``handler`` for ``signals`` inside the block, the previous handlers restored after.
+    Outside the main thread Python cannot handle signals: they are left alone, and the
+    block gets False."""
+    try:
+        previous = {s: signal.signal(s, handler) for s in signals}
+    except ValueError:  # not the main thread
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """Hold SIGINT and SIGTERM during a few store writes that belong together, then deliver
@@ -200,17 +220,10 @@ def signals_deferred() -> Iterator[None]:
     def hold(signum: int, frame: Any) -> None:
         received.append(signum)
 
-    watched = (signal.SIGINT, signal.SIGTERM)
     try:
-        previous = {s: signal.signal(s, hold) for s in watched}
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
+        with signals_handled(hold):
+            yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         if received:  # once, to the handler that would have had it (KeyboardInterrupt, ...)
             signal.raise_signal(received[0])
 
