@@ -57,18 +57,18 @@ train-fast: venv data
 
 # Side-by-side ratios in one run; never imports mlflow/dvc/bentoml.
 bench: venv data
-	$(BIN)/python -m trainyard.bench
+	$(BIN)/python -m benchmarks
 
 # A few minutes: the prepare stage on 20,000 generated JPEGs (made once under the temp dir),
 # workers 1 vs 2, 64 vs 224 px, peak RSS; reports/bench-prepare.json + docs/benchmarks.md.
 bench-prepare: venv
-	$(BIN)/python -m trainyard.bench.prepare
+	$(BIN)/python -m benchmarks.bench_prepare
 
 # About 4 Fashion-MNIST epochs x 2 on 2 cores (~5 min): in a clone of the committed repo,
 # dvc repro train SIGKILLed after epoch 2 of 4, rerun (resumes), vs an uninterrupted run;
 # reports/bench-resume.json + docs/benchmarks.md. BENCH_RESUME_ARGS="--limit 20000".
 bench-resume: venv
-	$(BIN)/python -m trainyard.bench.resume $(BENCH_RESUME_ARGS)
+	$(BIN)/python -m benchmarks.bench_resume $(BENCH_RESUME_ARGS)
 
 # For a GPU machine that has torch/lightning/onnx/onnxruntime but not this venv:
 # GPU_PYTHON=python3 make gpu-check  (carry data/raw, or have Debian's package)
@@ -90,7 +90,7 @@ gpu-check:
 	@if ls .whl/*.whl >/dev/null 2>&1; then \
 	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade \
 	    --target $(GPU_SITE) .whl/*.whl; fi
-	PYTHONPATH=src:$(GPU_SITE) $(GPU_PYTHON) -m trainyard.bench --gpu-check $(GPU_ARGS) \
+	PYTHONPATH=src:$(GPU_SITE) $(GPU_PYTHON) -m benchmarks --gpu-check $(GPU_ARGS) \
 	  --out $(GPU_OUT)/gpu-check.json --chart $(GPU_OUT)/gpu-check.png --docs $(GPU_OUT)/gpu-check.md
 
 # The inference service (serving/service.py) on models/model.onnx; Swagger UI at /.
@@ -110,7 +110,7 @@ bento: venv
 # (make run). BENCH_SERVE_ARGS=--quick for a smoke run; --render re-renders the docs.
 BENCH_SERVE_ARGS ?=
 bench-serve: venv
-	$(BIN)/python serving/bench_serve.py $(BENCH_SERVE_ARGS)
+	$(BIN)/python -m benchmarks.bench_serve $(BENCH_SERVE_ARGS)
 
 # About 80 s (apt-get install wrk), not part of `make test`: `make serve`'s configuration on a free
 # port, 64 wrk clients for 60 s sending good and bad requests (their 4xx are expected);
@@ -118,7 +118,7 @@ bench-serve: venv
 # size. Writes reports/soak.json + docs/benchmarks.md ("Soak"); SOAK_ARGS="--seconds 20".
 SOAK_ARGS ?=
 soak: venv
-	$(BIN)/python serving/soak.py $(SOAK_ARGS)
+	$(BIN)/python -m benchmarks.soak $(SOAK_ARGS)
 
 # A few seconds: CPU/RAM/GPUs, the 2x RAM rule, torch + ONNX Runtime builds and the providers
 # that load, free disk, and where the configured dataset will live (device/RAM/memory map) and

@@ -39,12 +39,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from trainyard.card import card_from_metadata
-from trainyard.config import ServeParams, load_params
-from trainyard.errors import InputError, ModelError
-from trainyard.inference import OnnxModel, choose_providers, load_onnx
-from trainyard.io import sha256_file
-from trainyard.preprocess import (
+from trainyard.core.card import card_from_metadata
+from trainyard.core.config import ServeParams, load_params
+from trainyard.core.errors import InputError, ModelError
+from trainyard.core.io import sha256_file
+from trainyard.runtime.inputs import (
     IMAGE_FORMATS,
     decode_image,
     image_shape_text,
@@ -52,7 +51,8 @@ from trainyard.preprocess import (
     pixel_arrays,
     softmax,
 )
-from trainyard.registry import fetch_registered_onnx
+from trainyard.runtime.sessions import OnnxModel, choose_providers, load_onnx
+from trainyard.track.registry import fetch_registered_onnx
 
 # bentoml.serve's handlers are the ones `bentoml serve` prints; a child logger shares them.
 log = logging.getLogger("bentoml.serve.trainyard")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from trainyard.idx import write_idx_bytes
+from trainyard.data.idx import write_idx_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 FASHION_DIR = Path(os.environ.get("TRAINYARD_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))
@@ -131,7 +131,7 @@ def train_concurrently(repo: Path, outs: list[str], **env: str) -> list[Path]:
     exit 0. Returns each run's train.json."""
     procs = [
         subprocess.Popen(
-            ["python", "pipelines/train.py", "--data", "data/prepared", "--out", out],
+            ["python", "-m", "trainyard.stages.train", "--data", "data/prepared", "--out", out],
             cwd=repo,
             env=stage_env(**env),
             stdout=subprocess.PIPE,
@@ -174,7 +174,7 @@ def set_params(repo: Path, **changes: dict) -> None:
 
 def fashion_card(mean: float = 0.286, std: float = 0.353):
     """The card the Fashion-MNIST source writes, with the given statistics."""
-    from trainyard.sources import fashion_mnist
+    from trainyard.data.sources import fashion_mnist
 
     return fashion_mnist.fashion_card(mean, std)
 
@@ -196,9 +196,9 @@ def train_checkpoint(
     import torch
     from torch.utils.data import DataLoader
 
-    from trainyard.datamodule import TensorBatches
-    from trainyard.models import Classifier
-    from trainyard.trainer import build_trainer
+    from trainyard.data.datamodule import TensorBatches
+    from trainyard.model.classifier import Classifier
+    from trainyard.train.builder import build_trainer
 
     if images.ndim == 3:
         images = images[:, None]

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from trainyard.errors import ParamsError
-from trainyard.models import BACKBONES, build_model
+from trainyard.core.errors import ParamsError
+from trainyard.model.backbones import BACKBONES
+from trainyard.model.networks import build_model
 
 torchvision = pytest.importorskip("torchvision")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -85,7 +86,7 @@ def test_head_of_another_class_count_is_dropped(tmp_path, resnet18_state, caplog
     state = dict(resnet18_state, **{"fc.weight": torch.zeros(10, 512), "fc.bias": torch.zeros(10)})
     path = tmp_path / "finetuned.pt"
     torch.save(state, path)
-    with caplog.at_level(logging.INFO, logger="trainyard.models"):
+    with caplog.at_level(logging.INFO, logger="trainyard.model.backbones"):
         model = build_model("resnet18", 3, 4, (32, 32), pretrained=str(path))
     assert torch.equal(model.layer1[0].conv1.weight, resnet18_state["layer1.0.conv1.weight"])
     assert model.fc.out_features == 4

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 # pipeline or serving stacks (the GPU machine has none of them).
 RUNNER = """
 import runpy, sys
-sys.argv = ["trainyard.bench", *sys.argv[1:]]
-runpy.run_module("trainyard.bench", run_name="__main__")
+sys.argv = ["benchmarks", *sys.argv[1:]]
+runpy.run_module("benchmarks", run_name="__main__")
 heavy = sorted(m for m in ("mlflow", "dvc", "bentoml", "pydantic") if m in sys.modules)
 assert not heavy, f"benchmark imported {heavy}"
 """

@@ -20,8 +20,8 @@ START, END = "<!-- bench:prepare:start -->", "<!-- bench:prepare:end -->"
 # the prepare processes it started imported the training, tracking or serving stacks.
 RUNNER = """
 import runpy, sys
-sys.argv = ["trainyard.bench.prepare", *sys.argv[1:]]
-runpy.run_module("trainyard.bench.prepare", run_name="__main__")
+sys.argv = ["benchmarks.bench_prepare", *sys.argv[1:]]
+runpy.run_module("benchmarks.bench_prepare", run_name="__main__")
 heavy = sorted(m for m in ("torch", "lightning", "mlflow", "dvc", "bentoml") if m in sys.modules)
 assert not heavy, f"benchmark imported {heavy}"
 """
@@ -112,14 +112,14 @@ def test_docs_section_replaced_not_duplicated(runs: dict[str, Any]) -> None:
         assert "## Serving\nkept as is" in text  # the rest of the file is untouched
     section = runs["docs"][runs["docs"].index(START) : runs["docs"].index(END)]
     assert "Prepare: image folder -> memory-mapped arrays" in section
-    assert "python -m trainyard.bench.prepare --quick" in section
+    assert "python -m benchmarks.bench_prepare --quick" in section
     assert "quality 90" in section
     assert "| workers=2, 224 px, N/4 | 128 |" in section
 
 
 def test_module_imports_nothing_heavy() -> None:
     code = (
-        "import sys, trainyard.bench.prepare\n"
+        "import sys, benchmarks.bench_prepare\n"
         "heavy = [m for m in ('torch', 'lightning', 'mlflow', 'dvc', 'bentoml') "
         "if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -1,23 +1,17 @@
-"""serving/bench_serve.py's pure parts: figures, verdicts, markdown and the docs section.
+"""benchmarks/bench_serve.py's pure parts: figures, verdicts, markdown and the docs section.
 
 The load test itself (servers, wrk) is not run here: `make bench-serve` is the check.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import REPO
-
-_spec = importlib.util.spec_from_file_location("bench_serve", REPO / "serving/bench_serve.py")
-assert _spec is not None and _spec.loader is not None
-bs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bs)
+from benchmarks import bench_serve as bs
 
 
 def row(section: str, model: str, server: str, workers: int, batching: bool | None, **kw: Any):
@@ -99,7 +93,7 @@ def result(
         r["ms_per_batch"] = r["ms_per_image"] * r["batch"] * r["callers"]
     return {
         "date": "2026-12-03 07:00",
-        "command": ".venv/bin/python serving/bench_serve.py",
+        "command": ".venv/bin/python benchmarks/bench_serve.py",
         "machine": {"cpu": "Test CPU", "cores": 2, "loadavg": 0.5},
         "provider": "CPUExecutionProvider",
         "threads": 1,
@@ -177,7 +171,9 @@ def test_missing_figures_are_not_verdicts():
 def test_markdown_states_targets_and_verdicts():
     md = bs.markdown(result())
     assert md.startswith(bs.SECTION + "\n")
-    assert "`.venv/bin/python serving/bench_serve.py` on 2026-12-03 07:00: Test CPU, 2 cores" in md
+    assert (
+        "`.venv/bin/python benchmarks/bench_serve.py` on 2026-12-03 07:00: Test CPU, 2 cores" in md
+    )
     for text in (">= 0.5x of reference", "p99 <= 50 ms", "first 5 s not at half speed"):
         assert text in md
     assert "batching on beats off at 64 clients on the larger model" in md

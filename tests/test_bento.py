@@ -255,10 +255,10 @@ def test_bento_from_a_clean_venv_answers_like_offline_onnx_runtime(
 ):
     from PIL import Image
 
-    from trainyard.card import load_card
-    from trainyard.inference import load_onnx
-    from trainyard.io import sha256_file
-    from trainyard.preprocess import decode_image, normalize
+    from trainyard.core.card import load_card
+    from trainyard.core.io import sha256_file
+    from trainyard.runtime.inputs import decode_image, normalize
+    from trainyard.runtime.sessions import load_onnx
 
     venv = clean_venv["root"]
     # Nothing of the training stack, and no trainyard: the service must get it from the bento.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from trainyard.config import Params, load_params, parse_params
-from trainyard.errors import ParamsError
+from trainyard.core.config import Params, load_params, parse_params
+from trainyard.core.errors import ParamsError
 
 from conftest import REPO
 
@@ -82,7 +82,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 def test_few_steps_warning_names_the_keys_only_for_small_runs():
-    from trainyard.training import few_steps_warning
+    from trainyard.train.fit import few_steps_warning
 
     # Fashion-MNIST defaults: 55,000 images, batch 256, 10 epochs = 2,150 steps
     assert few_steps_warning(55_000, 256, 10) is None

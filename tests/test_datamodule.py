@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainyard.config import DataParams
-from trainyard.datamodule import ImageDataModule, TensorBatches
-from trainyard.models import Classifier
-from trainyard.prepare import prepare
-from trainyard.sources.fashion_fetch import fetch_raw
+from trainyard.core.config import DataParams
+from trainyard.data.datamodule import ImageDataModule, TensorBatches
+from trainyard.data.sources import prepare_source as prepare
+from trainyard.data.sources.fashion_fetch import fetch_raw
+from trainyard.model.classifier import Classifier
 
 
 def _ds(n: int = 103, **kw) -> TensorBatches:
@@ -96,7 +96,7 @@ def _arrays(n_train: int = 300) -> dict:
 
 
 def _card(channels: int = 1, size: int = 28):
-    from trainyard.card import Card
+    from trainyard.core.card import Card
 
     return Card(
         source="test",
@@ -134,7 +134,7 @@ def test_datamodule_needs_exactly_one_source(tmp_path):
 
 
 def test_placement_follows_the_budget_and_says_why():
-    from trainyard.datamodule import choose_placement
+    from trainyard.data.datamodule import choose_placement
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert choose_placement(100, cpu, True, 0.5, ram_bytes=1000)[0] == "ram"

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from trainyard import doctor
-from trainyard.card import SPLITS, Card
-from trainyard.config import parse_params
+from trainyard import cli
+from trainyard.core.card import SPLITS, Card
+from trainyard.core.config import parse_params
+from trainyard.doctor import checks as doctor
 
 from conftest import REPO, VENV_BIN, has_cuda
 
@@ -139,7 +140,7 @@ def test_asking_for_a_gpu_this_machine_lacks_exits_1_with_what_to_do(tmp_path):
 
 def test_module_run_never_imports_mlflow_dvc_or_bentoml():
     code = (
-        "import sys, trainyard.doctor as d\n"
+        "import sys, trainyard.doctor.checks as d\n"
         "code = d.main(['--json'])\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "assert not heavy, heavy\n"
@@ -153,11 +154,11 @@ def test_module_run_never_imports_mlflow_dvc_or_bentoml():
 
 
 def test_bad_usage_exits_2(capsys, tmp_path):
-    assert doctor.cli([]) == 2  # no subcommand
-    assert doctor.cli(["doctor", "--no-such-flag"]) == 2
+    assert cli.main([]) == 2  # no subcommand
+    assert cli.main(["doctor", "--no-such-flag"]) == 2
     assert doctor.main(["--params", str(tmp_path / "missing.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
-    assert doctor.cli(["doctor", "--help"]) == 0
+    assert cli.main(["doctor", "--help"]) == 0
 
 
 def test_probe_model_is_a_valid_identity_model():

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainyard import evaluation
-from trainyard.card import METADATA_KEY, Card, normalize_pixels
-from trainyard.errors import DataError, ModelError
-from trainyard.evaluation import (
+from trainyard.core.card import METADATA_KEY, Card, normalize_pixels
+from trainyard.core.errors import DataError, ModelError
+from trainyard.export import evaluation
+from trainyard.export.evaluation import (
     MAX_FIGURE_PIXELS,
     confusion_png,
     evaluate_onnx,

@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import pytest
 
-from trainyard.errors import ExportError
-from trainyard.export import export_and_verify, load_checkpoint
-from trainyard.inference import load_onnx
+from trainyard.core.errors import ExportError
+from trainyard.export.onnx_export import export_and_verify, load_checkpoint
+from trainyard.runtime.sessions import load_onnx
 
 from conftest import train_checkpoint
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.config import DataParams
-from trainyard.errors import DataError
-from trainyard.sources.fashion_fetch import fetch_raw
-from trainyard.sources.fashion_mnist import RAW_FILES
+from trainyard.core.config import DataParams
+from trainyard.core.errors import DataError
+from trainyard.data.sources.fashion_fetch import fetch_raw
+from trainyard.data.sources.fashion_mnist import RAW_FILES
 
 NAMES = [f.name for f in RAW_FILES]
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainyard.card import SPLITS, Card, load_card
-from trainyard.config import DataParams
-from trainyard.errors import DataError
-from trainyard.prepare import prepare
-from trainyard.preprocess import decode_image
-from trainyard.sources import folder as folder_source
-from trainyard.sources.folder import assign_splits, find_duplicates, scan_folder
+from trainyard.core.card import SPLITS, Card, load_card
+from trainyard.core.config import DataParams
+from trainyard.core.errors import DataError
+from trainyard.data.sources import folder as folder_source
+from trainyard.data.sources import prepare_source as prepare
+from trainyard.data.sources.folder import assign_splits, find_duplicates, scan_folder
+from trainyard.runtime.inputs import decode_image
 
 from conftest import make_photo_folder
 

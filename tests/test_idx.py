@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from trainyard.errors import DataError
-from trainyard.idx import check_labels, read_idx, read_idx_bytes, write_idx_bytes
+from trainyard.core.errors import DataError
+from trainyard.data.idx import check_labels, read_idx, read_idx_bytes, write_idx_bytes
 
 from conftest import write_gz
 

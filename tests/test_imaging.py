@@ -1,4 +1,4 @@
-"""trainyard.imaging: the one image -> pixels conversion (prepare and the service share it)."""
+"""trainyard.core.imaging: the one image -> pixels conversion (prepare and the service share it)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainyard.errors import InputError
-from trainyard.imaging import (
+from trainyard.core.errors import InputError
+from trainyard.core.imaging import (
     DEFAULT_MAX_IMAGE_PIXELS,
     IMAGE_EXTENSIONS,
     IMAGE_FORMATS,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainyard.errors import ProviderError
-from trainyard.inference import CPU, CUDA, choose_providers, cuda_device_count
+from trainyard.core.errors import ProviderError
+from trainyard.runtime.sessions import CPU, CUDA, choose_providers, cuda_device_count
 
 from conftest import has_cuda
 

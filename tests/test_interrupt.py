@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import yaml
 
-from trainyard.registry import CHALLENGER, CHAMPION, SHA_TAG, register_and_promote
-from trainyard.tracking import END_REASON_TAG
+from trainyard.track.registry import CHALLENGER, CHAMPION, SHA_TAG, register_and_promote
+from trainyard.track.runs import END_REASON_TAG
 
 from conftest import REPO, dvc, set_params, small_pipeline_repo, stage_env
 
@@ -188,8 +188,8 @@ def test_the_same_model_again_is_not_registered_twice(store):
 # A stage that holds the train run open in MLflow (as export and evaluate do) and waits.
 STAGE = """
 import sys, time
-from trainyard.cli import stage_main
-from trainyard.tracking import logging_into
+from trainyard.stages.common import stage_main
+from trainyard.track.runs import logging_into
 
 def body(params, args):
     with logging_into(args.run, "export"):

@@ -8,17 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from trainyard.card import Card, normalize_pixels
-from trainyard.errors import ParamsError
-from trainyard.models import (
-    ARCH_NAMES,
-    Classifier,
-    SmallCNN,
-    _pooled_side,
-    augment_batch,
-    build_model,
-    normalize,
-)
+from trainyard.core.card import Card, normalize_pixels
+from trainyard.core.errors import ParamsError
+from trainyard.model.augment import augment_batch, normalize
+from trainyard.model.classifier import Classifier
+from trainyard.model.networks import ARCH_NAMES, SmallCNN, _pooled_side, build_model
 
 # (C, H, W, classes): Fashion-MNIST, a small RGB set, ImageNet-sized RGB, and sizes whose
 # maps do not divide evenly or are not square.
@@ -192,7 +186,7 @@ def test_augment_scales_the_shift_with_the_image_and_moves_channels_together():
 def test_classifier_checkpoint_rebuilds_from_the_card_alone(tmp_path):
     from torch.utils.data import DataLoader, TensorDataset
 
-    from trainyard.trainer import build_trainer
+    from trainyard.train.builder import build_trainer
 
     card = card_dict(channels=3, size=(32, 40), classes=4)
     images = torch.randint(0, 256, (8, 3, 32, 40), dtype=torch.uint8)

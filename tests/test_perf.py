@@ -12,11 +12,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from trainyard.card import Card
-from trainyard.datamodule import TensorBatches
-from trainyard.models import Classifier
-from trainyard.perf import InputBoundMeter, StepTotals, level_of, verdict
-from trainyard.trainer import build_trainer
+from trainyard.core.card import Card
+from trainyard.data.datamodule import TensorBatches
+from trainyard.model.classifier import Classifier
+from trainyard.train.builder import build_trainer
+from trainyard.train.perf import InputBoundMeter, StepTotals, level_of, verdict
 
 # ------------------------------------------------------------------ verdict (pure)
 
@@ -201,7 +201,7 @@ def test_fast_path_over_prepared_arrays_is_not_input_bound(tmp_path, capsys, one
 
 
 def test_data_path_and_placement_come_from_trainyards_datamodule(tmp_path, one_thread):
-    from trainyard.datamodule import ImageDataModule
+    from trainyard.data.datamodule import ImageDataModule
 
     rng = np.random.default_rng(0)
     arrays = {

@@ -178,7 +178,8 @@ def test_ddp_on_two_cpu_processes_logs_one_run(repo, tmp_path):
     out = subprocess.run(
         [
             "python",
-            "pipelines/train.py",
+            "-m",
+            "trainyard.stages.train",
             "--params",
             str(tmp_path / "params.yaml"),
             "--data",

@@ -120,9 +120,9 @@ def test_registry_and_mlflow_record_the_folder_dataset(repo):
 def test_the_service_serves_the_folder_model_by_its_card(repo, photos, tmp_path):
     from test_serving import Server, server_env, write_params
 
-    from trainyard.card import load_card
-    from trainyard.inference import load_onnx
-    from trainyard.preprocess import decode_image, normalize, softmax
+    from trainyard.core.card import load_card
+    from trainyard.runtime.inputs import decode_image, normalize, softmax
+    from trainyard.runtime.sessions import load_onnx
 
     card = load_card(repo / "data/prepared")
     params = write_params(tmp_path / "params.yaml")

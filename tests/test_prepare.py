@@ -7,11 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from trainyard.config import DataParams
-from trainyard.errors import DataError
-from trainyard.prepare import prepare, split_train_val, stratified_take
-from trainyard.sources.fashion_fetch import fetch_raw
-from trainyard.sources.fashion_mnist import CLASS_NAMES
+from trainyard.core.config import DataParams
+from trainyard.core.errors import DataError
+from trainyard.data.arrays import split_train_val, stratified_take
+from trainyard.data.sources import prepare_source as prepare
+from trainyard.data.sources.fashion_fetch import fetch_raw
+from trainyard.data.sources.fashion_mnist import CLASS_NAMES
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_corrupt_raw_label_stops_prepare(raw_dir, tmp_path):
 def test_channel_stats_is_exact_for_arrays_and_files_whatever_the_block(
     tmp_path, monkeypatch, block_bytes
 ):
-    import trainyard.prepare as prepare_module
+    import trainyard.data.arrays as prepare_module
 
     monkeypatch.setattr(prepare_module, "_STATS_BYTES", block_bytes)
     rng = np.random.default_rng(0)

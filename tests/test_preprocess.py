@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainyard.card import METADATA_KEY, Card, card_from_metadata
-from trainyard.errors import InputError, ModelError
-from trainyard.preprocess import decode_image, normalize, pixel_arrays, softmax
+from trainyard.core.card import METADATA_KEY, Card, card_from_metadata
+from trainyard.core.errors import InputError, ModelError
+from trainyard.runtime.inputs import decode_image, normalize, pixel_arrays, softmax
 
 CONTRACT = Card(
     source="test",

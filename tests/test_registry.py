@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from trainyard.registry import CHALLENGER, CHAMPION, decide
+from trainyard.track.registry import CHALLENGER, CHAMPION, decide
 
 
 def version(v: str, acc: str | None) -> SimpleNamespace:

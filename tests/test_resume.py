@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainyard.config import parse_params
-from trainyard.resume import (
+from trainyard.core.config import parse_params
+from trainyard.track.runs import END_REASON_TAG
+from trainyard.train.resume import (
     LAST_CKPT,
     RESUME_ROOT,
     STATE_FILE,
@@ -24,7 +25,6 @@ from trainyard.resume import (
     prepare,
     resume_key,
 )
-from trainyard.tracking import END_REASON_TAG
 
 from conftest import dvc, set_params, small_pipeline_repo, stage_env
 
@@ -164,7 +164,7 @@ def repo(fashion_dir, tmp_path_factory) -> Path:
     dvc(repo, "repro", "prepare")
     t0 = time.perf_counter()
     ref = subprocess.run(
-        ["python", "pipelines/train.py", "--out", "reference"],
+        ["python", "-m", "trainyard.stages.train", "--out", "reference"],
         cwd=repo,
         env=stage_env(),
         capture_output=True,

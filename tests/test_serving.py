@@ -24,8 +24,8 @@ import requests
 import yaml
 from PIL import Image
 
-from trainyard.idx import read_idx
-from trainyard.io import sha256_file
+from trainyard.core.io import sha256_file
+from trainyard.data.idx import read_idx
 
 from conftest import REPO, VENV_BIN, has_cuda, stop_group, train_checkpoint
 
@@ -48,7 +48,7 @@ def test_set(fashion_dir):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, fashion_dir, test_set):
     """models/model.onnx + .sha256 from the real export code, after a few training steps."""
-    from trainyard.export import export_and_verify
+    from trainyard.export.onnx_export import export_and_verify
 
     root = tmp_path_factory.mktemp("serving-model")
     train = read_idx(fashion_dir / "train-images-idx3-ubyte.gz")[:512]
@@ -69,7 +69,7 @@ def model_dir(tmp_path_factory, fashion_dir, test_set):
 @pytest.fixture(scope="module")
 def offline(model_dir, test_set):
     """What ONNX Runtime says about the test images, without HTTP: the reference."""
-    from trainyard.inference import load_onnx
+    from trainyard.runtime.sessions import load_onnx
 
     model = load_onnx(model_dir / "model.onnx", device="cpu")
     norm = json.loads(model.metadata["normalization"])  # written out here, independently
@@ -334,8 +334,8 @@ RGB_CLASSES = ("red car", "Straße/β", "ünïcode ✓")
 def rgb_model(tmp_path_factory):
     """An RGB 3x40x48 model, centre-crop policy, class names with spaces, '/' and
     non-ASCII letters: trained a few steps by the real code and exported with its card."""
-    from trainyard.card import Card
-    from trainyard.export import export_and_verify
+    from trainyard.core.card import Card
+    from trainyard.export.onnx_export import export_and_verify
 
     from conftest import draw_shape
 
@@ -398,9 +398,9 @@ def rgb_photos(n: int) -> list[bytes]:
 
 
 def test_an_rgb_model_serves_photos_with_its_own_contract(rgb_server, rgb_model):
-    from trainyard.card import card_from_metadata
-    from trainyard.inference import load_onnx
-    from trainyard.preprocess import decode_image, normalize, softmax
+    from trainyard.core.card import card_from_metadata
+    from trainyard.runtime.inputs import decode_image, normalize, softmax
+    from trainyard.runtime.sessions import load_onnx
 
     model = load_onnx(rgb_model, device="cpu")
     card = card_from_metadata(model.metadata)
@@ -859,8 +859,8 @@ def registry(tmp_path_factory, model_dir, test_set):
     the evaluate stage leaves it; v2 is the same file with a wrong sha256 tag."""
     import mlflow
 
-    from trainyard.export import normalized_example
-    from trainyard.registry import log_onnx_model, register_and_promote
+    from trainyard.export.onnx_export import normalized_example
+    from trainyard.track.registry import log_onnx_model, register_and_promote
 
     root = tmp_path_factory.mktemp("registry")
     uri = f"sqlite:///{root}/mlflow.db"

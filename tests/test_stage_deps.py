@@ -85,10 +85,10 @@ STAGES = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
 @pytest.mark.parametrize("name", list(STAGES))
 def test_every_trainyard_module_a_stage_runs_is_a_dep(name):
     stage = STAGES[name]
-    script = REPO / "pipelines" / f"{name}.py"
-    assert f"pipelines/{name}.py" in stage["cmd"]
+    script = SRC / "trainyard" / "stages" / f"{name}.py"
+    assert f"python -m trainyard.stages.{name} " in stage["cmd"]
     deps = stage_deps(stage)
-    assert Path(f"pipelines/{name}.py") in deps
+    assert Path(f"src/trainyard/stages/{name}.py") in deps
     undeclared = sorted(
         str(module)
         for module in modules_run_by(script)
@@ -102,15 +102,15 @@ def test_the_import_reader_follows_lazy_relative_and_package_imports(tmp_path):
     script = tmp_path / "stage.py"
     script.write_text(
         "from typing import TYPE_CHECKING\n"
-        "from trainyard.cli import stage_main\n"
+        "from trainyard.stages.common import stage_main\n"
         "if TYPE_CHECKING:\n"
-        "    from trainyard.bench import cli\n"
+        "    from trainyard.train import fit\n"
         "def body():\n"
-        "    from trainyard.sources import fashion_fetch\n"
+        "    from trainyard.data.sources import fashion_fetch\n"
     )
     found = {str(p) for p in modules_run_by(script)}
-    assert "src/trainyard/cli.py" in found and "src/trainyard/__init__.py" in found
-    assert "src/trainyard/sources/fashion_fetch.py" in found  # lazy, inside a function
-    assert "src/trainyard/sources/__init__.py" in found  # the package runs first
-    assert "src/trainyard/errors.py" in found  # through cli's own imports
-    assert not any("bench" in p for p in found)  # TYPE_CHECKING only
+    assert "src/trainyard/stages/common.py" in found and "src/trainyard/__init__.py" in found
+    assert "src/trainyard/data/sources/fashion_fetch.py" in found  # lazy, inside a function
+    assert "src/trainyard/data/sources/__init__.py" in found  # the package runs first
+    assert "src/trainyard/core/errors.py" in found  # through stages.common's own imports
+    assert not any("train/" in p for p in found)  # TYPE_CHECKING only

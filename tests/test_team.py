@@ -22,8 +22,8 @@ import requests
 import yaml
 from PIL import Image
 
-from trainyard.idx import read_idx
-from trainyard.io import sha256_file
+from trainyard.core.io import sha256_file
+from trainyard.data.idx import read_idx
 
 from conftest import VENV_BIN, dvc, git_env, small_pipeline_repo, stop_group
 

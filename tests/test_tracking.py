@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from trainyard.errors import TrackingError
-from trainyard.tracking import check_tracking_uri, resolve_tracking_uri
+from trainyard.core.errors import TrackingError
+from trainyard.track.runs import check_tracking_uri, resolve_tracking_uri
 
 
 def _dead_port() -> int:
@@ -42,7 +42,7 @@ def test_a_run_shorter_than_one_sampling_interval_still_gets_system_metrics(tmp_
 
     from mlflow.tracking import MlflowClient
 
-    from trainyard.tracking import SystemMetrics
+    from trainyard.track.runs import SystemMetrics
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)

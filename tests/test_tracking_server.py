@@ -121,7 +121,7 @@ def test_server_going_away_stops_export_fast_and_registers_nothing(server, repo)
     dead = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()
     out = subprocess.run(
-        ["python", "pipelines/evaluate.py"],
+        ["python", "-m", "trainyard.stages.evaluate"],
         cwd=repo,
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from trainyard.trainer import accelerator_for, build_trainer
+from trainyard.train.builder import accelerator_for, build_trainer
 
 
 def test_torch_device_names_map_to_lightning_accelerators():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from trainyard.config import flatten, parse_params
+from trainyard.core.config import flatten, parse_params
 
 PRESETS_DIR = Path("presets")
 

@@ -1,0 +1,115 @@
+"""Inference latency and throughput at several batch sizes: torch eager vs ONNX Runtime, on
+the CPU and, where present, CUDA."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import classifier
+from benchmarks.timing import median_call_s
+
+
+def export_for_bench(model: Any, path: Path) -> str:
+    """ONNX for the inference rows: the pipeline's exporter, else TorchScript's (bare GPU box)."""
+    import torch
+
+    from trainyard.export.onnx_export import export_onnx
+
+    try:
+        export_onnx(model, path, opset=18, metadata={"bench": "1"})
+        return "dynamo"
+    except Exception:  # e.g. onnxscript missing: the legacy exporter needs only torch
+        torch.onnx.export(
+            model,
+            (torch.zeros(1, *model.card.input_shape),),
+            str(path),
+            dynamo=False,
+            input_names=["image"],
+            output_names=["logits"],
+            opset_version=18,
+            dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
+        )
+        return "torchscript"
+
+
+def _ort_session(onnx_path: Path, provider: str, log: Callable[[str], None]) -> Any | None:
+    """An ONNX Runtime session on exactly ``provider``, or None (said why) when it cannot be
+    had: CUDA is asked for only where a GPU is, as ORT logs a loud error otherwise."""
+    from trainyard.runtime.sessions import CPU, cuda_device_count
+
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        log("bench: onnxruntime not installed: ORT rows skipped")
+        return None
+    if provider not in ort.get_available_providers() or (
+        provider != CPU and cuda_device_count() == 0
+    ):
+        log(f"bench: ONNX Runtime {provider} unavailable: its ORT rows skipped")
+        return None
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(str(onnx_path), opts, providers=[provider])
+    if session.get_providers()[0] != provider:
+        log(f"bench: ONNX Runtime fell back from {provider}: its ORT rows skipped")
+        return None
+    return session
+
+
+def inference_benchmarks(
+    data: dict[str, Any], cfg: dict[str, Any], log: Callable[[str], None]
+) -> dict[str, Any]:
+    import torch
+
+    from trainyard.model.augment import normalize
+    from trainyard.runtime.sessions import CPU, CUDA
+
+    model = classifier(cfg["arch"], data["card"]).eval()
+    images = data["arrays"]["test"][0]
+    out: dict[str, Any] = {"arch": cfg["arch"], "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx_path = Path(tmp) / "bench.onnx"
+        out["exporter"] = export_for_bench(model, onnx_path)
+        targets = [("cpu", CPU)]
+        if torch.cuda.is_available():
+            targets.append(("cuda", CUDA))
+        for device, provider in targets:
+            torch_model = model.to(device)
+            session = _ort_session(onnx_path, provider, log)
+            for bs in cfg["inference_batches"]:
+                x = normalize(torch.from_numpy(images[:bs]), model.card.mean, model.card.std)
+                x_dev, x_np = x.to(device), x.numpy()
+                row: dict[str, Any] = {"device": device, "batch": bs}
+
+                def run_torch(xd: torch.Tensor = x_dev, m: Any = torch_model) -> None:
+                    with torch.inference_mode():
+                        m(xd)
+
+                budget = cfg["inference_budget_s"]
+                row["torch_s"] = median_call_s(run_torch, budget, device=device)
+                if session is not None:
+                    # ORT's run() returns host arrays: it has synchronised already.
+                    row["ort_s"] = median_call_s(
+                        lambda s=session, xn=x_np: s.run(None, {"image": xn}), budget
+                    )
+                    row["ort_over_torch_latency"] = row["ort_s"] / row["torch_s"]
+                    row["ort_provider"] = session.get_providers()[0]
+                for k in ("torch", "ort"):
+                    if f"{k}_s" in row:
+                        row[f"{k}_img_per_s"] = bs / row[f"{k}_s"]
+                out["rows"].append(row)
+                log(
+                    f"bench: infer {device:4s} batch {bs:5d}: torch {row['torch_s'] * 1e3:8.3f} ms"
+                    + (
+                        f"  ORT {row['ort_s'] * 1e3:8.3f} ms  (ORT/torch "
+                        f"{row['ort_over_torch_latency']:.2f}x)"
+                        if "ort_s" in row
+                        else ""
+                    )
+                )
+        model.to("cpu")
+    return out

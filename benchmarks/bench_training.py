@@ -1,0 +1,375 @@
+"""Training throughput: a plain PyTorch loop vs trainyard's Lightning training, the naive
+per-sample DataLoader vs the fast path, fp32 vs mixed, CPU vs GPU; GPU utilisation (NVML)
+while the fast path trains; the `fast` preset's time to a target test accuracy."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import classifier
+from benchmarks.timing import StepWindow, Timer
+
+
+def plain_loop_throughput(
+    data: dict[str, Any],
+    arch: str,
+    device: str,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    loader: str = "textbook",
+) -> float:
+    """img/s of a hand-written PyTorch loop: same model, optimiser, augmentation, batch.
+
+    ``loader="textbook"``: the usual per-sample Dataset + DataLoader(shuffle=True) with the
+    batch copied to the device each step; ``"tensor"``: the same in-memory batches the
+    fast path uses, so the difference to Lightning is framework overhead alone.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from trainyard.data.datamodule import PerSampleDataset, TensorBatches
+    from trainyard.model.augment import augment_batch, normalize
+    from trainyard.model.networks import build_model
+
+    torch.manual_seed(0)
+    images, labels = data["arrays"]["train"]
+    x_all = torch.from_numpy(np.ascontiguousarray(images))
+    y_all = torch.from_numpy(labels.astype(np.int64))
+    if loader == "textbook":
+        batches = DataLoader(
+            PerSampleDataset(x_all, y_all),
+            batch_size=batch_size,
+            shuffle=True,
+            num_workers=0,
+            drop_last=True,
+        )
+    else:
+        batches = TensorBatches(x_all, y_all, batch_size, shuffle=True, drop_last=True)
+    card = data["card"]
+    mean, std = card.mean, card.std
+    model = build_model(arch, card.channels, card.num_classes, (card.height, card.width))
+    model = model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4)
+    gen = torch.Generator(device=device).manual_seed(0)
+    timer = Timer(device)
+    done = 0
+    while True:
+        for xb, yb in batches:
+            if done == warmup:
+                timer.start()
+            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+            x = augment_batch(normalize(xb, mean, std), gen)
+            loss = F.cross_entropy(model(x), yb, label_smoothing=0.1)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            done += 1
+            if done == warmup + steps:
+                return steps * batch_size / timer.stop()
+
+
+def lightning_throughput(
+    data: dict[str, Any],
+    arch: str,
+    device: str,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    data_path: str = "fast",
+    precision: str = "32-true",
+    channels_last: bool = False,
+    on_window: Callable[[bool], None] | None = None,
+) -> float:
+    """img/s of trainyard's own training (ImageDataModule + Classifier + Lightning)."""
+    import lightning as L
+
+    from trainyard.data.datamodule import ImageDataModule
+    from trainyard.train.builder import build_trainer
+
+    L.seed_everything(0, verbose=False)
+    dm = ImageDataModule(
+        arrays=data["arrays"],
+        card=data["card"],
+        batch_size=batch_size,
+        seed=0,
+        data_path=data_path,
+    )  # type: ignore[arg-type]
+    model = classifier(arch, data["card"], channels_last=channels_last)
+    window = StepWindow(device, warmup, steps, batch_size, on_window)
+    trainer = build_trainer(
+        accelerator=device,
+        precision=precision,
+        max_steps=warmup + steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[window],
+    )
+    trainer.fit(model, datamodule=dm)
+    return window.img_per_s
+
+
+class NvmlSampler:
+    """GPU utilisation (%) sampled every ``period`` s by NVML while ``active``."""
+
+    def __init__(self, period: float = 0.02) -> None:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.period, self.samples, self.active = period, [], False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.active:
+                rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+                self.samples.append(int(rates.gpu))
+            time.sleep(self.period)
+
+    def window(self, on: bool) -> None:
+        self.active = on
+
+    def close(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        s = self.samples
+        return {
+            "samples": len(s),
+            "mean_pct": statistics.fmean(s) if s else None,
+            "median_pct": statistics.median(s) if s else None,
+        }
+
+
+def round_robin(
+    rows: dict[str, Callable[[], float]], repeats: int, log: Callable[[str], None], unit: str
+) -> dict[str, dict[str, Any]]:
+    """Each row ``repeats`` times, repeat by repeat: drift in machine load (shared, noisy
+    hosts) then spreads over all rows instead of biasing whichever ran last."""
+    runs: dict[str, list[float]] = {name: [] for name in rows}
+    for rep in range(repeats):
+        for name, fn in rows.items():
+            runs[name].append(fn())
+            log(f"bench: [{rep + 1}/{repeats}] {name:32s} {runs[name][-1]:>12,.0f} {unit}")
+    return {name: {"median": statistics.median(v), "runs": v} for name, v in runs.items()}
+
+
+def training_benchmarks(
+    data: dict[str, Any],
+    cfg: dict[str, Any],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    import torch
+
+    arch, bs, steps, warm, reps = (
+        cfg[k] for k in ("arch", "batch_size", "steps", "warmup", "repeats")
+    )
+    out: dict[str, Any] = {
+        "arch": arch,
+        "batch_size": bs,
+        "steps": steps,
+        "warmup": warm,
+        "repeats": reps,
+    }
+    # (row, function, data path or loader, precision, channels_last): one table for both
+    # devices, so CPU and GPU rows are the same measurements.
+    specs = [
+        ("plain_loop_textbook", plain_loop_throughput, "textbook", None, False),
+        ("plain_loop_tensor", plain_loop_throughput, "tensor", None, False),
+        ("lightning_naive_fp32", lightning_throughput, "naive", "32-true", False),
+        ("lightning_fast_fp32", lightning_throughput, "fast", "32-true", False),
+        ("lightning_fast_bf16", lightning_throughput, "fast", "bf16-mixed", True),
+    ]
+    devices = {"cpu": steps}
+    if torch.cuda.is_available():
+        devices["cuda"] = cfg["gpu_steps"]
+    rows: dict[str, Callable[[], float]] = {}
+    for device, n in devices.items():
+        for name, fn, path, precision, nhwc in specs:
+            kw: dict[str, Any] = {}
+            if precision is not None:
+                # channels_last only where it pays: tensor-core convolutions on the GPU.
+                kw = {"precision": precision, "channels_last": nhwc and device == "cuda"}
+            rows[f"{device}/{name}"] = functools.partial(
+                fn, data, arch, device, bs, n, warm, path, **kw
+            )
+    if not torch.cuda.is_available():
+        log("bench: no CUDA GPU here: GPU training rows skipped")
+    out["img_per_s"] = round_robin(rows, reps, log, "img/s")
+
+    if torch.cuda.is_available():
+        try:
+            sampler = NvmlSampler()
+        except Exception as err:  # no nvidia-ml-py or no NVML: say so, keep the rest
+            out["gpu_utilisation"] = {"skipped": f"NVML unavailable: {err}"}
+        else:
+            lightning_throughput(
+                data,
+                arch,
+                "cuda",
+                bs,
+                cfg["gpu_util_steps"],
+                warm,
+                "fast",
+                "bf16-mixed",
+                channels_last=True,
+                on_window=sampler.window,
+            )
+            out["gpu_utilisation"] = {"run": "cuda/lightning_fast_bf16"} | sampler.close()
+            log(
+                f"bench: GPU utilisation during the fast path: "
+                f"{out['gpu_utilisation']['mean_pct']}% (mean of NVML samples)"
+            )
+    else:
+        out["gpu_utilisation"] = {"skipped": "no CUDA GPU"}
+    out["ratios"] = training_ratios(out["img_per_s"])
+    return out
+
+
+def ratios_of(
+    rows: dict[str, dict[str, Any]], pairs: dict[str, tuple[str, str]]
+) -> dict[str, float]:
+    """``{label: median(a) / median(b)}`` for the pairs whose two rows were measured."""
+    return {
+        label: rows[a]["median"] / rows[b]["median"]
+        for label, (a, b) in pairs.items()
+        if a in rows and b in rows
+    }
+
+
+def training_ratios(r: dict[str, Any]) -> dict[str, float]:
+    pairs = {
+        "cpu: trainyard (Lightning fast) / plain loop (textbook DataLoader)": (
+            "cpu/lightning_fast_fp32",
+            "cpu/plain_loop_textbook",
+        ),
+        "cpu: trainyard (Lightning fast) / plain loop (same tensor batches)": (
+            "cpu/lightning_fast_fp32",
+            "cpu/plain_loop_tensor",
+        ),
+        "cpu: fast path / naive DataLoader (both Lightning, fp32)": (
+            "cpu/lightning_fast_fp32",
+            "cpu/lightning_naive_fp32",
+        ),
+        "cpu: bf16-mixed / fp32 (fast path)": (
+            "cpu/lightning_fast_bf16",
+            "cpu/lightning_fast_fp32",
+        ),
+        "gpu: trainyard (fast, bf16) / plain loop (textbook)": (
+            "cuda/lightning_fast_bf16",
+            "cuda/plain_loop_textbook",
+        ),
+        "gpu: fast path / naive DataLoader (fp32)": (
+            "cuda/lightning_fast_fp32",
+            "cuda/lightning_naive_fp32",
+        ),
+        "gpu: bf16-mixed / fp32 (fast path)": (
+            "cuda/lightning_fast_bf16",
+            "cuda/lightning_fast_fp32",
+        ),
+        "gpu / cpu: best trainyard training": (
+            "cuda/lightning_fast_bf16",
+            "cpu/lightning_fast_fp32",
+        ),
+    }
+    return ratios_of(r, pairs)
+
+
+def time_to_target(
+    data: dict[str, Any],
+    preset: dict[str, Any],
+    target: float,
+    max_epochs: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Train with ``preset``; stop when test accuracy >= target. Seconds count training
+    steps only (evaluation after each epoch is excluded, as airbench does)."""
+    import lightning as L
+    import torch
+
+    from trainyard.data.datamodule import ImageDataModule
+    from trainyard.train.builder import build_trainer
+
+    tp = preset["train"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    precision = tp.get("precision", "32-true") if device == "cuda" else "32-true"
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.timer = Timer(device)  # accumulates the training part of every epoch
+            self.history: list[dict[str, Any]] = []
+            self.reached: dict[str, Any] | None = None
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            self.timer.start()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            if trainer.is_last_batch:
+                self.timer.stop()
+
+        def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.sanity_checking:
+                return
+            acc = float(trainer.callback_metrics["val/acc"])
+            train_s = self.timer.seconds
+            self.history.append(
+                {"epoch": trainer.current_epoch + 1, "train_s": round(train_s, 3), "test_acc": acc}
+            )
+            log(
+                f"bench: epoch {trainer.current_epoch + 1}: test acc {acc:.4f} "
+                f"after {train_s:.2f} s of training"
+            )
+            if acc >= target and self.reached is None:
+                self.reached = self.history[-1]
+                trainer.should_stop = True
+
+    arrays = dict(data["arrays"])
+    arrays["val"] = arrays["test"]  # the target is *test* accuracy, checked each epoch
+    L.seed_everything(0, verbose=False)
+    dm = ImageDataModule(
+        arrays=arrays,
+        card=data["card"],
+        batch_size=tp["batch_size"],
+        eval_batch_size=2048,
+        seed=0,
+        data_path=tp.get("data_path", "fast"),
+        device_resident=tp.get("device_resident", True),
+    )
+    model = classifier(
+        tp["arch"],
+        data["card"],
+        lr=tp["lr"],
+        weight_decay=tp.get("weight_decay", 5e-4),
+        label_smoothing=tp.get("label_smoothing", 0.1),
+        augment=tp.get("augment", True),
+        channels_last=tp.get("channels_last", False) and device == "cuda",
+        compile=tp.get("compile", False),
+    )
+    clock = Clock()
+    trainer = build_trainer(
+        accelerator=device,
+        precision=precision,
+        max_epochs=max_epochs,
+        num_sanity_val_steps=0,
+        callbacks=[clock],
+    )
+    trainer.fit(model, datamodule=dm)
+    return {
+        "device": device,
+        "precision": precision,
+        "target": target,
+        "preset": tp,
+        "reached": clock.reached,
+        "history": clock.history,
+    }

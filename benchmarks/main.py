@@ -1,0 +1,194 @@
+"""``python -m benchmarks`` (``make bench``, ``make gpu-check``): every measurement of
+benchmarks in one run, written to JSON, a chart and this hardware's docs section.
+
+    python -m benchmarks            # make bench: CPU parts here, GPU parts where present
+    python -m benchmarks --quick    # seconds; what the tests run
+    python -m benchmarks --gpu-check --out $OUT/bench.json   # make gpu-check
+
+Measures (warm-up excluded, medians of repeats, ratios printed beside absolutes):
+1. training img/s for the same model and batch: a plain PyTorch loop vs trainyard's
+   Lightning training; the naive per-sample DataLoader vs the fast path; fp32 vs mixed;
+   the same on the GPU (if any), the GPU/CPU speed-up, NVML utilisation (bench.training);
+2. an image folder of JPEGs read four ways: torchvision ImageFolder + DataLoader (0 and
+   all-core workers), prepared arrays memory-mapped, in RAM, device-resident; with prepare's
+   own images/s and peak RSS (bench.datapaths; ``--folder-images``, ``--skip-folder``);
+3. inference latency/throughput at batch 1, 64, 1024: torch eager vs ONNX Runtime, on
+   CPU and, where present, CUDA (bench.inference);
+4. with --time-to-target (on by --gpu-check): the `fast` preset's seconds to 93% test
+   accuracy (bench.training).
+
+The parent process imports only torch, lightning, numpy, Pillow, onnx, onnxruntime (and
+matplotlib, yaml): this must run on a bare GPU machine with no mlflow, dvc, bentoml or
+pydantic. (The folder rows run prepare in a child process, which needs pydantic; without it
+they are skipped with the reason.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    find_raw_dir,
+    hardware,
+    hardware_label,
+    load_data,
+    provenance,
+    update_docs,
+)
+from benchmarks.report import chart, markdown
+
+FULL = {
+    "arch": "cnn",
+    "batch_size": 256,
+    "steps": 20,
+    "warmup": 5,
+    "repeats": 5,
+    "gpu_steps": 200,
+    "gpu_util_steps": 400,
+    "inference_batches": [1, 64, 1024],
+    "inference_budget_s": 1.5,
+    "limit": None,
+    "folder": {
+        "images": 4000,
+        "image_size": 32,
+        "batch_size": 128,
+        "warmup": 5,
+        "steps": 60,  # ~2 epochs of the 4,000 images: the textbook rows restart their workers
+        "repeats": 5,
+        "folder_models": ["tiny", "cnn"],
+        "gpu_folder_models": ["cnn"],
+        "gpu_batch_size": 512,
+    },
+}
+QUICK = {
+    "arch": "cnn",
+    "batch_size": 64,
+    "steps": 3,
+    "warmup": 1,
+    "repeats": 1,
+    "gpu_steps": 10,
+    "gpu_util_steps": 20,
+    "inference_batches": [1, 64],
+    "inference_budget_s": 0.05,
+    "limit": 2000,
+    "folder": {
+        "images": 256,
+        "image_size": 32,
+        "batch_size": 32,
+        "warmup": 2,
+        "steps": 3,
+        "repeats": 1,
+        "folder_models": ["tiny"],
+        "gpu_folder_models": ["cnn"],
+        "gpu_batch_size": 64,
+    },
+}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for tests)")
+    parser.add_argument("--raw", help="folder with the four IDX .gz files")
+    parser.add_argument("--out", default="reports/bench.json")
+    parser.add_argument("--chart", default="reports/bench.png")
+    parser.add_argument(
+        "--docs",
+        default="docs/benchmarks.md",
+        help="markdown file whose section for this hardware is replaced; '' to skip",
+    )
+    parser.add_argument(
+        "--time-to-target",
+        action="store_true",
+        help="also time the fast preset to --target test accuracy",
+    )
+    parser.add_argument(
+        "--gpu-check",
+        action="store_true",
+        help="what `make gpu-check` runs: everything, time-to-target included",
+    )
+    parser.add_argument("--target", type=float, default=0.93)
+    parser.add_argument("--max-epochs", type=int, default=15)
+    parser.add_argument("--preset", default="presets/fast.yaml")
+    parser.add_argument("--folder-images", type=int, help="JPEGs in the generated folder")
+    parser.add_argument("--folder-work", help="where the folder is made (default: temp dir)")
+    parser.add_argument(
+        "--folder",
+        help="your own class-per-folder images instead of the generated JPEGs (read as they "
+        "are: ImageFolder stops at a broken file, prepare with data.on_bad_file's default)",
+    )
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-folder", action="store_true")
+    parser.add_argument("--skip-inference", action="store_true")
+    args = parser.parse_args(argv)
+
+    import torch
+    import yaml
+
+    cfg = json.loads(json.dumps(QUICK if args.quick else FULL))  # a deep copy
+    if args.folder_images:
+        cfg["folder"]["images"] = args.folder_images
+    if args.folder_work:
+        cfg["folder"]["work"] = args.folder_work
+    if args.folder:
+        cfg["folder"]["photos"] = args.folder
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    # Lightning announces the accelerators (and a tip) at every fit: dozens of fits here.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    hw = hardware()
+    log(f"bench: hardware: {hardware_label(hw)}")
+    data = load_data(find_raw_dir(args.raw), cfg["limit"])
+    result: dict[str, Any] = {
+        **provenance("benchmarks", argv),
+        "hardware": hw,
+        "config": cfg,
+        "classes": data["card"].num_classes,
+    }
+    t0 = time.perf_counter()
+    if not args.skip_training:
+        from benchmarks.bench_training import training_benchmarks
+
+        result["training"] = training_benchmarks(data, cfg, log)
+    if not args.skip_folder:
+        from benchmarks.bench_datapaths import folder_benchmarks
+
+        result["folder_data_paths"] = folder_benchmarks(cfg["folder"], log)
+    if not args.skip_inference:
+        from benchmarks.bench_inference import inference_benchmarks
+
+        result["inference"] = inference_benchmarks(data, cfg, log)
+    if args.time_to_target or args.gpu_check:
+        if torch.cuda.is_available() or args.quick:
+            from benchmarks.bench_training import time_to_target
+
+            preset = yaml.safe_load(Path(args.preset).read_text())
+            result["time_to_target"] = time_to_target(
+                data, preset, args.target, 1 if args.quick else args.max_epochs, log
+            )
+        else:
+            result["time_to_target"] = None
+            log("bench: no CUDA GPU here: time-to-target skipped (it is a GPU figure)")
+    result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"bench: wrote {out}")
+    if args.chart:
+        chart(result, Path(args.chart))
+        log(f"bench: wrote {args.chart}")
+    if args.docs:
+        key = "gpu" if hw.get("gpu") else "cpu"
+        update_docs(Path(args.docs), f"{key}{'-quick' if args.quick else ''}", markdown(result))
+        log(f"bench: updated {args.docs}")
+    print()
+    print(markdown(result))
+    return result

@@ -1,0 +1,50 @@
+"""A bare Starlette + ONNX Runtime server: the yardstick `make bench-serve` holds BentoML to.
+
+Same model, same preprocessing (trainyard.runtime.inputs), same ORT session options, one
+worker, none of the service's guards, batching or metrics: what the HTTP stack and the
+model cost with nothing else. Not for deployment.
+
+    TRAINYARD_MODEL=models/model.onnx uvicorn benchmarks.reference_server:app --port 3001
+"""
+
+from __future__ import annotations
+
+import os
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from trainyard.core.card import card_from_metadata
+from trainyard.runtime.inputs import decode_image, normalize, softmax
+from trainyard.runtime.sessions import load_onnx
+
+MODEL = load_onnx(
+    os.environ.get("TRAINYARD_MODEL", "models/model.onnx"),
+    device="cpu",
+    intra_op_threads=int(os.environ.get("TRAINYARD_ORT_THREADS", "1")),
+)
+CARD = card_from_metadata(MODEL.metadata)
+CLASSES = MODEL.classes
+
+
+def _predict(data: bytes) -> dict:
+    pixels = decode_image(data, CARD)
+    probs = softmax(MODEL.run(normalize(pixels[None], CARD)))[0]
+    i = int(probs.argmax())
+    return {"label": CLASSES[i], "class_id": i, "probabilities": probs.tolist()}
+
+
+async def classify(request: Request) -> JSONResponse:
+    form = await request.form()
+    data = await form["image"].read()
+    return JSONResponse(await run_in_threadpool(_predict, data))
+
+
+async def readyz(request: Request) -> JSONResponse:
+    return JSONResponse({"ok": True})
+
+
+app = Starlette(routes=[Route("/classify", classify, methods=["POST"]), Route("/readyz", readyz)])

@@ -1,0 +1,113 @@
+"""The benchmark's markdown section and chart, from its JSON result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks import datapaths
+from benchmarks.common import bars, hardware_label
+
+
+def markdown(result: dict[str, Any]) -> str:
+    hw, tr, inf = result["hardware"], result.get("training"), result.get("inference")
+    lines = [
+        f"### {hardware_label(hw)}",
+        "",
+        f"Measured {result['date']} at commit {result['commit']} with "
+        f"`{result['command']}`; torch {hw['torch']}, "
+        f"onnxruntime {hw.get('onnxruntime')}.",
+        "",
+    ]
+    if tr:
+        lines += [
+            f"**Training throughput** ({tr['arch']}, batch {tr['batch_size']}, "
+            f"{tr['steps']} timed steps after {tr['warmup']} warm-up, median of "
+            f"{tr['repeats']})",
+            "",
+            "| configuration | img/s |",
+            "|---|---:|",
+        ]
+        lines += [f"| {k} | {v['median']:,.0f} |" for k, v in tr["img_per_s"].items()]
+        lines += ["", "| ratio | value |", "|---|---:|"]
+        lines += [f"| {k} | {v:.2f}x |" for k, v in tr["ratios"].items()]
+        util = tr.get("gpu_utilisation", {})
+        lines += [
+            "",
+            "GPU utilisation during the fast path: "
+            + (
+                f"{util['mean_pct']:.0f}% mean, {util['median_pct']:.0f}% median "
+                f"({util['samples']} NVML samples)"
+                if util.get("mean_pct") is not None
+                else util.get("skipped", "n/a")
+            ),
+            "",
+        ]
+    if result.get("folder_data_paths"):
+        lines += datapaths.markdown(result["folder_data_paths"])
+    if inf:
+        lines += [
+            f"**Inference** ({inf['arch']}; latency = median per call)",
+            "",
+            "| device | batch | torch eager ms | ORT ms | ORT/torch latency | "
+            "torch img/s | ORT img/s |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in inf["rows"]:
+            ort_ms = f"{r['ort_s'] * 1e3:.3f}" if "ort_s" in r else "n/a"
+            ratio = f"{r['ort_over_torch_latency']:.2f}x" if "ort_s" in r else "n/a"
+            ort_ips = f"{r['ort_img_per_s']:,.0f}" if "ort_s" in r else "n/a"
+            lines.append(
+                f"| {r['device']} | {r['batch']} | {r['torch_s'] * 1e3:.3f} | {ort_ms} "
+                f"| {ratio} | {r['torch_img_per_s']:,.0f} | {ort_ips} |"
+            )
+        lines.append("")
+    ttt = result.get("time_to_target")
+    if ttt:
+        reached = ttt["reached"]
+        lines += [
+            f"**Time to {ttt['target']:.0%} test accuracy** (`fast` preset, "
+            f"{ttt['device']}, {ttt['precision']}): "
+            + (
+                f"{reached['train_s']:.2f} s of training, epoch {reached['epoch']}"
+                if reached
+                else f"not reached in {len(ttt['history'])} epochs"
+            ),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def chart(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = result.get("folder_data_paths", {}).get("img_per_s", {})
+    panels = 3 if folder else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), dpi=100)
+    tr = result.get("training", {}).get("img_per_s", {})
+    bars(axes[0], list(tr), {"median": [tr[n]["median"] for n in tr]}, "training img/s")
+    if folder:
+        bars(
+            axes[2],
+            list(folder),
+            {"median": [folder[n]["median"] for n in folder]},
+            "training img/s from an image folder",
+        )
+    rows = result.get("inference", {}).get("rows", [])
+    bars(
+        axes[1],
+        [f"{r['device']} batch {r['batch']}" for r in rows],
+        {
+            "torch eager": [r["torch_img_per_s"] for r in rows],
+            "ONNX Runtime": [r.get("ort_img_per_s", 0) for r in rows],
+        },
+        "inference img/s",
+    )
+    axes[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+    fig.suptitle(f"trainyard benchmark — {hardware_label(result['hardware'])}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

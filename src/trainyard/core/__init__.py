@@ -1,0 +1,4 @@
+"""core: the params model, the dataset card, errors, atomic io + sha256, imaging (image -> pixels).
+
+The bottom layer: numpy, PIL and pydantic only, no torch, so the service can ship it.
+"""

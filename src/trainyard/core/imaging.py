@@ -1,0 +1,226 @@
+"""Image -> pixels: the one conversion from an image file to model pixels.
+
+prepare applies it to every folder image, the service to every upload, with the same
+arguments taken from the dataset card, so the model sees at serving time exactly what it
+saw in training (no train/serve skew). Everything here treats its input as hostile: the
+pixel count is checked from the header *before* any pixel is decoded (decompression
+bombs), and every decode failure becomes an ``InputError`` that says what was wrong.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from trainyard.core.errors import InputError
+
+# What Pillow may open. Multi-picture JPEGs from phone cameras open through "JPEG" and then
+# call themselves "MPO" (naming MPO here raises KeyError inside Pillow).
+IMAGE_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")
+# File extensions a folder source reads (any case); everything else is ignored.
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".mpo"}
+)
+DEFAULT_MAX_IMAGE_PIXELS = 25_000_000  # 25 MP: any phone photo; a 30000x30000 bomb is 900 MP
+_GRAY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
+_INTERPOLATION = {"bilinear": 2, "bicubic": 3, "lanczos": 1, "nearest": 0}  # PIL.Image.Resampling
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an image's header says, read without decoding a pixel."""
+
+    format: str
+    mode: str
+    width: int
+    height: int
+    grayscale: bool
+
+
+def _open(data: bytes, max_pixels: int, field: str) -> Any:
+
+    if not data:
+        raise InputError(f"{field}: the file is empty (0 bytes); send an image file", field=field)
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns past its own limit; ours (max_pixels) is checked just below.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            # open() reads only the header: the size is known before any pixel is decoded.
+            im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError:
+        # Pillow's own guard (2x Image.MAX_IMAGE_PIXELS) fired before ours could look.
+        raise too_many_pixels(field, max_pixels, "a likely decompression bomb") from None
+    except Exception:  # Pillow signals unreadable input with many types; all mean "not an image"
+        raise InputError(
+            f"{field}: not an image ({', '.join(IMAGE_FORMATS)}): the bytes are not a "
+            "decodable image header",
+            field=field,
+        ) from None
+    width, height = im.size
+    if width * height > max_pixels:
+        im.close()
+        raise too_many_pixels(field, max_pixels, f"{width}x{height} pixels")
+    if width < 1 or height < 1:
+        im.close()
+        raise InputError(f"{field}: the image has no pixels ({width}x{height})", field=field)
+    return im
+
+
+def read_header(
+    data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, field: str = "image"
+) -> ImageHeader:
+    """Format, mode, size and whether the image is grayscale, from the header alone."""
+    with _open(data, max_pixels, field) as im:
+        return ImageHeader(im.format, im.mode, im.size[0], im.size[1], _is_gray(im))
+
+
+def _is_gray(im: Any) -> bool:
+    if im.mode in _GRAY_MODES:
+        return True
+    if im.mode in ("P", "PA"):
+        palette = im.getpalette() or []
+        rgb = np.asarray(palette[: len(palette) // 3 * 3]).reshape(-1, 3)
+        return bool((rgb == rgb[:, :1]).all())
+    return False
+
+
+def image_to_pixels(
+    data: bytes,
+    *,
+    channels: int,
+    height: int,
+    width: int,
+    resize: str = "pad",
+    fill: int = 0,
+    interpolation: str = "bilinear",
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    field: str = "image",
+    invert: bool = False,
+    info: dict[str, Any] | None = None,
+) -> np.ndarray:
+    """Image bytes of any supported format and mode -> uint8 pixels ``[C, H, W]``.
+
+    ``info``, when given, receives the file's ``format``, ``width`` and ``height`` as soon
+    as the header is read (also when decoding then fails): what the service reports as
+    input image sizes, without opening the image twice.
+
+    In order: header check (format, pixel count), decode (JPEGs far larger than needed
+    decode at 1/2..1/8 scale), EXIF orientation, conversion to ``channels`` (16-bit maps to
+    8-bit, transparency is composited on ``fill``), then the resize policy (see
+    ``trainyard.core.card``). An image already at the target size is not resampled, so a
+    Fashion-MNIST PNG gives back exactly its training pixels.
+    """
+
+    if channels not in (1, 3):
+        raise ValueError(f"channels must be 1 or 3, got {channels}")
+    with _open(data, max_pixels, field) as im:
+        fmt = im.format
+        if info is not None:
+            info.update(format=fmt, width=im.width, height=im.height)
+        try:
+            if fmt in ("JPEG", "MPO"):
+                # Any scale that keeps both sides at least twice the target: enough for every
+                # policy (crop needs the shorter side >= target) and far cheaper to decode.
+                im.draft(im.mode, (2 * width, 2 * height))
+            im.load()
+            # In place: without EXIF orientation (most uploads) nothing is copied.
+            ImageOps.exif_transpose(im, in_place=True)
+            arr = _to_channels(im, channels, fill, invert)
+        except InputError:
+            raise
+        except Exception as err:  # truncated or corrupt data: the sender's bytes, not our bug
+            raise InputError(
+                f"{field}: the {fmt} image is truncated or corrupt ({_short(err)})", field=field
+            ) from None
+    out = _apply_resize(arr, height, width, resize, fill, interpolation)
+    return np.ascontiguousarray(out.transpose(2, 0, 1))
+
+
+def _to_channels(im: Any, channels: int, fill: int, invert: bool = False) -> np.ndarray:
+    """uint8 [h, w, channels] from any mode; ``invert`` flips the image's own pixels, then
+    alpha is composited on ``fill`` (transparent stays background either way)."""
+
+    mode = im.mode
+    if mode.startswith("I") or mode == "F":
+        # 16-bit PNGs and TIFFs load as I;16 or I: map 0..65535 onto 0..255 as 8-bit tools do.
+        arr = np.asarray(im, dtype=np.float64)
+        if mode != "F":
+            arr = arr / 257.0
+        gray = np.clip(np.rint(arr), 0, 255).astype(np.uint8)[:, :, None]
+        if invert:
+            gray = 255 - gray
+        return np.repeat(gray, channels, axis=2) if channels == 3 else gray
+    if im.has_transparency_data or mode in ("RGBA", "LA", "PA", "La", "RGBa"):
+        rgba = np.asarray(im.convert("RGBA"), dtype=np.float32)
+        alpha = rgba[:, :, 3:4] / 255.0
+        own = 255.0 - rgba[:, :, :3] if invert else rgba[:, :, :3]
+        rgb = own * alpha + float(fill) * (1.0 - alpha)
+        composited = Image.fromarray(np.clip(np.rint(rgb), 0, 255).astype(np.uint8), mode="RGB")
+        im = composited if channels == 3 else composited.convert("L")
+    else:
+        im = im.convert("RGB" if channels == 3 else "L")
+        if invert:
+            im = ImageOps.invert(im)
+    arr = np.asarray(im, dtype=np.uint8)
+    return arr[:, :, None] if arr.ndim == 2 else arr
+
+
+def _apply_resize(
+    arr: np.ndarray, height: int, width: int, policy: str, fill: int, interpolation: str
+) -> np.ndarray:
+    """[h, w, C] uint8 -> [height, width, C] uint8 by the card's resize policy."""
+    h, w, c = arr.shape
+    if (h, w) == (height, width):
+        return arr
+    resample = _INTERPOLATION[interpolation]
+    if policy == "pad":
+        # Pad rather than stretch: the object keeps its proportions and every pixel stays.
+        th = max(h, math.ceil(w * height / width))
+        tw = max(w, math.ceil(h * width / height))
+        if (th, tw) != (h, w):
+            canvas = np.full((th, tw, c), fill, dtype=np.uint8)
+            top, left = (th - h) // 2, (tw - w) // 2
+            canvas[top : top + h, left : left + w] = arr
+            arr = canvas
+        return _resize(arr, width, height, resample)
+    if policy == "crop":
+        # torchvision's Resize(shorter side) + CenterCrop: scale so both sides cover the
+        # target, then take the centre.
+        scale = max(height / h, width / w)
+        rh, rw = max(height, round(h * scale)), max(width, round(w * scale))
+        resized = _resize(arr, rw, rh, resample)
+        top, left = (rh - height) // 2, (rw - width) // 2
+        return resized[top : top + height, left : left + width]
+    if policy == "stretch":
+        return _resize(arr, width, height, resample)
+    raise ValueError(f"unknown resize policy {policy!r}")
+
+
+def _resize(arr: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
+
+    if arr.shape[:2] == (height, width):
+        return arr
+    mode = "L" if arr.shape[2] == 1 else "RGB"
+    im = Image.fromarray(arr[:, :, 0] if mode == "L" else arr, mode=mode)
+    out = np.asarray(im.resize((width, height), resample), dtype=np.uint8)
+    return out[:, :, None] if out.ndim == 2 else out
+
+
+def too_many_pixels(field: str, max_pixels: int, got: str) -> InputError:
+    return InputError(
+        f"{field}: image too large ({got}); the limit is {max_pixels:,} pixels "
+        "(serve.max_image_pixels). Downscale it first",
+        field=field,
+        status=413,
+    )
+
+
+def _short(err: Exception) -> str:
+    text = str(err) or type(err).__name__
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,563 @@
+"""Image-folder source: a class-per-subfolder tree of images -> the prepared format.
+
+Two layouts, found by looking at the folder:
+
+    photos/<class>/**/*.jpg                    one pool, split here (seeded, stratified)
+    photos/{train,val,test}/<class>/**/*.jpg   the user's own splits (a missing val or
+                                               test is carved out of train)
+
+Classes are the subfolder names, sorted as torchvision's ``ImageFolder`` sorts them.
+Hidden files and folders, OS litter (Thumbs.db, desktop.ini, __MACOSX) and files without
+an image extension are passed over silently. Everything else that cannot be read is a
+*bad file*: with ``data.on_bad_file: error`` the stage lists every one of them and stops;
+with ``skip`` they are left out and recorded in the card.
+
+Two passes over the files, both in a process pool: the first reads each file once (its
+sha256 and its header: format, size, grayscale or not), which decides the channels, the
+splits and the duplicates before any pixel is decoded; the second decodes each image with
+``trainyard.core.imaging.image_to_pixels`` straight into its slot of a memory-mapped array, so
+neither pass holds more than a few images per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from trainyard.core.card import SPLITS, Card
+from trainyard.core.errors import DataError, InputError
+from trainyard.core.imaging import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    IMAGE_EXTENSIONS,
+    image_to_pixels,
+    read_header,
+)
+from trainyard.data.arrays import row_blocks
+from trainyard.data.store import open_prepared
+
+if TYPE_CHECKING:
+    from trainyard.core.config import DataParams
+
+log = logging.getLogger(__name__)
+
+SOURCE = "folder"
+LITTER = frozenset({"thumbs.db", "desktop.ini", "__macosx", "$recycle.bin", "icon\r"})
+_CHUNK = 64  # files per pool task: big enough to amortise the hop, small for balance
+_MAX_LISTED = 50  # bad files spelled out in an error message (all are in the log)
+
+
+@dataclass
+class Entry:
+    """One image file found in the tree."""
+
+    path: Path
+    rel: str  # path relative to the root, '/'-separated: what the card and errors show
+    label: int
+    split: str | None  # from the layout, or None when this source splits
+
+
+@dataclass
+class Scan:
+    classes: tuple[str, ...]
+    layout: str  # "flat" | "splits"
+    entries: list[Entry]
+    bad: list[tuple[str, str]]  # (rel, reason): unreadable entries found while walking
+    ignored: int
+
+
+def _hidden_or_litter(name: str) -> bool:
+    return name.startswith(".") or name.lower() in LITTER
+
+
+def _walk(root: Path, top: Path, bad: list[tuple[str, str]]) -> Iterator[Path]:
+    """Image files under ``top`` (recursively, following symlinks, each real folder once).
+
+    Symlink loops and unreadable folders go to ``bad``; hidden and litter entries are
+    skipped; files without an image extension are counted by the caller as ignored.
+    """
+    seen: set[tuple[int, int]] = set()
+    # The folders above ``top`` (the root included): a link back to one of them is a loop
+    # too, and following it would read other classes' images under this class's label.
+    above: set[tuple[int, int]] = set()
+    for parent in top.parents:
+        with contextlib.suppress(OSError):
+            st = parent.stat()
+            above.add((st.st_dev, st.st_ino))
+    stack = [top]
+    while stack:
+        folder = stack.pop()
+        try:
+            st = folder.stat()
+        except OSError as err:
+            bad.append((_rel(folder, root), f"unreadable folder ({err.strerror or err})"))
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key in above:
+            bad.append((_rel(folder, root), "symlink loop: it links back to a folder above it"))
+            continue
+        if key in seen:
+            bad.append((_rel(folder, root), "symlink loop: this folder is already included"))
+            continue
+        seen.add(key)
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError as err:
+            bad.append((_rel(folder, root), f"unreadable folder ({err.strerror or err})"))
+            continue
+        subdirs = []
+        for name in names:
+            if _hidden_or_litter(name):
+                continue
+            path = folder / name
+            try:
+                mode = path.stat().st_mode  # follows symlinks
+            except OSError as err:
+                if path.is_symlink():
+                    reason = (
+                        "symlink loop"
+                        if getattr(err, "errno", None) == 40
+                        else "broken symlink (its target does not exist)"
+                    )
+                else:
+                    reason = f"unreadable ({err.strerror or err})"
+                if path.suffix.lower() in IMAGE_EXTENSIONS or path.is_symlink():
+                    bad.append((_rel(path, root), reason))
+                continue
+            if stat.S_ISDIR(mode):
+                subdirs.append(path)
+            elif stat.S_ISREG(mode):
+                yield path
+        stack.extend(reversed(subdirs))
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _subdirs(folder: Path) -> list[Path]:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as err:
+        raise DataError(f"data.folder: cannot list {folder} ({err.strerror or err})") from None
+    return [folder / n for n in names if not _hidden_or_litter(n) and (folder / n).is_dir()]
+
+
+def scan_folder(root: str | os.PathLike[str]) -> Scan:
+    """Find the layout, the classes and every image file; raise DataError for a tree that
+    cannot be a dataset (missing, empty, one class, a class without images, mixed splits)."""
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise DataError(
+            f"data.folder: {root} does not exist; set data.folder to your image folder "
+            "(photos/<class name>/*.jpg)"
+        )
+    if not root.is_dir():
+        raise DataError(f"data.folder: {root} is a file, not a folder of class subfolders")
+    top = _subdirs(root)
+    split_dirs = [d for d in top if d.name in SPLITS]
+    bad: list[tuple[str, str]] = []
+    ignored = 0
+    per_split: dict[str | None, dict[str, list[Path]]] = {}
+    if split_dirs:
+        layout = "splits"
+        others = [d.name for d in top if d.name not in SPLITS]
+        if others:
+            raise DataError(
+                f"data.folder: {root} mixes split folders "
+                f"({', '.join(d.name for d in split_dirs)}) with other folders "
+                f"({', '.join(others[:5])}); use either "
+                "photos/<class>/... or photos/{train,val,test}/<class>/..."
+            )
+        if "train" not in {d.name for d in split_dirs}:
+            raise DataError(
+                f"data.folder: {root} has {', '.join(d.name for d in split_dirs)}/ but no "
+                "train/ folder; add train/<class>/... (val/ and test/ are optional)"
+            )
+        for d in split_dirs:
+            per_split[d.name] = {c.name: [c] for c in _subdirs(d)}
+    else:
+        layout = "flat"
+        per_split[None] = {c.name: [c] for c in top}
+    classes = tuple(sorted({name for groups in per_split.values() for name in groups}))
+    if not classes:
+        raise DataError(
+            f"data.folder: {root} has no class subfolders; put each class's images in "
+            "its own folder (photos/<class name>/*.jpg)"
+        )
+    if len(classes) < 2:
+        raise DataError(
+            f"data.folder: {root} has only one class ({classes[0]!r}); a classifier needs "
+            "at least 2 class folders"
+        )
+    if layout == "splits":
+        for split, groups in per_split.items():
+            missing = [c for c in classes if c not in groups]
+            if missing:
+                raise DataError(
+                    f"data.folder: {root}/{split}/ lacks the class folders "
+                    f"{', '.join(repr(m) for m in missing[:10])} that other splits have; "
+                    "every split needs the same class folders"
+                )
+    index = {name: i for i, name in enumerate(classes)}
+    entries: list[Entry] = []
+    for split, groups in per_split.items():
+        for name, dirs in groups.items():
+            found = 0
+            for d in dirs:
+                for path in _walk(root, d, bad):
+                    if path.suffix.lower() not in IMAGE_EXTENSIONS:
+                        ignored += 1  # notes.txt, .json sidecars: not images, not errors
+                        continue
+                    entries.append(Entry(path, _rel(path, root), index[name], split))
+                    found += 1
+            if found == 0:
+                where = f"{split}/{name}" if split else name
+                raise DataError(
+                    f"data.folder: class folder {root / where} has no images (extensions: "
+                    f"{', '.join(sorted(IMAGE_EXTENSIONS))}); add images or remove the folder"
+                )
+    return Scan(classes, layout, entries, bad, ignored)
+
+
+# ------------------------------------------------------------------ pool work (both passes)
+
+
+def _inspect(paths: Sequence[str], max_pixels: int) -> list[tuple[str, bool, str | None]]:
+    """(sha256, grayscale, problem) per file: pass 1, in a worker."""
+    out = []
+    for p in paths:
+        try:
+            with open(p, "rb") as fh:
+                data = fh.read()
+        except OSError as err:
+            out.append(("", False, f"unreadable ({err.strerror or err})"))
+            continue
+        digest = hashlib.sha256(data).hexdigest()
+        try:
+            header = read_header(data, max_pixels=max_pixels, field="file")
+        except InputError as err:
+            out.append((digest, False, str(err).removeprefix("file: ")))
+            continue
+        out.append((digest, header.grayscale, None))
+    return out
+
+
+def _decode(
+    array_path: str, slots: Sequence[int], paths: Sequence[str], spec: dict[str, Any]
+) -> list[tuple[int, str]]:
+    """Decode ``paths`` into rows ``slots`` of the memory-mapped array: pass 2, in a worker.
+    Returns (slot, problem) for the files that failed."""
+
+    images = np.load(array_path, mmap_mode="r+")
+    failed = []
+    for slot, p in zip(slots, paths, strict=True):
+        try:
+            with open(p, "rb") as fh:
+                data = fh.read()
+            images[slot] = image_to_pixels(data, field="file", **spec)
+        except InputError as err:
+            failed.append((slot, str(err).removeprefix("file: ")))
+        except OSError as err:
+            failed.append((slot, f"unreadable ({err.strerror or err})"))
+    images.flush()
+    del images
+    return failed
+
+
+def _chunks(n: int) -> Iterator[slice]:
+    for start in range(0, n, _CHUNK):
+        yield slice(start, min(start + _CHUNK, n))
+
+
+class _Pool:
+    """A process pool of ``workers``, or the calling process when 1 (tests, tiny sets)."""
+
+    def __init__(self, workers: int) -> None:
+        self.executor = ProcessPoolExecutor(workers) if workers > 1 else None
+
+    def map(self, fn: Any, calls: list[tuple[Any, ...]]) -> list[Any]:
+        if self.executor is None:
+            return [fn(*args) for args in calls]
+        futures = [self.executor.submit(fn, *args) for args in calls]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(cancel_futures=True)
+
+
+def _workers(params: DataParams) -> int:
+    if params.workers == "auto":
+        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    return int(params.workers)
+
+
+# ------------------------------------------------------------------ splitting
+
+
+def assign_splits(
+    labels: np.ndarray,
+    given: list[str | None],
+    classes: tuple[str, ...],
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+) -> np.ndarray:
+    """Split name per item: the layout's own where given, else a seeded stratified draw.
+
+    Items without a given split (flat layout), and train items when the layout has no
+    val/ or test/, are split per class: ``round(n * fraction)`` (at least 1) to val and
+    test each, the rest to train. A class too small for that is an error naming it.
+    """
+    out = np.array([g or "train" for g in given], dtype=object)
+    has = set(given)
+    carve = [s for s, f in (("val", val_fraction), ("test", test_fraction)) if s not in has and f]
+    if not carve:
+        return out
+    rng = np.random.default_rng(seed)
+    pool = np.flatnonzero(out == "train")
+    fractions = {"val": val_fraction, "test": test_fraction}
+    for c, name in enumerate(classes):
+        members = pool[labels[pool] == c]
+        n = members.shape[0]
+        take = {s: max(1, round(n * fractions[s])) for s in carve}
+        if n - sum(take.values()) < 1:
+            need = sum(take.values()) + 1
+            raise DataError(
+                f"data.folder: class {name!r} has {n} image(s), too few for the stratified "
+                f"split (val_fraction {val_fraction}, test_fraction {test_fraction} need at "
+                f"least {need}: one per split); add images to it or put your own "
+                "train/val/test folders in data.folder"
+            )
+        order = rng.permutation(members)
+        start = 0
+        for s in carve:
+            out[order[start : start + take[s]]] = s
+            start += take[s]
+    return out
+
+
+def find_duplicates(hashes: list[str], splits: np.ndarray) -> dict[str, list[int]]:
+    """Exact duplicates (same file bytes) across splits: leakage from train into val/test,
+    and from val into test. Returns {"val": [idx...], "test": [idx...]} of the copies."""
+    train = {h for h, s in zip(hashes, splits, strict=True) if s == "train"}
+    val = {h for h, s in zip(hashes, splits, strict=True) if s == "val"}
+    out: dict[str, list[int]] = {"val": [], "test": []}
+    for i, (h, s) in enumerate(zip(hashes, splits, strict=True)):
+        if s == "val" and h in train:
+            out["val"].append(i)
+        elif s == "test" and (h in train or h in val):
+            out["test"].append(i)
+    return out
+
+
+# ------------------------------------------------------------------ the stage
+
+
+def _bad_files_error(root: Path, bad: list[tuple[str, str]]) -> DataError:
+    lines = [f"  {rel}: {reason}" for rel, reason in sorted(bad)]
+    shown = lines[:_MAX_LISTED]
+    more = len(lines) - len(shown)
+    for line in lines:  # every one of them, whatever the message shows
+        log.error("bad file %s", line.strip())
+    return DataError(
+        f"data.folder: {len(bad)} bad file(s) in {root}:\n"
+        + "\n".join(shown)
+        + (f"\n  ... and {more} more (all listed in the log above)" if more else "")
+        + "\nFix or remove them, or set data.on_bad_file: skip to leave them out "
+        "(they are then recorded in the dataset card and in MLflow)."
+    )
+
+
+def prepare_folder(
+    params: DataParams,
+    out_dir: str | os.PathLike[str],
+    seed: int,
+    max_image_pixels: int | None = None,
+) -> Card:
+    """Prepare ``params.folder`` into ``out_dir`` (atomically); return the dataset card."""
+
+    assert params.folder is not None  # DataParams guarantees it for source: folder
+    root = Path(params.folder).expanduser().resolve()
+    max_pixels = max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS
+    t0 = time.perf_counter()
+    scan = scan_folder(root)
+    n = len(scan.entries)
+    log.info(
+        "folder %s: %d images in %d classes (%s layout), %d other files ignored",
+        root,
+        n,
+        len(scan.classes),
+        scan.layout,
+        scan.ignored,
+    )
+    pool = _Pool(min(_workers(params), max(1, n // _CHUNK)))
+    try:
+        paths = [str(e.path) for e in scan.entries]
+        calls = [(paths[s], max_pixels) for s in _chunks(n)]
+        inspected = [r for chunk in pool.map(_inspect, calls) for r in chunk]
+        bad = list(scan.bad)
+        good = []
+        for entry, (_, _, problem) in zip(scan.entries, inspected, strict=True):
+            if problem is None:
+                good.append(True)
+            else:
+                bad.append((entry.rel, problem))
+                good.append(False)
+        keep = [i for i in range(n) if good[i]]
+        entries = [scan.entries[i] for i in keep]
+        hashes = [inspected[i][0] for i in keep]
+        gray = all(inspected[i][1] for i in keep)
+        channels = (1 if gray else 3) if params.channels == "auto" else int(params.channels)
+        labels = np.array([e.label for e in entries], dtype=np.int64)
+        splits = assign_splits(
+            labels,
+            [e.split for e in entries],
+            scan.classes,
+            params.val_fraction,
+            params.test_fraction,
+            seed,
+        )
+        dups = find_duplicates(hashes, splits)
+        n_dups = len(dups["val"]) + len(dups["test"])
+        if n_dups:
+            log.warning(
+                "%d exact duplicate image(s) across splits (%d in val, %d in test, copies of "
+                "train or val images): leakage%s",
+                n_dups,
+                len(dups["val"]),
+                len(dups["test"]),
+                "; removed (data.dedupe)"
+                if params.dedupe
+                else "; set data.dedupe: true to drop them",
+            )
+        if params.dedupe and n_dups:
+            drop = set(dups["val"]) | set(dups["test"])
+            splits[sorted(drop)] = "dropped"
+        height, width = params.size_hw
+        spec = {
+            "channels": channels,
+            "height": height,
+            "width": width,
+            "resize": params.resize,
+            "fill": 0,
+            "interpolation": "bilinear",
+            "max_pixels": max_pixels,
+        }
+        with open_prepared(out_dir) as writer:
+            written: dict[str, list[int]] = {}
+            for split in SPLITS:
+                members = [i for i in range(len(entries)) if splits[i] == split]
+                if not members:
+                    raise DataError(
+                        f"data.folder: the {split} split would be empty; raise "
+                        f"data.{split}_fraction above 0 or add a {split}/ folder"
+                    )
+                writer.allocate(split, len(members), (channels, height, width))
+                array = str(writer.images_path(split))
+                calls = [
+                    (
+                        array,
+                        list(range(s.start, s.stop)),
+                        [str(entries[i].path) for i in members[s]],
+                        spec,
+                    )
+                    for s in _chunks(len(members))
+                ]
+                failed = [f for chunk in pool.map(_decode, calls) for f in chunk]
+                for slot, problem in failed:
+                    bad.append((entries[members[slot]].rel, problem))
+                failed_slots = {slot for slot, _ in failed}
+                written[split] = [m for k, m in enumerate(members) if k not in failed_slots]
+                if failed_slots:
+                    _compact(writer, split, [k not in failed_slots for k in range(len(members))])
+                writer.write_labels(split, labels[written[split]])
+            if bad and params.on_bad_file == "error":
+                raise _bad_files_error(root, bad)
+            for rel, reason in sorted(bad):
+                log.warning("skipped %s: %s", rel, reason)
+            for split in SPLITS:
+                if not written[split]:
+                    raise DataError(f"data.folder: every {split} image was a bad file")
+            source_hash = hashlib.sha256()
+            for e, h in sorted(zip(entries, hashes, strict=True), key=lambda t: t[0].rel):
+                source_hash.update(f"{e.rel}\0{h}\n".encode())
+            card = Card(
+                source=SOURCE,
+                classes=scan.classes,
+                channels=channels,
+                height=height,
+                width=width,
+                mean=(0.0,) * channels,
+                std=(1.0,) * channels,
+                resize=params.resize,
+                fill=0,
+                interpolation="bilinear",
+                source_sha256=source_hash.hexdigest(),
+                skipped=tuple({"file": rel, "reason": reason} for rel, reason in sorted(bad)),
+                ignored=scan.ignored,
+                duplicates={
+                    "across_splits": n_dups,
+                    "val": len(dups["val"]),
+                    "test": len(dups["test"]),
+                    "removed": bool(params.dedupe and n_dups),
+                },
+                # No absolute path and no timing: the card is part of data/prepared, whose
+                # DVC hash is the data version; it must change only with the data.
+                extra={
+                    "layout": scan.layout,
+                    "seed": seed,
+                    "val_fraction": params.val_fraction,
+                    "test_fraction": params.test_fraction,
+                    "channels_param": params.channels,
+                },
+            )
+            card = writer.finish(card)
+    finally:
+        pool.close()
+    dt = time.perf_counter() - t0
+    done = sum(c["total"] for c in card.counts.values())
+    log.info("prepared %d images in %.1f s (%.0f images/s)", done, dt, done / dt)
+    return card
+
+
+def _compact(writer: Any, split: str, keep: list[bool]) -> None:
+    """Rewrite ``split``'s images without the rows of files that failed to decode.
+
+    Both files are streamed (plain reads in blocks, appends): memory stays bounded.
+    """
+
+    path = writer.images_path(split)
+    mask = np.asarray(keep, dtype=bool)
+    tmp = writer.tmp / f".{split}_images.compact.npy"
+    first = np.load(path, mmap_mode="r")
+    shape = (int(mask.sum()), *first.shape[1:])
+    del first
+    with open(tmp, "wb") as out:
+        np.lib.format.write_array_header_1_0(
+            out,
+            {
+                "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+                "fortran_order": False,
+                "shape": shape,
+            },
+        )
+        start = 0
+        for block in row_blocks(path):
+            out.write(np.ascontiguousarray(block[mask[start : start + len(block)]]).data)
+            start += len(block)
+    os.replace(tmp, path)

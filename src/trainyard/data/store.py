@@ -1,0 +1,80 @@
+"""The prepared format on disk: uint8 ``[N, C, H, W]`` arrays per split + the dataset card,
+memory-mapped and filled in place (peak memory does not grow with the dataset), one hash of
+everything written, all inside a temp folder that replaces ``out_dir`` only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from trainyard.core.card import CARD_FILE, SPLITS, Card
+from trainyard.core.io import atomic_dir, atomic_write_text
+
+if TYPE_CHECKING:  # pydantic stays out of the light paths (bench, gpu-check)
+    pass
+
+from trainyard.data.arrays import LABEL_DTYPE, channel_stats, class_counts
+
+
+class PreparedWriter:
+    """The prepared folder being written: split arrays as memory maps in a temp folder.
+
+    Use ``open_prepared(out_dir)``; only a writer whose block ends without an exception
+    replaces ``out_dir``.
+    """
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+
+    def images_path(self, split: str) -> Path:
+        return self.tmp / f"{split}_images.npy"
+
+    def allocate(self, split: str, n: int, shape: tuple[int, int, int]) -> np.ndarray:
+        """A writable uint8 memory map ``[n, C, H, W]`` for ``split`` (zero-filled)."""
+        return np.lib.format.open_memmap(
+            self.images_path(split), mode="w+", dtype=np.uint8, shape=(n, *shape)
+        )
+
+    def write_images(self, split: str, images: np.ndarray) -> None:
+        np.save(self.images_path(split), np.ascontiguousarray(images, dtype=np.uint8))
+
+    def write_labels(self, split: str, labels: np.ndarray) -> None:
+        np.save(self.tmp / f"{split}_labels.npy", np.asarray(labels, dtype=LABEL_DTYPE))
+
+    def images(self, split: str) -> np.ndarray:
+        return np.load(self.images_path(split), mmap_mode="r")
+
+    def labels(self, split: str) -> np.ndarray:
+        return np.load(self.tmp / f"{split}_labels.npy")
+
+    def digest(self) -> str:
+        """sha256 over every array file, in split order: the prepared data's identity."""
+        h = hashlib.sha256()
+        for split in SPLITS:
+            for kind in ("images", "labels"):
+                with open(self.tmp / f"{split}_{kind}.npy", "rb") as fh:
+                    while block := fh.read(1 << 22):
+                        h.update(block)
+        return h.hexdigest()
+
+    def finish(self, card: Card) -> Card:
+        """Counts, statistics and hash from what was written, then the card itself."""
+        counts = {s: class_counts(self.labels(s), card.classes) for s in SPLITS}
+        mean, std = channel_stats(self.images_path("train"))
+        facts = {"counts": counts, "mean": mean, "std": std, "data_sha256": self.digest()}
+        done = Card.from_dict(card.to_dict() | facts)
+        atomic_write_text(self.tmp / CARD_FILE, done.to_json())
+        return done
+
+
+@contextlib.contextmanager
+def open_prepared(out_dir: str | os.PathLike[str]) -> Iterator[PreparedWriter]:
+    with atomic_dir(out_dir) as tmp:
+        yield PreparedWriter(tmp)

@@ -1,0 +1,1 @@
+"""trainyard doctor: this machine, and what trainyard will do on it."""

@@ -1,0 +1,1 @@
+"""model: networks, torchvision backbones, augmentation and the LightningModule."""

@@ -1,0 +1,143 @@
+"""The LightningModule that trains any network ``build_model`` makes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from trainyard.core.card import Card
+from trainyard.model.augment import augment_batch, normalize
+from trainyard.model.networks import build_model
+
+
+class Classifier(L.LightningModule):
+    """Trains any ``build_model`` net on uint8 batches, normalising them on the device.
+
+    ``card``: the dataset card's contract (``Card.contract()``, a plain dict) - classes,
+    channels, size and per-channel mean/std. It is saved in the checkpoint's
+    hyperparameters (plain types only, so ``torch.load(..., weights_only=True)`` reads it)
+    and is all that is needed to rebuild the net: ``Classifier(**ckpt["hyper_parameters"])``.
+    ``pretrained`` is deliberately *not* saved: it only initialises the weights, which the
+    checkpoint's state dict then replaces, and the file may not exist where the checkpoint
+    is exported. ``self.pretrained_info`` says which weights were used (see ``build_model``).
+    """
+
+    def __init__(
+        self,
+        card: dict[str, Any] | Card,
+        arch: str = "cnn",
+        lr: float = 3e-3,
+        weight_decay: float = 5e-4,
+        label_smoothing: float = 0.1,
+        augment: bool = True,
+        seed: int = 0,
+        channels_last: bool = False,
+        compile: bool = False,
+        pretrained: str | None = None,
+    ) -> None:
+        super().__init__()
+        parsed = card if isinstance(card, Card) else Card.from_dict(card, "Classifier card")
+        # Stored as the contract's plain dict (lists, not tuples or a Card): checkpoints
+        # stay loadable with weights_only=True. save_hyperparameters reads this local.
+        card = parsed.contract()
+        self.save_hyperparameters(ignore=["pretrained"])
+        self.card = parsed
+        self.net = build_model(
+            arch,
+            in_channels=parsed.channels,
+            num_classes=parsed.num_classes,
+            image_size=(parsed.height, parsed.width),
+            pretrained=pretrained,
+        )
+        self.pretrained_info: dict[str, str] = dict(self.net.pretrained_info)
+        # Buffers follow the module to the device (no host->device copy per batch); not
+        # persistent, so the state dict holds only the net and the card stays the truth.
+        self.register_buffer(
+            "pixel_mean", torch.tensor(parsed.mean).reshape(1, -1, 1, 1), persistent=False
+        )
+        self.register_buffer(
+            "pixel_std", torch.tensor(parsed.std).reshape(1, -1, 1, 1), persistent=False
+        )
+        if channels_last:  # NHWC: what cuDNN's tensor-core convolutions want
+            self.net = self.net.to(memory_format=torch.channels_last)
+        self._aug_gen: torch.Generator | None = None
+
+    def configure_model(self) -> None:
+        # nn.Module.compile() compiles in place: state_dict keys (and export) are unchanged.
+        if self.hparams.compile:
+            self.net.compile()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        # Random numbers drawn on the batch's own device: no host round-trip per batch.
+        if self._aug_gen is None or self._aug_gen.device != device:
+            self._aug_gen = torch.Generator(device=device).manual_seed(self.hparams.seed)
+        return self._aug_gen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for *normalised* float input [B,C,H,W] (the exported ONNX contract)."""
+        return self.net(x)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Runs on the device: uint8 crosses the bus (4x fewer bytes), floats are made there.
+        images, labels = batch
+        x = normalize(images, self.pixel_mean, self.pixel_std)
+        if self.trainer.training and self.hparams.augment:
+            x = augment_batch(x, self._generator(x.device))
+        if self.hparams.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, labels
+
+    def _step(self, batch: Any, stage: str) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
+        acc = (logits.argmax(1) == y).float().mean()
+        on_step = stage == "train"
+        # Under DDP each rank sees its own shard: epoch metrics of val/test (what checkpoints
+        # and early stopping watch) are averaged over ranks; per-step train loss is not
+        # (a sync every step would cost more than it tells).
+        sync = stage != "train"
+        self.log(
+            f"{stage}/loss",
+            loss,
+            on_step=on_step,
+            on_epoch=True,
+            prog_bar=True,
+            batch_size=y.shape[0],
+            sync_dist=sync,
+        )
+        self.log(
+            f"{stage}/acc",
+            acc,
+            on_step=False,
+            on_epoch=True,
+            prog_bar=True,
+            batch_size=y.shape[0],
+            sync_dist=sync,
+        )
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt,
+            max_lr=self.hparams.lr,
+            # OneCycle needs a few steps per phase; tiny runs (tests, benchmarks) get a floor.
+            total_steps=max(int(self.trainer.estimated_stepping_batches), 8),
+            pct_start=0.25,
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,1 @@
+"""stages: one module per DVC stage, run as ``python -m trainyard.stages.<name>``."""

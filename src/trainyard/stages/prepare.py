@@ -1,0 +1,30 @@
+"""DVC stage `prepare`: the data source -> uint8 [N,C,H,W] splits + card.json in data/prepared/."""
+
+import argparse
+
+from trainyard.core.config import Params
+from trainyard.data.sources import prepare_source as prepare
+from trainyard.stages.common import stage_main
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--raw", default="data/raw")
+    p.add_argument("--out", default="data/prepared")
+
+
+def run(params: Params, args: argparse.Namespace) -> None:
+    # The service refuses uploads over serve.max_image_pixels: prepare holds images to the
+    # same limit, so nothing trains on an image the service would refuse.
+    card = prepare(args.raw, args.out, params.data, params.seed, params.serve.max_image_pixels)
+    counts = {s: c["total"] for s, c in card.counts.items()}
+    mean = ", ".join(f"{m:.4f}" for m in card.mean)
+    std = ", ".join(f"{s:.4f}" for s in card.std)
+    print(
+        f"prepare: {card.source}, {card.num_classes} classes, {card.channels}x{card.height}x"
+        f"{card.width} ({card.resize}), {counts}, mean [{mean}] std [{std}]"
+        + (f", {len(card.skipped)} bad file(s) skipped" if card.skipped else "")
+    )
+
+
+if __name__ == "__main__":
+    stage_main("prepare", run, add_args)

@@ -1,0 +1,324 @@
+"""MLflow model logging and registry: the ONNX model as an MLflow model, versions, aliases.
+
+`champion` is the version to serve; a new version takes it only if its test accuracy
+beats the champion's by more than ``registry.promote_margin``; otherwise it is `challenger`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import mlflow.onnx
+import numpy as np
+import onnx
+from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
+
+from trainyard.core.errors import TrackingError
+from trainyard.core.io import atomic_write_text, sha256_file
+from trainyard.runtime.sessions import load_onnx
+from trainyard.track.runs import (
+    check_tracking_uri,
+    release_interrupted_store,
+    resolve_tracking_uri,
+    signals_deferred,
+)
+
+log = logging.getLogger(__name__)
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+ACCURACY_TAG, DATA_TAG, SHA_TAG = "test_accuracy", "data_version", "onnx_sha256"
+
+
+def log_onnx_model(onnx_path: str | os.PathLike[str], example: np.ndarray) -> str:
+    """Log ``onnx_path`` to the active run as an MLflow ONNX model; return its model URI.
+
+    The file is stored as is (no external data): its sha256 stays the one export recorded,
+    so a registry download can be checked against it.
+    """
+
+    logits = load_onnx(onnx_path, device="cpu").run(example)
+    info = mlflow.onnx.log_model(
+        onnx.load(str(onnx_path)),
+        name="model",
+        signature=infer_signature(example, logits),  # batch dim inferred as variable (-1)
+        input_example=example,
+        save_as_external_data=False,
+        onnx_execution_providers=["CPUExecutionProvider"],
+    )
+    return info.model_uri
+
+
+def current_alias(client: Any, name: str, alias: str) -> Any | None:
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def decide(test_acc: float, champion: Any | None, margin: float) -> tuple[str, str]:
+    """(alias, reason) for a new version with ``test_acc`` against the current champion."""
+    if champion is None:
+        return CHAMPION, "first version with a test accuracy: becomes champion"
+    try:
+        champ_acc = float(champion.tags[ACCURACY_TAG])
+    except (KeyError, ValueError):
+        return CHAMPION, (
+            f"champion v{champion.version} has no {ACCURACY_TAG} tag to beat: replaced"
+        )
+    # The tag holds 6 decimals: compare at that precision, or a rerun with the very same
+    # accuracy (0.225806... against the tag's 0.225806) would "beat" its own champion.
+    if round(test_acc, 6) > round(champ_acc + margin, 6):
+        return CHAMPION, (
+            f"test accuracy {test_acc:.4f} beats champion v{champion.version} "
+            f"({champ_acc:.4f}) by more than the margin {margin:g}"
+        )
+    return CHALLENGER, (
+        f"test accuracy {test_acc:.4f} does not beat champion "
+        f"v{champion.version} ({champ_acc:.4f}) by more than the margin "
+        f"{margin:g}: champion stays"
+    )
+
+
+def register_and_promote(
+    client: Any,
+    name: str,
+    model_uri: str,
+    run_id: str,
+    test_acc: float,
+    data_version: str,
+    onnx_sha256: str,
+    margin: float,
+    contract: Any | None = None,
+) -> dict[str, Any]:
+    """Register a new version, then move `champion` or `challenger` to it.
+
+    ``contract`` (the ONNX model's dataset card) puts the input contract on the version:
+    source, class count and names, input shape and resize policy, so the registry UI shows
+    what a version takes and answers without downloading it.
+
+    A registration is complete once its alias points at it (the last write). Nothing less
+    is left behind: if anything fails or is interrupted (Ctrl-C) before that, the version is
+    deleted again, since a version without its alias would look like a decision that was
+    never made. A rerun for the same model (same run, ONNX sha256, data and accuracy) whose
+    version still holds its alias reuses that version instead of registering the model a
+    second time (an evaluate interrupted after the alias moved, or a forced rerun); one that
+    finds versions of this run cut off before their decision (SIGKILL, or a Ctrl-C inside
+    MLflow's own register call) deletes them first.
+    """
+
+    tags = {
+        ACCURACY_TAG: f"{test_acc:.6f}",
+        DATA_TAG: data_version,
+        SHA_TAG: onnx_sha256,
+        "run_id": run_id,
+    }
+    if contract is not None:
+        classes = json.dumps(list(contract.classes), ensure_ascii=False)
+        tags |= {
+            "dataset.source": contract.source,
+            "dataset.num_classes": str(contract.num_classes),
+            # MLflow caps a tag value at 5,000 characters; hundreds of long names exceed it.
+            "dataset.classes": classes if len(classes) <= 5000 else classes[:4990] + "...",
+            "input_shape": "x".join(str(d) for d in contract.input_shape),
+            "resize": contract.resize,
+        }
+    done = _already_registered(client, name, run_id, tags)
+    if done is not None:
+        return done
+    _remove_cut_off(client, name, run_id)
+    champion = current_alias(client, name, CHAMPION)
+    alias, reason = decide(test_acc, champion, margin)
+    previous = int(champion.version) if champion is not None else None
+    tags |= {"previous_champion": str(previous or "")}
+    version = None
+    try:
+        # A Ctrl-C or SIGTERM waits for these four writes (milliseconds) and then stops
+        # the stage: the registration is whole, and the rerun finds it registered.
+        with signals_deferred():
+            version = mlflow.register_model(model_uri, name, tags=tags)
+            client.set_model_version_tag(name, version.version, "decision_reason", reason)
+            client.set_model_version_tag(name, version.version, "decision", alias)
+            client.set_registered_model_alias(name, alias, version.version)
+    except BaseException as err:
+        # BaseException: a Ctrl-C (KeyboardInterrupt) cuts a registration off as surely as a
+        # store error does, and must not leave a version without its alias either.
+        if not isinstance(err, Exception):
+            release_interrupted_store(err)
+        _undo(client, name, run_id, alias, version)
+        if not isinstance(err, Exception):
+            raise
+        what = f"v{version.version}" if version is not None else "a new version"
+        raise TrackingError(f"registering {name} {what} failed: {err}") from err
+    return {
+        "model_name": name,
+        "version": int(version.version),
+        "alias": alias,
+        "reason": reason,
+        "previous_champion": previous,
+        "model_uri": f"models:/{name}@{alias}",
+        "source": model_uri,
+        "already_registered": False,
+    }
+
+
+def _versions_of_run(client: Any, name: str, run_id: str) -> list[Any]:
+    """Versions of ``name`` that register_and_promote made for ``run_id`` (its run_id tag)."""
+    # Filter on the run id only (hex): a model name may hold quotes the filter cannot escape.
+    found = client.search_model_versions(f"tags.run_id = '{run_id}'")
+    return [v for v in found if v.name == name]
+
+
+def _already_registered(
+    client: Any, name: str, run_id: str, tags: dict[str, str]
+) -> dict[str, Any] | None:
+    """The record of a complete registration of this very model that still stands, if any."""
+    same = (ACCURACY_TAG, DATA_TAG, SHA_TAG)
+    candidates = [
+        v
+        for v in _versions_of_run(client, name, run_id)
+        if v.tags.get("decision") and all(v.tags.get(k) == tags[k] for k in same)
+    ]
+    if not candidates:
+        return None
+    aliases = client.get_registered_model(name).aliases  # {alias: version}
+    for v in sorted(candidates, key=lambda v: -int(v.version)):
+        alias = v.tags["decision"]
+        if str(aliases.get(alias)) == str(v.version):
+            previous = v.tags.get("previous_champion", "")
+            return {
+                "model_name": name,
+                "version": int(v.version),
+                "alias": alias,
+                "reason": v.tags.get("decision_reason", ""),
+                "previous_champion": int(previous) if previous.isdigit() else None,
+                "model_uri": f"models:/{name}@{alias}",
+                "source": v.source,
+                "already_registered": True,
+            }
+    return None
+
+
+def _remove_cut_off(client: Any, name: str, run_id: str) -> None:
+    """Delete this run's versions that never got a decision: registrations cut off by a kill.
+
+    MLflow creates the version with our tags (run_id, onnx_sha256) in one write; the decision
+    tags follow, then the alias. So a version with our tags and no decision was never
+    promoted and nothing points at it. One registered by hand from this run (in the UI) has
+    no onnx_sha256 tag and is left alone.
+    """
+    for v in _versions_of_run(client, name, run_id):
+        if v.tags.get(SHA_TAG) and not v.tags.get("decision"):
+            client.delete_model_version(name, v.version)
+            print(
+                f"registry: deleted {name} v{v.version}: its registration was cut off "
+                "before the decision",
+                flush=True,
+            )
+
+
+def _undo(client: Any, name: str, run_id: str, alias: str, version: Any | None) -> None:
+    """After a failed or interrupted registration: remove what it left; never raises."""
+    try:
+        if version is None:
+            # Cut off inside MLflow's register call, which may have created the version.
+            _remove_cut_off(client, name, run_id)
+        elif str(client.get_registered_model(name).aliases.get(alias)) != str(version.version):
+            client.delete_model_version(name, version.version)
+        # else the alias moved before the interruption: the registration is complete
+    except Exception:  # the store is already failing; report the first error
+        log.exception("could not remove a half-registered version of %s", name)
+
+
+def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` -> (name, alias, version)."""
+    rest = uri.removeprefix("models:/")
+    if "@" in rest:
+        name, alias = rest.split("@", 1)
+        if name and alias and "/" not in name:
+            return name, alias, None
+    elif rest.count("/") == 1:
+        name, version = rest.split("/")
+        if name and version.isdigit():
+            return name, None, version
+    raise TrackingError(
+        f"model source {uri!r}: expected models:/NAME@ALIAS (e.g. models:/"
+        "fashion-mnist-classifier@champion) or models:/NAME/VERSION"
+    )
+
+
+def fetch_registered_onnx(
+    uri: str, cache_dir: str | os.PathLike[str]
+) -> tuple[Any, dict[str, str]]:
+    """Resolve a registry URI, download its ONNX file into ``cache_dir``, verify its sha256.
+
+    Only the ``model.onnx`` file is ever used: nothing from the registry is unpickled or
+    imported. The sha256 must match the version's ``onnx_sha256`` tag (set by evaluate);
+    a version without the tag, or a file that does not match, is refused.
+    Returns (path, provenance).
+    """
+
+    name, alias, version = parse_model_uri(uri)
+    tracking_uri = resolve_tracking_uri()
+    check_tracking_uri(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    try:
+        mv = (
+            client.get_model_version_by_alias(name, alias)
+            if alias
+            else client.get_model_version(name, version)
+        )
+    except MlflowException as err:
+        raise TrackingError(
+            f"model source {uri}: not found in the registry at {tracking_uri} ({err.message})"
+        ) from None
+    expected = mv.tags.get(SHA_TAG)
+    if not expected:
+        raise TrackingError(
+            f"{uri} (v{mv.version}) has no {SHA_TAG} tag; refusing to serve a "
+            "model whose bytes cannot be checked"
+        )
+    dest = Path(cache_dir) / name / str(mv.version) / "model.onnx"
+    if not (dest.is_file() and sha256_file(dest) == expected):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+            folder = Path(
+                mlflow.artifacts.download_artifacts(
+                    artifact_uri=f"models:/{name}/{mv.version}",
+                    dst_path=tmp,
+                    tracking_uri=tracking_uri,
+                )
+            )
+            got = folder / "model.onnx"
+            if not got.is_file():
+                raise TrackingError(
+                    f"{uri} (v{mv.version}): the registered model has no model.onnx"
+                )
+            actual = sha256_file(got)
+            if actual != expected:
+                raise TrackingError(
+                    f"{uri} (v{mv.version}): downloaded model.onnx has sha256 {actual}, the "
+                    f"registry records {expected}; refusing it"
+                )
+            shutil.move(str(got), dest)
+    # The same sidecar the export stage writes: one verification path for every model file.
+    atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
+    return dest, {
+        "model_source": uri,
+        "registry_model": name,
+        "registry_version": str(mv.version),
+        "registry_alias": alias or "",
+        "run_id": mv.run_id or "",
+        "data_version": mv.tags.get(DATA_TAG, ""),
+        "onnx_sha256": expected,
+    }

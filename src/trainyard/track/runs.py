@@ -1,0 +1,348 @@
+"""MLflow plumbing: where runs go, a fast reachability check, and the run handed between stages."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import platform
+import signal
+import socket
+import subprocess
+import traceback
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import mlflow.data
+import yaml
+from mlflow.entities import DatasetInput, InputTag
+from mlflow.exceptions import MlflowException
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+from trainyard import __version__
+from trainyard.core.errors import Terminated, TrackingError
+from trainyard.core.io import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+RUN_FILE = "train.json"  # written by train, read by export and evaluate
+# Why a run ended other than FINISHED (Ctrl-C, SIGTERM, an error), set by every stage that
+# ends a run early; kept as PREVIOUS_END_TAG once the run is finished again.
+END_REASON_TAG = "trainyard.end_reason"
+PREVIOUS_END_TAG = "trainyard.previous_end"
+
+
+def carry_end_reason(client: Any, run_id: str, tags: dict[str, str]) -> None:
+    """A run going on again after an early end: its reason becomes the previous one, so a
+    run that later ends FINISHED carries no stale reason but keeps the history."""
+    if END_REASON_TAG in tags:
+        client.set_tag(run_id, PREVIOUS_END_TAG, tags[END_REASON_TAG])
+        client.delete_tag(run_id, END_REASON_TAG)
+
+
+def resolve_tracking_uri(root: str | os.PathLike[str] = ".") -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else the embedded sqlite store ``<root>/mlflow.db``."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if uri:
+        return uri
+    return f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
+
+
+def _limit_http_retries() -> None:
+    # MLflow's default (7 retries, backoff 2) turns a dead server into a multi-minute hang.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+
+def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
+    """Fail within ``timeout`` seconds if the tracking store cannot be used."""
+    _limit_http_retries()
+    if uri.startswith(("http://", "https://")):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise TrackingError(
+                        f"MLflow tracking server {uri}: /health answered {resp.status}"
+                    )
+        except (urllib.error.URLError, OSError, TimeoutError) as err:
+            reason = getattr(err, "reason", err)
+            raise TrackingError(
+                f"MLflow tracking server {uri} is not reachable ({reason}). Start it "
+                "(`mlflow server --port …`) or unset MLFLOW_TRACKING_URI to use the embedded "
+                "store (mlflow.db in the repository)."
+            ) from None
+    elif uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///"))
+        if not db.parent.is_dir():
+            raise TrackingError(
+                f"MLFLOW_TRACKING_URI={uri}: folder {db.parent} does not exist; create it or "
+                "unset MLFLOW_TRACKING_URI"
+            )
+    elif uri.startswith("file:") or "://" not in uri:
+        path = Path(uri.removeprefix("file://").removeprefix("file:"))
+        if not path.parent.is_dir():
+            raise TrackingError(f"MLFLOW_TRACKING_URI={uri}: folder {path.parent} does not exist")
+
+
+def git_state(root: str | os.PathLike[str] = ".") -> dict[str, str]:
+    """Commit and dirtiness of the repository (empty values outside a git checkout)."""
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"git_commit": commit or "unknown", "git_dirty": str(bool(dirty)).lower()}
+
+
+def run_tags(root: str | os.PathLike[str], data_sha256: str, device: str) -> dict[str, str]:
+    """Lineage tags of a training run: commit, data hash, host, device and library versions."""
+    git = git_state(root)
+    return {
+        "mlflow.source.git.commit": git["git_commit"],
+        "git.commit": git["git_commit"],
+        "git.dirty": git["git_dirty"],
+        "data.sha256": data_sha256,
+        "host": socket.gethostname(),
+        "device": device,
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "lightning": version("lightning"),
+        "trainyard": __version__,
+    }
+
+
+def write_run_file(path: str | os.PathLike[str], info: dict[str, Any]) -> None:
+    atomic_write_json(path, info)
+
+
+def read_run_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise TrackingError(f"{path}: missing; run `dvc repro train` first")
+    info = json.loads(path.read_text())
+    if "run_id" not in info:
+        raise TrackingError(f"{path}: has no run_id; rerun the train stage")
+    return info
+
+
+def open_run(info: dict[str, Any], root: str | os.PathLike[str] = ".") -> str:
+    """Point MLflow at the current store, check the train run is there, return its id."""
+
+    uri = resolve_tracking_uri(root)
+    check_tracking_uri(uri)
+    mlflow.set_tracking_uri(uri)
+    try:
+        mlflow.get_run(info["run_id"])
+    except MlflowException as err:
+        raise TrackingError(
+            f"MLflow run {info['run_id']} (from {RUN_FILE}) is not in the tracking store {uri}: "
+            f"{err.message}. Rerun train with the same MLFLOW_TRACKING_URI."
+        ) from None
+    return info["run_id"]
+
+
+@contextlib.contextmanager
+def logging_into(run_id: str, stage: str) -> Iterator[None]:
+    """Reopen the train run ``run_id`` as the active run for a later stage (export, evaluate).
+
+    MLflow sets the run RUNNING while it is open; it ends FINISHED, or FAILED on an error.
+    A Ctrl-C ends it KILLED with a ``trainyard.end_reason`` tag naming the stage, as a Ctrl-C
+    in train does: MLflow's own context manager would call it FAILED, as if the training
+    had failed. The next successful run of the stage ends it FINISHED again and keeps the
+    old reason as ``trainyard.previous_end`` (carry_end_reason).
+    """
+
+    try:
+        # Inside the try: a Ctrl-C that lands within start_run, after it has set the run
+        # RUNNING, must not leave it RUNNING.
+        mlflow.start_run(run_id=run_id)
+        carry_end_reason(mlflow.MlflowClient(), run_id, mlflow.get_run(run_id).data.tags)
+        yield
+    except KeyboardInterrupt as err:
+        release_interrupted_store(err)
+        what = "SIGTERM" if isinstance(err, Terminated) else "Ctrl-C (SIGINT)"
+        _end_run(run_id, "KILLED", f"{what} in {stage}")
+        raise
+    except BaseException:
+        _end_run(run_id, "FAILED")
+        raise
+    mlflow.end_run("FINISHED")
+
+
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_handled(handler: Any, signals: tuple[int, ...] = INTERRUPTS) -> Iterator[bool]:
+    """``handler`` for ``signals`` inside the block, the previous handlers restored after.
+    Outside the main thread Python cannot handle signals: they are left alone, and the
+    block gets False."""
+    try:
+        previous = {s: signal.signal(s, handler) for s in signals}
+    except ValueError:  # not the main thread
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM during a few store writes that belong together, then deliver
+    them to the handlers that were in place.
+
+    Ctrl-C raises wherever Python happens to be; inside MLflow's sqlite session code that can
+    leave a statement or a transaction holding mlflow.db's write lock, so the clean-up's
+    own writes wait out MLflow's 20 s busy timeout (seen in tests/test_interrupt.py). A
+    registration's writes take milliseconds: letting them finish and stopping right after is
+    both faster and leaves the registry whole. SIGKILL cannot be held; the next registration
+    removes what it cut off. Outside the main thread signals cannot be handled: no deferral.
+    """
+    received: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        received.append(signum)
+
+    try:
+        with signals_handled(hold):
+            yield
+    finally:
+        if received:  # once, to the handler that would have had it (KeyboardInterrupt, ...)
+            signal.raise_signal(received[0])
+
+
+def release_interrupted_store(err: BaseException) -> None:
+    """Let go of the store after a Ctrl-C, before writing to it again.
+
+    A Ctrl-C that lands while sqlite runs one of MLflow's statements leaves that statement
+    half-stepped, holding a lock on mlflow.db until its cursor is freed, and the cursor lives
+    on in the frames of the interrupt's traceback. A write from the handler (mark the run
+    KILLED, undo a registration) then waits out MLflow's 20 s busy timeout and fails: the
+    run stayed RUNNING (seen in tests/test_interrupt.py). Clearing those finished frames
+    frees the cursor and its lock.
+    """
+    traceback.clear_frames(err.__traceback__)
+    gc.collect()  # cursors held in reference cycles
+
+
+def _end_run(run_id: str, status: str, reason: str | None = None) -> None:
+    """End ``run_id`` ``status`` on the way out of an error; never raises, so the stage
+    reports the error it is handling, not a tracking hiccup on top of it."""
+
+    try:
+        client = mlflow.MlflowClient()
+        if reason is not None:
+            client.set_tag(run_id, END_REASON_TAG, reason)
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == run_id:
+            mlflow.end_run(status)
+        else:  # interrupted inside start_run, before it made the run the active one
+            client.set_terminated(run_id, status)
+    except Exception as err:
+        log.warning("could not mark MLflow run %s %s: %s", run_id, status, err)
+
+
+def dvc_data_version(root: str | os.PathLike[str] = ".", out: str = "data/prepared") -> str:
+    """DVC's hash of ``out`` as recorded in dvc.lock (``<md5>.dir``), or "" if not recorded."""
+
+    lock = Path(root) / "dvc.lock"
+    if not lock.is_file():
+        return ""
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    for stage in stages.values():
+        for entry in stage.get("outs", []):
+            if entry.get("path") == out:
+                return str(entry.get("md5", ""))
+    return ""
+
+
+class SystemMetrics:
+    """MLflow's own system-metrics monitor (CPU, RAM, disk, network; GPU via NVML) on a run
+    created outside the fluent API (Lightning's MLFlowLogger creates its run by client)."""
+
+    def __init__(
+        self,
+        run_id: str,
+        tracking_uri: str,
+        interval_s: float,
+        enabled: bool,
+        resume: bool = False,
+    ) -> None:
+        self.monitor = None
+        if not enabled:
+            return
+
+        # resume: a resumed run's samples continue after its last step, not over it
+        self.monitor = SystemMetricsMonitor(
+            run_id, sampling_interval=interval_s, tracking_uri=tracking_uri, resume_logging=resume
+        )
+
+    def __enter__(self) -> SystemMetrics:
+        if self.monitor is not None:
+            self.monitor.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.monitor is None:
+            return
+        self.monitor.finish()  # stops the sampling thread, flushes what it published
+        # MLflow publishes only after a whole sampling interval: the samples of the last,
+        # partial interval were dropped, and a fit shorter than one interval logged no system
+        # metrics at all. Publish what was collected since the last publish.
+        try:
+            metrics = self.monitor.aggregate_metrics()
+            if metrics:
+                self.monitor.publish_metrics(metrics)
+                self.monitor.mlflow_logger.flush()
+        except Exception as err:  # a tracking hiccup must not fail a finished training
+            log.warning("could not log the last system metrics sample: %s", err)
+
+
+def log_dataset_inputs(
+    client: Any,
+    run_id: str,
+    splits: dict[str, tuple[Any, Any]],
+    digest: str,
+    source: str,
+    name: str = "dataset",
+) -> None:
+    """Record the splits as MLflow dataset inputs (name, digest, source, schema)."""
+
+    inputs = []
+    for split, (images, labels) in splits.items():
+        with warnings.catch_warnings():
+            # "source can be interpreted in multiple ways": both candidates are the same class.
+            warnings.simplefilter("ignore", UserWarning)
+            dataset = mlflow.data.from_numpy(
+                images,
+                targets=labels,
+                source=source,
+                name=f"{name}-{split}",
+                digest=f"{digest[:16]}-{split}",
+            )
+        context = {"train": "training", "val": "validation"}.get(split, split)
+        inputs.append(
+            DatasetInput(
+                dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]
+            )
+        )
+    client.log_inputs(run_id, datasets=inputs)

@@ -1,0 +1,326 @@
+"""Train stage: Lightning fit with checkpoints, early stopping, seeds and MLflow tracking."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_only
+from mlflow import MlflowClient
+
+from trainyard.core.card import CARD_FILE
+from trainyard.core.config import Params
+from trainyard.core.io import atomic_file, sha256_file
+from trainyard.data.datamodule import ImageDataModule
+from trainyard.data.hardware import resolve_device
+from trainyard.model.classifier import Classifier
+from trainyard.track.runs import (
+    RUN_FILE,
+    SystemMetrics,
+    check_tracking_uri,
+    dvc_data_version,
+    log_dataset_inputs,
+    resolve_tracking_uri,
+    run_tags,
+    write_run_file,
+)
+from trainyard.train.builder import build_trainer
+from trainyard.train.perf import InputBoundMeter
+from trainyard.train.resume import (
+    AtomicCheckpointIO,
+    ResumeCallback,
+    end_killed,
+    interruptions,
+    reopen_run,
+    resume_key,
+)
+from trainyard.train.resume import prepare as prepare_resume
+
+log = logging.getLogger(__name__)
+
+# Lightning's advice for per-sample datasets, not for TensorBatches (already batched, no
+# worker processes) nor for a batch hook that deliberately lives on the LightningModule.
+warnings.filterwarnings("ignore", message=r".*`IterableDataset` has `__len__` defined.*")
+warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfer`.*")
+
+BEST_CKPT = "best.ckpt"
+
+
+MIN_STEPS = 200  # optimizer steps below which a run has little chance to fit anything
+
+
+def few_steps_warning(train_images: int, batch_size: int, max_epochs: int) -> str | None:
+    """A warning naming the keys to change when the whole run is only a handful of
+    optimizer steps: the defaults suit Fashion-MNIST's 55k images (215 steps an epoch),
+    and a folder of a few hundred photos gets one or two steps an epoch from them."""
+    total = -(-train_images // batch_size) * max_epochs
+    if total >= MIN_STEPS:
+        return None
+    # The suggestion must itself reach MIN_STEPS: a smaller batch (not below 8), then as
+    # many epochs as that takes (the user may already run at batch 32 for 30 epochs).
+    batch = max(8, min(32, batch_size))
+    epochs = max(max_epochs, -(-MIN_STEPS // -(-train_images // batch)))
+    return (
+        f"only {total} optimizer steps in the whole run ({train_images} train images, "
+        f"train.batch_size {batch_size}, train.max_epochs {max_epochs}); a small dataset "
+        f"needs {MIN_STEPS} or more: e.g. -S train.batch_size={batch} "
+        f"-S train.max_epochs={epochs} -S train.early_stopping_patience={epochs} (a few "
+        "hundred images learn slowly and a small val split is noisy: let the schedule run out)"
+    )
+
+
+class EpochTimer(L.Callback):
+    """Logs epoch time and training throughput (img/s): the number that shows a fed GPU."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.t0, self.seen = time.perf_counter(), 0
+        self.t_train_end = self.t0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A fit resumed within an epoch (a timed checkpoint) skips on_train_epoch_start.
+        self.on_train_epoch_start(trainer, pl_module)
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self.seen += int(batch[1].shape[0])
+        self.t_train_end = time.perf_counter()  # img/s counts training steps, not validation
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        dt = time.perf_counter() - self.t0
+        # Under DDP every rank trains an equal shard in lockstep: total = world_size x own.
+        rate = self.seen * trainer.world_size / max(self.t_train_end - self.t0, 1e-9)
+        pl_module.log("train/epoch_time_s", dt, on_epoch=True, rank_zero_only=True)
+        pl_module.log("train/img_per_s", rate, on_epoch=True, rank_zero_only=True)
+        if not trainer.is_global_zero:
+            return
+        m = trainer.callback_metrics
+        # One plain line per epoch: readable in `dvc repro` logs, where no progress bar draws.
+        print(
+            f"trainyard: epoch {trainer.current_epoch + 1}/{trainer.max_epochs} "
+            f"train/loss {float(m.get('train/loss_epoch', float('nan'))):.4f} "
+            f"val/acc {float(m.get('val/acc', float('nan'))):.4f} "
+            f"{dt:.1f}s {rate:,.0f} img/s",
+            flush=True,
+        )
+
+
+def train(
+    params: Params,
+    data_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    root: str | os.PathLike[str] = ".",
+    params_file: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """Fit the model; write ``out_dir/best.ckpt`` and ``out_dir/train.json`` (run id)."""
+
+    tp = params.train
+    out_dir = Path(out_dir)
+    uri = resolve_tracking_uri(root)
+    check_tracking_uri(uri)  # before any work: a dead server fails in seconds
+    accelerator, precision, device = resolve_device(tp)
+    log.info("training on %s (accelerator=%s, precision=%s)", device, accelerator, precision)
+    print(f"trainyard: training on {device} (accelerator={accelerator}, precision={precision})")
+
+    L.seed_everything(params.seed, workers=True, verbose=False)
+    dm = ImageDataModule(
+        data_dir,
+        batch_size=tp.batch_size,
+        eval_batch_size=params.evaluate.batch_size,
+        seed=params.seed,
+        data_path=tp.data_path,
+        device_resident=tp.device_resident,
+        memory_budget=tp.memory_budget,
+    )
+    card = dm.card
+    print(
+        f"trainyard: {card.source} data, {card.num_classes} classes, "
+        f"{card.channels}x{card.height}x{card.width}, arch {tp.arch}"
+    )
+    if warning := few_steps_warning(card.counts["train"]["total"], tp.batch_size, tp.max_epochs):
+        log.warning(warning)  # once: "[train] WARNING ..." (it was also printed: twice)
+    model = Classifier(
+        card=card.contract(),
+        arch=tp.arch,
+        lr=tp.lr,
+        weight_decay=tp.weight_decay,
+        label_smoothing=tp.label_smoothing,
+        augment=tp.augment,
+        channels_last=tp.channels_last,
+        compile=tp.compile,
+        seed=params.seed,
+        pretrained=tp.pretrained,
+    )
+
+    tags = run_tags(root, card.data_sha256, device)
+    dvc_md5 = dvc_data_version(root)
+    tags["data.dvc_md5"] = dvc_md5 or "not in dvc.lock"
+    tags["precision"] = precision
+    tags["data.source"] = card.source
+    tags["data.classes"] = str(card.num_classes)
+    tags["data.input_shape"] = "x".join(str(d) for d in card.input_shape)
+    tags["data.skipped_files"] = str(len(card.skipped))
+    if model.pretrained_info:
+        # Which weights the backbone started from, and their exact bytes.
+        tags["pretrained.source"] = model.pretrained_info["source"]
+        tags["pretrained.sha256"] = model.pretrained_info["sha256"]
+    # An interrupted run of these exact params, data and code resumes: same MLflow run.
+    mlc = MlflowClient(tracking_uri=uri) if rank_zero_only.rank == 0 else None
+    key = resume_key(params, card.data_sha256, uri, out_dir)
+    resume = prepare_resume(root, key, tp.resume, uri, mlc, lead=rank_zero_only.rank == 0)
+    logger = MLFlowLogger(
+        experiment_name=params.mlflow.experiment,
+        tracking_uri=uri,
+        tags=tags,
+        log_model=False,
+        run_id=resume.run_id,
+    )
+    if resume.run_id and mlc is not None:
+        reopen_run(mlc, resume.run_id, params.flat())
+    else:
+        logger.log_hyperparams(params.flat())
+    # Under DDP every rank runs this script; only rank 0 owns the MLflow run.
+    lead = rank_zero_only.rank == 0
+    client, run_id = logger.experiment, logger.run_id
+    if lead:
+        splits = {split: dm.split_arrays(split) for split in ("train", "val")}
+        log_dataset_inputs(
+            client,
+            run_id,
+            splits,
+            card.data_sha256,
+            source=str(Path(data_dir).resolve()),
+            name=card.source,
+        )
+        if params_file is not None:
+            client.log_artifact(run_id, str(params_file), "config")
+        # The card (classes, normalisation, counts, every skipped file and why) beside the run.
+        client.log_artifact(run_id, str(Path(data_dir) / CARD_FILE), "data")
+        client.log_metric(run_id, "data/skipped_files", len(card.skipped))
+
+    # Best and last checkpoints live in the resume folder (outside DVC's outs; emptied by a
+    # fresh start, so no stale files and no -v1 names); last.ckpt is what a rerun resumes.
+    ckpt_dir = resume.folder
+    if lead:
+        resume.write_state(run_id, logger.experiment_id, uri)
+    checkpoint = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="best",
+        monitor="val/acc",
+        mode="max",
+        save_top_k=1,
+        save_last=True,
+        enable_version_counter=False,
+    )
+    resume_callbacks: list[L.Callback] = [ResumeCallback(resume, run_id)]
+    if tp.checkpoint_every_min > 0:  # long epochs: last.ckpt also every N minutes
+        resume_callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_dir,
+                save_top_k=0,
+                save_last=True,
+                train_time_interval=timedelta(minutes=tp.checkpoint_every_min),
+                enable_version_counter=False,
+            )
+        )
+    early = EarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
+
+    # Data wait / host->device copy / compute per step; the input-bound verdict at the end.
+    meter = InputBoundMeter(data_path=tp.data_path, device_resident=tp.device_resident)
+    trainer = build_trainer(
+        accelerator=accelerator,
+        devices=tp.devices,
+        precision=precision,
+        logger=logger,
+        callbacks=[
+            checkpoint,
+            early,
+            LearningRateMonitor("step"),
+            EpochTimer(),
+            meter,
+            *resume_callbacks,
+        ],
+        root=out_dir,
+        verbose=True,
+        max_epochs=tp.max_epochs,
+        # Early stopping judges only the second half: OneCycle's high-lr first half often
+        # plateaus (on a small photo folder for 5+ epochs) before annealing lifts val/acc,
+        # and patience alone stopped such runs at chance accuracy.
+        min_epochs=-(-tp.max_epochs // 2),
+        plugins=[AtomicCheckpointIO()],  # tmp + rename: a kill never leaves half a checkpoint
+        deterministic=tp.deterministic,
+        # per-step loss at least ~5 times an epoch, even on the small slices tests use
+        log_every_n_steps=max(1, min(10, -(-card.counts["train"]["total"] // tp.batch_size) // 5)),
+        limit_train_batches=tp.limit_train_batches,
+    )
+    t0 = time.perf_counter()
+    mp = params.mlflow
+    monitor = SystemMetrics(
+        run_id, uri, mp.system_metrics_interval_s, mp.system_metrics and lead, resume.resuming
+    )
+    try:
+        with interruptions(resume), monitor:
+            trainer.fit(model, datamodule=dm, ckpt_path=resume.ckpt_path)
+    except BaseException:
+        if resume.signal is None:
+            resume.release()
+            raise
+    if resume.signal is not None:  # SIGTERM/SIGINT: run KILLED, checkpoint kept, exit 143/130
+        if lead:
+            end_killed(resume, mlc, run_id, trainer)
+        raise SystemExit(128 + resume.signal)
+    fit_s = time.perf_counter() - t0
+    if trainer.global_rank != 0:
+        return {}
+
+    best = Path(checkpoint.best_model_path)
+    best_dest = out_dir / BEST_CKPT
+    with atomic_file(best_dest) as tmp:
+        shutil.copyfile(best, tmp)
+    ckpt_sha = sha256_file(best_dest)
+    logger.experiment.log_artifact(logger.run_id, str(best_dest), "checkpoints")
+    best_acc = float(checkpoint.best_model_score)
+    logger.experiment.log_metric(logger.run_id, "train/fit_time_s", fit_s)
+    info = {
+        "run_id": logger.run_id,
+        "experiment_id": logger.experiment_id,
+        "experiment": params.mlflow.experiment,
+        "best_val_acc": round(best_acc, 6),
+        "best_epoch": int(_ckpt_epoch(best_dest)),
+        "epochs_run": int(trainer.current_epoch),
+        "device": device,
+        "precision": precision,
+        "checkpoint": BEST_CKPT,
+        "checkpoint_sha256": ckpt_sha,
+        "data_sha256": card.data_sha256,
+        # What the registry records as the data version: DVC's hash where dvc.lock has it.
+        "data_version": dvc_md5 or card.data_sha256,
+        "data_placement": dm.placement,
+        "fit_time_s": round(fit_s, 2),
+        # perf.py: level, data_wait_fraction, why, fix, ms per step (also MLflow tag perf.verdict)
+        "input_bound": meter.result,
+    }
+    write_run_file(out_dir / RUN_FILE, info)
+    resume.finish()  # done: a forced rerun of the same params trains anew
+    print(f"trainyard: best val/acc {best_acc:.4f}; MLflow run {logger.run_id} at {uri}")
+    return info
+
+
+def _ckpt_epoch(path: Path) -> int:
+
+    return int(torch.load(path, map_location="cpu", weights_only=True).get("epoch", -1))

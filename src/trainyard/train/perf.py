@@ -1,0 +1,414 @@
+"""Is training input-bound? Each step split into data wait, host->device copy and compute.
+
+``InputBoundMeter`` (a Lightning callback) puts four marks on every training step:
+
+* the end of the previous step (``on_train_batch_end``, or the epoch start),
+* just before and just after ``transfer_batch_to_device`` (the host->device copy),
+* the end of this step (``on_train_batch_end``: forward, backward, optimizer done).
+
+``data wait`` is previous end -> copy start (fetching the batch: ``__getitem__``, decode,
+collate, gather), ``h2d`` is the copy, ``compute`` is copy end -> step end (on-device
+normalise/augment, forward, backward, optimizer). On a GPU the marks are CUDA events
+recorded on the current stream, never synchronised in the loop: they are resolved once
+per epoch, so measuring does not serialise the GPU, and the gaps are GPU time (a wait
+the GPU never sees, because the host fetched while the GPU was still busy, counts 0).
+On a CPU they are ``time.perf_counter()`` readings.
+
+The first few steps of the fit (warm-up: allocator, cudnn autotuning, worker start-up)
+are left out of the verdict. Per epoch the meter logs ``perf/data_wait_fraction``,
+``perf/data_wait_ms``, ``perf/h2d_ms``, ``perf/compute_ms`` and ``perf/step_ms`` (means
+per step); at the end of training it gives one verdict (``verdict``), with
+TensorFlow's profiler thresholds: >= 20% of the step waiting for input is input-bound,
+5-20% moderately input-bound, < 5% not, and the fix in trainyard's own knobs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import MLFlowLogger
+
+INPUT_BOUND = 0.20  # >= this fraction of the step waiting for the batch: input-bound
+MODERATE = 0.05  # >= this: moderately input-bound; below: not input-bound
+WARMUP_STEPS = 3  # first steps of the fit left out of the verdict
+LEVELS = ("input-bound", "moderately input-bound", "not input-bound")
+
+
+def level_of(data_wait_fraction: float) -> str:
+    if data_wait_fraction >= INPUT_BOUND:
+        return "input-bound"
+    if data_wait_fraction >= MODERATE:
+        return "moderately input-bound"
+    return "not input-bound"
+
+
+def _fix(
+    data_path: str | None,
+    device: str,
+    placement: str | None,
+    device_resident: bool | None,
+    workers: int | None,
+) -> str:
+    """The knob that shortens the data wait, for this data path and placement."""
+    gpu = device == "cuda"
+    if data_path == "naive":
+        return (
+            "set train.data_path: fast (whole-batch gathers from the prepared arrays instead "
+            "of a per-sample __getitem__ + collate per image)"
+        )
+    if data_path != "fast":
+        # A per-sample loader outside trainyard's data module (files decoded every step).
+        return (
+            "prepare the images once (`dvc repro prepare`: decoded, resized uint8 arrays) and "
+            "train from them with train.data_path: fast; a loader that must decode every step "
+            f"needs DataLoader workers (num_workers is {workers if workers is not None else '?'})"
+        )
+    if placement == "mmap":
+        if gpu:
+            return (
+                "batches are read from the memory-mapped files: set train.device_resident: true "
+                "and raise train.memory_budget so the splits fit on the GPU (or at least in RAM), "
+                "or put data/prepared on a faster disk"
+            )
+        return (
+            "batches are read from the memory-mapped files: raise train.memory_budget so the "
+            "splits load into RAM, or put data/prepared on a faster disk"
+        )
+    if placement == "ram" and gpu:
+        if device_resident:
+            return (
+                "the splits did not fit on the GPU: raise train.memory_budget so they go there "
+                "(train.device_resident is already true); no per-batch gather and copy on the host"
+            )
+        return (
+            "set train.device_resident: true (the splits copied to the GPU once; batches "
+            "gathered there, none crosses the bus)"
+        )
+    return (
+        "raise train.batch_size: the per-step gather and Python overhead is fixed, a larger "
+        "batch gives compute more of each step"
+    )
+
+
+def verdict(
+    data_wait_fraction: float,
+    *,
+    h2d_fraction: float = 0.0,
+    data_path: str | None = None,
+    device: str = "cpu",
+    placement: str | None = None,
+    device_resident: bool | None = None,
+    workers: int | None = None,
+    step_ms: float | None = None,
+    steps: int | None = None,
+) -> dict[str, Any]:
+    """{level, data_wait_fraction, h2d_fraction, why, fix} from the measured fractions.
+
+    ``data_path``: ``fast`` | ``naive`` (trainyard's data module) or None (any other
+    loader); ``device``: ``cuda`` | ``cpu``; ``placement``: ``device`` | ``ram`` |
+    ``mmap`` (``datamodule.choose_placement``); ``workers``: the DataLoader's num_workers.
+    """
+    frac = max(0.0, min(1.0, float(data_wait_fraction)))
+    level = level_of(frac)
+    where = f"data path {data_path or 'custom loader'}"
+    if placement:
+        where += f", data {placement}"
+    where += f", {device}"
+    per_step = f" of a {step_ms:.1f} ms step" if step_ms is not None else " of each step"
+    over = f" over {steps} steps" if steps is not None else ""
+    why = f"{frac:.0%}{per_step} waits for the next batch{over} ({where})"
+    if h2d_fraction >= MODERATE:
+        why += f"; the host->device copy takes {h2d_fraction:.0%}"
+    if level == "not input-bound":
+        if device == "cuda" and h2d_fraction >= MODERATE and placement in ("ram", "mmap"):
+            fix = (
+                "the input keeps up, but the per-batch copy is not free: "
+                "train.device_resident: true / raise train.memory_budget puts the splits on the GPU"
+            )
+        else:
+            fix = (
+                "none on the input side: the step is compute (train.precision, "
+                "train.channels_last, train.compile and train.batch_size are the levers)"
+            )
+    else:
+        fix = _fix(data_path, device, placement, device_resident, workers)
+    return {
+        "level": level,
+        "data_wait_fraction": round(frac, 4),
+        "h2d_fraction": round(float(h2d_fraction), 4),
+        "why": why,
+        "fix": fix,
+    }
+
+
+@dataclass
+class StepTotals:
+    """Summed milliseconds of some steps."""
+
+    steps: int = 0
+    wait_ms: float = 0.0
+    h2d_ms: float = 0.0
+    compute_ms: float = 0.0
+
+    def add(self, wait: float, h2d: float, compute: float) -> None:
+        self.steps += 1
+        self.wait_ms += wait
+        self.h2d_ms += h2d
+        self.compute_ms += compute
+
+    def merge(self, other: StepTotals) -> None:
+        self.steps += other.steps
+        self.wait_ms += other.wait_ms
+        self.h2d_ms += other.h2d_ms
+        self.compute_ms += other.compute_ms
+
+    @property
+    def step_ms(self) -> float:
+        return self.wait_ms + self.h2d_ms + self.compute_ms
+
+    def fraction(self, part: float) -> float:
+        return part / self.step_ms if self.step_ms > 0 else 0.0
+
+    def means(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {
+            "data_wait_fraction": self.fraction(self.wait_ms),
+            "data_wait_ms": self.wait_ms / n,
+            "h2d_ms": self.h2d_ms / n,
+            "compute_ms": self.compute_ms / n,
+            "step_ms": self.step_ms / n,
+        }
+
+
+class InputBoundMeter(L.Callback):
+    """Per-step data wait / host->device copy / compute; per-epoch ``perf/*`` metrics; one
+    verdict at the end of training (``self.result``), printed, and set as the MLflow tags
+    ``perf.verdict`` and ``perf.fix`` when the trainer logs to MLflow. Only rank 0 logs,
+    prints and tags.
+
+    ``data_path`` / ``device_resident``: trainyard's settings, for the fix; by default
+    read from the trainer's datamodule (None for a plain DataLoader: a custom loader).
+    """
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        device_resident: bool | None = None,
+        warmup_steps: int = WARMUP_STEPS,
+        verbose: bool = True,
+    ) -> None:
+        self.data_path, self.device_resident = data_path, device_resident
+        self.warmup_steps, self.verbose = warmup_steps, verbose
+        self.result: dict[str, Any] | None = None
+        self.epochs: list[dict[str, float]] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.measured, self.warmup = StepTotals(), StepTotals()
+        self._cuda = False
+        self._wrapped: list[Any] = []
+        self._pending: list[tuple[Any, Any, Any, Any]] = []
+        self._prev_end: Any = None
+        self._t0: Any = None
+        self._t1: Any = None
+        self._seen = 0
+        self._warmup_n = self.warmup_steps
+
+    # ------------------------------------------------------------------ marks
+
+    def _mark(self) -> Any:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()  # on the current stream: ordered with the copy and the kernels
+            return event
+        return time.perf_counter()
+
+    def _gap(self, a: Any, b: Any) -> float:
+        if self._cuda:
+            return float(a.elapsed_time(b))
+        return (b - a) * 1000.0
+
+    def _wrap_transfer(self, trainer: L.Trainer, owner: Any) -> None:
+        original = owner.transfer_batch_to_device
+
+        # functools.wraps: Lightning's is_overridden still sees the original method.
+        @functools.wraps(original)
+        def timed_transfer(*args: Any, **kwargs: Any) -> Any:
+            if not trainer.training or trainer.sanity_checking:
+                return original(*args, **kwargs)
+            self._t0 = self._mark()
+            out = original(*args, **kwargs)
+            self._t1 = self._mark()
+            return out
+
+        owner.transfer_batch_to_device = timed_transfer
+        self._wrapped.append(owner)
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reset()
+        self.result, self.epochs = None, []
+        self._cuda = pl_module.device.type == "cuda"
+        owners = [pl_module]
+        if trainer.datamodule is not None:
+            owners.append(trainer.datamodule)
+        for owner in owners:
+            self._wrap_transfer(trainer, owner)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for owner in self._wrapped:
+            if "transfer_batch_to_device" in vars(owner):
+                delattr(owner, "transfer_batch_to_device")
+        self._wrapped = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._seen == 0:
+            # Warm-up: at most half the first epoch, so short runs keep measured steps.
+            n = trainer.num_training_batches
+            if isinstance(n, (int, float)) and math.isfinite(n) and n > 0:
+                self._warmup_n = min(self.warmup_steps, int(n) // 2)
+        self._pending = []
+        self._prev_end = self._mark()
+        self._t0 = self._t1 = None
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._t0 is None:  # the transfer hook was not seen (e.g. a dataloader_iter step)
+            self._t0 = self._t1 = self._mark()
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        end = self._mark()
+        if self._prev_end is not None and self._t0 is not None:
+            self._pending.append((self._prev_end, self._t0, self._t1, end))
+        self._prev_end, self._t0, self._t1 = end, None, None
+        if self._cuda and len(self._pending) > 4096:
+            self._resolve(keep=256)  # bounded memory on long epochs; the old events are done
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Validation inside an epoch is not data wait: the next step counts from here.
+        if not trainer.sanity_checking:
+            self._prev_end = self._mark()
+
+    def _resolve(self, keep: int = 0) -> StepTotals:
+        """Turn pending marks into milliseconds (one wait on a CUDA event, not per step)."""
+        done, self._pending = (
+            (self._pending[:-keep], self._pending[-keep:]) if keep else (self._pending, [])
+        )
+        epoch = StepTotals()
+        if not done:
+            return epoch
+        if self._cuda:
+            done[-1][3].synchronize()
+        for prev_end, t0, t1, end in done:
+            wait, h2d, compute = self._gap(prev_end, t0), self._gap(t0, t1), self._gap(t1, end)
+            target = self.warmup if self._seen < self._warmup_n else self.measured
+            self._seen += 1
+            target.add(max(wait, 0.0), max(h2d, 0.0), max(compute, 0.0))
+            if target is self.measured:
+                epoch.add(max(wait, 0.0), max(h2d, 0.0), max(compute, 0.0))
+        return epoch
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        warm_before = StepTotals(**vars(self.warmup))
+        before = StepTotals(**vars(self.measured))
+        self._resolve()
+        epoch = StepTotals(
+            self.measured.steps - before.steps,
+            self.measured.wait_ms - before.wait_ms,
+            self.measured.h2d_ms - before.h2d_ms,
+            self.measured.compute_ms - before.compute_ms,
+        )
+        if epoch.steps == 0:  # all warm-up (a very short epoch): report those, not nothing
+            epoch = StepTotals(
+                self.warmup.steps - warm_before.steps,
+                self.warmup.wait_ms - warm_before.wait_ms,
+                self.warmup.h2d_ms - warm_before.h2d_ms,
+                self.warmup.compute_ms - warm_before.compute_ms,
+            )
+        if epoch.steps == 0:
+            return
+        means = epoch.means()
+        self.epochs.append({"epoch": trainer.current_epoch, "steps": epoch.steps, **means})
+        for key, value in means.items():
+            pl_module.log(f"perf/{key}", value, on_epoch=True, rank_zero_only=True)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._resolve()  # steps of an epoch cut short
+        self.result = self.summary(trainer, pl_module)
+        if not trainer.is_global_zero or self.result is None:
+            return
+        r = self.result
+        if self.verbose:
+            print(
+                f"trainyard: input-bound verdict: {r['level']}: {r['why']}; fix: {r['fix']}",
+                flush=True,
+            )
+        self._tag(trainer, r)
+
+    # ------------------------------------------------------------------ verdict
+
+    def summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any] | None:
+        """The verdict over the measured steps (the warm-up ones only when nothing else)."""
+        totals, warmup_only = self.measured, False
+        if totals.steps == 0:
+            totals, warmup_only = self.warmup, True
+        if totals.steps == 0:
+            return None
+        dm = trainer.datamodule
+        data_path = self.data_path or getattr(dm, "data_path", None)
+        resident = self.device_resident
+        if resident is None:
+            resident = getattr(dm, "device_resident", None)
+        placement = getattr(dm, "placement", None)
+        loader = trainer.train_dataloader
+        workers = getattr(loader, "num_workers", None)
+        means = totals.means()
+        result = verdict(
+            means["data_wait_fraction"],
+            h2d_fraction=totals.fraction(totals.h2d_ms),
+            data_path=data_path,
+            device=pl_module.device.type,
+            placement=placement,
+            device_resident=resident,
+            workers=workers,
+            step_ms=means["step_ms"],
+            steps=totals.steps,
+        )
+        result.update(
+            data_wait_ms=round(means["data_wait_ms"], 3),
+            h2d_ms=round(means["h2d_ms"], 3),
+            compute_ms=round(means["compute_ms"], 3),
+            step_ms=round(means["step_ms"], 3),
+            steps=totals.steps,
+            warmup_steps_excluded=0 if warmup_only else self.warmup.steps,
+            timer="cuda events" if self._cuda else "perf_counter",
+            data_path=data_path,
+            placement=placement,
+            device=pl_module.device.type,
+        )
+        return result
+
+    @staticmethod
+    def _tag(trainer: L.Trainer, result: dict[str, Any]) -> None:
+
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger) and logger.run_id is not None:
+                client, run_id = logger.experiment, logger.run_id
+                client.set_tag(run_id, "perf.verdict", result["level"])
+                client.set_tag(run_id, "perf.fix", result["fix"])
+                client.set_tag(run_id, "perf.why", result["why"])
