@@ -93,7 +93,7 @@ gpu-check:
 	PYTHONPATH=src:$(GPU_SITE) $(GPU_PYTHON) -m benchmarks --gpu-check $(GPU_ARGS) \
 	  --out $(GPU_OUT)/gpu-check.json --chart $(GPU_OUT)/gpu-check.png --docs $(GPU_OUT)/gpu-check.md
 
-# The inference service (serving/service.py) on models/model.onnx; Swagger UI at /.
+# The inference service (serving/service.py) on models/model.onnx.
 # TRAINYARD_API_KEY=... requires `Authorization: Bearer <key>` on the prediction endpoints.
 SERVE_HOST ?= 127.0.0.1
 SERVE_PORT ?= 3000
