@@ -33,18 +33,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_serve import (
+from benchmarks.serve_load import (
     BOUNDARY,
     REPO,
     multipart_body,
     photo_jpegs,
     png_images,
     preflight,
-    replace_section,
     start_server,
     stop_server,
     test_images,
 )
+from benchmarks.serve_report import replace_section
 
 SECTION = "## Soak"
 RSS_LIMIT = 0.10  # growth per worker, end vs after warm-up
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(Path(args.json).read_text())
         replace_section(Path(args.docs), markdown(result), SECTION)
         return 0 if result["verdict"]["passed"] else 1
-    ready = preflight("soak", "benchmarks/soak.py", argv)
+    ready = preflight("soak", "benchmarks.soak", argv)
     if ready is None:
         return 2
     settings, command = ready

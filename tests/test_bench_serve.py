@@ -1,4 +1,4 @@
-"""benchmarks/bench_serve.py's pure parts: figures, verdicts, markdown and the docs section.
+"""`python -m benchmarks.bench_serve`'s pure parts: figures, verdicts, markdown, docs section.
 
 The load test itself (servers, wrk) is not run here: `make bench-serve` is the check.
 """
@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 
 from benchmarks import bench_serve as bs
+from benchmarks import serve_figures as fig
+from benchmarks import serve_load as load
+from benchmarks import serve_report as report
 
 
 def row(section: str, model: str, server: str, workers: int, batching: bool | None, **kw: Any):
@@ -47,7 +50,7 @@ def result(
     large_on64: float = 60.0,
 ) -> dict[str, Any]:
     """A fixed run: every figure is chosen, so each ratio and verdict is known."""
-    F, L = bs.FASHION, bs.LARGE
+    F, L = fig.FASHION, fig.LARGE
     rows = []
     for c, svc, ref in ((1, 200.0, 400.0), (16, svc16, ref16), (64, 250.0, 450.0)):
         rows.append(row("throughput", F, "service", 1, False, clients=c, ok_per_s=svc))
@@ -93,7 +96,7 @@ def result(
         r["ms_per_batch"] = r["ms_per_image"] * r["batch"] * r["callers"]
     return {
         "date": "2026-12-03 07:00",
-        "command": ".venv/bin/python benchmarks/bench_serve.py",
+        "command": ".venv/bin/python -m benchmarks.bench_serve",
         "machine": {"cpu": "Test CPU", "cores": 2, "loadavg": 0.5},
         "provider": "CPUExecutionProvider",
         "threads": 1,
@@ -128,15 +131,15 @@ def result(
 
 
 def test_summary_ratios_compare_2xx_answers():
-    s = bs.summary(result())
+    s = fig.summary(result())
     assert s["throughput"][16] == pytest.approx(300 / 500)
     assert s["throughput"][1] == pytest.approx(200 / 400)
     assert s["latency_p99_ms"] == 45.0
     assert s["cold_ready_s"] == 4.25
     assert s["cold_ratio"] == pytest.approx(400 / 800)
-    assert s["batching"][bs.FASHION] == {16: pytest.approx(330 / 300), 64: pytest.approx(2.0)}
+    assert s["batching"][fig.FASHION] == {16: pytest.approx(330 / 300), 64: pytest.approx(2.0)}
     # 503s are not service: the larger model's "on" rows served ok_per_s, not req_per_s.
-    assert s["batching"][bs.LARGE] == {16: pytest.approx(0.9), 64: pytest.approx(1.5)}
+    assert s["batching"][fig.LARGE] == {16: pytest.approx(0.9), 64: pytest.approx(1.5)}
     assert s["non_2xx"] == 16 + 64 and s["shed"] == 16 + 64
     assert {k: t["met"] for k, t in s["targets"].items()} == {
         "throughput": True,
@@ -147,7 +150,7 @@ def test_summary_ratios_compare_2xx_answers():
 
 
 def test_verdicts_follow_the_figures():
-    s = bs.summary(result(svc16=200.0, p99=51.0, first=390.0, large_on64=40.0))
+    s = fig.summary(result(svc16=200.0, p99=51.0, first=390.0, large_on64=40.0))
     assert {k: t["met"] for k, t in s["targets"].items()} == {
         "throughput": False,  # 0.4x
         "latency": False,  # 51 ms
@@ -158,21 +161,21 @@ def test_verdicts_follow_the_figures():
 
 def test_missing_figures_are_not_verdicts():
     r = result()
-    r["rows"] = [x for x in r["rows"] if x["model"] != bs.LARGE]
-    s = bs.summary(r)
+    r["rows"] = [x for x in r["rows"] if x["model"] != fig.LARGE]
+    s = fig.summary(r)
     assert s["targets"]["batching"] == {
         "value": None,
         "met": None,
-        "text": bs.TARGETS["batching"]["text"],
+        "text": fig.TARGETS["batching"]["text"],
     }
-    assert "not measured" in bs.markdown(r)
+    assert "not measured" in report.markdown(r)
 
 
 def test_markdown_states_targets_and_verdicts():
-    md = bs.markdown(result())
-    assert md.startswith(bs.SECTION + "\n")
+    md = report.markdown(result())
+    assert md.startswith(report.SECTION + "\n")
     assert (
-        "`.venv/bin/python benchmarks/bench_serve.py` on 2026-12-03 07:00: Test CPU, 2 cores" in md
+        "`.venv/bin/python -m benchmarks.bench_serve` on 2026-12-03 07:00: Test CPU, 2 cores" in md
     )
     for text in (">= 0.5x of reference", "p99 <= 50 ms", "first 5 s not at half speed"):
         assert text in md
@@ -183,7 +186,7 @@ def test_markdown_states_targets_and_verdicts():
     assert "64 clients **1.50x**" in md  # resnet18 on / off
     assert "64 requests shed with 503" in md
 
-    bad = bs.markdown(result(svc16=200.0, p99=80.0, large_on64=30.0))
+    bad = report.markdown(result(svc16=200.0, p99=80.0, large_on64=30.0))
     assert "| 0.40x | **not met** |" in bad and "| 80 ms | **not met** |" in bad
     assert "| 0.75x | **not met** |" in bad
     # The explanation comes with the figures it rests on: ONNX Runtime's own batch gain,
@@ -221,18 +224,18 @@ History after the marker.
 def test_replace_section_keeps_the_other_sections(tmp_path: Path):
     doc = tmp_path / "benchmarks.md"
     doc.write_text(DOC)
-    bs.replace_section(doc, "## Serving\n\nnew text\n")
+    report.replace_section(doc, "## Serving\n\nnew text\n")
     want = DOC.replace("old serving text", "new text")
     assert doc.read_text() == want
-    bs.replace_section(doc, "## Serving\n\nnew text\n")  # idempotent
+    report.replace_section(doc, "## Serving\n\nnew text\n")  # idempotent
     assert doc.read_text() == want
 
     doc.write_text("# Benchmarks\n\n## Training\n\nx\n")
-    bs.replace_section(doc, "## Serving\n\nappended\n")
+    report.replace_section(doc, "## Serving\n\nappended\n")
     assert doc.read_text() == "# Benchmarks\n\n## Training\n\nx\n\n## Serving\n\nappended\n"
 
     fresh = tmp_path / "new" / "benchmarks.md"
-    bs.replace_section(fresh, "## Serving\n\nonly\n")
+    report.replace_section(fresh, "## Serving\n\nonly\n")
     assert fresh.read_text() == "# Benchmarks\n\n## Serving\n\nonly\n"
 
 
@@ -262,7 +265,7 @@ def test_parse_metrics_sums_over_workers():
             'trainyard_requests_refused_total{reason="bad_image"} 2.0',
         ]
     )
-    assert bs.parse_metrics(text) == {"batch_sum": 50.0, "batch_count": 5.0, "shed": 7.0}
+    assert load.parse_metrics(text) == {"batch_sum": 50.0, "batch_count": 5.0, "shed": 7.0}
 
 
 def test_photos_are_rgb_jpegs_of_mixed_sizes():
@@ -271,11 +274,17 @@ def test_photos_are_rgb_jpegs_of_mixed_sizes():
     from PIL import Image
 
     sizes = set()
-    for data in bs.photo_jpegs(6):
+    for data in load.photo_jpegs(6):
         im = Image.open(io.BytesIO(data))
         assert im.format == "JPEG" and im.mode == "RGB"
         assert 320 <= im.width <= 640 and 240 <= im.height <= 480
         sizes.add(im.size)
     assert len(sizes) > 1
-    body = bs.multipart_body(b"xyz", "0.jpg", "image/jpeg")
+    body = load.multipart_body(b"xyz", "0.jpg", "image/jpeg")
     assert body.startswith(b"--trainyardbench\r\n") and body.endswith(b"\r\n--trainyardbench--\r\n")
+
+
+def test_the_recorded_command_is_the_module_run():
+    cmd = load.command_line("benchmarks.bench_serve", ["--quick", "--seconds", "3"])
+    assert cmd.endswith(" -m benchmarks.bench_serve --quick --seconds 3")
+    assert "bench_serve.py" not in cmd

@@ -1,4 +1,4 @@
-"""benchmarks/soak.py's pure parts: status classification, RSS growth, verdict, the docs section.
+"""`python -m benchmarks.soak`'s pure parts: statuses, RSS growth, verdict, the docs section.
 
 The soak itself (a server, wrk, 60 s) is not run here: `make soak` is the check.
 """
@@ -49,7 +49,7 @@ def result(growth_end: int = 105, statuses: dict | None = None, lost=()) -> dict
     socket = {"connect": 0, "read": 0, "write": 0, "timeout": 0}
     r = {
         "date": "2026-12-03 08:00",
-        "command": ".venv/bin/python benchmarks/soak.py",
+        "command": ".venv/bin/python -m benchmarks.soak",
         "machine": {"cpu": "Test CPU", "cores": 2, "loadavg": 0.5},
         "workers": 2,
         "access_log": True,
@@ -88,7 +88,7 @@ def test_verdict_passes_only_without_errors_and_under_10_percent_growth():
 def test_markdown_has_the_figures():
     md = soak.markdown(result())
     assert md.startswith("## Soak\n")
-    assert "`.venv/bin/python benchmarks/soak.py` on 2026-12-03 08:00: Test CPU, 2 cores" in md
+    assert "`.venv/bin/python -m benchmarks.soak` on 2026-12-03 08:00: Test CPU, 2 cores" in md
     assert "Result: **pass**. 0 errors (0 5xx, 0 socket)" in md
     assert "worst RSS growth per worker +5.0% (limit 10%)" in md
     assert "| 1,100 | 18 | 700 | 400 | 0 | 0 | 12.0 ms | 80.0 ms | 140 ms |" in md

@@ -1,0 +1,135 @@
+"""`make bench-serve`'s plan and verdicts: the load levels, the two models, the targets of
+the serving issue, and the figures computed from the measured rows (pure, no I/O)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+LEVELS = (1, 16, 64)  # throughput: wrk connections
+BATCH_LEVELS = (16, 64)  # batching on/off
+LATENCY_CLIENTS = 16  # latency, cold start and the throughput ratio
+TOP = max(LEVELS)
+FASHION, LARGE = "fashion", "resnet18"
+# The targets of the serving issue. ``op`` compares the measured value with ``limit``.
+TARGETS: dict[str, dict[str, Any]] = {
+    "throughput": {
+        "text": ">= 0.5x of reference: service (1 worker, batching off) / reference "
+        f"(1 worker), req/s at {LATENCY_CLIENTS} clients",
+        "op": ">=",
+        "limit": 0.5,
+        "unit": "x",
+    },
+    "latency": {
+        "text": f"p99 <= 50 ms: service, workers cpu_count, batching off, {LATENCY_CLIENTS} "
+        "clients",
+        "op": "<=",
+        "limit": 50.0,
+        "unit": " ms",
+    },
+    "cold_start": {
+        "text": "first 5 s not at half speed: req/s in the first seconds after ready / "
+        f"warm req/s, same server, {LATENCY_CLIENTS} clients",
+        "op": ">=",
+        "limit": 0.5,
+        "unit": "x",
+    },
+    "batching": {
+        "text": f"batching on beats off at {TOP} clients on the larger model ({LARGE}): "
+        "2xx req/s on / off",
+        "op": ">",
+        "limit": 1.0,
+        "unit": "x",
+    },
+}
+
+
+def pick(rows: Iterable[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    """The first row whose fields equal ``match`` (``phase`` defaults to "warm")."""
+    match.setdefault("phase", "warm")
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def ratio(num: dict[str, Any] | None, den: dict[str, Any] | None) -> float | None:
+    """2xx req/s of ``num`` / ``den``; None if either is missing or ``den`` served none."""
+    if num is None or den is None or not den["ok_per_s"]:
+        return None
+    return num["ok_per_s"] / den["ok_per_s"]
+
+
+def met(key: str, value: float | None) -> bool | None:
+    """Whether ``value`` meets the target ``key``; None when it was not measured."""
+    if value is None:
+        return None
+    t = TARGETS[key]
+    return {">=": value >= t["limit"], "<=": value <= t["limit"], ">": value > t["limit"]}[t["op"]]
+
+
+def batching_pair(
+    rows: Iterable[dict[str, Any]], model: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(batching on, off) rows of ``model``: the service, 1 worker, warm; for the Fashion
+    CNN the "off" rows are the throughput run's."""
+    on, off = [], []
+    for r in rows:
+        if (
+            r["model"] == model
+            and r["server"] == "service"
+            and r["workers"] == 1
+            and r["phase"] == "warm"
+            and r["section"] in ("throughput", "batching")
+            and r["clients"] in BATCH_LEVELS
+        ):
+            (on if r["batching"] else off).append(r)
+    return on, off
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures the serving issue asks for, and each target's verdict."""
+    rows, cores = result["rows"], result["machine"]["cores"]
+    out: dict[str, Any] = {}
+    svc1 = {"section": "throughput", "server": "service"}
+    ref1 = {"section": "throughput", "server": "reference"}
+    out["throughput"] = {
+        c: ratio(pick(rows, **svc1, clients=c), pick(rows, **ref1, clients=c)) for c in LEVELS
+    }
+    lat = pick(rows, section="latency", server="service", workers=cores, batching=False)
+    out["latency_p99_ms"] = lat["p99_ms"] if lat else None
+    cold = result.get("cold_start") or {}
+    first = pick(rows, phase="first")
+    warm = pick(rows, run=cold.get("run"))
+    out["cold_ready_s"] = cold.get("ready_s")
+    out["cold_ratio"] = ratio(first, warm) if first else None
+    out["batching"] = {}
+    for model in (FASHION, LARGE):
+        on, off = batching_pair(rows, model)
+        out["batching"][model] = {
+            c: ratio(pick(on, clients=c), pick(off, clients=c)) for c in BATCH_LEVELS
+        }
+    values = {
+        "throughput": out["throughput"][LATENCY_CLIENTS],
+        "latency": out["latency_p99_ms"],
+        "cold_start": out["cold_ratio"],
+        "batching": out["batching"][LARGE][TOP],
+    }
+    out["targets"] = {
+        k: {"value": v, "met": met(k, v), "text": TARGETS[k]["text"]} for k, v in values.items()
+    }
+    service_rows = [r for r in rows if r["server"] == "service"]
+    out["non_2xx"] = sum(r["non_2xx"] for r in service_rows)
+    out["socket_errors"] = sum(r["socket_errors"] for r in rows)
+    out["shed"] = sum(r["shed"] or 0 for r in service_rows)
+    return out
+
+
+def ort_rows(
+    result: dict[str, Any], model: str, callers: int = 1, threads: int | None = None
+) -> list[dict[str, Any]]:
+    """ONNX Runtime rows of ``model`` with ``callers`` threads calling at once and
+    ``threads`` intra-op threads (default: the service's)."""
+    want = result["threads"] if threads is None else threads
+    return [
+        r
+        for r in result["onnx_runtime"].get(model) or []
+        if r.get("callers", 1) == callers and r.get("threads", result["threads"]) == want
+    ]
