@@ -14,11 +14,18 @@ from typing import Any
 
 import pytest
 import yaml
+from PIL import Image
 
 from trainyard import cli
 from trainyard.core.card import SPLITS, Card
 from trainyard.core.config import parse_params
-from trainyard.doctor import checks as doctor
+from trainyard.data.sources import prepare_source
+from trainyard.doctor.checks import main as doctor_main
+from trainyard.doctor.collect import collect
+from trainyard.doctor.dataset import collect_dataset
+from trainyard.doctor.machine import PROBE_MODEL
+from trainyard.doctor.render import emit, render_table
+from trainyard.doctor.verdicts import KEYS, report, verdicts
 
 from conftest import REPO, VENV_BIN, has_cuda
 
@@ -51,7 +58,7 @@ def doctor_json() -> tuple[dict[str, Any], float]:
 
 def test_console_script_json_describes_this_machine(doctor_json):
     doc, seconds = doctor_json
-    assert list(doc)[: len(doctor.KEYS)] == list(doctor.KEYS)
+    assert list(doc)[: len(KEYS)] == list(KEYS)
     assert doc["ok"] is True
     assert doc["cpu"]["logical_cores"] == os.cpu_count()
     assert doc["cpu"]["model"]
@@ -156,7 +163,7 @@ def test_module_run_never_imports_mlflow_dvc_or_bentoml():
 def test_bad_usage_exits_2(capsys, tmp_path):
     assert cli.main([]) == 2  # no subcommand
     assert cli.main(["doctor", "--no-such-flag"]) == 2
-    assert doctor.main(["--params", str(tmp_path / "missing.yaml")]) == 2
+    assert doctor_main(["--params", str(tmp_path / "missing.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
     assert cli.main(["doctor", "--help"]) == 0
 
@@ -165,7 +172,7 @@ def test_probe_model_is_a_valid_identity_model():
     import onnx
     import onnx.helper as h
 
-    model = onnx.load_model_from_string(doctor.PROBE_MODEL)
+    model = onnx.load_model_from_string(PROBE_MODEL)
     onnx.checker.check_model(model)
     assert [n.op_type for n in model.graph.node] == ["Identity"]
     graph = h.make_graph(
@@ -175,7 +182,7 @@ def test_probe_model_is_a_valid_identity_model():
         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
     )
     rebuilt = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)], ir_version=8)
-    assert rebuilt.SerializeToString() == doctor.PROBE_MODEL
+    assert rebuilt.SerializeToString() == PROBE_MODEL
 
 
 # ----------------------------------------------------------------- crafted machines
@@ -301,7 +308,7 @@ def machine(
 
 
 def by_check(facts: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {v["check"]: v for v in doctor.verdicts(facts)}
+    return {v["check"]: v for v in verdicts(facts)}
 
 
 def test_dataset_over_the_ram_budget_is_memory_mapped():
@@ -371,13 +378,13 @@ def test_cuda_build_with_a_gpu_but_unusable_cuda_is_broken(capsys):
         cuda_loads=True,
     )
     facts["torch"]["cuda_error"] = "The NVIDIA driver on your system is too old"
-    doc = doctor.report(facts)
+    doc = report(facts)
     v = {v["check"]: v for v in doc["verdicts"]}["torch/CUDA"]
     assert v["level"] == "error" and doc["ok"] is False
     assert "built for CUDA 12.4" in v["verdict"] and "CUDA is unusable" in v["verdict"]
     assert "NVIDIA driver on your system is too old" in v["why"]  # torch's own reason
     assert "supports CUDA up to 11.4" in v["why"] and "update the NVIDIA driver" in v["why"]
-    assert doctor.emit(doc, as_json=True) == 1
+    assert emit(doc, as_json=True) == 1
     out, err = capsys.readouterr()
     assert json.loads(out)["ok"] is False
     assert "trainyard doctor: broken: torch/CUDA" in err and "update the NVIDIA driver" in err
@@ -392,12 +399,12 @@ def test_cpu_only_torch_on_a_gpu_machine_is_broken_unless_cpu_is_asked_for():
 
 def test_requested_cuda_provider_that_does_not_load_is_broken(capsys):
     facts = machine(gpus=[gpu()], cuda_loads=False)
-    doc = doctor.report(facts)
+    doc = report(facts)
     v = {v["check"]: v for v in doc["verdicts"]}["ONNX Runtime"]
     assert v["level"] == "error" and not doc["ok"]
     assert "libcudnn.so.9" in v["why"] and "evaluate.device auto" in v["why"]
     assert "set evaluate.device and serve.device to cpu" in v["why"]
-    assert doctor.emit(doc) == 1
+    assert emit(doc) == 1
     assert "broken: ONNX Runtime" in capsys.readouterr().err
 
 
@@ -413,12 +420,12 @@ def test_cuda_device_asked_for_without_a_gpu_is_broken():
 
 
 def test_a_healthy_gpu_machine_is_ok_and_the_table_renders():
-    doc = doctor.report(machine(gpus=[gpu()], placed=10))
+    doc = report(machine(gpus=[gpu()], placed=10))
     assert doc["ok"] is True, [v for v in doc["verdicts"] if v["level"] != "ok"]
     checks = {v["check"]: v for v in doc["verdicts"]}
     assert "compute capability 9.0" in checks["precision"]["why"]
     assert checks["ONNX Runtime"]["verdict"].endswith("the CUDA provider")
-    text = doctor.render_table(doc)
+    text = render_table(doc)
     assert "GPU 0" in text and "NVIDIA H100" in text and "device-resident" in text
 
 
@@ -476,14 +483,14 @@ def test_prepared_folder_card_drives_the_dataset_and_placement(tmp_path):
     prepared.mkdir()
     (prepared / "card.json").write_text(shapes_card().to_json())
     params = write_params(tmp_path / "params.yaml", source="folder", folder="photos")
-    facts = doctor.collect(params, prepared)
+    facts = collect(params, prepared)
     ds = facts["dataset"]
     assert ds["from"] == "card" and ds["source"] == "folder"
     assert (ds["channels"], ds["height"], ds["width"]) == (3, 64, 64)
     per_image = 3 * 64 * 64
     assert ds["splits"]["train"] == {"images": 300, "bytes": 300 * per_image}
     assert ds["placed_bytes"] == (300 + 40) * per_image
-    doc = doctor.report(facts)
+    doc = report(facts)
     checks = {v["check"]: v for v in doc["verdicts"]}
     assert "train 300, val 40, test 40 images of 3x64x64 (card)" in checks["dataset"]["verdict"]
     assert doc["placement"]["bytes"] == ds["placed_bytes"]
@@ -501,7 +508,7 @@ def test_stale_card_falls_back_to_the_expected_size_with_a_warning(tmp_path):
             (photos / cls / f"{i}.PNG").write_bytes(b"not decoded, only counted")
         (photos / cls / "notes.txt").write_text("ignored")
     params = parse_params({"data": {"source": "folder", "folder": "photos", "image_size": 16}})
-    ds = doctor.collect_dataset(params, tmp_path, prepared)
+    ds = collect_dataset(params, tmp_path, prepared)
     assert ds["from"] == "expected" and ds["stale_card"] is True
     assert "does not match params" in ds["note"]
     counts = {s: v["images"] for s, v in ds["splits"].items()}
@@ -512,7 +519,7 @@ def test_stale_card_falls_back_to_the_expected_size_with_a_warning(tmp_path):
 
 def test_unprepared_fashion_mnist_uses_its_known_size(tmp_path):
     params = parse_params({"data": {"source": "fashion-mnist", "limit": 10000, "val_size": 1000}})
-    ds = doctor.collect_dataset(params, tmp_path, tmp_path / "nothing")
+    ds = collect_dataset(params, tmp_path, tmp_path / "nothing")
     counts = {s: v["images"] for s, v in ds["splits"].items()}
     assert counts == {"train": 9000, "val": 1000, "test": 10000}
     assert ds["placed_bytes"] == 10000 * 28 * 28 and ds["from"] == "expected"
@@ -520,6 +527,56 @@ def test_unprepared_fashion_mnist_uses_its_known_size(tmp_path):
 
 def test_missing_folder_source_is_a_broken_dataset(tmp_path):
     params = write_params(tmp_path / "params.yaml", source="folder", folder="nope")
-    facts = doctor.collect(params, tmp_path / "prepared")
+    facts = collect(params, tmp_path / "prepared")
     v = by_check(facts)["dataset"]
     assert v["level"] == "error" and "nope" in v["why"]
+
+
+def tricky_split_tree(photos: Path) -> None:
+    """A train/val/test tree with what trips a folder walk: __MACOSX (in both cases) and
+    $RECYCLE.BIN folders of real images, .DS_Store, an AppleDouble ``._`` file, Thumbs.db,
+    desktop.ini, uppercase extensions, and a sidecar that is no image."""
+    n = 0
+
+    def image(path: Path, fmt: str = "PNG") -> None:
+        nonlocal n
+        n += 1  # a colour per image: no duplicates across splits
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (12, 10), (n % 256, 7 * n % 256, 50)).save(path, format=fmt)
+
+    for split, per_class in (("train", 4), ("val", 2), ("test", 1)):
+        for cls in ("cat", "dog"):
+            folder = photos / split / cls
+            for i in range(per_class):
+                image(folder / f"{i}.png")
+            image(folder / "SHOUTED.JPG", "JPEG")
+            image(folder / "Also.PNG")
+            image(folder / "__macosx" / "ghost.png")  # litter in any case
+            image(folder / "$RECYCLE.BIN" / "deleted.png")
+            (folder / "._1.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble, not a PNG")
+            (folder / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
+            (folder / "desktop.ini").write_text("[.ShellClassInfo]\n")
+            (folder / "notes.txt").write_text("not an image\n")
+    image(photos / "__MACOSX" / "train" / "cat" / "resource.png")  # not a 4th top folder
+    (photos / ".DS_Store").write_bytes(b"Bud1")
+    (photos / "train" / ".DS_Store").write_bytes(b"Bud1")
+
+
+def test_doctor_and_prepare_see_the_same_files_in_a_tricky_tree(tmp_path):
+    """One set of folder rules (trainyard.data.walk): the doctor's expected split sizes
+    are exactly what prepare then writes, litter and case included."""
+    photos = tmp_path / "photos"
+    tricky_split_tree(photos)
+    params = parse_params(
+        {"data": {"source": "folder", "folder": "photos", "image_size": 8, "workers": 1}}
+    )
+    ds = collect_dataset(params, tmp_path, tmp_path / "prepared")
+    assert ds["from"] == "expected" and "train/val/test folders" in ds["note"]
+    doctor_counts = {s: v["images"] for s, v in ds["splits"].items()}
+    assert doctor_counts == {"train": 12, "val": 8, "test": 6}  # per class: n + .JPG + .PNG
+
+    data = params.data.model_copy(update={"folder": str(photos)})
+    card = prepare_source("unused", tmp_path / "prepared", data, seed=0)
+    assert {s: card.counts[s]["total"] for s in SPLITS} == doctor_counts
+    assert card.extra["layout"] == "splits" and card.skipped == ()
+    assert card.ignored == 6  # the notes.txt files; litter is not even counted

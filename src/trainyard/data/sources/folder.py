@@ -8,7 +8,8 @@ Two layouts, found by looking at the folder:
 
 Classes are the subfolder names, sorted as torchvision's ``ImageFolder`` sorts them.
 Hidden files and folders, OS litter (Thumbs.db, desktop.ini, __MACOSX) and files without
-an image extension are passed over silently. Everything else that cannot be read is a
+an image extension are passed over silently (the rules: ``trainyard.data.walk``, which the
+doctor shares). Everything else that cannot be read is a
 *bad file*: with ``data.on_bad_file: error`` the stage lists every one of them and stops;
 with ``skip`` they are left out and recorded in the card.
 
@@ -21,15 +22,12 @@ neither pass holds more than a few images per process.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
-import stat
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,14 +35,10 @@ import numpy as np
 
 from trainyard.core.card import SPLITS, Card
 from trainyard.core.errors import DataError, InputError
-from trainyard.core.imaging import (
-    DEFAULT_MAX_IMAGE_PIXELS,
-    IMAGE_EXTENSIONS,
-    image_to_pixels,
-    read_header,
-)
+from trainyard.core.imaging import DEFAULT_MAX_IMAGE_PIXELS, image_to_pixels, read_header
 from trainyard.data.arrays import row_blocks
-from trainyard.data.store import open_prepared
+from trainyard.data.store import PreparedWriter, open_prepared
+from trainyard.data.walk import Entry, Scan, scan_folder
 
 if TYPE_CHECKING:
     from trainyard.core.config import DataParams
@@ -52,185 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = "folder"
-LITTER = frozenset({"thumbs.db", "desktop.ini", "__macosx", "$recycle.bin", "icon\r"})
 _CHUNK = 64  # files per pool task: big enough to amortise the hop, small for balance
 _MAX_LISTED = 50  # bad files spelled out in an error message (all are in the log)
-
-
-@dataclass
-class Entry:
-    """One image file found in the tree."""
-
-    path: Path
-    rel: str  # path relative to the root, '/'-separated: what the card and errors show
-    label: int
-    split: str | None  # from the layout, or None when this source splits
-
-
-@dataclass
-class Scan:
-    classes: tuple[str, ...]
-    layout: str  # "flat" | "splits"
-    entries: list[Entry]
-    bad: list[tuple[str, str]]  # (rel, reason): unreadable entries found while walking
-    ignored: int
-
-
-def _hidden_or_litter(name: str) -> bool:
-    return name.startswith(".") or name.lower() in LITTER
-
-
-def _walk(root: Path, top: Path, bad: list[tuple[str, str]]) -> Iterator[Path]:
-    """Image files under ``top`` (recursively, following symlinks, each real folder once).
-
-    Symlink loops and unreadable folders go to ``bad``; hidden and litter entries are
-    skipped; files without an image extension are counted by the caller as ignored.
-    """
-    seen: set[tuple[int, int]] = set()
-    # The folders above ``top`` (the root included): a link back to one of them is a loop
-    # too, and following it would read other classes' images under this class's label.
-    above: set[tuple[int, int]] = set()
-    for parent in top.parents:
-        with contextlib.suppress(OSError):
-            st = parent.stat()
-            above.add((st.st_dev, st.st_ino))
-    stack = [top]
-    while stack:
-        folder = stack.pop()
-        try:
-            st = folder.stat()
-        except OSError as err:
-            bad.append((_rel(folder, root), f"unreadable folder ({err.strerror or err})"))
-            continue
-        key = (st.st_dev, st.st_ino)
-        if key in above:
-            bad.append((_rel(folder, root), "symlink loop: it links back to a folder above it"))
-            continue
-        if key in seen:
-            bad.append((_rel(folder, root), "symlink loop: this folder is already included"))
-            continue
-        seen.add(key)
-        try:
-            names = sorted(os.listdir(folder))
-        except OSError as err:
-            bad.append((_rel(folder, root), f"unreadable folder ({err.strerror or err})"))
-            continue
-        subdirs = []
-        for name in names:
-            if _hidden_or_litter(name):
-                continue
-            path = folder / name
-            try:
-                mode = path.stat().st_mode  # follows symlinks
-            except OSError as err:
-                if path.is_symlink():
-                    reason = (
-                        "symlink loop"
-                        if getattr(err, "errno", None) == 40
-                        else "broken symlink (its target does not exist)"
-                    )
-                else:
-                    reason = f"unreadable ({err.strerror or err})"
-                if path.suffix.lower() in IMAGE_EXTENSIONS or path.is_symlink():
-                    bad.append((_rel(path, root), reason))
-                continue
-            if stat.S_ISDIR(mode):
-                subdirs.append(path)
-            elif stat.S_ISREG(mode):
-                yield path
-        stack.extend(reversed(subdirs))
-
-
-def _rel(path: Path, root: Path) -> str:
-    try:
-        return path.relative_to(root).as_posix()
-    except ValueError:
-        return str(path)
-
-
-def _subdirs(folder: Path) -> list[Path]:
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError as err:
-        raise DataError(f"data.folder: cannot list {folder} ({err.strerror or err})") from None
-    return [folder / n for n in names if not _hidden_or_litter(n) and (folder / n).is_dir()]
-
-
-def scan_folder(root: str | os.PathLike[str]) -> Scan:
-    """Find the layout, the classes and every image file; raise DataError for a tree that
-    cannot be a dataset (missing, empty, one class, a class without images, mixed splits)."""
-    root = Path(root).expanduser()
-    if not root.exists():
-        raise DataError(
-            f"data.folder: {root} does not exist; set data.folder to your image folder "
-            "(photos/<class name>/*.jpg)"
-        )
-    if not root.is_dir():
-        raise DataError(f"data.folder: {root} is a file, not a folder of class subfolders")
-    top = _subdirs(root)
-    split_dirs = [d for d in top if d.name in SPLITS]
-    bad: list[tuple[str, str]] = []
-    ignored = 0
-    per_split: dict[str | None, dict[str, list[Path]]] = {}
-    if split_dirs:
-        layout = "splits"
-        others = [d.name for d in top if d.name not in SPLITS]
-        if others:
-            raise DataError(
-                f"data.folder: {root} mixes split folders "
-                f"({', '.join(d.name for d in split_dirs)}) with other folders "
-                f"({', '.join(others[:5])}); use either "
-                "photos/<class>/... or photos/{train,val,test}/<class>/..."
-            )
-        if "train" not in {d.name for d in split_dirs}:
-            raise DataError(
-                f"data.folder: {root} has {', '.join(d.name for d in split_dirs)}/ but no "
-                "train/ folder; add train/<class>/... (val/ and test/ are optional)"
-            )
-        for d in split_dirs:
-            per_split[d.name] = {c.name: [c] for c in _subdirs(d)}
-    else:
-        layout = "flat"
-        per_split[None] = {c.name: [c] for c in top}
-    classes = tuple(sorted({name for groups in per_split.values() for name in groups}))
-    if not classes:
-        raise DataError(
-            f"data.folder: {root} has no class subfolders; put each class's images in "
-            "its own folder (photos/<class name>/*.jpg)"
-        )
-    if len(classes) < 2:
-        raise DataError(
-            f"data.folder: {root} has only one class ({classes[0]!r}); a classifier needs "
-            "at least 2 class folders"
-        )
-    if layout == "splits":
-        for split, groups in per_split.items():
-            missing = [c for c in classes if c not in groups]
-            if missing:
-                raise DataError(
-                    f"data.folder: {root}/{split}/ lacks the class folders "
-                    f"{', '.join(repr(m) for m in missing[:10])} that other splits have; "
-                    "every split needs the same class folders"
-                )
-    index = {name: i for i, name in enumerate(classes)}
-    entries: list[Entry] = []
-    for split, groups in per_split.items():
-        for name, dirs in groups.items():
-            found = 0
-            for d in dirs:
-                for path in _walk(root, d, bad):
-                    if path.suffix.lower() not in IMAGE_EXTENSIONS:
-                        ignored += 1  # notes.txt, .json sidecars: not images, not errors
-                        continue
-                    entries.append(Entry(path, _rel(path, root), index[name], split))
-                    found += 1
-            if found == 0:
-                where = f"{split}/{name}" if split else name
-                raise DataError(
-                    f"data.folder: class folder {root / where} has no images (extensions: "
-                    f"{', '.join(sorted(IMAGE_EXTENSIONS))}); add images or remove the folder"
-                )
-    return Scan(classes, layout, entries, bad, ignored)
 
 
 # ------------------------------------------------------------------ pool work (both passes)
@@ -383,6 +200,171 @@ def _bad_files_error(root: Path, bad: list[tuple[str, str]]) -> DataError:
     )
 
 
+def _first_pass(
+    scan: Scan, pool: _Pool, max_pixels: int, bad: list[tuple[str, str]]
+) -> tuple[list[Entry], list[str], bool]:
+    """Pass 1: read every file once. Returns the readable entries, their sha256 and whether
+    all of them are grayscale; the unreadable ones go to ``bad``."""
+    n = len(scan.entries)
+    paths = [str(e.path) for e in scan.entries]
+    calls = [(paths[s], max_pixels) for s in _chunks(n)]
+    inspected = [r for chunk in pool.map(_inspect, calls) for r in chunk]
+    good = []
+    for entry, (_, _, problem) in zip(scan.entries, inspected, strict=True):
+        if problem is None:
+            good.append(True)
+        else:
+            bad.append((entry.rel, problem))
+            good.append(False)
+    keep = [i for i in range(n) if good[i]]
+    entries = [scan.entries[i] for i in keep]
+    hashes = [inspected[i][0] for i in keep]
+    gray = all(inspected[i][1] for i in keep)
+    return entries, hashes, gray
+
+
+def _split(
+    entries: list[Entry], hashes: list[str], classes: tuple[str, ...], params: DataParams, seed: int
+) -> tuple[np.ndarray, np.ndarray, dict[str, list[int]]]:
+    """Labels, the split of each entry (``dropped`` for removed duplicates) and the
+    duplicates across splits, which are logged as leakage."""
+    labels = np.array([e.label for e in entries], dtype=np.int64)
+    splits = assign_splits(
+        labels,
+        [e.split for e in entries],
+        classes,
+        params.val_fraction,
+        params.test_fraction,
+        seed,
+    )
+    dups = find_duplicates(hashes, splits)
+    n_dups = len(dups["val"]) + len(dups["test"])
+    if n_dups:
+        log.warning(
+            "%d exact duplicate image(s) across splits (%d in val, %d in test, copies of "
+            "train or val images): leakage%s",
+            n_dups,
+            len(dups["val"]),
+            len(dups["test"]),
+            "; removed (data.dedupe)" if params.dedupe else "; set data.dedupe: true to drop them",
+        )
+    if params.dedupe and n_dups:
+        drop = set(dups["val"]) | set(dups["test"])
+        splits[sorted(drop)] = "dropped"
+    return labels, splits, dups
+
+
+def _decode_spec(params: DataParams, channels: int, max_pixels: int) -> dict[str, Any]:
+    """The ``image_to_pixels`` arguments every image of this dataset is decoded with."""
+    height, width = params.size_hw
+    return {
+        "channels": channels,
+        "height": height,
+        "width": width,
+        "resize": params.resize,
+        "fill": 0,
+        "interpolation": "bilinear",
+        "max_pixels": max_pixels,
+    }
+
+
+def _write_split(
+    writer: PreparedWriter,
+    pool: _Pool,
+    split: str,
+    entries: list[Entry],
+    splits: np.ndarray,
+    labels: np.ndarray,
+    spec: dict[str, Any],
+    bad: list[tuple[str, str]],
+) -> list[int]:
+    """Pass 2 for one split: decode its images into their array, drop the rows of files
+    that fail (they go to ``bad``), write its labels. Returns the entries written."""
+    members = [i for i in range(len(entries)) if splits[i] == split]
+    if not members:
+        raise DataError(
+            f"data.folder: the {split} split would be empty; raise "
+            f"data.{split}_fraction above 0 or add a {split}/ folder"
+        )
+    writer.allocate(split, len(members), (spec["channels"], spec["height"], spec["width"]))
+    array = str(writer.images_path(split))
+    calls = [
+        (array, list(range(s.start, s.stop)), [str(entries[i].path) for i in members[s]], spec)
+        for s in _chunks(len(members))
+    ]
+    failed = [f for chunk in pool.map(_decode, calls) for f in chunk]
+    for slot, problem in failed:
+        bad.append((entries[members[slot]].rel, problem))
+    failed_slots = {slot for slot, _ in failed}
+    written = [m for k, m in enumerate(members) if k not in failed_slots]
+    if failed_slots:
+        _compact(writer, split, [k not in failed_slots for k in range(len(members))])
+    writer.write_labels(split, labels[written])
+    return written
+
+
+def _check_bad_files(
+    root: Path, bad: list[tuple[str, str]], on_bad_file: str, written: dict[str, list[int]]
+) -> None:
+    """Stop on bad files (``data.on_bad_file: error``) or log each one skipped; stop when a
+    split lost every image."""
+    if bad and on_bad_file == "error":
+        raise _bad_files_error(root, bad)
+    for rel, reason in sorted(bad):
+        log.warning("skipped %s: %s", rel, reason)
+    for split in SPLITS:
+        if not written[split]:
+            raise DataError(f"data.folder: every {split} image was a bad file")
+
+
+def _card(
+    scan: Scan,
+    params: DataParams,
+    seed: int,
+    channels: int,
+    entries: list[Entry],
+    hashes: list[str],
+    bad: list[tuple[str, str]],
+    dups: dict[str, list[int]],
+) -> Card:
+    """The dataset card before ``PreparedWriter.finish`` adds counts, statistics and hash."""
+    source_hash = hashlib.sha256()
+    for e, h in sorted(zip(entries, hashes, strict=True), key=lambda t: t[0].rel):
+        source_hash.update(f"{e.rel}\0{h}\n".encode())
+    n_dups = len(dups["val"]) + len(dups["test"])
+    height, width = params.size_hw
+    return Card(
+        source=SOURCE,
+        classes=scan.classes,
+        channels=channels,
+        height=height,
+        width=width,
+        mean=(0.0,) * channels,
+        std=(1.0,) * channels,
+        resize=params.resize,
+        fill=0,
+        interpolation="bilinear",
+        source_sha256=source_hash.hexdigest(),
+        skipped=tuple({"file": rel, "reason": reason} for rel, reason in sorted(bad)),
+        ignored=scan.ignored,
+        duplicates={
+            "across_splits": n_dups,
+            "val": len(dups["val"]),
+            "test": len(dups["test"]),
+            "removed": bool(params.dedupe and n_dups),
+        },
+        # No absolute path and no timing: the card is part of data/prepared, whose
+        # DVC hash is the data version; it must change only with the data.
+        extra={
+            "layout": scan.layout,
+            "seed": seed,
+            "val_fraction": params.val_fraction,
+            "test_fraction": params.test_fraction,
+            "channels_param": params.channels,
+        },
+    )
+
+
 def prepare_folder(
     params: DataParams,
     out_dir: str | os.PathLike[str],
@@ -407,125 +389,18 @@ def prepare_folder(
     )
     pool = _Pool(min(_workers(params), max(1, n // _CHUNK)))
     try:
-        paths = [str(e.path) for e in scan.entries]
-        calls = [(paths[s], max_pixels) for s in _chunks(n)]
-        inspected = [r for chunk in pool.map(_inspect, calls) for r in chunk]
         bad = list(scan.bad)
-        good = []
-        for entry, (_, _, problem) in zip(scan.entries, inspected, strict=True):
-            if problem is None:
-                good.append(True)
-            else:
-                bad.append((entry.rel, problem))
-                good.append(False)
-        keep = [i for i in range(n) if good[i]]
-        entries = [scan.entries[i] for i in keep]
-        hashes = [inspected[i][0] for i in keep]
-        gray = all(inspected[i][1] for i in keep)
+        entries, hashes, gray = _first_pass(scan, pool, max_pixels, bad)
         channels = (1 if gray else 3) if params.channels == "auto" else int(params.channels)
-        labels = np.array([e.label for e in entries], dtype=np.int64)
-        splits = assign_splits(
-            labels,
-            [e.split for e in entries],
-            scan.classes,
-            params.val_fraction,
-            params.test_fraction,
-            seed,
-        )
-        dups = find_duplicates(hashes, splits)
-        n_dups = len(dups["val"]) + len(dups["test"])
-        if n_dups:
-            log.warning(
-                "%d exact duplicate image(s) across splits (%d in val, %d in test, copies of "
-                "train or val images): leakage%s",
-                n_dups,
-                len(dups["val"]),
-                len(dups["test"]),
-                "; removed (data.dedupe)"
-                if params.dedupe
-                else "; set data.dedupe: true to drop them",
-            )
-        if params.dedupe and n_dups:
-            drop = set(dups["val"]) | set(dups["test"])
-            splits[sorted(drop)] = "dropped"
-        height, width = params.size_hw
-        spec = {
-            "channels": channels,
-            "height": height,
-            "width": width,
-            "resize": params.resize,
-            "fill": 0,
-            "interpolation": "bilinear",
-            "max_pixels": max_pixels,
-        }
+        labels, splits, dups = _split(entries, hashes, scan.classes, params, seed)
+        spec = _decode_spec(params, channels, max_pixels)
         with open_prepared(out_dir) as writer:
-            written: dict[str, list[int]] = {}
-            for split in SPLITS:
-                members = [i for i in range(len(entries)) if splits[i] == split]
-                if not members:
-                    raise DataError(
-                        f"data.folder: the {split} split would be empty; raise "
-                        f"data.{split}_fraction above 0 or add a {split}/ folder"
-                    )
-                writer.allocate(split, len(members), (channels, height, width))
-                array = str(writer.images_path(split))
-                calls = [
-                    (
-                        array,
-                        list(range(s.start, s.stop)),
-                        [str(entries[i].path) for i in members[s]],
-                        spec,
-                    )
-                    for s in _chunks(len(members))
-                ]
-                failed = [f for chunk in pool.map(_decode, calls) for f in chunk]
-                for slot, problem in failed:
-                    bad.append((entries[members[slot]].rel, problem))
-                failed_slots = {slot for slot, _ in failed}
-                written[split] = [m for k, m in enumerate(members) if k not in failed_slots]
-                if failed_slots:
-                    _compact(writer, split, [k not in failed_slots for k in range(len(members))])
-                writer.write_labels(split, labels[written[split]])
-            if bad and params.on_bad_file == "error":
-                raise _bad_files_error(root, bad)
-            for rel, reason in sorted(bad):
-                log.warning("skipped %s: %s", rel, reason)
-            for split in SPLITS:
-                if not written[split]:
-                    raise DataError(f"data.folder: every {split} image was a bad file")
-            source_hash = hashlib.sha256()
-            for e, h in sorted(zip(entries, hashes, strict=True), key=lambda t: t[0].rel):
-                source_hash.update(f"{e.rel}\0{h}\n".encode())
-            card = Card(
-                source=SOURCE,
-                classes=scan.classes,
-                channels=channels,
-                height=height,
-                width=width,
-                mean=(0.0,) * channels,
-                std=(1.0,) * channels,
-                resize=params.resize,
-                fill=0,
-                interpolation="bilinear",
-                source_sha256=source_hash.hexdigest(),
-                skipped=tuple({"file": rel, "reason": reason} for rel, reason in sorted(bad)),
-                ignored=scan.ignored,
-                duplicates={
-                    "across_splits": n_dups,
-                    "val": len(dups["val"]),
-                    "test": len(dups["test"]),
-                    "removed": bool(params.dedupe and n_dups),
-                },
-                # No absolute path and no timing: the card is part of data/prepared, whose
-                # DVC hash is the data version; it must change only with the data.
-                extra={
-                    "layout": scan.layout,
-                    "seed": seed,
-                    "val_fraction": params.val_fraction,
-                    "test_fraction": params.test_fraction,
-                    "channels_param": params.channels,
-                },
-            )
+            written = {
+                split: _write_split(writer, pool, split, entries, splits, labels, spec, bad)
+                for split in SPLITS
+            }
+            _check_bad_files(root, bad, params.on_bad_file, written)
+            card = _card(scan, params, seed, channels, entries, hashes, bad, dups)
             card = writer.finish(card)
     finally:
         pool.close()
@@ -535,7 +410,7 @@ def prepare_folder(
     return card
 
 
-def _compact(writer: Any, split: str, keep: list[bool]) -> None:
+def _compact(writer: PreparedWriter, split: str, keep: list[bool]) -> None:
     """Rewrite ``split``'s images without the rows of files that failed to decode.
 
     Both files are streamed (plain reads in blocks, appends): memory stays bounded.

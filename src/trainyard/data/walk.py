@@ -1,0 +1,227 @@
+"""The rules for walking a user's image folder: what is an image, what is passed over, which
+layout it has. One copy, used by prepare (``data.sources.folder``) and by ``trainyard doctor``
+(which sizes the dataset before prepare), so both see the same files.
+
+Two layouts, found by looking at the folder:
+
+    photos/<class>/**/*.jpg                    one pool, split by prepare
+    photos/{train,val,test}/<class>/**/*.jpg   the user's own splits
+
+Hidden files and folders (a leading dot: ``.DS_Store``, AppleDouble ``._x.jpg``), OS litter
+(Thumbs.db, desktop.ini, __MACOSX in any case, $RECYCLE.BIN) are passed over silently; an
+image is a file whose extension, in any case, is in ``IMAGE_EXTENSIONS``; other files are
+counted as ignored. Symlinks are followed, each real folder once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainyard.core.card import SPLITS
+from trainyard.core.errors import DataError
+from trainyard.core.imaging import IMAGE_EXTENSIONS
+
+# Compared lower-cased: __MACOSX from a zip made on a Mac, Thumbs.db/desktop.ini from Windows.
+LITTER = frozenset({"thumbs.db", "desktop.ini", "__macosx", "$recycle.bin", "icon\r"})
+
+
+def is_image(path: Path) -> bool:
+    """An image file by its extension, in any case (``.JPG`` as ``.jpg``)."""
+    return path.suffix.lower() in IMAGE_EXTENSIONS
+
+
+@dataclass
+class Entry:
+    """One image file found in the tree."""
+
+    path: Path
+    rel: str  # path relative to the root, '/'-separated: what the card and errors show
+    label: int
+    split: str | None  # from the layout, or None when this source splits
+
+
+@dataclass
+class Scan:
+    """What a walk of the tree found: classes, layout, image entries and problems."""
+
+    classes: tuple[str, ...]
+    layout: str  # "flat" | "splits"
+    entries: list[Entry]
+    bad: list[tuple[str, str]]  # (rel, reason): unreadable entries found while walking
+    ignored: int
+
+
+def is_hidden_or_litter(name: str) -> bool:
+    """Passed over silently: hidden (``.DS_Store``, ``._x.jpg``, ``.cache/``) or OS litter."""
+    return name.startswith(".") or name.lower() in LITTER
+
+
+def walk_files(root: Path, top: Path, bad: list[tuple[str, str]]) -> Iterator[Path]:
+    """Regular files under ``top`` (recursively, following symlinks, each real folder once).
+
+    Symlink loops and unreadable folders go to ``bad`` (as ``(rel, reason)``); hidden and
+    litter entries are skipped; the caller tells images (``is_image``) from other files.
+    """
+    seen: set[tuple[int, int]] = set()
+    # The folders above ``top`` (the root included): a link back to one of them is a loop
+    # too, and following it would read other classes' images under this class's label.
+    above: set[tuple[int, int]] = set()
+    for parent in top.parents:
+        with contextlib.suppress(OSError):
+            st = parent.stat()
+            above.add((st.st_dev, st.st_ino))
+    stack = [top]
+    while stack:
+        folder = stack.pop()
+        try:
+            st = folder.stat()
+        except OSError as err:
+            bad.append((rel_path(folder, root), f"unreadable folder ({err.strerror or err})"))
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key in above:
+            bad.append((rel_path(folder, root), "symlink loop: it links back to a folder above it"))
+            continue
+        if key in seen:
+            bad.append((rel_path(folder, root), "symlink loop: this folder is already included"))
+            continue
+        seen.add(key)
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError as err:
+            bad.append((rel_path(folder, root), f"unreadable folder ({err.strerror or err})"))
+            continue
+        folders = []
+        for name in names:
+            if is_hidden_or_litter(name):
+                continue
+            path = folder / name
+            try:
+                mode = path.stat().st_mode  # follows symlinks
+            except OSError as err:
+                if path.is_symlink():
+                    reason = (
+                        "symlink loop"
+                        if getattr(err, "errno", None) == 40
+                        else "broken symlink (its target does not exist)"
+                    )
+                else:
+                    reason = f"unreadable ({err.strerror or err})"
+                if is_image(path) or path.is_symlink():
+                    bad.append((rel_path(path, root), reason))
+                continue
+            if stat.S_ISDIR(mode):
+                folders.append(path)
+            elif stat.S_ISREG(mode):
+                yield path
+        stack.extend(reversed(folders))
+
+
+def rel_path(path: Path, root: Path) -> str:
+    """``path`` relative to ``root``, '/'-separated (what the card and errors show)."""
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def subdirs(folder: Path) -> list[Path]:
+    """The folders in ``folder`` that count (not hidden, not litter), sorted by name."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as err:
+        raise DataError(f"data.folder: cannot list {folder} ({err.strerror or err})") from None
+    return [folder / n for n in names if not is_hidden_or_litter(n) and (folder / n).is_dir()]
+
+
+# split (None: the flat layout) -> class name -> the folders holding that class's images
+Groups = dict[str | None, dict[str, list[Path]]]
+
+
+def find_layout(root: Path) -> tuple[str, Groups]:
+    """The layout (``flat`` or ``splits``) and each split's class folders; DataError for a
+    root that mixes split folders with other folders, or has val/test but no train."""
+    top = subdirs(root)
+    split_dirs = [d for d in top if d.name in SPLITS]
+    if not split_dirs:
+        return "flat", {None: {c.name: [c] for c in top}}
+    others = [d.name for d in top if d.name not in SPLITS]
+    if others:
+        raise DataError(
+            f"data.folder: {root} mixes split folders "
+            f"({', '.join(d.name for d in split_dirs)}) with other folders "
+            f"({', '.join(others[:5])}); use either "
+            "photos/<class>/... or photos/{train,val,test}/<class>/..."
+        )
+    if "train" not in {d.name for d in split_dirs}:
+        raise DataError(
+            f"data.folder: {root} has {', '.join(d.name for d in split_dirs)}/ but no "
+            "train/ folder; add train/<class>/... (val/ and test/ are optional)"
+        )
+    return "splits", {d.name: {c.name: [c] for c in subdirs(d)} for d in split_dirs}
+
+
+def _classes(root: Path, layout: str, per_split: Groups) -> tuple[str, ...]:
+    """The class names, sorted; DataError for fewer than 2, or splits that disagree."""
+    classes = tuple(sorted({name for groups in per_split.values() for name in groups}))
+    if not classes:
+        raise DataError(
+            f"data.folder: {root} has no class subfolders; put each class's images in "
+            "its own folder (photos/<class name>/*.jpg)"
+        )
+    if len(classes) < 2:
+        raise DataError(
+            f"data.folder: {root} has only one class ({classes[0]!r}); a classifier needs "
+            "at least 2 class folders"
+        )
+    if layout == "splits":
+        for split, groups in per_split.items():
+            missing = [c for c in classes if c not in groups]
+            if missing:
+                raise DataError(
+                    f"data.folder: {root}/{split}/ lacks the class folders "
+                    f"{', '.join(repr(m) for m in missing[:10])} that other splits have; "
+                    "every split needs the same class folders"
+                )
+    return classes
+
+
+def scan_folder(root: str | os.PathLike[str]) -> Scan:
+    """Find the layout, the classes and every image file; raise DataError for a tree that
+    cannot be a dataset (missing, empty, one class, a class without images, mixed splits)."""
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise DataError(
+            f"data.folder: {root} does not exist; set data.folder to your image folder "
+            "(photos/<class name>/*.jpg)"
+        )
+    if not root.is_dir():
+        raise DataError(f"data.folder: {root} is a file, not a folder of class subfolders")
+    layout, per_split = find_layout(root)
+    classes = _classes(root, layout, per_split)
+    index = {name: i for i, name in enumerate(classes)}
+    bad: list[tuple[str, str]] = []
+    ignored = 0
+    entries: list[Entry] = []
+    for split, groups in per_split.items():
+        for name, dirs in groups.items():
+            found = 0
+            for d in dirs:
+                for path in walk_files(root, d, bad):
+                    if not is_image(path):
+                        ignored += 1  # notes.txt, .json sidecars: not images, not errors
+                        continue
+                    entries.append(Entry(path, rel_path(path, root), index[name], split))
+                    found += 1
+            if found == 0:
+                where = f"{split}/{name}" if split else name
+                raise DataError(
+                    f"data.folder: class folder {root / where} has no images (extensions: "
+                    f"{', '.join(sorted(IMAGE_EXTENSIONS))}); add images or remove the folder"
+                )
+    return Scan(classes, layout, entries, bad, ignored)
