@@ -1,12 +1,23 @@
 """Benchmarks: how much faster is the GPU, and is it fed? Ratios measured side by side, one run.
 
-    python -m benchmarks             # make bench (cli.py): training, data paths, inference
-    python -m benchmarks.bench_prepare     # make bench-prepare: the prepare stage on 20,000 JPEGs
+Run from the repository root (this package is not in the wheel):
 
-One module per thing measured: ``training`` (training throughput, GPU utilisation, time to a
-target accuracy), ``datapaths`` (an image folder read four ways), ``inference`` (torch vs
-ONNX Runtime), ``prepare`` (the prepare stage); ``timing`` is the one clock they all use,
-``common`` the data, hardware and docs helpers, ``report`` the tables and chart.
+    python -m benchmarks                 # make bench: training, data paths, inference
+    python -m benchmarks.bench_prepare   # make bench-prepare: the prepare stage on 20,000 JPEGs
+    python -m benchmarks.bench_resume    # make bench-resume: what a resume after a SIGKILL saves
+    python -m benchmarks.bench_serve     # make bench-serve: the service under load (wrk)
+    python -m benchmarks.soak            # make soak: good and bad requests, errors and RSS
 
-Importing this package imports nothing heavy: ``bench.prepare`` must run without torch.
+One module per thing measured: ``bench_training`` (training throughput, GPU utilisation,
+time to a target accuracy), ``bench_datapaths`` (an image folder read four ways),
+``bench_inference`` (torch vs ONNX Runtime), ``bench_prepare`` (the prepare stage),
+``bench_resume`` (a resume after a SIGKILL); ``main`` runs the first three, ``timing`` is
+the one clock they all use, ``common`` the data, hardware and docs helpers, ``report`` the
+tables and chart. Serving: ``bench_serve`` (the load test's steps) with ``serve_load``
+(request bodies, servers, wrk), ``serve_models`` (the larger model, ONNX Runtime alone),
+``serve_figures`` (levels, targets, verdicts) and ``serve_report`` (its docs section);
+``reference_server`` (the bare Starlette yardstick) and ``soak`` (the bounded soak test).
+
+Importing this package imports nothing heavy: ``benchmarks.bench_prepare`` must run without
+torch.
 """

@@ -14,9 +14,10 @@ and (d) are trainyard's own ``ImageDataModule`` with the placement forced by its
 knobs: ``memory_budget`` near 0 streams from the memory map (as a dataset larger than RAM
 would), ``device_resident`` decides RAM vs GPU.
 
-The folder is ``bench.prepare``'s generator (N RGB JPEGs of 128-224 px, 10 classes; see its
-docstring), made once under the temp dir and reused. prepare itself runs first, in a fresh
-process on all cores (``bench.prepare.run_prepare``): its images/s and peak RSS are reported.
+The folder is ``benchmarks.bench_prepare``'s generator (N RGB JPEGs of 128-224 px, 10
+classes; see its docstring), made once under the temp dir and reused. prepare itself runs
+first, in a fresh process on all cores (``benchmarks.bench_prepare.run_prepare``): its
+images/s and peak RSS are reported.
 
 Why a small model on the CPU: on a GPU the network's step is cheap and the input path is what
 is left; a CPU network of the same size is not, so the CPU stand-in is the default CNN's
@@ -54,6 +55,7 @@ TARGETS = {
 
 
 def cores() -> int:
+    """CPUs this process may run on (its affinity), else the machine's count."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -173,21 +175,11 @@ def fit_row(
     return row
 
 
-def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
-    """The image-folder comparison: prepare's figures, then rows (a)-(d) for each model."""
-    import torch
+def folder_photos(cfg: dict[str, Any], log: Callable[[str], None]) -> tuple[Path, dict, Path]:
+    """(the image folder, what it holds, the work folder): the user's own images as they
+    are, or bench_prepare's generated JPEGs, made once and reused."""
+    from benchmarks.bench_prepare import ensure_photos
 
-    from benchmarks.bench_prepare import ensure_photos, run_prepare, warm_cache
-    from trainyard.core.card import load_card
-    from trainyard.data.datamodule import ImageDataModule
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpu = device == "cuda"
-    # On a GPU the real CNN at a GPU-sized batch: the GPU makes its step cheap already.
-    cfg = (cfg | {"batch_size": cfg["gpu_batch_size"]}) if gpu else cfg
-    n, size, bs = cfg["images"], cfg["image_size"], cfg["batch_size"]
-    names = cfg["gpu_folder_models"] if gpu else cfg["folder_models"]
-    w = cores()
     if cfg.get("photos"):  # the user's own class-per-folder images, used as they are
         photos = Path(cfg["photos"])
         files = [p for p in photos.rglob("*") if p.is_file()]
@@ -199,49 +191,33 @@ def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[s
             "classes": sum(1 for p in photos.iterdir() if p.is_dir()),
             "how": f"the folder {photos}",
         }
-        work = Path(cfg.get("work") or WORK / "own")
-    else:
-        work = Path(cfg.get("work") or WORK / str(n))
-        made = ensure_photos(
-            work / "full", n, SEED, lambda m: log(m.replace("bench-prepare", "bench"))
-        )
-        photos = work / "full" / "photos"
-    work.mkdir(parents=True, exist_ok=True)
-    warm_cache(photos)  # every path then reads from the page cache alike
-    prepared = work / "prepared"
-    log(f"bench: folder: prepare {photos} -> {size} px uint8 arrays on {w} workers ...")
-    try:
-        prep = run_prepare(photos, prepared, w, size, SEED, keep=True)
-    except SystemExit as err:  # e.g. a bare GPU machine without pydantic: say so, go on
-        log(f"bench: folder data paths skipped: {err}")
-        return {"skipped": str(err)}
-    images = prep["images"]
-    out: dict[str, Any] = {
-        "dataset": {
-            k: made[k]
-            for k in ("images", "bytes", "size_range_px", "jpeg_quality", "classes", "how")
-        },
-        "image_size": size,
-        "batch_size": bs,
-        "warmup": cfg["warmup"],
-        "steps": cfg["steps"],
-        "repeats": cfg["repeats"],
-        "device": device,
-        "cores": w,
-        "prepare": {
-            "images": images,
-            "workers": w,
-            "wall_s": round(prep["wall_s"], 3),
-            "images_per_s": images / prep["wall_s"],
-            "peak_rss_mib": max(prep["rss_self_bytes"], prep["rss_children_bytes"]) / 2**20,
-        },
-    }
-    log(
-        f"bench: folder: prepare {out['prepare']['images_per_s']:,.0f} images/s, "
-        f"peak RSS {out['prepare']['peak_rss_mib']:,.0f} MiB"
+        return photos, made, Path(cfg.get("work") or WORK / "own")
+    work = Path(cfg.get("work") or WORK / str(cfg["images"]))
+    made = ensure_photos(
+        work / "full", cfg["images"], SEED, lambda m: log(m.replace("bench-prepare", "bench"))
     )
-    card = load_card(prepared)
-    pin = gpu
+    return work / "full" / "photos", made, work
+
+
+def prepare_figures(prep: dict[str, Any], workers: int) -> dict[str, Any]:
+    """prepare's images/s and peak RSS (its own process or its workers', the larger)."""
+    images = prep["images"]
+    return {
+        "images": images,
+        "workers": workers,
+        "wall_s": round(prep["wall_s"], 3),
+        "images_per_s": images / prep["wall_s"],
+        "peak_rss_mib": max(prep["rss_self_bytes"], prep["rss_children_bytes"]) / 2**20,
+    }
+
+
+def data_paths(
+    prepared: Path, photos: Path, size: int, bs: int, workers: int, gpu: bool
+) -> list[tuple[str, str | None, Callable[[], Any], str | None]]:
+    """(row, placement the datamodule must report or None, source factory, data path) for
+    rows (a)-(d): ImageFolder with 0 and ``workers`` workers, the prepared arrays
+    memory-mapped and in RAM, and device-resident on a GPU only."""
+    from trainyard.data.datamodule import ImageDataModule
 
     def module(resident: bool, budget: float) -> ImageDataModule:
         return ImageDataModule(
@@ -253,10 +229,9 @@ def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[s
             memory_budget=budget,
         )
 
-    # (row, placement the datamodule must report or None, source factory, data path)
     paths: list[tuple[str, str | None, Callable[[], Any], str | None]] = [
-        (f"imagefolder_w{k}", None, lambda k=k: textbook_loader(photos, size, bs, k, pin)[0], None)
-        for k in sorted({0, w})
+        (f"imagefolder_w{k}", None, lambda k=k: textbook_loader(photos, size, bs, k, gpu)[0], None)
+        for k in sorted({0, workers})
     ]
     paths += [
         ("prepared_mmap", "mmap", lambda: module(False, 1e-9), "fast"),
@@ -264,19 +239,35 @@ def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[s
     ]
     if gpu:
         paths.append(("prepared_device", "device", lambda: module(True, 0.5), "fast"))
-    out["textbook"] = textbook_loader(photos, size, bs, 0, False)[1]
-    sampler = None
-    if gpu:
-        try:
-            sampler = NvmlSampler()
-        except Exception as err:  # no NVML: rows without utilisation
-            log(f"bench: folder: NVML unavailable ({err}): no GPU utilisation per row")
+    return paths
+
+
+def open_sampler(gpu: bool, log: Callable[[str], None]) -> NvmlSampler | None:
+    """An NVML sampler on a GPU; None on a CPU or where NVML is unavailable."""
+    if not gpu:
+        return None
+    try:
+        return NvmlSampler()
+    except Exception as err:  # no NVML: rows without utilisation
+        log(f"bench: folder: NVML unavailable ({err}): no GPU utilisation per row")
+        return None
+
+
+def measure_rows(
+    paths: list[tuple[str, str | None, Callable[[], Any], str | None]],
+    models: dict[str, int],
+    fit: Callable[[Any, int, str | None], dict[str, Any]],
+    repeats: int,
+    log: Callable[[str], None],
+) -> dict[str, dict[str, Any]]:
+    """Every model x data path, round robin ``repeats`` times: median img/s, and the
+    median data-wait fraction and GPU utilisation of each row."""
     details: dict[str, dict[str, Any]] = {}
 
     def runner(name: str, want: str | None, make: Callable[[], Any], path: str | None, width: int):
         def run() -> float:
             source = make()
-            row = fit_row(source, card, width, device, cfg, path, sampler)
+            row = fit(source, width, path)
             got = getattr(source, "placement", None)
             if want is not None and got != want:  # the row must measure what it says
                 raise SystemExit(f"bench: folder row {name}: placement {got}, expected {want}")
@@ -288,37 +279,97 @@ def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[s
 
         return run
 
-    models = {m: MODELS[m] for m in names}
     rows = {
         f"{m}/{name}": runner(f"{m}/{name}", want, make, path, width)
         for m, width in models.items()
         for name, want, make, path in paths
     }
-    out["models"] = list(models)
-    measured = round_robin(rows, cfg["repeats"], log, "img/s")
+    measured = round_robin(rows, repeats, log, "img/s")
     for name, r in measured.items():
         waits = sorted(v for v in details[name]["waits"] if v is not None)
         r["data_wait_fraction"] = waits[len(waits) // 2] if waits else None
         if details[name]["gpu_util"]:
             util = sorted(details[name]["gpu_util"])
             r["gpu_util_pct"] = util[len(util) // 2]
-    if sampler is not None:
-        sampler.close()
-    out["img_per_s"] = measured
-    out["ratios"], out["targets"] = {}, {}
+    return measured
+
+
+def folder_ratios(
+    measured: dict[str, dict[str, Any]], models: list[str], w: int
+) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """(every TARGETS ratio per model, the first model's targets with their verdicts)."""
+    ratios: dict[str, float] = {}
+    targets: dict[str, dict[str, Any]] = {}
     for m in models:
         for label, (a, b, target) in TARGETS.items():
             key = f"folder [{m}]: {label.format(w=w)}"
             pair = {key: (f"{m}/{a}", f"{m}/{b.format(w=w)}")}
             for k, v in ratios_of(measured, pair).items():
-                out["ratios"][k] = v
-                if target is not None and m == names[0]:  # the targets are the first model's
-                    out["targets"][k] = {"target": target, "met": v >= target}
+                ratios[k] = v
+                if target is not None and m == models[0]:  # the targets are the first model's
+                    targets[k] = {"target": target, "met": v >= target}
+    return ratios, targets
+
+
+def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """The image-folder comparison: prepare's figures, then rows (a)-(d) for each model."""
+    import torch
+
+    from benchmarks.bench_prepare import run_prepare, warm_cache
+    from trainyard.core.card import load_card
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = device == "cuda"
+    # On a GPU the real CNN at a GPU-sized batch: the GPU makes its step cheap already.
+    cfg = (cfg | {"batch_size": cfg["gpu_batch_size"]}) if gpu else cfg
+    size, bs = cfg["image_size"], cfg["batch_size"]
+    names = cfg["gpu_folder_models"] if gpu else cfg["folder_models"]
+    w = cores()
+    photos, made, work = folder_photos(cfg, log)
+    work.mkdir(parents=True, exist_ok=True)
+    warm_cache(photos)  # every path then reads from the page cache alike
+    prepared = work / "prepared"
+    log(f"bench: folder: prepare {photos} -> {size} px uint8 arrays on {w} workers ...")
+    try:
+        prep = run_prepare(photos, prepared, w, size, SEED, keep=True)
+    except SystemExit as err:  # e.g. a bare GPU machine without pydantic: say so, go on
+        log(f"bench: folder data paths skipped: {err}")
+        return {"skipped": str(err)}
+    keys = ("images", "bytes", "size_range_px", "jpeg_quality", "classes", "how")
+    out: dict[str, Any] = {
+        "dataset": {k: made[k] for k in keys},
+        "image_size": size,
+        "batch_size": bs,
+        **{k: cfg[k] for k in ("warmup", "steps", "repeats")},
+        "device": device,
+        "cores": w,
+        "prepare": prepare_figures(prep, w),
+    }
+    log(
+        f"bench: folder: prepare {out['prepare']['images_per_s']:,.0f} images/s, "
+        f"peak RSS {out['prepare']['peak_rss_mib']:,.0f} MiB"
+    )
+    card = load_card(prepared)
+    paths = data_paths(prepared, photos, size, bs, w, gpu)
+    out["textbook"] = textbook_loader(photos, size, bs, 0, False)[1]
+    sampler = open_sampler(gpu, log)
+    models = {m: MODELS[m] for m in names}
+    out["models"] = list(models)
+
+    def fit(source: Any, width: int, path: str | None) -> dict[str, Any]:
+        return fit_row(source, card, width, device, cfg, path, sampler)
+
+    measured = measure_rows(paths, models, fit, cfg["repeats"], log)
+    if sampler is not None:
+        sampler.close()
+    out["img_per_s"] = measured
+    out["ratios"], out["targets"] = folder_ratios(measured, names, w)
     shutil.rmtree(prepared, ignore_errors=True)
     return out
 
 
 def markdown(fd: dict[str, Any]) -> list[str]:
+    """The image-folder part of the docs section, or why it was skipped."""
     if "skipped" in fd:
         return [f"**Data paths on an image folder**: skipped ({fd['skipped']})", ""]
     ds, p = fd["dataset"], fd["prepare"]

@@ -105,6 +105,7 @@ def _best(repo: Path) -> float:
 
 
 def measure(source: Path, work: Path, epochs: int, kill_after: int, limit: int | None) -> dict:
+    """Steps 1-4 above, in a clone of ``source`` under ``work``: their seconds and best val/acc."""
     repo = work / "trainyard"
     subprocess.run(["git", "clone", "-q", str(source), str(repo)], check=True)
     params = yaml.safe_load((repo / "params.yaml").read_text())
@@ -146,6 +147,7 @@ def measure(source: Path, work: Path, epochs: int, kill_after: int, limit: int |
 
 
 def markdown(r: dict[str, Any]) -> str:
+    """The "Resume after a SIGKILL" section of docs/benchmarks.md."""
     data = f"{r['limit']:,} images" if r["limit"] else "full Fashion-MNIST"
     return "\n".join(
         [
@@ -170,7 +172,10 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """``python -m benchmarks.bench_resume``: measure, print, write the JSON and docs section."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_resume", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--kill-after", type=int, default=2, help="epochs done at the SIGKILL")
     parser.add_argument("--limit", type=int, default=None, help="data.limit (default: all)")

@@ -66,7 +66,7 @@ MODULE = "benchmarks.bench_serve"
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line; ``--quick`` already applied to the durations and image count."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     # Whole seconds: wrk's -d takes nothing finer.
     p.add_argument("--seconds", type=int, default=6, help="load per concurrency level, s")
     p.add_argument("--warmup", type=int, default=3, help="load before measuring, s")

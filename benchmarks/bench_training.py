@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import lightning as L
 import numpy as np
 
 from benchmarks.common import classifier
@@ -90,8 +91,6 @@ def lightning_throughput(
     on_window: Callable[[bool], None] | None = None,
 ) -> float:
     """img/s of trainyard's own training (ImageDataModule + Classifier + Lightning)."""
-    import lightning as L
-
     from trainyard.data.datamodule import ImageDataModule
     from trainyard.train.builder import build_trainer
 
@@ -139,9 +138,11 @@ class NvmlSampler:
             time.sleep(self.period)
 
     def window(self, on: bool) -> None:
+        """Sample while ``on``."""
         self.active = on
 
     def close(self) -> dict[str, Any]:
+        """Stop sampling: the number of samples, their mean and median %."""
         self._stop.set()
         self._thread.join()
         s = self.samples
@@ -170,6 +171,7 @@ def training_benchmarks(
     cfg: dict[str, Any],
     log: Callable[[str], None],
 ) -> dict[str, Any]:
+    """Training img/s, plain loop vs Lightning, CPU and (where present) GPU; ratios, GPU use."""
     import torch
 
     arch, bs, steps, warm, reps = (
@@ -249,6 +251,7 @@ def ratios_of(
 
 
 def training_ratios(r: dict[str, Any]) -> dict[str, float]:
+    """The named ratios between training rows, where both rows ran."""
     pairs = {
         "cpu: trainyard (Lightning fast) / plain loop (textbook DataLoader)": (
             "cpu/lightning_fast_fp32",
@@ -286,6 +289,40 @@ def training_ratios(r: dict[str, Any]) -> dict[str, float]:
     return ratios_of(r, pairs)
 
 
+class TargetClock(L.Callback):
+    """Seconds of training steps per epoch (evaluation excluded), the test accuracy after
+    each epoch, and a stop once it reaches ``target``."""
+
+    def __init__(self, device: str, target: float, log: Callable[[str], None]) -> None:
+        self.timer = Timer(device)  # accumulates the training part of every epoch
+        self.target, self.log = target, log
+        self.history: list[dict[str, Any]] = []
+        self.reached: dict[str, Any] | None = None
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self.timer.start()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if trainer.is_last_batch:
+            self.timer.stop()
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.sanity_checking:
+            return
+        acc = float(trainer.callback_metrics["val/acc"])
+        train_s = self.timer.seconds
+        self.history.append(
+            {"epoch": trainer.current_epoch + 1, "train_s": round(train_s, 3), "test_acc": acc}
+        )
+        self.log(
+            f"bench: epoch {trainer.current_epoch + 1}: test acc {acc:.4f} "
+            f"after {train_s:.2f} s of training"
+        )
+        if acc >= self.target and self.reached is None:
+            self.reached = self.history[-1]
+            trainer.should_stop = True
+
+
 def time_to_target(
     data: dict[str, Any],
     preset: dict[str, Any],
@@ -295,7 +332,6 @@ def time_to_target(
 ) -> dict[str, Any]:
     """Train with ``preset``; stop when test accuracy >= target. Seconds count training
     steps only (evaluation after each epoch is excluded, as airbench does)."""
-    import lightning as L
     import torch
 
     from trainyard.data.datamodule import ImageDataModule
@@ -304,36 +340,6 @@ def time_to_target(
     tp = preset["train"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     precision = tp.get("precision", "32-true") if device == "cuda" else "32-true"
-
-    class Clock(L.Callback):
-        def __init__(self) -> None:
-            self.timer = Timer(device)  # accumulates the training part of every epoch
-            self.history: list[dict[str, Any]] = []
-            self.reached: dict[str, Any] | None = None
-
-        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-            self.timer.start()
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-            if trainer.is_last_batch:
-                self.timer.stop()
-
-        def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-            if trainer.sanity_checking:
-                return
-            acc = float(trainer.callback_metrics["val/acc"])
-            train_s = self.timer.seconds
-            self.history.append(
-                {"epoch": trainer.current_epoch + 1, "train_s": round(train_s, 3), "test_acc": acc}
-            )
-            log(
-                f"bench: epoch {trainer.current_epoch + 1}: test acc {acc:.4f} "
-                f"after {train_s:.2f} s of training"
-            )
-            if acc >= target and self.reached is None:
-                self.reached = self.history[-1]
-                trainer.should_stop = True
-
     arrays = dict(data["arrays"])
     arrays["val"] = arrays["test"]  # the target is *test* accuracy, checked each epoch
     L.seed_everything(0, verbose=False)
@@ -356,7 +362,7 @@ def time_to_target(
         channels_last=tp.get("channels_last", False) and device == "cuda",
         compile=tp.get("compile", False),
     )
-    clock = Clock()
+    clock = TargetClock(device, target, log)
     trainer = build_trainer(
         accelerator=device,
         precision=precision,

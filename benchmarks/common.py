@@ -44,6 +44,7 @@ def load_data(raw_dir: Path, limit: int | None, seed: int = 42) -> dict[str, Any
 
 
 def find_raw_dir(given: str | None) -> Path:
+    """The first folder with the Fashion-MNIST IDX files: ``given``, data/raw, Debian's."""
     for candidate in (given, "data/raw", str(DEBIAN_DIR)):
         if candidate and (Path(candidate) / "train-images-idx3-ubyte.gz").is_file():
             return Path(candidate)
@@ -61,6 +62,7 @@ def classifier(arch: str, card: Card, **kw: Any) -> Any:
 
 
 def hardware() -> dict[str, Any]:
+    """The CPU, GPU and library versions the figures were measured with."""
     import torch
 
     info: dict[str, Any] = {
@@ -86,6 +88,7 @@ def hardware() -> dict[str, Any]:
 
 
 def hardware_label(hw: dict[str, Any]) -> str:
+    """The hardware in a few words: GPU + CPU, or the CPU alone."""
     cpu = f"{hw['cpu']} ({hw['cpu_threads']} threads)"
     return f"{hw['gpu']} + {cpu}" if hw.get("gpu") else cpu
 

@@ -8,14 +8,16 @@ benchmarks in one run, written to JSON, a chart and this hardware's docs section
 Measures (warm-up excluded, medians of repeats, ratios printed beside absolutes):
 1. training img/s for the same model and batch: a plain PyTorch loop vs trainyard's
    Lightning training; the naive per-sample DataLoader vs the fast path; fp32 vs mixed;
-   the same on the GPU (if any), the GPU/CPU speed-up, NVML utilisation (bench.training);
+   the same on the GPU (if any), the GPU/CPU speed-up, NVML utilisation
+   (benchmarks/bench_training.py);
 2. an image folder of JPEGs read four ways: torchvision ImageFolder + DataLoader (0 and
    all-core workers), prepared arrays memory-mapped, in RAM, device-resident; with prepare's
-   own images/s and peak RSS (bench.datapaths; ``--folder-images``, ``--skip-folder``);
+   own images/s and peak RSS (benchmarks/bench_datapaths.py; ``--folder-images``,
+   ``--skip-folder``);
 3. inference latency/throughput at batch 1, 64, 1024: torch eager vs ONNX Runtime, on
-   CPU and, where present, CUDA (bench.inference);
+   CPU and, where present, CUDA (benchmarks/bench_inference.py);
 4. with --time-to-target (on by --gpu-check): the `fast` preset's seconds to 93% test
-   accuracy (bench.training).
+   accuracy (benchmarks/bench_training.py).
 
 The parent process imports only torch, lightning, numpy, Pillow, onnx, onnxruntime (and
 matplotlib, yaml): this must run on a bare GPU machine with no mlflow, dvc, bentoml or
@@ -29,6 +31,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +93,8 @@ QUICK = {
 }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line of ``python -m benchmarks``."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description=__doc__,
@@ -128,11 +132,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--skip-folder", action="store_true")
     parser.add_argument("--skip-inference", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    import torch
-    import yaml
 
+def bench_config(args: argparse.Namespace) -> dict[str, Any]:
+    """QUICK or FULL, with the folder options of the command line."""
     cfg = json.loads(json.dumps(QUICK if args.quick else FULL))  # a deep copy
     if args.folder_images:
         cfg["folder"]["images"] = args.folder_images
@@ -140,6 +144,66 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg["folder"]["work"] = args.folder_work
     if args.folder:
         cfg["folder"]["photos"] = args.folder
+    return cfg
+
+
+def run_parts(
+    args: argparse.Namespace, data: dict[str, Any], cfg: dict[str, Any], log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Each measurement the command line asks for, by its result key."""
+    import torch
+    import yaml
+
+    out: dict[str, Any] = {}
+    if not args.skip_training:
+        from benchmarks.bench_training import training_benchmarks
+
+        out["training"] = training_benchmarks(data, cfg, log)
+    if not args.skip_folder:
+        from benchmarks.bench_datapaths import folder_benchmarks
+
+        out["folder_data_paths"] = folder_benchmarks(cfg["folder"], log)
+    if not args.skip_inference:
+        from benchmarks.bench_inference import inference_benchmarks
+
+        out["inference"] = inference_benchmarks(data, cfg, log)
+    if args.time_to_target or args.gpu_check:
+        if torch.cuda.is_available() or args.quick:
+            from benchmarks.bench_training import time_to_target
+
+            preset = yaml.safe_load(Path(args.preset).read_text())
+            out["time_to_target"] = time_to_target(
+                data, preset, args.target, 1 if args.quick else args.max_epochs, log
+            )
+        else:
+            out["time_to_target"] = None
+            log("bench: no CUDA GPU here: time-to-target skipped (it is a GPU figure)")
+    return out
+
+
+def write_outputs(
+    args: argparse.Namespace, result: dict[str, Any], log: Callable[[str], None]
+) -> None:
+    """The JSON, the chart and this hardware's docs section; the section printed."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"bench: wrote {out}")
+    if args.chart:
+        chart(result, Path(args.chart))
+        log(f"bench: wrote {args.chart}")
+    if args.docs:
+        key = "gpu" if result["hardware"].get("gpu") else "cpu"
+        update_docs(Path(args.docs), f"{key}{'-quick' if args.quick else ''}", markdown(result))
+        log(f"bench: updated {args.docs}")
+    print()
+    print(markdown(result))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmarks, write their JSON, chart and docs section; the result."""
+    args = parse_args(argv)
+    cfg = bench_config(args)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     # Lightning announces the accelerators (and a tip) at every fit: dozens of fits here.
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -153,42 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "classes": data["card"].num_classes,
     }
     t0 = time.perf_counter()
-    if not args.skip_training:
-        from benchmarks.bench_training import training_benchmarks
-
-        result["training"] = training_benchmarks(data, cfg, log)
-    if not args.skip_folder:
-        from benchmarks.bench_datapaths import folder_benchmarks
-
-        result["folder_data_paths"] = folder_benchmarks(cfg["folder"], log)
-    if not args.skip_inference:
-        from benchmarks.bench_inference import inference_benchmarks
-
-        result["inference"] = inference_benchmarks(data, cfg, log)
-    if args.time_to_target or args.gpu_check:
-        if torch.cuda.is_available() or args.quick:
-            from benchmarks.bench_training import time_to_target
-
-            preset = yaml.safe_load(Path(args.preset).read_text())
-            result["time_to_target"] = time_to_target(
-                data, preset, args.target, 1 if args.quick else args.max_epochs, log
-            )
-        else:
-            result["time_to_target"] = None
-            log("bench: no CUDA GPU here: time-to-target skipped (it is a GPU figure)")
+    result.update(run_parts(args, data, cfg, log))
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
-
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"bench: wrote {out}")
-    if args.chart:
-        chart(result, Path(args.chart))
-        log(f"bench: wrote {args.chart}")
-    if args.docs:
-        key = "gpu" if hw.get("gpu") else "cpu"
-        update_docs(Path(args.docs), f"{key}{'-quick' if args.quick else ''}", markdown(result))
-        log(f"bench: updated {args.docs}")
-    print()
-    print(markdown(result))
+    write_outputs(args, result, log)
     return result

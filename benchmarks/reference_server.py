@@ -38,12 +38,14 @@ def _predict(data: bytes) -> dict:
 
 
 async def classify(request: Request) -> JSONResponse:
+    """POST /classify: the prediction for the multipart ``image`` upload."""
     form = await request.form()
     data = await form["image"].read()
     return JSONResponse(await run_in_threadpool(_predict, data))
 
 
 async def readyz(request: Request) -> JSONResponse:
+    """Ready once the module, and so the model, has loaded."""
     return JSONResponse({"ok": True})
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks import datapaths
+from benchmarks import bench_datapaths as datapaths
 from benchmarks.common import bars, hardware_label
 
 
 def markdown(result: dict[str, Any]) -> str:
+    """This hardware's section of docs/benchmarks.md, from the result."""
     hw, tr, inf = result["hardware"], result.get("training"), result.get("inference")
     lines = [
         f"### {hardware_label(hw)}",
@@ -79,6 +80,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def chart(result: dict[str, Any], path: Path) -> None:
+    """The result's img/s bar charts (training, inference, image folder) as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -221,6 +221,7 @@ def rss_growth(samples: dict[str, list[tuple[float, int]]]) -> dict[str, dict[st
 
 
 def verdict(result: dict[str, Any]) -> dict[str, Any]:
+    """Pass: no errors, no unexpected status, RSS growth under the limit, no worker lost."""
     counts, rss = result["counts"], result["rss"]
     growth = [w["growth"] for w in rss.values() if w["growth"] is not None]
     worst = max(growth) if growth else None
@@ -326,6 +327,7 @@ class RssSampler(threading.Thread):
         self._done = threading.Event()
 
     def sample(self) -> None:
+        """One RSS sample of every worker now; a worker gone is noted as lost."""
         import psutil
 
         now = time.monotonic() - self.t0
@@ -341,11 +343,13 @@ class RssSampler(threading.Thread):
             self.sample()
 
     def stop(self) -> None:
+        """Stop the periodic sampling and wait for its thread."""
         self._done.set()
         self.join()
 
 
 def run_wrk(url: str, script: Path, clients: int, seconds: int) -> dict[str, Any]:
+    """One wrk run of the mix: rates, latencies, socket errors and each status code's count."""
     cmd = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, int(seconds))}s", "--timeout", "10s"]
     cmd += ["-s", str(script), url]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60).stdout
@@ -366,9 +370,11 @@ def run_wrk(url: str, script: Path, clients: int, seconds: int) -> dict[str, Any
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line of ``python -m benchmarks.soak``."""
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--seconds", type=int, default=60, help="load, s (after the warm-up)")
     p.add_argument("--clients", type=int, default=64, help="wrk connections")
     p.add_argument("--warmup", type=int, default=10, help="load before the first RSS sample, s")
@@ -376,7 +382,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", default=str(REPO / "docs/benchmarks.md"))
     p.add_argument("--json", default=str(REPO / "reports/soak.json"))
     p.add_argument("--render", action="store_true", help="only rewrite the docs from --json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def soak_run(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str, Any]:
+    """The service started, warmed up, then loaded while each worker's RSS is sampled:
+    wrk's figures, the workers, their samples, those lost, and the server log's tail."""
+    script = lua_script(tmp, mix_bodies(settings.max_batch_images))
+    model = REPO / "models/model.onnx"
+    proc, url, ready_s = start_server(REPO / "params.yaml", model, tmp / "serve.log")
+    try:
+        pids = worker_pids(proc.pid)
+        print(f"ready in {ready_s:.1f} s, workers {pids}; warm-up {args.warmup} s", flush=True)
+        run_wrk(url, script, args.clients, args.warmup)
+        time.sleep(1)  # idle: what the warm-up left, not what is in flight
+        sampler = RssSampler(pids, args.interval)
+        sampler.sample()
+        sampler.start()
+        print(f"soak: {args.clients} clients for {args.seconds} s", flush=True)
+        load = run_wrk(url, script, args.clients, args.seconds)
+        time.sleep(1)
+        sampler.stop()
+        sampler.sample()
+        lost = sorted(set(sampler.lost) | (set(pids) - set(worker_pids(proc.pid))))
+    finally:
+        stop_server(proc)
+        log_tail = (tmp / "serve.log").read_text(errors="replace")[-2000:]
+    return {"load": load, "pids": pids, "samples": sampler.samples, "lost": lost, "log": log_tail}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`make soak`; ``--render`` only rewrites the docs section from the JSON."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if args.render:
         result = json.loads(Path(args.json).read_text())
         replace_section(Path(args.docs), markdown(result), SECTION)
@@ -385,39 +423,19 @@ def main(argv: list[str] | None = None) -> int:
     if ready is None:
         return 2
     settings, command = ready
-    model = REPO / "models/model.onnx"
     from trainyard.core.host import cpu_name
     from trainyard.core.io import atomic_write_json
 
     loadavg = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp_name:
-        tmp = Path(tmp_name)
-        script = lua_script(tmp, mix_bodies(settings.max_batch_images))
-        proc, url, ready_s = start_server(REPO / "params.yaml", model, tmp / "serve.log")
-        try:
-            pids = worker_pids(proc.pid)
-            print(f"ready in {ready_s:.1f} s, workers {pids}; warm-up {args.warmup} s", flush=True)
-            run_wrk(url, script, args.clients, args.warmup)
-            time.sleep(1)  # idle: what the warm-up left, not what is in flight
-            sampler = RssSampler(pids, args.interval)
-            sampler.sample()
-            sampler.start()
-            print(f"soak: {args.clients} clients for {args.seconds} s", flush=True)
-            load = run_wrk(url, script, args.clients, args.seconds)
-            time.sleep(1)
-            sampler.stop()
-            sampler.sample()
-            lost = sorted(set(sampler.lost) | (set(pids) - set(worker_pids(proc.pid))))
-        finally:
-            stop_server(proc)
-            log_tail = (tmp / "serve.log").read_text(errors="replace")[-2000:]
-
+        run = soak_run(args, settings, Path(tmp_name))
+    load = run["load"]
     statuses = load.pop("statuses")
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": command,
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "loadavg": loadavg},
-        "workers": len(pids),
+        "workers": len(run["pids"]),
         "access_log": settings.access_log,
         "clients": args.clients,
         "seconds": args.seconds,
@@ -428,9 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         "statuses": {str(s): n for s, n in sorted(statuses.items())},
         "socket": load["socket"],
         "counts": classify_statuses(statuses, load["socket"]),
-        "rss": rss_growth(sampler.samples),
-        "rss_samples": sampler.samples,
-        "workers_lost": lost,
+        "rss": rss_growth(run["samples"]),
+        "rss_samples": run["samples"],
+        "workers_lost": run["lost"],
     }
     result["verdict"] = verdict(result)
     atomic_write_json(args.json, result)
@@ -444,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"wrote {args.json} and the '{SECTION}' section of {args.docs}")
     if not v["passed"]:
-        print(f"server log tail:\n{log_tail}", file=sys.stderr)
+        print(f"server log tail:\n{run['log']}", file=sys.stderr)
     return 0 if v["passed"] else 1
 
 

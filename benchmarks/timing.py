@@ -32,10 +32,12 @@ class Timer:
         self._t0: float | None = None
 
     def start(self) -> None:
+        """Open a window (after the device's queued work)."""
         sync(self.device)
         self._t0 = time.perf_counter()
 
     def stop(self) -> float:
+        """Close the window: its seconds, also added to ``seconds``."""
         if self._t0 is None:
             raise RuntimeError("Timer.stop() before start()")
         sync(self.device)
@@ -46,6 +48,7 @@ class Timer:
 
     @property
     def running(self) -> bool:
+        """Whether a window is open."""
         return self._t0 is not None
 
     def __enter__(self) -> Timer:
@@ -93,6 +96,7 @@ class StepWindow(L.Callback):
 
     @property
     def img_per_s(self) -> float:
+        """Images per second over the timed steps; raises if the window never closed."""
         if self.timer.running or self.timer.seconds == 0:
             raise RuntimeError("the timed window did not complete: too few steps in the fit")
         return self.steps * self.batch_size / self.timer.seconds

@@ -1,17 +1,18 @@
-"""The benchmark runs on the CPU in quick mode (GPU parts skipped) and writes valid output."""
+"""The benchmark runs on the CPU in quick mode (GPU parts skipped) and writes valid output;
+its on-demand DVC stage (benchmarks/dvc.yaml) watches every module that run imports."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import REPO
-
-pytestmark = pytest.mark.slow
 
 # Runs the benchmark as `make gpu-check` would, then proves it never imported the tracking,
 # pipeline or serving stacks (the GPU machine has none of them).
@@ -63,6 +64,7 @@ def bench_run(fashion_dir, tmp_path_factory):
     return tmp, proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_json_has_every_cpu_measurement(bench_run):
     tmp, _ = bench_run
     result = json.loads((tmp / "bench.json").read_text())
@@ -84,6 +86,7 @@ def test_bench_json_has_every_cpu_measurement(bench_run):
     assert result["hardware"]["cpu_threads"] >= 1
 
 
+@pytest.mark.slow
 def test_image_folder_data_paths_side_by_side(bench_run):
     tmp, _ = bench_run
     result = json.loads((tmp / "bench.json").read_text())
@@ -114,6 +117,7 @@ def test_image_folder_data_paths_side_by_side(bench_run):
     assert f"| {m}/prepared_mmap |" in docs and f"folder [{m}]: prepared memmap" in docs
 
 
+@pytest.mark.slow
 def test_gpu_parts_are_skipped_with_a_message_on_cpu(bench_run):
     tmp, out = bench_run
     result = json.loads((tmp / "bench.json").read_text())
@@ -124,6 +128,7 @@ def test_gpu_parts_are_skipped_with_a_message_on_cpu(bench_run):
     assert not any(k.startswith("cuda/") for k in result["training"]["img_per_s"])
 
 
+@pytest.mark.slow
 def test_time_to_target_path_runs(bench_run):
     tmp, _ = bench_run
     ttt = json.loads((tmp / "bench.json").read_text())["time_to_target"]
@@ -132,9 +137,59 @@ def test_time_to_target_path_runs(bench_run):
     assert ttt["history"][0]["test_acc"] > 0.2
 
 
+@pytest.mark.slow
 def test_chart_and_docs_section(bench_run):
     tmp, _ = bench_run
     assert (tmp / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     docs = (tmp / "benchmarks.md").read_text()
     assert "## Serving\nkept as is" in docs  # other sections untouched
     assert "<!-- bench:cpu-quick:start -->" in docs and "| cpu/lightning_fast_fp32 |" in docs
+
+
+ROOTS = {"benchmarks": REPO, "trainyard": REPO / "src"}
+
+
+def module_file(name: str) -> Path | None:
+    """The file of module ``name`` of benchmarks or trainyard; None for anything else."""
+    root = ROOTS.get(name.split(".")[0])
+    if root is None:
+        return None
+    path = root.joinpath(*name.split("."))
+    if (path / "__init__.py").is_file():
+        return path / "__init__.py"
+    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else None
+
+
+def imported(path: Path) -> set[str]:
+    """benchmarks and trainyard modules ``path`` imports, lazily or not, with their packages."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    parents = {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)}
+    return {n for n in parents if module_file(n)}
+
+
+def test_bench_stage_deps_cover_what_python_m_benchmarks_imports():
+    stage = yaml.safe_load((REPO / "benchmarks/dvc.yaml").read_text())["stages"]["bench"]
+    assert stage["wdir"] == ".." and stage["cmd"].startswith("exec python -m benchmarks ")
+    deps = [Path(d) for d in stage["deps"]]
+    # The folder itself would hold this stage's dvc.lock: never up to date.
+    assert Path("benchmarks") not in deps
+    todo, seen = {"benchmarks", "benchmarks.__main__"}, set()
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        todo |= imported(module_file(name)) - seen
+    files = {module_file(n).relative_to(REPO) for n in seen}
+    assert Path("benchmarks/bench_datapaths.py") in files  # the walk follows lazy imports
+    missing = [f for f in sorted(files) if not any(f == d or d in f.parents for d in deps)]
+    assert missing == []
+    unused = [
+        d
+        for d in deps
+        if d != Path("data/raw") and not any(d == f or d in f.parents for f in files)
+    ]
+    assert unused == []
