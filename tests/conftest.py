@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from trainyard.data.idx import write_idx_bytes
+from trainyard.track.records import TrainRecord
 
 REPO = Path(__file__).resolve().parents[1]
 FASHION_DIR = Path(os.environ.get("TRAINYARD_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))
@@ -144,7 +145,7 @@ def train_concurrently(repo: Path, outs: list[str], **env: str) -> list[Path]:
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out[-3000:]
         assert "database is locked" not in out
-    return [repo / out / "train.json" for out in outs]
+    return [TrainRecord.path_in(repo / out) for out in outs]
 
 
 def stop_group(proc: subprocess.Popen, timeout: float = 15) -> bool:

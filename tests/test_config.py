@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from trainyard.core.config import Params, load_params, parse_params
+from trainyard.core.config import Params, flatten, load_params, parse_params
 from trainyard.core.errors import ParamsError
 
 from conftest import REPO
@@ -19,6 +19,19 @@ def test_repository_params_are_valid_and_complete():
     params = load_params(REPO / "params.yaml")
     # Every key the code knows is spelled out in params.yaml (documented where users look).
     assert set(params.flat()) == set(Params().flat())
+
+
+def test_model_defaults_are_the_repository_params():
+    # One place for defaults: a default that drifts from params.yaml, or a new key whose
+    # default differs from (or is missing in) the file, fails here by its dotted name.
+    defaults = flatten(Params().model_dump(mode="json"))
+    in_file = flatten(repo_params())
+    differ = {
+        key: (defaults.get(key, "<not in the model>"), in_file.get(key, "<not in params.yaml>"))
+        for key in sorted(set(defaults) | set(in_file))
+        if defaults.get(key, object()) != in_file.get(key, object())
+    }
+    assert differ == {}, f"model default vs params.yaml: {differ}"
 
 
 def test_unknown_nested_key_is_named():

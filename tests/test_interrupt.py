@@ -28,20 +28,28 @@ from typing import Any
 import pytest
 import yaml
 
+from trainyard.track.records import (
+    EXPORT_RECORD,
+    REGISTRY_RECORD,
+    TRAIN_RECORD,
+    Registration,
+    RegistryRecord,
+    TrainRecord,
+)
 from trainyard.track.registry import CHALLENGER, CHAMPION, SHA_TAG, register_and_promote
 from trainyard.track.runs import END_REASON_TAG
 
 from conftest import REPO, dvc, set_params, small_pipeline_repo, stage_env
 
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
-EXPORT_OUTS = ("models/model.onnx", "models/model.onnx.sha256", "reports/export.json")
+EXPORT_OUTS = ("models/model.onnx", "models/model.onnx.sha256", str(EXPORT_RECORD))
 REPORTS = (
     "reports/predictions.csv",
     "reports/confusion_matrix.png",
     "reports/classification_report.json",
     "reports/metrics.json",
 )
-EVALUATE_OUTS = (*REPORTS, "reports/registry.json")
+EVALUATE_OUTS = (*REPORTS, str(REGISTRY_RECORD))
 MODEL = "fashion-mnist-classifier"
 
 
@@ -355,7 +363,7 @@ def client_of(repo: Path):
 
 
 def train_run(repo: Path):
-    run_id = json.loads((repo / "models/train.json").read_text())["run_id"]
+    run_id = TrainRecord.read(repo / TRAIN_RECORD).run_id
     return client_of(repo).get_run(run_id)
 
 
@@ -374,13 +382,13 @@ def check_finished_again(repo: Path, stage: str) -> None:
     check_nothing_running(repo)
 
 
-def check_registry_json(repo: Path) -> dict:
+def check_registry_json(repo: Path) -> Registration:
     """reports/registry.json says what the registry holds; no half-made version in it."""
-    record = json.loads((repo / "reports/registry.json").read_text())
+    record = RegistryRecord.read(repo / REGISTRY_RECORD).registration
     versions, aliases = registry_state(client_of(repo), MODEL)
     check_registry_consistent(versions, aliases)
-    assert aliases[record["alias"]] == record["version"]
-    tags = versions[record["version"]]
+    assert aliases[record.alias] == record.version
+    tags = versions[record.version]
     assert tags[SHA_TAG] == (repo / "models/model.onnx.sha256").read_text().split()[0]
     shas = [t[SHA_TAG] for t in versions.values()]
     assert len(shas) == len(set(shas)), "the same model registered twice"
@@ -435,7 +443,7 @@ def test_ctrl_c_in_export(repo, tmp_path):
     # 3. The next dvc repro exports, evaluates and registers the new model.
     check_rerun_finishes(repo, {"export", "evaluate"})
     check_finished_again(repo, "export")
-    assert check_registry_json(repo)["version"] == 2
+    assert check_registry_json(repo).version == 2
 
 
 @pytest.mark.slow
@@ -554,9 +562,9 @@ def test_ctrl_c_in_the_registry_step(repo, tmp_path):
     stood = 3 in versions
     assert (f"this model is already {MODEL} v3" in out) == stood
     # MLflow never reuses a number: an undone v3 makes the rerun's v4.
-    assert record["version"] == (3 if stood else 4)
+    assert record.version == (3 if stood else 4)
     versions, aliases = registry_state(client_of(repo), MODEL)
-    assert set(versions) == {1, 2, record["version"]}
+    assert set(versions) == {1, 2, record.version}
     assert aliases[CHAMPION] == (
-        record["version"] if record["alias"] == CHAMPION else aliases_before[CHAMPION]
+        record.version if record.alias == CHAMPION else aliases_before[CHAMPION]
     )

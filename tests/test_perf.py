@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainyard.core.card import Card
 from trainyard.data.datamodule import TensorBatches
 from trainyard.model.classifier import Classifier
+from trainyard.track.records import InputBound
 from trainyard.train.builder import build_trainer
 from trainyard.train.perf import InputBoundMeter, StepTotals, level_of, verdict
 
@@ -223,6 +224,7 @@ def test_data_path_and_placement_come_from_trainyards_datamodule(tmp_path, one_t
     trainer.fit(Classifier(card=card(3, 16), arch="cnn"), datamodule=dm)
     r = meter.result
     assert (r["data_path"], r["placement"], r["steps"]) == ("naive", "ram", 8 - 3)
+    assert set(r) == set(InputBound.model_fields)  # what train.json's record holds
     assert "data path naive, data ram, cpu" in r["why"]
     if r["level"] != "not input-bound":
         assert "train.data_path: fast" in r["fix"]

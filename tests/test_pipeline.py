@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trainyard.track.records import REGISTRY_RECORD, TRAIN_RECORD, RegistryRecord, TrainRecord
+
 from conftest import dvc, set_params, small_pipeline_repo, stage_env, train_concurrently
 
 pytestmark = pytest.mark.slow
@@ -65,9 +67,9 @@ def test_metrics_file_has_test_and_export_parity(repo):
 def test_mlflow_run_holds_params_metrics_artifacts(repo):
     from mlflow.tracking import MlflowClient
 
-    info = json.loads((repo / "models/train.json").read_text())
+    info = TrainRecord.read(repo / TRAIN_RECORD)
     client = MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
-    run = client.get_run(info["run_id"])
+    run = client.get_run(info.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.max_epochs"] == "1"
     assert run.data.params["data.limit"] == "3000"
@@ -77,23 +79,23 @@ def test_mlflow_run_holds_params_metrics_artifacts(repo):
     for key in ("val/acc", "val/loss", "train/loss_step", "export/max_abs_diff", "lr-AdamW"):
         assert key in metrics, key
     assert len(client.get_metric_history(run.info.run_id, "train/loss_step")) >= 2
-    assert run.data.tags["data.sha256"] == info["data_sha256"]
+    assert run.data.tags["data.sha256"] == info.data_sha256
     assert run.data.tags["device"] == "cpu"
     assert run.data.tags["git.commit"] == run.data.tags["mlflow.source.git.commit"] != "unknown"
     assert run.data.tags["data.dvc_md5"].endswith(".dir")  # DVC's hash of data/prepared
     assert "system/cpu_utilization_percentage" in metrics  # MLflow's system metrics
     # The input-bound verdict (perf.py): per-epoch split of the step, one verdict, a tag.
-    verdict = info["input_bound"]
-    assert verdict["level"] in ("input-bound", "moderately input-bound", "not input-bound")
-    assert 0 <= verdict["data_wait_fraction"] <= 1 and verdict["fix"] and verdict["steps"] >= 1
-    assert (verdict["data_path"], verdict["placement"]) == ("fast", "ram")
+    verdict = info.input_bound
+    assert verdict.level in ("input-bound", "moderately input-bound", "not input-bound")
+    assert 0 <= verdict.data_wait_fraction <= 1 and verdict.fix and verdict.steps >= 1
+    assert (verdict.data_path, verdict.placement) == ("fast", "ram")
     for key in ("perf/data_wait_fraction", "perf/step_ms", "perf/compute_ms", "perf/h2d_ms"):
         assert key in metrics, key
-    assert run.data.tags["perf.verdict"] == verdict["level"]
+    assert run.data.tags["perf.verdict"] == verdict.level
     assert "trainyard: input-bound verdict: " in (repo / "first_repro.log").read_text()
     inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}
     assert set(inputs) == {"fashion-mnist-train", "fashion-mnist-val"}
-    assert inputs["fashion-mnist-train"].dataset.digest.startswith(info["data_sha256"][:16])
+    assert inputs["fashion-mnist-train"].dataset.digest.startswith(info.data_sha256[:16])
     assert len(run.outputs.model_outputs) == 1  # the ONNX model, logged as an MLflow model
     artifacts = {
         a.path
@@ -118,8 +120,8 @@ def test_first_version_is_champion_and_its_file_is_the_exported_one(repo):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    registry = json.loads((repo / "reports/registry.json").read_text())
-    assert (registry["version"], registry["alias"]) == (1, "champion")
+    registry = RegistryRecord.read(repo / REGISTRY_RECORD).registration
+    assert (registry.version, registry.alias) == (1, "champion")
     uri = f"sqlite:///{repo}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
     version = client.get_model_version_by_alias("fashion-mnist-classifier", "champion")
@@ -138,9 +140,9 @@ def test_worse_train_params_rerun_train_export_evaluate_only_and_become_challeng
     set_params(repo, train={"lr": 0.002, "limit_train_batches": 1})
     out = dvc(repo, "repro")
     assert ran(out.stdout) == {"train", "export", "evaluate"}
-    registry = json.loads((repo / "reports/registry.json").read_text())
-    assert (registry["version"], registry["alias"]) == (2, "challenger")
-    assert "does not beat champion v1" in registry["reason"]
+    registry = RegistryRecord.read(repo / REGISTRY_RECORD).registration
+    assert (registry.version, registry.alias) == (2, "challenger")
+    assert "does not beat champion v1" in registry.reason
     assert "registered fashion-mnist-classifier v2 as challenger" in out.stdout
     from mlflow.tracking import MlflowClient
 
@@ -157,8 +159,7 @@ def test_two_trainings_at_once_on_the_embedded_store(repo):
     infos = train_concurrently(repo, ["concurrent0", "concurrent1"])
     client = MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
     for path in infos:
-        info = json.loads(path.read_text())
-        run = client.get_run(info["run_id"])
+        run = client.get_run(TrainRecord.read(path).run_id)
         assert run.info.status == "FINISHED"
         assert {"val/acc", "train/loss_epoch", "train/img_per_s"} <= set(run.data.metrics)
         assert run.data.params["train.lr"] == "0.002"
@@ -196,9 +197,9 @@ def test_ddp_on_two_cpu_processes_logs_one_run(repo, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "MEMBER: 2/2" in out.stdout + out.stderr
     assert out.stdout.count("trainyard: epoch 2/2") == 1  # rank 0 prints, rank 1 does not
-    info = json.loads((tmp_path / "ddp/train.json").read_text())
+    info = TrainRecord.read(TrainRecord.path_in(tmp_path / "ddp"))
     assert len(client.search_runs([exp.experiment_id])) == before + 1
-    run = client.get_run(info["run_id"])
+    run = client.get_run(info.run_id)
     assert run.data.params["train.devices"] == "2"
     # Two epochs on 2,500 images: well above chance (0.10), whichever rank computed it.
     assert run.data.metrics["val/acc"] > 0.5

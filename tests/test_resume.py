@@ -14,9 +14,12 @@ import pytest
 import torch
 
 from trainyard.core.config import parse_params
+from trainyard.track.records import TRAIN_RECORD, TrainRecord
 from trainyard.track.runs import END_REASON_TAG
 from trainyard.train.resume import (
+    KEY_CODE,
     LAST_CKPT,
+    PACKAGE,
     RESUME_ROOT,
     STATE_FILE,
     AtomicCheckpointIO,
@@ -47,6 +50,11 @@ def test_key_follows_what_defines_the_training():
     # knobs that do not change what is learned
     assert key_of(resume="never") == base
     assert key_of(checkpoint_every_min=1) == base
+
+
+def test_key_hashes_the_model_and_data_code_that_is_there():
+    # A moved file would hash as "" and a code change would resume an old checkpoint.
+    assert [name for name in KEY_CODE if not (PACKAGE / name).is_file()] == []
 
 
 @pytest.fixture
@@ -223,8 +231,7 @@ def check_resumed(repo: Path, run_id: str, rerun: subprocess.CompletedProcess) -
     out = rerun.stdout + rerun.stderr
     assert "trainyard: resuming from epoch" in out, out[-3000:]
     assert f"MLflow run {run_id}" in out
-    info = json.loads((repo / "models/train.json").read_text())
-    assert info["run_id"] == run_id
+    assert TrainRecord.read(repo / TRAIN_RECORD).run_id == run_id
     client = client_of(repo)
     exp = client.get_experiment_by_name("trainyard")
     running = client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
@@ -250,12 +257,13 @@ def test_sigkill_in_train_then_rerun_resumes_the_same_run(repo, tmp_path):
     seconds = time.perf_counter() - t0
     check_resumed(repo, run_id, rerun)
     # train.deterministic on the CPU: identical to the uninterrupted reference run
-    ref_id = json.loads((repo / "reference/train.json").read_text())["run_id"]
+    reference = TrainRecord.read(TrainRecord.path_in(repo / "reference"))
+    ref_id = reference.run_id
     for key in ("val/acc", "val/loss", "train/loss_step", "lr-AdamW"):
         assert history(client, run_id, key) == history(client, ref_id, key), key
     ref_s = float((repo / "reference/seconds").read_text())
-    fit_s = json.loads((repo / "models/train.json").read_text())["fit_time_s"]
-    ref_fit_s = json.loads((repo / "reference/train.json").read_text())["fit_time_s"]
+    fit_s = TrainRecord.read(repo / TRAIN_RECORD).fit_time_s
+    ref_fit_s = reference.fit_time_s
     print(
         f"\nresumed rerun {seconds:.1f}s (fit {fit_s:.1f}s) vs uninterrupted training "
         f"{ref_s:.1f}s (fit {ref_fit_s:.1f}s)"

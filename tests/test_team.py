@@ -24,6 +24,7 @@ from PIL import Image
 
 from trainyard.core.io import sha256_file
 from trainyard.data.idx import read_idx
+from trainyard.track.records import EXPORT_RECORD, REGISTRY_RECORD, TRAIN_RECORD
 
 from conftest import VENV_BIN, dvc, git_env, small_pipeline_repo, stop_group
 
@@ -33,12 +34,12 @@ STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 CACHED = ("data/raw", "data/prepared", "models/best.ckpt", "models/model.onnx")
 # The small `cache: false` outs: committed to git beside dvc.lock.
 IN_GIT = (
-    "models/train.json",
+    str(TRAIN_RECORD),
     "models/model.onnx.sha256",
-    "reports/export.json",
+    str(EXPORT_RECORD),
     "reports/metrics.json",
     "reports/classification_report.json",
-    "reports/registry.json",
+    str(REGISTRY_RECORD),
     "reports/predictions.csv",
     "reports/confusion_matrix.png",
 )

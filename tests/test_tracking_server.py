@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import time
@@ -11,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from trainyard.track.records import TRAIN_RECORD, TrainRecord
 
 from conftest import VENV_BIN, dvc, small_pipeline_repo, stage_env, stop_group, train_concurrently
 
@@ -82,9 +83,9 @@ def test_run_is_on_the_server_with_system_metrics_and_dataset(server, repo):
     from mlflow.tracking import MlflowClient
 
     assert not (repo / "mlflow.db").exists()  # nothing went to the embedded store
-    info = json.loads((repo / "models/train.json").read_text())
+    info = TrainRecord.read(repo / TRAIN_RECORD)
     client = MlflowClient(tracking_uri=server)
-    run = client.get_run(info["run_id"])
+    run = client.get_run(info.run_id)
     assert run.info.status == "FINISHED"
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # proxied by the server
     metrics = run.data.metrics
@@ -103,8 +104,8 @@ def test_model_version_and_champion_alias_on_the_server(server, repo):
 
     client = MlflowClient(tracking_uri=server)
     champion = client.get_model_version_by_alias("fashion-mnist-classifier", "champion")
-    info = json.loads((repo / "models/train.json").read_text())
-    assert champion.run_id == info["run_id"]
+    info = TrainRecord.read(repo / TRAIN_RECORD)
+    assert champion.run_id == info.run_id
     assert (
         champion.tags["onnx_sha256"] == (repo / "models/model.onnx.sha256").read_text().split()[0]
     )
@@ -147,8 +148,7 @@ def test_two_trainings_at_once_against_the_server_both_complete(server, repo):
     client = MlflowClient(tracking_uri=server)
     run_ids = set()
     for path in infos:
-        info = json.loads(path.read_text())
-        run = client.get_run(info["run_id"])
+        run = client.get_run(TrainRecord.read(path).run_id)
         run_ids.add(run.info.run_id)
         assert run.info.status == "FINISHED"
         assert {"val/acc", "train/loss_epoch", "system/cpu_utilization_percentage"} <= set(

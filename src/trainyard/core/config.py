@@ -2,6 +2,8 @@
 
 Every stage validates the *whole* file, so a mistyped key anywhere fails fast with its
 dotted name (``train.max_epoch: unknown key``) instead of being silently ignored.
+The models' defaults are params.yaml's values (tests/test_config.py holds them equal), so
+code that builds ``Params()`` without the file runs what the pipeline runs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class _Strict(BaseModel):
 
 class DataParams(_Strict):
     source: Literal["fashion-mnist", "folder"] = "fashion-mnist"
-    folder: str | None = None
+    folder: str | None = "examples/shapes"  # a bundled 3-class sample
     on_bad_file: Literal["error", "skip"] = "error"
     # folder source
     image_size: (
@@ -43,7 +45,12 @@ class DataParams(_Strict):
     # fashion-mnist source
     source_dir: str | None = None
     debian_dir: str = "/usr/share/datasets/fashion-mnist"
-    mirrors: list[str] = Field(default_factory=list)
+    mirrors: list[str] = Field(
+        default_factory=lambda: [
+            "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+            "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/",
+        ]
+    )
     download_timeout_s: float = Field(60.0, gt=0, le=3600)
     val_size: int = Field(5000, ge=10)
     limit: int | None = Field(None, ge=20, le=TRAIN_POOL_SIZE)
@@ -86,7 +93,7 @@ class DataParams(_Strict):
 class TrainParams(_Strict):
     arch: Literal["cnn", "resnet", "resnet18", "mobilenet_v3_small", "efficientnet_b0"] = "cnn"
     pretrained: str | None = None
-    max_epochs: int = Field(8, ge=1, le=1000)
+    max_epochs: int = Field(10, ge=1, le=1000)
     batch_size: int = Field(256, ge=1, le=65536)
     lr: float = Field(3e-3, gt=0, le=10)
     weight_decay: float = Field(5e-4, ge=0, le=1)

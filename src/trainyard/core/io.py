@@ -32,10 +32,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` as UTF-8 to ``path``, atomically."""
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> Path:
+    """Write ``obj`` as JSON (sorted keys, indent 2, final newline) to ``path``, atomically."""
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
@@ -70,6 +72,8 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    """The sha256 hex digest of a file's bytes, read ``chunk`` bytes at a time (the one
+    file hash: checkpoints, ONNX models, pretrained weights, resume-key code)."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(chunk):

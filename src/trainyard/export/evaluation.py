@@ -311,6 +311,8 @@ def write_reports(
     labels: np.ndarray,
     reports_dir: str | os.PathLike[str],
 ) -> dict[str, Path]:
+    """predictions.csv, confusion_matrix.png and classification_report.json into
+    ``reports_dir`` (each atomically); returns their paths by name."""
     reports_dir = Path(reports_dir)
     m, classes = result["metrics"], result["classes"]
     paths = {

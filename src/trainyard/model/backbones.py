@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from trainyard.core.errors import ParamsError
+from trainyard.core.io import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +92,6 @@ def _adapt_conv(conv: nn.Module, in_channels: int) -> nn.Conv2d:
     return new
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _pretrained_state_dict(arch: str, pretrained: str) -> tuple[Mapping[str, Any], dict[str, str]]:
     """(state dict, {source, sha256}) for ``pretrained``; ParamsError when unusable."""
     if pretrained == "imagenet":
@@ -138,7 +131,7 @@ def _pretrained_state_dict(arch: str, pretrained: str) -> tuple[Mapping[str, Any
             f"{PRETRAINED_KEY}: {path} holds a {type(state).__name__}, not a state dict "
             f"(names -> tensors){hint}"
         )
-    return state, {"source": str(path), "sha256": _sha256_file(path)}
+    return state, {"source": str(path), "sha256": sha256_file(path)}
 
 
 def _imagenet_state_dict(arch: str) -> tuple[Mapping[str, Any], dict[str, str]]:
@@ -158,7 +151,7 @@ def _imagenet_state_dict(arch: str) -> tuple[Mapping[str, Any], dict[str, str]]:
         ) from None
     # load_state_dict_from_url keeps the file in torch hub's cache: hash the bytes loaded.
     cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
-    sha = _sha256_file(cached) if cached.is_file() else _sha256_tensors(state)
+    sha = sha256_file(cached) if cached.is_file() else _sha256_tensors(state)
     return state, {"source": f"torchvision:{type(weights).__name__}.{weights.name}", "sha256": sha}
 
 

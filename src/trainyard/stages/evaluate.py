@@ -1,51 +1,82 @@
 """DVC stage `evaluate`: the ONNX model on the full test set -> reports/ + the MLflow run."""
 
 import argparse
-import json
 from pathlib import Path
+from typing import Any
 
 import mlflow
+import numpy as np
 
 from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json
 from trainyard.data.datamodule import load_split
 from trainyard.export.evaluation import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.common import stage_main
+from trainyard.track.records import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.track.registry import register_and_promote
-from trainyard.track.runs import logging_into, open_run, read_run_file
+from trainyard.track.runs import logging_into, open_run
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    """Where the evaluate stage reads and writes (dvc.yaml passes the same)."""
     p.add_argument("--data", default="data/prepared")
     p.add_argument("--models", default="models")
     p.add_argument("--reports", default="reports")
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
-    info = read_run_file(f"{args.models}/train.json")
-    run_id = open_run(info)
-    export_report = json.loads(Path(args.reports, "export.json").read_text())
+    """Evaluate the ONNX model, write the reports, log them, register the model."""
+    info = TrainRecord.read(TrainRecord.path_in(args.models))
+    run_id = open_run(info.run_id)
+    exported = ExportRecord.read(ExportRecord.path_in(args.reports))
     images, labels = load_split(args.data, "test")
     result = evaluate_onnx(
-        f"{args.models}/model.onnx",
+        Path(args.models, "model.onnx"),
         images,
         labels,
         params.evaluate.batch_size,
         params.evaluate.device,
     )
-    m = result["metrics"]
-    paths = write_reports(result, labels, args.reports)
-    metrics = {
-        "test": {
-            "accuracy": m["accuracy"],
-            "macro_f1": m["macro_f1"],
-            "samples": m["samples"],
-            "provider": m["provider"],
+    paths = write_metrics(result, labels, args.reports, info, exported)
+    log_evaluation(run_id, result, paths)
+    enabled = params.registry.enabled
+    registration = register(params, run_id, result, info, exported) if enabled else None
+    record = RegistryRecord(enabled=enabled, registration=registration)
+    record.write(RegistryRecord.path_in(args.reports))
+
+
+def stage_metrics(
+    metrics: dict[str, Any], info: TrainRecord, exported: ExportRecord
+) -> dict[str, Any]:
+    """``reports/metrics.json`` (what `dvc metrics` shows): test, export and train numbers."""
+    return {
+        "test": {k: metrics[k] for k in ("accuracy", "macro_f1", "samples", "provider")},
+        "export": {
+            "max_abs_diff": exported.max_abs_diff,
+            "argmax_agreement": exported.argmax_agreement,
+            "samples": exported.samples,
         },
-        "export": {k: export_report[k] for k in ("max_abs_diff", "argmax_agreement", "samples")},
-        "train": {"best_val_acc": info["best_val_acc"], "fit_time_s": info["fit_time_s"]},
+        "train": {"best_val_acc": info.best_val_acc, "fit_time_s": info.fit_time_s},
     }
-    atomic_write_json(Path(args.reports, "metrics.json"), metrics)
+
+
+def write_metrics(
+    result: dict[str, Any],
+    labels: np.ndarray,
+    reports: str,
+    info: TrainRecord,
+    exported: ExportRecord,
+) -> dict[str, Path]:
+    """The four reports into ``reports``; returns those logged to MLflow (not metrics.json)."""
+    paths = write_reports(result, labels, reports)
+    metrics = stage_metrics(result["metrics"], info, exported)
+    atomic_write_json(Path(reports, "metrics.json"), metrics)
+    return paths
+
+
+def log_evaluation(run_id: str, result: dict[str, Any], paths: dict[str, Path]) -> None:
+    """Test accuracy, macro and per-class F1, and the reports, into the train run."""
+    m = result["metrics"]
     with logging_into(run_id, "evaluate"):
         print(
             f"evaluate: test accuracy {m['accuracy']:.4f} on {m['samples']} images "
@@ -62,44 +93,51 @@ def run(params: Params, args: argparse.Namespace) -> None:
         )
         for path in paths.values():
             mlflow.log_artifact(str(path), "evaluation")
-    registry: dict = {"enabled": params.registry.enabled}
-    if params.registry.enabled:
-        name = params.registry_model_name()
-        # Registration is a handful of registry writes that must all land or none: name the
-        # step, so a failure or a Ctrl-C here is not taken for one in the metrics above.
-        print(f"evaluate: registering the model in {name}")
-        registry |= register_and_promote(
+
+
+def register(
+    params: Params,
+    run_id: str,
+    result: dict[str, Any],
+    info: TrainRecord,
+    exported: ExportRecord,
+) -> Registration:
+    """A new registry version of the exported model, `champion` or `challenger`; its record
+    is also tagged on the run and said on the console."""
+    name = params.registry_model_name()
+    # Registration is a handful of registry writes that must all land or none: name the
+    # step, so a failure or a Ctrl-C here is not taken for one in the metrics above.
+    print(f"evaluate: registering the model in {name}")
+    reg = Registration(
+        **register_and_promote(
             mlflow.MlflowClient(),
             name,
-            export_report["mlflow_model_uri"],
+            exported.mlflow_model_uri,
             run_id,
-            m["accuracy"],
-            info["data_version"],
-            export_report["onnx_sha256"],
+            result["metrics"]["accuracy"],
+            info.data_version,
+            exported.onnx_sha256,
             params.registry.promote_margin,
             contract=result["card"],
         )
-        with logging_into(run_id, "evaluate"):
-            mlflow.set_tags(
-                {
-                    "registry.model": registry["model_name"],
-                    "registry.version": str(registry["version"]),
-                    "registry.alias": registry["alias"],
-                    "registry.reason": registry["reason"],
-                }
-            )
-        if registry["already_registered"]:
-            print(
-                f"evaluate: this model is already {registry['model_name']} "
-                f"v{registry['version']} ({registry['alias']}), not registered again: "
-                f"{registry['reason']}"
-            )
-        else:
-            print(
-                f"evaluate: registered {registry['model_name']} v{registry['version']} as "
-                f"{registry['alias']}: {registry['reason']}"
-            )
-    atomic_write_json(Path(args.reports, "registry.json"), registry)
+    )
+    with logging_into(run_id, "evaluate"):
+        mlflow.set_tags(
+            {
+                "registry.model": reg.model_name,
+                "registry.version": str(reg.version),
+                "registry.alias": reg.alias,
+                "registry.reason": reg.reason,
+            }
+        )
+    if reg.already_registered:
+        print(
+            f"evaluate: this model is already {reg.model_name} v{reg.version} ({reg.alias}), "
+            f"not registered again: {reg.reason}"
+        )
+    else:
+        print(f"evaluate: registered {reg.model_name} v{reg.version} as {reg.alias}: {reg.reason}")
+    return reg
 
 
 if __name__ == "__main__":

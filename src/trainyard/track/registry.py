@@ -57,6 +57,7 @@ def log_onnx_model(onnx_path: str | os.PathLike[str], example: np.ndarray) -> st
 
 
 def current_alias(client: Any, name: str, alias: str) -> Any | None:
+    """The version of ``name`` that ``alias`` points at, or None (no such model or alias)."""
 
     try:
         return client.get_model_version_by_alias(name, alias)

@@ -1,10 +1,10 @@
-"""MLflow plumbing: where runs go, a fast reachability check, and the run handed between stages."""
+"""MLflow plumbing: where runs go, a fast reachability check, lineage, system metrics, and
+the train run reopened by the later stages."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
 import platform
@@ -29,11 +29,10 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 from trainyard import __version__
 from trainyard.core.errors import Terminated, TrackingError
-from trainyard.core.io import atomic_write_json
+from trainyard.track.records import TRAIN_RECORD
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = "train.json"  # written by train, read by export and evaluate
 # Why a run ended other than FINISHED (Ctrl-C, SIGTERM, an error), set by every stage that
 # ends a run early; kept as PREVIOUS_END_TAG once the run is finished again.
 END_REASON_TAG = "trainyard.end_reason"
@@ -127,34 +126,20 @@ def run_tags(root: str | os.PathLike[str], data_sha256: str, device: str) -> dic
     }
 
 
-def write_run_file(path: str | os.PathLike[str], info: dict[str, Any]) -> None:
-    atomic_write_json(path, info)
-
-
-def read_run_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise TrackingError(f"{path}: missing; run `dvc repro train` first")
-    info = json.loads(path.read_text())
-    if "run_id" not in info:
-        raise TrackingError(f"{path}: has no run_id; rerun the train stage")
-    return info
-
-
-def open_run(info: dict[str, Any], root: str | os.PathLike[str] = ".") -> str:
-    """Point MLflow at the current store, check the train run is there, return its id."""
+def open_run(run_id: str, root: str | os.PathLike[str] = ".") -> str:
+    """Point MLflow at the current store, check the train run ``run_id`` is there, return it."""
 
     uri = resolve_tracking_uri(root)
     check_tracking_uri(uri)
     mlflow.set_tracking_uri(uri)
     try:
-        mlflow.get_run(info["run_id"])
+        mlflow.get_run(run_id)
     except MlflowException as err:
         raise TrackingError(
-            f"MLflow run {info['run_id']} (from {RUN_FILE}) is not in the tracking store {uri}: "
-            f"{err.message}. Rerun train with the same MLFLOW_TRACKING_URI."
+            f"MLflow run {run_id} (from {TRAIN_RECORD.name}) is not in the tracking store "
+            f"{uri}: {err.message}. Rerun train with the same MLFLOW_TRACKING_URI."
         ) from None
-    return info["run_id"]
+    return run_id
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,26 +19,26 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from mlflow import MlflowClient
 
-from trainyard.core.card import CARD_FILE
-from trainyard.core.config import Params
+from trainyard.core.card import CARD_FILE, Card
+from trainyard.core.config import MlflowParams, Params, TrainParams
 from trainyard.core.io import atomic_file, sha256_file
 from trainyard.data.datamodule import ImageDataModule
 from trainyard.data.hardware import resolve_device
 from trainyard.model.classifier import Classifier
+from trainyard.track.records import TrainRecord
 from trainyard.track.runs import (
-    RUN_FILE,
     SystemMetrics,
     check_tracking_uri,
     dvc_data_version,
     log_dataset_inputs,
     resolve_tracking_uri,
     run_tags,
-    write_run_file,
 )
 from trainyard.train.builder import build_trainer
 from trainyard.train.perf import InputBoundMeter
 from trainyard.train.resume import (
     AtomicCheckpointIO,
+    Resume,
     ResumeCallback,
     end_killed,
     interruptions,
@@ -120,24 +121,87 @@ class EpochTimer(L.Callback):
         )
 
 
+@dataclass(frozen=True)
+class Hardware:
+    """Where and how the fit runs: Lightning's accelerator, the precision, the torch device."""
+
+    accelerator: str
+    precision: str
+    device: str
+
+
+@dataclass
+class TrackedRun:
+    """The MLflow run a fit logs to, and the resume folder that goes with it."""
+
+    uri: str
+    logger: MLFlowLogger
+    client: MlflowClient | None  # rank 0 only: resume bookkeeping, ending a killed run
+    resume: Resume
+    lead: bool  # rank 0, the one rank that owns the MLflow run (under DDP all run this)
+    dvc_md5: str  # DVC's hash of data/prepared, "" when dvc.lock has none
+
+    @property
+    def run_id(self) -> str:
+        """The MLflow run's id (Lightning's logger creates the run on first use)."""
+        return self.logger.run_id
+
+
+@dataclass
+class FitSetup:
+    """The trainer, and the callbacks whose results become the stage's outputs."""
+
+    trainer: L.Trainer
+    checkpoint: ModelCheckpoint
+    meter: InputBoundMeter
+
+
 def train(
     params: Params,
     data_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     root: str | os.PathLike[str] = ".",
     params_file: str | os.PathLike[str] | None = None,
-) -> dict[str, Any]:
-    """Fit the model; write ``out_dir/best.ckpt`` and ``out_dir/train.json`` (run id)."""
+) -> TrainRecord | None:
+    """Fit the model; write ``out_dir/best.ckpt`` and ``out_dir/train.json`` (run id).
 
-    tp = params.train
+    Returns the record written, or None on a DDP rank other than 0 (which writes nothing).
+    """
     out_dir = Path(out_dir)
     uri = resolve_tracking_uri(root)
     check_tracking_uri(uri)  # before any work: a dead server fails in seconds
+    hw = resolve_hardware(params.train)
+    L.seed_everything(params.seed, workers=True, verbose=False)
+    dm = load_data(params, data_dir)
+    model = build_model(params, dm.card)
+    tracked = open_tracking(params, root, uri, out_dir, dm.card, model, hw)
+    if tracked.lead:
+        log_run_inputs(tracked, dm, data_dir, params_file)
+        tracked.resume.write_state(tracked.run_id, tracked.logger.experiment_id, uri)
+    setup = build_fit(params.train, hw, tracked, dm.card.counts["train"]["total"], out_dir)
+    fit_s = run_fit(setup, model, dm, tracked, params.mlflow)
+    if setup.trainer.global_rank != 0:
+        return None
+    record = write_outputs(params, out_dir, tracked, setup, hw, dm, fit_s)
+    tracked.resume.finish()  # done: a forced rerun of the same params trains anew
+    print(
+        f"trainyard: best val/acc {float(setup.checkpoint.best_model_score):.4f}; "
+        f"MLflow run {record.run_id} at {uri}"
+    )
+    return record
+
+
+def resolve_hardware(tp: TrainParams) -> Hardware:
+    """The accelerator, precision and device ``train.*`` come to on this machine, said once."""
     accelerator, precision, device = resolve_device(tp)
     log.info("training on %s (accelerator=%s, precision=%s)", device, accelerator, precision)
     print(f"trainyard: training on {device} (accelerator={accelerator}, precision={precision})")
+    return Hardware(accelerator, precision, device)
 
-    L.seed_everything(params.seed, workers=True, verbose=False)
+
+def load_data(params: Params, data_dir: str | os.PathLike[str]) -> ImageDataModule:
+    """The prepared splits as a data module; says what they hold and warns of a tiny run."""
+    tp = params.train
     dm = ImageDataModule(
         data_dir,
         batch_size=tp.batch_size,
@@ -154,7 +218,13 @@ def train(
     )
     if warning := few_steps_warning(card.counts["train"]["total"], tp.batch_size, tp.max_epochs):
         log.warning(warning)  # once: "[train] WARNING ..." (it was also printed: twice)
-    model = Classifier(
+    return dm
+
+
+def build_model(params: Params, card: Card) -> Classifier:
+    """The classifier ``train.*`` describes, for the data ``card`` describes."""
+    tp = params.train
+    return Classifier(
         card=card.contract(),
         arch=tp.arch,
         lr=tp.lr,
@@ -167,10 +237,14 @@ def train(
         pretrained=tp.pretrained,
     )
 
-    tags = run_tags(root, card.data_sha256, device)
-    dvc_md5 = dvc_data_version(root)
+
+def lineage_tags(
+    root: str | os.PathLike[str], card: Card, model: Classifier, hw: Hardware, dvc_md5: str
+) -> dict[str, str]:
+    """The run's tags: code, data, host, device, and the pretrained weights if any."""
+    tags = run_tags(root, card.data_sha256, hw.device)
     tags["data.dvc_md5"] = dvc_md5 or "not in dvc.lock"
-    tags["precision"] = precision
+    tags["precision"] = hw.precision
     tags["data.source"] = card.source
     tags["data.classes"] = str(card.num_classes)
     tags["data.input_shape"] = "x".join(str(d) for d in card.input_shape)
@@ -179,10 +253,27 @@ def train(
         # Which weights the backbone started from, and their exact bytes.
         tags["pretrained.source"] = model.pretrained_info["source"]
         tags["pretrained.sha256"] = model.pretrained_info["sha256"]
+    return tags
+
+
+def open_tracking(
+    params: Params,
+    root: str | os.PathLike[str],
+    uri: str,
+    out_dir: Path,
+    card: Card,
+    model: Classifier,
+    hw: Hardware,
+) -> TrackedRun:
+    """The fit's MLflow run: an interrupted run of this very training, reopened, or a new
+    one with the params and the lineage tags."""
+    dvc_md5 = dvc_data_version(root)
+    tags = lineage_tags(root, card, model, hw, dvc_md5)
+    lead = rank_zero_only.rank == 0
     # An interrupted run of these exact params, data and code resumes: same MLflow run.
-    mlc = MlflowClient(tracking_uri=uri) if rank_zero_only.rank == 0 else None
+    mlc = MlflowClient(tracking_uri=uri) if lead else None
     key = resume_key(params, card.data_sha256, uri, out_dir)
-    resume = prepare_resume(root, key, tp.resume, uri, mlc, lead=rank_zero_only.rank == 0)
+    resume = prepare_resume(root, key, params.train.resume, uri, mlc, lead=lead)
     logger = MLFlowLogger(
         experiment_name=params.mlflow.experiment,
         tracking_uri=uri,
@@ -194,30 +285,41 @@ def train(
         reopen_run(mlc, resume.run_id, params.flat())
     else:
         logger.log_hyperparams(params.flat())
-    # Under DDP every rank runs this script; only rank 0 owns the MLflow run.
-    lead = rank_zero_only.rank == 0
-    client, run_id = logger.experiment, logger.run_id
-    if lead:
-        splits = {split: dm.split_arrays(split) for split in ("train", "val")}
-        log_dataset_inputs(
-            client,
-            run_id,
-            splits,
-            card.data_sha256,
-            source=str(Path(data_dir).resolve()),
-            name=card.source,
-        )
-        if params_file is not None:
-            client.log_artifact(run_id, str(params_file), "config")
-        # The card (classes, normalisation, counts, every skipped file and why) beside the run.
-        client.log_artifact(run_id, str(Path(data_dir) / CARD_FILE), "data")
-        client.log_metric(run_id, "data/skipped_files", len(card.skipped))
+    return TrackedRun(uri, logger, mlc, resume, lead, dvc_md5)
 
+
+def log_run_inputs(
+    tracked: TrackedRun,
+    dm: ImageDataModule,
+    data_dir: str | os.PathLike[str],
+    params_file: str | os.PathLike[str] | None,
+) -> None:
+    """What the run learns from (rank 0 only): the splits as datasets, params and card."""
+    card = dm.card
+    client, run_id = tracked.logger.experiment, tracked.run_id
+    splits = {split: dm.split_arrays(split) for split in ("train", "val")}
+    log_dataset_inputs(
+        client,
+        run_id,
+        splits,
+        card.data_sha256,
+        source=str(Path(data_dir).resolve()),
+        name=card.source,
+    )
+    if params_file is not None:
+        client.log_artifact(run_id, str(params_file), "config")
+    # The card (classes, normalisation, counts, every skipped file and why) beside the run.
+    client.log_artifact(run_id, str(Path(data_dir) / CARD_FILE), "data")
+    client.log_metric(run_id, "data/skipped_files", len(card.skipped))
+
+
+def checkpoint_callbacks(
+    tp: TrainParams, tracked: TrackedRun
+) -> tuple[ModelCheckpoint, list[L.Callback]]:
+    """The best checkpoint's callback, and those that keep a resumable last checkpoint."""
     # Best and last checkpoints live in the resume folder (outside DVC's outs; emptied by a
     # fresh start, so no stale files and no -v1 names); last.ckpt is what a rerun resumes.
-    ckpt_dir = resume.folder
-    if lead:
-        resume.write_state(run_id, logger.experiment_id, uri)
+    ckpt_dir = tracked.resume.folder
     checkpoint = ModelCheckpoint(
         dirpath=ckpt_dir,
         filename="best",
@@ -227,7 +329,7 @@ def train(
         save_last=True,
         enable_version_counter=False,
     )
-    resume_callbacks: list[L.Callback] = [ResumeCallback(resume, run_id)]
+    resume_callbacks: list[L.Callback] = [ResumeCallback(tracked.resume, tracked.run_id)]
     if tp.checkpoint_every_min > 0:  # long epochs: last.ckpt also every N minutes
         resume_callbacks.append(
             ModelCheckpoint(
@@ -238,15 +340,22 @@ def train(
                 enable_version_counter=False,
             )
         )
-    early = EarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
+    return checkpoint, resume_callbacks
 
+
+def build_fit(
+    tp: TrainParams, hw: Hardware, tracked: TrackedRun, train_images: int, out_dir: Path
+) -> FitSetup:
+    """The trainer with trainyard's callbacks: checkpoints, early stopping, timing, meter."""
+    checkpoint, resume_callbacks = checkpoint_callbacks(tp, tracked)
+    early = EarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
     # Data wait / host->device copy / compute per step; the input-bound verdict at the end.
     meter = InputBoundMeter(data_path=tp.data_path, device_resident=tp.device_resident)
     trainer = build_trainer(
-        accelerator=accelerator,
+        accelerator=hw.accelerator,
         devices=tp.devices,
-        precision=precision,
-        logger=logger,
+        precision=hw.precision,
+        logger=tracked.logger,
         callbacks=[
             checkpoint,
             early,
@@ -265,62 +374,86 @@ def train(
         plugins=[AtomicCheckpointIO()],  # tmp + rename: a kill never leaves half a checkpoint
         deterministic=tp.deterministic,
         # per-step loss at least ~5 times an epoch, even on the small slices tests use
-        log_every_n_steps=max(1, min(10, -(-card.counts["train"]["total"] // tp.batch_size) // 5)),
+        log_every_n_steps=max(1, min(10, -(-train_images // tp.batch_size) // 5)),
         limit_train_batches=tp.limit_train_batches,
     )
+    return FitSetup(trainer, checkpoint, meter)
+
+
+def run_fit(
+    setup: FitSetup,
+    model: Classifier,
+    dm: ImageDataModule,
+    tracked: TrackedRun,
+    mp: MlflowParams,
+) -> float:
+    """Fit (from the last checkpoint when resuming) with system metrics; its seconds.
+
+    A SIGTERM/SIGINT ends the run KILLED, keeps the checkpoint and exits 143/130.
+    """
+    resume = tracked.resume
     t0 = time.perf_counter()
-    mp = params.mlflow
     monitor = SystemMetrics(
-        run_id, uri, mp.system_metrics_interval_s, mp.system_metrics and lead, resume.resuming
+        tracked.run_id,
+        tracked.uri,
+        mp.system_metrics_interval_s,
+        mp.system_metrics and tracked.lead,
+        resume.resuming,
     )
     try:
         with interruptions(resume), monitor:
-            trainer.fit(model, datamodule=dm, ckpt_path=resume.ckpt_path)
+            setup.trainer.fit(model, datamodule=dm, ckpt_path=resume.ckpt_path)
     except BaseException:
         if resume.signal is None:
             resume.release()
             raise
-    if resume.signal is not None:  # SIGTERM/SIGINT: run KILLED, checkpoint kept, exit 143/130
-        if lead:
-            end_killed(resume, mlc, run_id, trainer)
+    if resume.signal is not None:
+        if tracked.lead:
+            end_killed(resume, tracked.client, tracked.run_id, setup.trainer)
         raise SystemExit(128 + resume.signal)
-    fit_s = time.perf_counter() - t0
-    if trainer.global_rank != 0:
-        return {}
+    return time.perf_counter() - t0
 
-    best = Path(checkpoint.best_model_path)
+
+def write_outputs(
+    params: Params,
+    out_dir: Path,
+    tracked: TrackedRun,
+    setup: FitSetup,
+    hw: Hardware,
+    dm: ImageDataModule,
+    fit_s: float,
+) -> TrainRecord:
+    """``out_dir/best.ckpt`` (also logged to the run) and the record ``out_dir/train.json``."""
+    checkpoint, logger = setup.checkpoint, tracked.logger
     best_dest = out_dir / BEST_CKPT
     with atomic_file(best_dest) as tmp:
-        shutil.copyfile(best, tmp)
+        shutil.copyfile(Path(checkpoint.best_model_path), tmp)
     ckpt_sha = sha256_file(best_dest)
     logger.experiment.log_artifact(logger.run_id, str(best_dest), "checkpoints")
     best_acc = float(checkpoint.best_model_score)
     logger.experiment.log_metric(logger.run_id, "train/fit_time_s", fit_s)
-    info = {
-        "run_id": logger.run_id,
-        "experiment_id": logger.experiment_id,
-        "experiment": params.mlflow.experiment,
-        "best_val_acc": round(best_acc, 6),
-        "best_epoch": int(_ckpt_epoch(best_dest)),
-        "epochs_run": int(trainer.current_epoch),
-        "device": device,
-        "precision": precision,
-        "checkpoint": BEST_CKPT,
-        "checkpoint_sha256": ckpt_sha,
-        "data_sha256": card.data_sha256,
-        # What the registry records as the data version: DVC's hash where dvc.lock has it.
-        "data_version": dvc_md5 or card.data_sha256,
-        "data_placement": dm.placement,
-        "fit_time_s": round(fit_s, 2),
+    card = dm.card
+    record = TrainRecord(
+        run_id=logger.run_id,
+        experiment_id=logger.experiment_id,
+        experiment=params.mlflow.experiment,
+        best_val_acc=round(best_acc, 6),
+        best_epoch=int(_ckpt_epoch(best_dest)),
+        epochs_run=int(setup.trainer.current_epoch),
+        device=hw.device,
+        precision=hw.precision,
+        checkpoint=BEST_CKPT,
+        checkpoint_sha256=ckpt_sha,
+        data_sha256=card.data_sha256,
+        data_version=tracked.dvc_md5 or card.data_sha256,
+        data_placement=dm.placement,
+        fit_time_s=round(fit_s, 2),
         # perf.py: level, data_wait_fraction, why, fix, ms per step (also MLflow tag perf.verdict)
-        "input_bound": meter.result,
-    }
-    write_run_file(out_dir / RUN_FILE, info)
-    resume.finish()  # done: a forced rerun of the same params trains anew
-    print(f"trainyard: best val/acc {best_acc:.4f}; MLflow run {logger.run_id} at {uri}")
-    return info
+        input_bound=setup.meter.result,
+    )
+    record.write(TrainRecord.path_in(out_dir))
+    return record
 
 
 def _ckpt_epoch(path: Path) -> int:
-
     return int(torch.load(path, map_location="cpu", weights_only=True).get("epoch", -1))

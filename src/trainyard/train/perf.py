@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning as L
@@ -41,6 +41,7 @@ LEVELS = ("input-bound", "moderately input-bound", "not input-bound")
 
 
 def level_of(data_wait_fraction: float) -> str:
+    """input-bound, moderately input-bound or not input-bound, by TensorFlow's thresholds."""
     if data_wait_fraction >= INPUT_BOUND:
         return "input-bound"
     if data_wait_fraction >= MODERATE:
@@ -157,12 +158,14 @@ class StepTotals:
     compute_ms: float = 0.0
 
     def add(self, wait: float, h2d: float, compute: float) -> None:
+        """Count one step of these milliseconds."""
         self.steps += 1
         self.wait_ms += wait
         self.h2d_ms += h2d
         self.compute_ms += compute
 
     def merge(self, other: StepTotals) -> None:
+        """Add ``other``'s steps to these."""
         self.steps += other.steps
         self.wait_ms += other.wait_ms
         self.h2d_ms += other.h2d_ms
@@ -170,12 +173,24 @@ class StepTotals:
 
     @property
     def step_ms(self) -> float:
+        """Summed milliseconds of the whole steps: wait + copy + compute."""
         return self.wait_ms + self.h2d_ms + self.compute_ms
 
     def fraction(self, part: float) -> float:
+        """``part`` (milliseconds) as a fraction of the summed step time."""
         return part / self.step_ms if self.step_ms > 0 else 0.0
 
+    def since(self, before: StepTotals) -> StepTotals:
+        """The steps added after ``before`` (an earlier copy of these totals)."""
+        return StepTotals(
+            self.steps - before.steps,
+            self.wait_ms - before.wait_ms,
+            self.h2d_ms - before.h2d_ms,
+            self.compute_ms - before.compute_ms,
+        )
+
     def means(self) -> dict[str, float]:
+        """The data-wait fraction and the mean milliseconds per step of each part."""
         n = max(self.steps, 1)
         return {
             "data_wait_fraction": self.fraction(self.wait_ms),
@@ -186,11 +201,117 @@ class StepTotals:
         }
 
 
+class StepClock:
+    """Four marks per training step, turned into data wait / h2d / compute milliseconds.
+
+    On a GPU the marks are CUDA events on the current stream, resolved in bulk (one wait at
+    the epoch's end, or every 4096 steps), never in the loop; on a CPU, perf_counter
+    readings. The first ``warmup_steps`` steps of the fit are summed in ``warmup``, apart
+    from the ``measured`` rest.
+    """
+
+    def __init__(self, cuda: bool = False, warmup_steps: int = WARMUP_STEPS) -> None:
+        self.cuda, self.warmup_steps = cuda, warmup_steps
+        self.measured, self.warmup = StepTotals(), StepTotals()
+        self._pending: list[tuple[Any, Any, Any, Any]] = []
+        self._prev_end: Any = None
+        self._t0: Any = None
+        self._t1: Any = None
+        self._seen = 0
+        self._warmup_n = warmup_steps
+
+    def mark(self) -> Any:
+        """A point in time: a recorded CUDA event, or a perf_counter reading."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()  # on the current stream: ordered with the copy and the kernels
+            return event
+        return time.perf_counter()
+
+    def gap(self, a: Any, b: Any) -> float:
+        """Milliseconds from mark ``a`` to mark ``b`` (both resolved)."""
+        if self.cuda:
+            return float(a.elapsed_time(b))
+        return (b - a) * 1000.0
+
+    def epoch_start(self, batches: Any) -> None:
+        """A train epoch of ``batches`` steps begins: its first wait counts from now."""
+        if self._seen == 0:
+            # Warm-up: at most half the first epoch, so short runs keep measured steps.
+            n = batches
+            if isinstance(n, (int, float)) and math.isfinite(n) and n > 0:
+                self._warmup_n = min(self.warmup_steps, int(n) // 2)
+        self._pending = []
+        self._prev_end = self.mark()
+        self._t0 = self._t1 = None
+
+    def copy_start(self) -> None:
+        """The host->device copy of the step's batch begins."""
+        self._t0 = self.mark()
+
+    def copy_end(self) -> None:
+        """The copy is issued (on a GPU: recorded after it on the stream)."""
+        self._t1 = self.mark()
+
+    def step_start(self) -> None:
+        """A step begins; without a timed copy (e.g. a dataloader_iter step) it has none."""
+        if self._t0 is None:
+            self._t0 = self._t1 = self.mark()
+
+    def step_end(self) -> None:
+        """A step ends (forward, backward, optimizer done); the next wait counts from now."""
+        end = self.mark()
+        if self._prev_end is not None and self._t0 is not None:
+            self._pending.append((self._prev_end, self._t0, self._t1, end))
+        self._prev_end, self._t0, self._t1 = end, None, None
+        if self.cuda and len(self._pending) > 4096:
+            self.resolve(keep=256)  # bounded memory on long epochs; the old events are done
+
+    def restart_wait(self) -> None:
+        """Time outside the step (validation) is not data wait: the next counts from now."""
+        self._prev_end = self.mark()
+
+    def resolve(self, keep: int = 0) -> StepTotals:
+        """Turn pending marks into milliseconds (one wait on a CUDA event, not per step);
+        returns the measured (not warm-up) ones among them."""
+        done, self._pending = (
+            (self._pending[:-keep], self._pending[-keep:]) if keep else (self._pending, [])
+        )
+        epoch = StepTotals()
+        if not done:
+            return epoch
+        if self.cuda:
+            done[-1][3].synchronize()
+        for prev_end, t0, t1, end in done:
+            wait, h2d, compute = self.gap(prev_end, t0), self.gap(t0, t1), self.gap(t1, end)
+            target = self.warmup if self._seen < self._warmup_n else self.measured
+            self._seen += 1
+            target.add(max(wait, 0.0), max(h2d, 0.0), max(compute, 0.0))
+            if target is self.measured:
+                epoch.add(max(wait, 0.0), max(h2d, 0.0), max(compute, 0.0))
+        return epoch
+
+    def epoch_end(self) -> StepTotals:
+        """The epoch's measured steps (its warm-up ones when it had no other), resolved."""
+        warm_before, before = replace(self.warmup), replace(self.measured)
+        self.resolve()
+        epoch = self.measured.since(before)
+        if epoch.steps == 0:  # all warm-up (a very short epoch): report those, not nothing
+            epoch = self.warmup.since(warm_before)
+        return epoch
+
+    def totals(self) -> tuple[StepTotals, bool]:
+        """(the measured steps, False), or (the warm-up ones, True) when none was measured."""
+        if self.measured.steps == 0:
+            return self.warmup, True
+        return self.measured, False
+
+
 class InputBoundMeter(L.Callback):
     """Per-step data wait / host->device copy / compute; per-epoch ``perf/*`` metrics; one
     verdict at the end of training (``self.result``), printed, and set as the MLflow tags
     ``perf.verdict`` and ``perf.fix`` when the trainer logs to MLflow. Only rank 0 logs,
-    prints and tags.
+    prints and tags. The timing itself is a ``StepClock`` (``self.clock``).
 
     ``data_path`` / ``device_resident``: trainyard's settings, for the fix; by default
     read from the trainer's datamodule (None for a plain DataLoader: a custom loader).
@@ -207,32 +328,8 @@ class InputBoundMeter(L.Callback):
         self.warmup_steps, self.verbose = warmup_steps, verbose
         self.result: dict[str, Any] | None = None
         self.epochs: list[dict[str, float]] = []
-        self._reset()
-
-    def _reset(self) -> None:
-        self.measured, self.warmup = StepTotals(), StepTotals()
-        self._cuda = False
+        self.clock = StepClock(warmup_steps=warmup_steps)
         self._wrapped: list[Any] = []
-        self._pending: list[tuple[Any, Any, Any, Any]] = []
-        self._prev_end: Any = None
-        self._t0: Any = None
-        self._t1: Any = None
-        self._seen = 0
-        self._warmup_n = self.warmup_steps
-
-    # ------------------------------------------------------------------ marks
-
-    def _mark(self) -> Any:
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()  # on the current stream: ordered with the copy and the kernels
-            return event
-        return time.perf_counter()
-
-    def _gap(self, a: Any, b: Any) -> float:
-        if self._cuda:
-            return float(a.elapsed_time(b))
-        return (b - a) * 1000.0
 
     def _wrap_transfer(self, trainer: L.Trainer, owner: Any) -> None:
         original = owner.transfer_batch_to_device
@@ -242,9 +339,9 @@ class InputBoundMeter(L.Callback):
         def timed_transfer(*args: Any, **kwargs: Any) -> Any:
             if not trainer.training or trainer.sanity_checking:
                 return original(*args, **kwargs)
-            self._t0 = self._mark()
+            self.clock.copy_start()
             out = original(*args, **kwargs)
-            self._t1 = self._mark()
+            self.clock.copy_end()
             return out
 
         owner.transfer_batch_to_device = timed_transfer
@@ -253,9 +350,8 @@ class InputBoundMeter(L.Callback):
     # ------------------------------------------------------------------ hooks
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._reset()
-        self.result, self.epochs = None, []
-        self._cuda = pl_module.device.type == "cuda"
+        self.clock = StepClock(pl_module.device.type == "cuda", self.warmup_steps)
+        self.result, self.epochs, self._wrapped = None, [], []
         owners = [pl_module]
         if trainer.datamodule is not None:
             owners.append(trainer.datamodule)
@@ -269,20 +365,12 @@ class InputBoundMeter(L.Callback):
         self._wrapped = []
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._seen == 0:
-            # Warm-up: at most half the first epoch, so short runs keep measured steps.
-            n = trainer.num_training_batches
-            if isinstance(n, (int, float)) and math.isfinite(n) and n > 0:
-                self._warmup_n = min(self.warmup_steps, int(n) // 2)
-        self._pending = []
-        self._prev_end = self._mark()
-        self._t0 = self._t1 = None
+        self.clock.epoch_start(trainer.num_training_batches)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._t0 is None:  # the transfer hook was not seen (e.g. a dataloader_iter step)
-            self._t0 = self._t1 = self._mark()
+        self.clock.step_start()
 
     def on_train_batch_end(
         self,
@@ -292,54 +380,14 @@ class InputBoundMeter(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        end = self._mark()
-        if self._prev_end is not None and self._t0 is not None:
-            self._pending.append((self._prev_end, self._t0, self._t1, end))
-        self._prev_end, self._t0, self._t1 = end, None, None
-        if self._cuda and len(self._pending) > 4096:
-            self._resolve(keep=256)  # bounded memory on long epochs; the old events are done
+        self.clock.step_end()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Validation inside an epoch is not data wait: the next step counts from here.
         if not trainer.sanity_checking:
-            self._prev_end = self._mark()
-
-    def _resolve(self, keep: int = 0) -> StepTotals:
-        """Turn pending marks into milliseconds (one wait on a CUDA event, not per step)."""
-        done, self._pending = (
-            (self._pending[:-keep], self._pending[-keep:]) if keep else (self._pending, [])
-        )
-        epoch = StepTotals()
-        if not done:
-            return epoch
-        if self._cuda:
-            done[-1][3].synchronize()
-        for prev_end, t0, t1, end in done:
-            wait, h2d, compute = self._gap(prev_end, t0), self._gap(t0, t1), self._gap(t1, end)
-            target = self.warmup if self._seen < self._warmup_n else self.measured
-            self._seen += 1
-            target.add(max(wait, 0.0), max(h2d, 0.0), max(compute, 0.0))
-            if target is self.measured:
-                epoch.add(max(wait, 0.0), max(h2d, 0.0), max(compute, 0.0))
-        return epoch
+            self.clock.restart_wait()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        warm_before = StepTotals(**vars(self.warmup))
-        before = StepTotals(**vars(self.measured))
-        self._resolve()
-        epoch = StepTotals(
-            self.measured.steps - before.steps,
-            self.measured.wait_ms - before.wait_ms,
-            self.measured.h2d_ms - before.h2d_ms,
-            self.measured.compute_ms - before.compute_ms,
-        )
-        if epoch.steps == 0:  # all warm-up (a very short epoch): report those, not nothing
-            epoch = StepTotals(
-                self.warmup.steps - warm_before.steps,
-                self.warmup.wait_ms - warm_before.wait_ms,
-                self.warmup.h2d_ms - warm_before.h2d_ms,
-                self.warmup.compute_ms - warm_before.compute_ms,
-            )
+        epoch = self.clock.epoch_end()
         if epoch.steps == 0:
             return
         means = epoch.means()
@@ -348,7 +396,7 @@ class InputBoundMeter(L.Callback):
             pl_module.log(f"perf/{key}", value, on_epoch=True, rank_zero_only=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._resolve()  # steps of an epoch cut short
+        self.clock.resolve()  # steps of an epoch cut short
         self.result = self.summary(trainer, pl_module)
         if not trainer.is_global_zero or self.result is None:
             return
@@ -364,9 +412,7 @@ class InputBoundMeter(L.Callback):
 
     def summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any] | None:
         """The verdict over the measured steps (the warm-up ones only when nothing else)."""
-        totals, warmup_only = self.measured, False
-        if totals.steps == 0:
-            totals, warmup_only = self.warmup, True
+        totals, warmup_only = self.clock.totals()
         if totals.steps == 0:
             return None
         dm = trainer.datamodule
@@ -375,14 +421,14 @@ class InputBoundMeter(L.Callback):
         if resident is None:
             resident = getattr(dm, "device_resident", None)
         placement = getattr(dm, "placement", None)
-        loader = trainer.train_dataloader
-        workers = getattr(loader, "num_workers", None)
+        workers = getattr(trainer.train_dataloader, "num_workers", None)
+        device = pl_module.device.type
         means = totals.means()
         result = verdict(
             means["data_wait_fraction"],
             h2d_fraction=totals.fraction(totals.h2d_ms),
             data_path=data_path,
-            device=pl_module.device.type,
+            device=device,
             placement=placement,
             device_resident=resident,
             workers=workers,
@@ -395,17 +441,16 @@ class InputBoundMeter(L.Callback):
             compute_ms=round(means["compute_ms"], 3),
             step_ms=round(means["step_ms"], 3),
             steps=totals.steps,
-            warmup_steps_excluded=0 if warmup_only else self.warmup.steps,
-            timer="cuda events" if self._cuda else "perf_counter",
+            warmup_steps_excluded=0 if warmup_only else self.clock.warmup.steps,
+            timer="cuda events" if self.clock.cuda else "perf_counter",
             data_path=data_path,
             placement=placement,
-            device=pl_module.device.type,
+            device=device,
         )
         return result
 
     @staticmethod
     def _tag(trainer: L.Trainer, result: dict[str, Any]) -> None:
-
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger) and logger.run_id is not None:
                 client, run_id = logger.experiment, logger.run_id

@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from mlflow.entities import Param
 
 from trainyard.core.config import Params
-from trainyard.core.io import atomic_write_json
+from trainyard.core.io import atomic_write_json, sha256_file
 from trainyard.track.runs import END_REASON_TAG, carry_end_reason, signals_handled
 
 log = logging.getLogger(__name__)
@@ -48,22 +49,28 @@ LAST_CKPT = "last.ckpt"
 STATE_FILE = "state.json"
 # Train params that do not change what is learned: left out of the key.
 NOT_IN_KEY = ("resume", "checkpoint_every_min")
-# Code whose change makes an old checkpoint a different model or data order.
-KEY_CODE = ("models.py", "datamodule.py")
+# Code whose change makes an old checkpoint a different model or data order (package paths).
+KEY_CODE = (
+    "model/networks.py",
+    "model/backbones.py",
+    "model/augment.py",
+    "model/classifier.py",
+    "data/datamodule.py",
+)
+PACKAGE = Path(__file__).resolve().parent.parent  # src/trainyard
 
 
 def resume_key(
     params: Params, data_sha256: str, tracking_uri: str, out_dir: str | os.PathLike[str]
 ) -> str:
     """A short hash of everything that defines this training and where it is recorded."""
-    here = Path(__file__).resolve().parent
     train = {k: v for k, v in params.train.model_dump().items() if k not in NOT_IN_KEY}
     ident = {
         "seed": params.seed,
         "train": train,
         "eval_batch_size": params.evaluate.batch_size,
         "data_sha256": data_sha256,
-        "code": {name: _sha256(here / name) for name in KEY_CODE},
+        "code": {name: _code_sha256(PACKAGE / name) for name in KEY_CODE},
         "tracking_uri": tracking_uri,
         "experiment": params.mlflow.experiment,
         "out": str(Path(out_dir).resolve()),
@@ -72,9 +79,10 @@ def resume_key(
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
+def _code_sha256(path: Path) -> str:
+    # "" for a file not there (an installed wheel without sources): the key still works.
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return sha256_file(path)
     except OSError:
         return ""
 
@@ -392,7 +400,7 @@ class ResumeCallback(L.Callback):
 
 
 @contextlib.contextmanager
-def interruptions(resume: Resume):
+def interruptions(resume: Resume) -> Iterator[None]:
     """Record SIGTERM/SIGINT in ``resume.signal``. Inside ``trainer.fit`` Lightning's own
     SIGTERM handler (which chains to this one) stops at the next batch; outside it, and for
     SIGINT, the signal raises KeyboardInterrupt here."""
