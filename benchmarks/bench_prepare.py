@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-import trainyard.data.arrays as prep_module
+import trainyard.data.arrays as arrays_module
 from benchmarks.common import update_docs
 from trainyard.core.host import cpu_name
 
@@ -68,7 +68,7 @@ NOISE_SIGMA = 12.0
 FULL_IMAGES = 20_000
 QUICK_IMAGES = 512  # the subset (N/4 = 128) still gets the 2 workers prepare asks for
 HEAVY = ("torch", "lightning", "mlflow", "dvc", "bentoml")
-MAKE_SHAPES = Path(__file__).resolve().parents[3] / "examples" / "make_shapes.py"
+MAKE_SHAPES = Path(__file__).resolve().parents[1] / "examples" / "make_shapes.py"
 
 # (name, workers, image_size, on the subset): the subset row repeats the largest one.
 CONFIGS = (
@@ -203,12 +203,7 @@ def ensure_photos(
             total = sum(pool.imap_unordered(make_image, jobs, chunksize=64))
         how = f"drawn by {processes} processes"
     dt = time.perf_counter() - t0
-    made = want | {
-        "bytes": total,
-        "how": how,
-        "processes": processes,
-        "generation_s": round(dt, 2),
-    }
+    made = want | {"bytes": total, "how": how, "processes": processes, "generation_s": round(dt, 2)}
     (folder / "manifest.json").write_text(json.dumps(made, indent=2) + "\n")
     log(
         f"bench-prepare: {'generated' if source is None else 'made'} {n:,} JPEGs "
@@ -245,20 +240,19 @@ def peak_rss_self() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def child_run(spec: dict[str, Any]) -> dict[str, Any]:
-    """One prepare run, in the fresh process that ``run_prepare`` starts: its numbers."""
-    from trainyard.core.config import DataParams
+def _time_phases(
+    phases: dict[str, float], calls: dict[str, int], pool_workers: list[int], before: list[int]
+) -> None:
+    """Timers around prepare's phases, patched where prepare looks them up: the two passes'
+    pool maps (``folder._Pool``), the statistics (``store.channel_stats``, the name
+    ``PreparedWriter.finish`` calls) and the hash (``PreparedWriter.digest``)."""
+    # Imported here, in the child: the parent process stays free of pydantic.
+    from trainyard.data import store
     from trainyard.data.sources import folder as src
-
-    # Timers around the stage's phases (the pool maps of the two passes, the train-split
-    # statistics and the hash): cheap wrappers, the code they call is unchanged.
-    prep = prep_module
-
-    phases = {"header_pass_s": 0.0, "decode_pass_s": 0.0, "stats_s": 0.0, "hash_s": 0.0}
-    pool_workers: list[int] = []
 
     def timed(fn: Any, key: str) -> Any:
         def wrapper(*a: Any, **kw: Any) -> Any:
+            calls[key] += 1
             t = time.perf_counter()
             try:
                 return fn(*a, **kw)
@@ -273,23 +267,33 @@ def child_run(spec: dict[str, Any]) -> dict[str, Any]:
         pool_workers.append(workers)
         pool_init(self, workers)
 
-    def map_(self: Any, fn: Any, calls: list[Any]) -> list[Any]:
+    def map_(self: Any, fn: Any, args: list[Any]) -> list[Any]:
         key = "header_pass_s" if fn is src._inspect else "decode_pass_s"
-        return timed(pool_map, key)(self, fn, calls)
+        return timed(pool_map, key)(self, fn, args)
 
     src._Pool.__init__ = init  # type: ignore[method-assign]
     src._Pool.map = map_  # type: ignore[method-assign]
-    before_stats: list[int] = []
-    stats = timed(prep.channel_stats, "stats_s")
+    stats = timed(store.channel_stats, "stats_s")
 
     def channel_stats(images: Any) -> Any:
         # The high-water mark only grows: read here, it is the peak of both passes (the streaming).
-        before_stats.append(peak_rss_self())
+        before.append(peak_rss_self())
         return stats(images)
 
-    prep.channel_stats = channel_stats
-    prep.PreparedWriter.digest = timed(prep.PreparedWriter.digest, "hash_s")  # type: ignore[method-assign]
+    store.channel_stats = channel_stats
+    store.PreparedWriter.digest = timed(store.PreparedWriter.digest, "hash_s")  # type: ignore[method-assign]
 
+
+def child_run(spec: dict[str, Any]) -> dict[str, Any]:
+    """One prepare run, in the fresh process that ``run_prepare`` starts: its numbers."""
+    from trainyard.core.config import DataParams
+    from trainyard.data.sources import prepare_source
+
+    phases = {"header_pass_s": 0.0, "decode_pass_s": 0.0, "stats_s": 0.0, "hash_s": 0.0}
+    calls = dict.fromkeys(phases, 0)
+    pool_workers: list[int] = []
+    before_stats: list[int] = []
+    _time_phases(phases, calls, pool_workers, before_stats)
     params = DataParams(
         source="folder",
         folder=spec["folder"],
@@ -297,8 +301,11 @@ def child_run(spec: dict[str, Any]) -> dict[str, Any]:
         workers=spec["workers"],
     )
     t0 = time.perf_counter()
-    card = prep.prepare("unused", spec["out"], params, seed=spec["seed"])
+    card = prepare_source("unused", spec["out"], params, seed=spec["seed"])
     wall = time.perf_counter() - t0
+    untimed = [k for k, n in calls.items() if n == 0]
+    if untimed:  # a renamed function would otherwise read as a phase taking 0 s
+        raise SystemExit(f"bench-prepare: the timers never ran for {untimed}: update _time_phases")
     # Linux reports ru_maxrss in KiB; RUSAGE_CHILDREN: the largest finished pool worker.
     scale = 1 if sys.platform == "darwin" else 1024
     return {
@@ -311,10 +318,6 @@ def child_run(spec: dict[str, Any]) -> dict[str, Any]:
         "rss_before_stats_bytes": before_stats[0] if before_stats else None,
         "heavy_imports": sorted(m for m in HEAVY if m in sys.modules),
     }
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def run_prepare(
@@ -331,12 +334,8 @@ def run_prepare(
         "seed": seed,
     }
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_prepare", "--child", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    cmd = [sys.executable, "-m", "benchmarks.bench_prepare", "--child", json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     outer = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(
@@ -345,7 +344,7 @@ def run_prepare(
         )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["process_s"] = outer  # with interpreter start-up and imports
-    result["output_bytes"] = _dir_bytes(out)
+    result["output_bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     if not keep:
         shutil.rmtree(out, ignore_errors=True)
     return result
@@ -353,7 +352,7 @@ def run_prepare(
 
 # ----------------------------------------------------------------------------- reporting
 
-STATS_BYTES = getattr(prep_module, "_STATS_BYTES", 16 << 20)
+STATS_BYTES = getattr(arrays_module, "_STATS_BYTES", 16 << 20)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -446,7 +445,7 @@ def markdown(result: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_prepare",
         description=__doc__,
@@ -467,43 +466,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "not written with --quick unless given); '' to skip",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one prepare run: JSON spec
-    args = parser.parse_args(argv)
-    if args.child:
-        report = child_run(json.loads(args.child))
-        print(json.dumps(report), flush=True)
-        return report
+    return parser
 
-    n = args.images or (QUICK_IMAGES if args.quick else FULL_IMAGES)
-    if n < 40:
-        parser.error("--images must be at least 40 (4 per class, N/4 >= 1 per split)")
-    out_path = Path(args.out or f"reports/bench-prepare{'-quick' if args.quick else ''}.json")
-    docs = args.docs if args.docs is not None else ("" if args.quick else "docs/benchmarks.md")
-    work = Path(args.work or Path(tempfile.gettempdir()) / "trainyard-bench-prepare" / str(n))
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
+
+def hardware() -> dict[str, Any]:
+    """The CPU, its cores and the library versions the table is measured with."""
     from PIL import __version__ as pillow_version
 
-    hw = {
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else os.cpu_count(),
+        "cores_usable": usable,
         "python": platform.python_version(),
         "pillow": pillow_version,
         "numpy": np.__version__,
     }
-    log(f"bench-prepare: {hw['cpu']}, {hw['cores']} cores; work folder {work}")
-    work.mkdir(parents=True, exist_ok=True)
-    full = ensure_photos(work / "full", n, args.seed, log)
-    n_sub = max(NUM_CLASSES * 4, n // 4)
-    subset = ensure_photos(work / "subset", n_sub, args.seed, log, source=work / "full")
-    warm_cache(work / "full" / "photos")
 
+
+def run_configs(work: Path, n: int, n_sub: int, seed: int, log: Any) -> list[dict[str, Any]]:
+    """Every row of ``CONFIGS``, each one prepare in a fresh process, checked and logged."""
     runs = []
     for name, workers, size, on_subset in CONFIGS:
         folder = work / ("subset" if on_subset else "full")
         log(f"bench-prepare: {name} ...")
-        r = run_prepare(folder / "photos", work / "prepared", workers, size, args.seed)
+        r = run_prepare(folder / "photos", work / "prepared", workers, size, seed)
         if r["heavy_imports"]:
             raise SystemExit(f"bench-prepare: prepare imported {r['heavy_imports']}")
         expected = n_sub if on_subset else n
@@ -528,7 +515,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{row['images_per_s']:>8,.0f} images/s  peak RSS {row['peak_rss_mib']:>7,.0f} MiB  "
             f"output {row['output_mib']:>7,.0f} MiB"
         )
+    return runs
 
+
+def ratios_of(runs: list[dict[str, Any]], n: int, n_sub: int) -> dict[str, float]:
+    """2 workers against 1 (images/s, per size), and peak RSS at N against N/4."""
     by = {(r["workers"], r["image_size"], r["subset"]): r for r in runs}
     ratios: dict[str, float] = {}
     for size in (64, 224):
@@ -542,6 +533,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ratios[f"peak RSS, {n:,} / {n_sub:,} images (workers=2, 224 px)"] = (
             big["peak_rss_mib"] / small["peak_rss_mib"]
         )
+    return ratios
+
+
+def _publish(result: dict[str, Any], out_path: Path, docs: str, log: Any) -> None:
+    """Write the JSON (and the docs section when ``docs``), then print the tables."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"bench-prepare: wrote {out_path}")
+    if docs:
+        update_docs(Path(docs), DOCS_KEY, markdown(result))
+        log(f"bench-prepare: updated {docs}")
+    ratios = "".join(f"{k}: {v:.2f}x\n" for k, v in result["ratios"].items())
+    print(f"\n{table(result)}\n\n{ratios}\n{phases_table(result)}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """``python -m benchmarks.bench_prepare``: make (or reuse) the folder, run every
+    configuration, write the results; returns them."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.child:
+        report = child_run(json.loads(args.child))
+        print(json.dumps(report), flush=True)
+        return report
+
+    n = args.images or (QUICK_IMAGES if args.quick else FULL_IMAGES)
+    if n < 40:
+        parser.error("--images must be at least 40 (4 per class, N/4 >= 1 per split)")
+    out_path = Path(args.out or f"reports/bench-prepare{'-quick' if args.quick else ''}.json")
+    docs = args.docs if args.docs is not None else ("" if args.quick else "docs/benchmarks.md")
+    work = Path(args.work or Path(tempfile.gettempdir()) / "trainyard-bench-prepare" / str(n))
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    hw = hardware()
+    log(f"bench-prepare: {hw['cpu']}, {hw['cores']} cores; work folder {work}")
+    work.mkdir(parents=True, exist_ok=True)
+    full = ensure_photos(work / "full", n, args.seed, log)
+    n_sub = max(NUM_CLASSES * 4, n // 4)
+    subset = ensure_photos(work / "subset", n_sub, args.seed, log, source=work / "full")
+    warm_cache(work / "full" / "photos")
+
+    runs = run_configs(work, n, n_sub, args.seed, log)
     command = "python -m benchmarks.bench_prepare " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
@@ -553,24 +585,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dataset": dict(full),
         "subset": {"images": n_sub, "how": subset.get("how", "reused")},
         "runs": runs,
-        "ratios": ratios,
+        "ratios": ratios_of(runs, n, n_sub),
         "peak_rss_note": "largest single process: max(VmHWM of the prepare process, "
         "largest ru_maxrss among its finished pool workers); includes resident pages of "
         "memory-mapped files",
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"bench-prepare: wrote {out_path}")
-    if docs:
-        update_docs(Path(docs), DOCS_KEY, markdown(result))
-        log(f"bench-prepare: updated {docs}")
-    print()
-    print(table(result))
-    print()
-    for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x")
-    print()
-    print(phases_table(result))
+    _publish(result, out_path, docs, log)
     return result
 
 
