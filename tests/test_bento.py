@@ -1,19 +1,21 @@
 """The deployable bento and the Kubernetes manifest, as a deployment would meet them.
 
 Slow: a small real pipeline exports a model; `bentoml build` packs it with
-serving/bentofile.yaml; the bento must hold exactly the service, trainyard's modules, the
-root params.yaml and the verified model, and require no training stack. A clean virtual
-environment made from the bento's env/python/requirements.txt alone (what the image
-installs) then serves the bento from a folder outside the repository, and its HTTP
-answers on real test images must equal offline ONNX Runtime through trainyard's own
-preprocessing.
+serving/bentofile.yaml; the bento must hold exactly the service, trainyard's serving layers
+(core, runtime, serve), the root params.yaml and the verified model, and neither import nor
+require the training stack. A clean virtual environment made from the bento's
+env/python/requirements.txt alone (what the image installs) then serves the bento from a
+folder outside the repository, and its HTTP answers on real test images must equal offline
+ONNX Runtime through trainyard's own preprocessing.
 
-Not slow: deploy/kubernetes.yaml parsed and checked (kinds, probes, secret, resources,
-non-root), and against the Kubernetes JSON schemas (kubernetes-validate, strict).
+Not slow: the bentofile's include patterns on this checkout; deploy/kubernetes.yaml parsed
+and checked (kinds, probes, secret, resources, non-root), and against the Kubernetes JSON
+schemas (kubernetes-validate, strict).
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import io
 import os
@@ -29,8 +31,9 @@ import numpy as np
 import pytest
 import requests
 import yaml
+from pathspec import PathSpec
 
-from conftest import REPO, VENV_BIN, dvc, small_pipeline_repo, stage_env, stop_group
+from conftest import REPO, VENV_BIN, dvc, repo_files, small_pipeline_repo, stage_env, stop_group
 
 BENTO_NAME = "trainyard_classifier"
 MANIFEST = REPO / "deploy" / "kubernetes.yaml"
@@ -51,6 +54,22 @@ TRAINING_STACK = {
     "matplotlib",
 }
 SERVING_STACK = {"bentoml", "onnxruntime", "numpy", "pillow", "pydantic", "pyyaml"}
+# Never imported by a shipped module: the bento's environment does not have them.
+TRAINING_IMPORTS = {
+    "torch",
+    "torchvision",
+    "torchmetrics",
+    "lightning",
+    "pytorch_lightning",
+    "mlflow",
+    "dvc",
+    "onnx",
+    "onnxscript",
+    "matplotlib",
+}
+# The layers serving imports (tests/test_layers.py: serve -> core, runtime), under src/.
+SHIPPED_LAYERS = ("core", "runtime", "serve")
+BENTOFILE = REPO / "serving" / "bentofile.yaml"
 # Output of a build or an install that failed for want of a package index, not a bug here.
 NETWORK_HINTS = (
     "temporary failure in name resolution",
@@ -87,6 +106,23 @@ def requirement_names(path: Path) -> set[str]:
         if match:
             names.add(re.sub(r"[-_.]+", "-", match.group(0)).lower())
     return names
+
+
+def training_imports(source: str, name: str) -> list[str]:
+    """``file:line: module`` for each import of the training stack in ``source`` (every
+    import, at the top or in a function)."""
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            modules = [node.module or ""]
+        else:
+            continue
+        found += [
+            f"{name}:{node.lineno}: {m}" for m in modules if m.split(".")[0] in TRAINING_IMPORTS
+        ]
+    return found
 
 
 def free_port() -> int:
@@ -216,7 +252,13 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
 ):
     src = bento["path"] / "src"
     got = {p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()}
-    modules = {f"trainyard/{p.name}" for p in (pipeline_repo / "src/trainyard").glob("*.py")}
+    package = pipeline_repo / "src"
+    modules = {"trainyard/__init__.py"} | {
+        p.relative_to(package).as_posix()
+        for layer in SHIPPED_LAYERS
+        for p in (package / "trainyard" / layer).glob("*.py")
+    }
+    assert "trainyard/serve/predictor.py" in modules and "trainyard/core/config.py" in modules
     expected = {
         "bentofile.yaml",  # BentoML's own copy of the build file
         "serving/service.py",
@@ -231,11 +273,33 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
     # The copies are the repository's root files, not MLflow's or a decoy.
     for rel in ("params.yaml", "models/model.onnx", "models/model.onnx.sha256"):
         assert (src / rel).read_bytes() == (pipeline_repo / rel).read_bytes(), rel
+    # No shipped module imports the training stack, which the bento's environment lacks.
+    shipped = sorted(src.rglob("*.py"))
+    found = [hit for p in shipped for hit in training_imports(p.read_text(), str(p))]
+    assert found == [], found
     info = yaml.safe_load((bento["path"] / "bento.yaml").read_text())
     assert info["service"] == "serving.service:ImageClassifier"
     assert info["name"] == BENTO_NAME
     readme = (bento["path"] / "README.md").read_text()
     assert "Fashion-MNIST" not in readme  # any dataset's model, not one in particular
+
+
+def test_bentofile_ships_the_serving_layers_and_no_training_import():
+    """The include patterns, applied to this checkout as `bentoml build` applies them
+    (gitwildmatch): the serving layers' modules, none importing the training stack. The
+    slow test above checks a real build; this one runs with every test run."""
+    include = yaml.safe_load(BENTOFILE.read_text())["include"]
+    spec = PathSpec.from_lines("gitwildmatch", include)
+    shipped = sorted(f for f in repo_files() if f.endswith(".py") and spec.match_file(f))
+    layers = {
+        f.split("/")[2] for f in shipped if f.startswith("src/trainyard/") and f.count("/") > 2
+    }
+    assert layers == set(SHIPPED_LAYERS), shipped
+    assert {"serving/service.py", "src/trainyard/__init__.py"} <= set(shipped)
+    found = [hit for f in shipped for hit in training_imports((REPO / f).read_text(), f)]
+    assert found == [], found
+    # The checker finds an import hidden in a function too.
+    assert training_imports("def f():\n    from mlflow import x\n", "t.py") == ["t.py:2: mlflow"]
 
 
 @pytest.mark.slow

@@ -1,0 +1,56 @@
+"""A worker process's start and end: a frozen heap after loading, a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+from typing import Any
+
+import psutil
+
+
+def freeze_heap() -> None:
+    """Move everything allocated so far out of the garbage collector's sight.
+
+    Everything built at start-up (BentoML, pydantic, ONNX Runtime, the model) lives as long
+    as the process: freezing it keeps the collector from re-scanning it on every full
+    collection, which stalled ~1% of requests for 50-150 ms (p99; make bench-serve).
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def stop_listening_on_sigterm() -> None:
+    """On SIGTERM, stop the port listening before uvicorn drains (tests/test_serving_drain.py).
+
+    BentoML already drains: `bentoml serve` (circus) passes SIGTERM on to each worker,
+    whose uvicorn stops accepting, lets every request in flight finish (each bounded by
+    serve.timeout_s) and exits; then the main process exits 0. But the listening socket
+    is shared with the main process, which closes it only after the last worker has gone,
+    so meanwhile the kernel still completes new connections into the backlog, and they
+    are reset when it closes. ``shutdown()`` on the shared socket stops it listening for
+    every process at once: a new connection is refused (safe for a client or proxy to
+    retry elsewhere) rather than reset after its request was sent. uvicorn's own handler
+    then runs as before. Call it in the worker, after uvicorn installed its handler.
+    """
+    listening = [
+        conn.fd
+        for conn in psutil.Process().net_connections("tcp")
+        if conn.status == psutil.CONN_LISTEN and conn.fd >= 0
+    ]
+    uvicorn_handler = signal.getsignal(signal.SIGTERM)
+    if not listening or not callable(uvicorn_handler):
+        return
+
+    def stop_listening(sig: int, frame: Any) -> None:
+        for fd in listening:
+            try:
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already shut by another worker, or closed
+                pass
+        uvicorn_handler(sig, frame)
+
+    signal.signal(signal.SIGTERM, stop_listening)

@@ -1,0 +1,357 @@
+"""The classifier behind the routes: request -> image(s) -> pixels -> probabilities -> answer.
+
+Everything the model needs to know about its input (channels, size, resize policy,
+normalisation, class names) is the dataset card in the ONNX metadata. One ``Predictor``
+per worker process; BentoML's service class holds it and its routes delegate to it.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+from bentoml._internal.marshal.dispatcher import CorkDispatcher, NonBlockSema
+from PIL import Image
+from starlette.requests import Request
+
+from trainyard.core.card import Card, card_from_metadata
+from trainyard.core.config import ServeParams
+from trainyard.core.errors import InputError
+from trainyard.runtime.inputs import (
+    IMAGE_FORMATS,
+    decode_image,
+    image_shape_text,
+    normalize,
+    softmax,
+)
+from trainyard.runtime.sessions import OnnxModel
+from trainyard.serve.metrics import metrics
+from trainyard.serve.parsing import (
+    BATCH_USAGE,
+    CLASSIFY_USAGE,
+    Refused,
+    check_count,
+    file_fields,
+    form_text,
+    json_pixels,
+    media_type,
+    parse_flag,
+    parse_form,
+    parse_top_k,
+    unsupported,
+)
+from trainyard.serve.settings import load_model
+
+Batcher = Callable[[np.ndarray], Awaitable[np.ndarray | None]]
+
+
+class Predictor:
+    """Any trainyard model: the ONNX file the pipeline exported and verified, and the
+    dataset card it carries (classes, channels, size, resize policy, normalisation)."""
+
+    def __init__(
+        self,
+        model: OnnxModel,
+        sha256: str,
+        params: ServeParams,
+        *,
+        model_path: Path,
+        provenance: dict[str, str],
+    ) -> None:
+        self.model, self.sha256, self.params = model, sha256, params
+        self.model_path, self.provenance = model_path, provenance
+        # The dataset card the model carries: channels, size, resize policy, normalisation.
+        self.card: Card = card_from_metadata(model.metadata, str(model_path))
+        self.classes = model.classes
+        self.version = sha256[:12]
+        self.metrics = metrics()  # created here, in the worker, not at import
+        self._batcher: Batcher | None = None
+        self._limiter: anyio.CapacityLimiter | None = None  # made on this worker's loop
+
+    @classmethod
+    def load(cls, path: Path, params: ServeParams, provenance: dict[str, str]) -> Predictor:
+        """Verify the model against its .sha256, open it on the provider params ask for."""
+        model, sha = load_model(path, params)
+        return cls(model, sha, params, model_path=path, provenance=provenance)
+
+    def startup_message(self, params_file: Path) -> str:
+        """One log line: what is served, how, from which params."""
+        p = self.params
+        batching = f"on (max {p.max_batch_size}, {p.max_latency_ms} ms)" if p.batching else "off"
+        return (
+            f"trainyard: serving {self.model_path} (sha256 {self.sha256}, "
+            f"{len(self.classes)} classes, input {image_shape_text(self.card)}, resize "
+            f"{self.card.resize}) on {self.model.provider}; params {params_file}; "
+            f"{p.model_threads()} ONNX Runtime thread(s), {p.concurrent_inferences()} "
+            f"inference(s) at once; batching {batching}"
+        )
+
+    def warm_up(self) -> None:
+        """One decode of each common format (Pillow imports its format plugins on first use)
+        and one inference (ONNX Runtime allocates its arenas and picks kernels on the first
+        run), so the first requests pay for neither. Not counted in the monitoring series."""
+        for fmt in ("PNG", "JPEG"):
+            buf = io.BytesIO()
+            Image.new("RGB", (2 * self.card.width, 2 * self.card.height)).save(buf, fmt)
+            decode_image(buf.getvalue(), self.card)
+        c, h, w = self.card.input_shape
+        self.model.run(normalize(np.zeros((1, c, h, w), dtype=np.float32), self.card))
+
+    # ------------------------------------------------------------------ model
+
+    async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a worker thread, at most ``concurrent_inferences`` at once
+        (FIFO): CPU work beyond the worker's cores only queues inside ONNX Runtime."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.params.concurrent_inferences())
+        return await anyio.to_thread.run_sync(lambda: fn(*args), limiter=self._limiter)
+
+    def probabilities(self, pixels: np.ndarray) -> np.ndarray:
+        """Pixels 0–255 [N,C,H,W] -> softmax probabilities [N,classes] (float32)."""
+        if pixels.ndim != 4 or pixels.shape[1:] != self.card.input_shape:
+            raise ValueError(
+                f"pixels must be [N,{','.join(map(str, self.card.input_shape))}], "
+                f"got {list(pixels.shape)}"
+            )
+        self.metrics.batch_size.observe(pixels.shape[0])
+        return softmax(self.model.run(normalize(pixels, self.card)))
+
+    async def probabilities_one(self, pixels: np.ndarray) -> np.ndarray:
+        """[C,H,W] -> [classes]: through the adaptive batcher when batching is on."""
+        x = pixels[None].astype(np.float32)
+        if not self.params.batching:
+            return (await self.in_thread(self.probabilities, x))[0]
+        if self._batcher is None:  # created on first use, on this worker's event loop
+            self._batcher = adaptive_batcher(self)
+        probs = await self._batcher(x)
+        if probs is None:  # shed: the queue could not be served within max_latency_ms
+            raise Refused(
+                503,
+                "server overloaded: the request could not be answered within "
+                f"serve.max_latency_ms ({self.params.max_latency_ms} ms); retry shortly",
+                field=None,
+                reason="overloaded",
+                headers={"retry-after": "1"},
+            )
+        return probs[0]
+
+    def prediction(self, probs: np.ndarray, top_k: int) -> dict[str, Any]:
+        """The answer for one image: top-1 label, every probability, the top ``top_k``."""
+        order = np.argsort(-probs, kind="stable")[:top_k]
+        best = int(order[0])
+        label = self.classes[best]
+        self.metrics.predictions.labels(label=label).inc()
+        self.metrics.confidence.observe(float(probs[best]))
+        return {
+            "label": label,
+            "class_id": best,
+            "probabilities": probs.tolist(),
+            "top_k": [
+                {"label": self.classes[int(i)], "class_id": int(i), "probability": float(probs[i])}
+                for i in order
+            ],
+            "model_version": self.version,
+        }
+
+    def decode(self, data: bytes, field: str, invert: bool) -> np.ndarray:
+        """Image bytes -> uint8 [C,H,W] by the card (the function prepare used)."""
+        info: dict[str, Any] = {}
+        try:
+            return decode_image(
+                data,
+                self.card,
+                invert=invert,
+                max_pixels=self.params.max_image_pixels,
+                field=field,
+                info=info,
+            )
+        except InputError as err:
+            reason = "image_too_large" if err.status == 413 else "bad_image"
+            raise Refused.from_input(err, reason) from None
+        finally:
+            if "width" in info:
+                self.metrics.image_pixels.observe(info["width"] * info["height"])
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def classify(self, request: Request, body: bytes) -> dict[str, Any]:
+        """POST /classify: one image, a multipart field or the whole body."""
+        data, invert, top_k = await self._classify_input(request, body)
+        if not data:
+            raise Refused(
+                400,
+                f"image: the image is empty (0 bytes); {CLASSIFY_USAGE}",
+                field="image",
+                reason="bad_image",
+            )
+        if not self.params.batching:
+            # Decode and inference in one worker-thread hop: each hop costs a GIL handoff.
+            return await self.in_thread(self._classify_now, data, invert, top_k)
+        pixels = await self.in_thread(self.decode, data, "image", invert)
+        return self.prediction(await self.probabilities_one(pixels), top_k)
+
+    async def _classify_input(self, request: Request, body: bytes) -> tuple[bytes, bool, int]:
+        """(image bytes, invert, top_k) of a /classify request."""
+        media = media_type(request.headers)
+        query = request.query_params
+        n, default = len(self.classes), self.params.top_k
+        if media.startswith("image/"):
+            invert = parse_flag("invert", query.get("invert"))
+            return body, invert, parse_top_k(query.get("top_k"), n, default)
+        if media != "multipart/form-data":
+            raise unsupported("/classify", media, CLASSIFY_USAGE)
+        form = await parse_form(
+            request,
+            body,
+            files="image",
+            texts=("invert", "top_k"),
+            max_files=1,
+            usage=CLASSIFY_USAGE,
+        )
+        try:
+            images = await file_fields(form, "image", CLASSIFY_USAGE)
+            if len(images) != 1:
+                raise Refused(
+                    400,
+                    f"image: expected one file field 'image', got {len(images)}; {CLASSIFY_USAGE}",
+                    field="image",
+                    reason="bad_field",
+                )
+            invert = parse_flag("invert", form_text(form, "invert") or query.get("invert"))
+            top_k = parse_top_k(form_text(form, "top_k") or query.get("top_k"), n, default)
+        finally:
+            await form.close()
+        return images[0], invert, top_k
+
+    def _classify_now(self, data: bytes, invert: bool, top_k: int) -> dict[str, Any]:
+        pixels = self.decode(data, "image", invert)
+        return self.prediction(self.probabilities(pixels[None].astype(np.float32))[0], top_k)
+
+    async def classify_batch(self, request: Request, body: bytes) -> list[dict[str, Any]]:
+        """POST /classify_batch: repeated multipart files 'images', or JSON pixel arrays."""
+        media = media_type(request.headers)
+        query = request.query_params
+        limit = self.params.max_batch_images
+        top_k = parse_top_k(query.get("top_k"), len(self.classes), self.params.top_k)
+        if media == "multipart/form-data":
+            form = await parse_form(
+                request,
+                body,
+                files="images",
+                texts=("invert",),
+                max_files=limit,
+                usage=BATCH_USAGE,
+            )
+            try:
+                files = await file_fields(form, "images", BATCH_USAGE)
+                invert = parse_flag("invert", form_text(form, "invert") or query.get("invert"))
+            finally:
+                await form.close()
+            check_count(len(files), limit)
+            pixels = await self.in_thread(self._decode_all, files, invert)
+        elif media == "application/json":
+            pixels = await self.in_thread(json_pixels, body, self.card, limit)
+        else:
+            raise unsupported("/classify_batch", media, BATCH_USAGE)
+        probs = await self.in_thread(self.probabilities, pixels)
+        return [self.prediction(row, top_k) for row in probs]
+
+    def _decode_all(self, files: Sequence[bytes], invert: bool) -> np.ndarray:
+        c, h, w = self.card.input_shape
+        out = np.empty((len(files), c, h, w), dtype=np.float32)
+        for i, data in enumerate(files):
+            if not data:
+                raise Refused(
+                    400,
+                    f"images[{i}]: the image is empty (0 bytes)",
+                    field=f"images[{i}]",
+                    reason="bad_image",
+                )
+            out[i] = self.decode(data, f"images[{i}]", invert)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """What GET /metadata answers: the model's identity, contract and provider."""
+        meta = self.model.metadata
+        p = self.params
+        return {
+            "model": {
+                "path": str(self.model_path),
+                "sha256": self.sha256,
+                "version": self.version,
+                "arch": meta.get("arch"),
+                "trainyard_version": meta.get("trainyard_version"),
+                "mlflow_run_id": meta.get("mlflow_run_id"),
+                "data_sha256": meta.get("data_sha256"),
+                "checkpoint_sha256": meta.get("checkpoint_sha256"),
+            },
+            "classes": self.classes,
+            "dataset_card": self.card.contract(),
+            "input": self._input_contract(),
+            "endpoints": {
+                "POST /classify": CLASSIFY_USAGE + "; query: top_k, invert",
+                "POST /classify_batch": BATCH_USAGE + "; query: top_k",
+                "GET /metadata": "this document",
+            },
+            "source": self.provenance,
+            "provider": self.model.provider,
+            "device": p.device,
+            "threads": {
+                "onnxruntime_intra_op": p.model_threads(),
+                "concurrent_inferences": p.concurrent_inferences(),
+            },
+            "batching": {
+                "enabled": p.batching,
+                "max_batch_size": p.max_batch_size,
+                "max_latency_ms": p.max_latency_ms,
+            },
+        }
+
+    def _input_contract(self) -> dict[str, Any]:
+        c, p = self.card, self.params
+        return {
+            "shape": [-1, *c.input_shape],
+            "image": image_shape_text(c),
+            "dtype": self.model.metadata.get("input_dtype", "float32"),
+            "normalization": {"scale": 255.0, "mean": list(c.mean), "std": list(c.std)},
+            "resize": c.resize,
+            "image_formats": list(IMAGE_FORMATS),
+            "max_image_pixels": p.max_image_pixels,
+            "max_batch_images": p.max_batch_images,
+            "max_body_bytes": p.max_body_bytes,
+            "top_k": p.top_k,
+        }
+
+
+def adaptive_batcher(predictor: Predictor) -> Batcher:
+    """BentoML's adaptive batcher (the CorkDispatcher behind ``batchable=True`` APIs),
+    driven with decoded pixels: it learns the model's cost per batch and waits for more
+    requests only while that keeps every queued request within max_latency_ms, shedding
+    (None -> 503) those it cannot. Imported from BentoML's internals, so the bento pins
+    BentoML's minor version and tests/test_serving.py exercises it on every run."""
+    params = predictor.params
+    dispatcher: Any = CorkDispatcher(
+        max_latency_in_ms=params.max_latency_ms,
+        max_batch_size=params.max_batch_size,
+        fallback=lambda: None,
+        get_batch_size=lambda x: x.shape[0],
+        batch_dim=(0, 0),
+        # One batch in flight per core of the worker (BentoML's default is one in all),
+        # so a CPU worker keeps every core busy with batches, one thread each.
+        shared_sema=NonBlockSema(params.concurrent_inferences()),
+    )
+
+    async def run(batches: Sequence[np.ndarray]) -> list[np.ndarray]:
+        sizes = np.cumsum([b.shape[0] for b in batches])[:-1]
+        x = np.concatenate(batches)
+        # Not through the worker's limiter: the semaphore above already bounds the batches,
+        # and decodes waiting on the limiter behind them would starve the next batch.
+        probs = await anyio.to_thread.run_sync(predictor.probabilities, x)
+        return np.split(probs, sizes)
+
+    return dispatcher(run)

@@ -1,0 +1,189 @@
+"""What the service serves and how: params, environment, the model file and its provenance.
+
+The model source is $TRAINYARD_MODEL or serve.model: a local path (relative to the params
+file's folder) or a registry URI, ``models:/NAME@ALIAS`` / ``models:/NAME/N``. A registry
+URI needs MLflow, which this layer never imports: the caller passes the function that
+fetches it (serving/service.py does, in the development environment only; a bento has no
+MLflow and serves the model file it was built with).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+from trainyard.core.config import ServeParams, load_params
+from trainyard.core.errors import ModelError
+from trainyard.core.io import sha256_file
+from trainyard.runtime.sessions import OnnxModel, load_onnx
+
+PARAMS_ENV, MODEL_ENV, API_KEY_ENV = "TRAINYARD_PARAMS", "TRAINYARD_MODEL", "TRAINYARD_API_KEY"
+CACHE_ENV = "TRAINYARD_MODEL_CACHE"
+REGISTRY_SCHEME = "models:/"
+
+# What ONNX Runtime raises for a file it cannot load: its own classes derive from Exception
+# only, not RuntimeError.
+ORT_LOAD_ERRORS: tuple[type[Exception], ...] = (
+    OSError,
+    RuntimeError,
+    ort_state.Fail,
+    ort_state.InvalidArgument,
+    ort_state.InvalidGraph,
+    ort_state.InvalidProtobuf,
+    ort_state.NoModel,
+    ort_state.NoSuchFile,
+    ort_state.NotImplemented,
+    ort_state.RuntimeException,
+)
+
+# (registry URI, download folder) -> (local .onnx path, provenance): track.registry's
+# fetch_registered_onnx, handed in by the caller.
+FetchRegistered = Callable[[str, Path], tuple[Path, dict[str, str]]]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The service's settings as read from params.yaml and the environment."""
+
+    params: ServeParams
+    params_file: Path
+    model_source: str  # a path as written, or a models:/ URI
+    api_key: str | None
+    cache_dir: Path  # where registry models are downloaded
+
+    @property
+    def from_registry(self) -> bool:
+        """Whether the model source is a registry URI rather than a file."""
+        return is_registry_uri(self.model_source)
+
+
+def is_registry_uri(source: str) -> bool:
+    """``models:/...``: a model version in the MLflow registry."""
+    return source.startswith(REGISTRY_SCHEME)
+
+
+def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from $TRAINYARD_PARAMS (default ./params.yaml) and the other $TRAINYARD_*.
+
+    $TRAINYARD_MODEL_CACHE defaults to ``.cache/registry`` beside the params file.
+    """
+    env = os.environ if environ is None else environ
+    params_file = Path(env.get(PARAMS_ENV) or "params.yaml").resolve()
+    params = load_params(params_file).serve
+    return Settings(
+        params=params,
+        params_file=params_file,
+        model_source=env.get(MODEL_ENV) or params.model,
+        api_key=env.get(API_KEY_ENV) or None,
+        cache_dir=Path(env.get(CACHE_ENV) or params_file.parent / ".cache" / "registry"),
+    )
+
+
+def resolve_model(
+    settings: Settings, fetch_registered: FetchRegistered | None = None
+) -> tuple[Path, dict[str, str]]:
+    """(model path, provenance): a local path as is, a registry URI resolved now, downloaded
+    to the cache folder and checked against the version's recorded sha256 by
+    ``fetch_registered``. Only the .onnx file is used."""
+    source = settings.model_source
+    if is_registry_uri(source):
+        if fetch_registered is None:
+            raise registry_unavailable(source, "no registry client was given")
+        return fetch_registered(source, settings.cache_dir)
+    model = Path(source)
+    if not model.is_absolute():
+        model = settings.params_file.parent / model
+    return model, {"model_source": str(model)}
+
+
+def registry_unavailable(source: str, why: object) -> ModelError:
+    """The error for a models:/ URI where MLflow (trainyard.track) cannot be imported."""
+    return ModelError(
+        f"model source {source}: a registry model needs MLflow, which this environment "
+        f"does not have ({why}). A bento serves the model file it was built with: build it "
+        "from a local model file (serve.model: models/model.onnx, `make bento`), or serve "
+        f"the registry model with `make serve` in the development environment"
+    )
+
+
+def model_provenance(path: Path, provenance: dict[str, str]) -> dict[str, str]:
+    """Where the served model came from: registry version (if any), run, data version."""
+    # ONNX Runtime reads the metadata itself: the deployed bento needs no `onnx` package.
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except ORT_LOAD_ERRORS as err:
+        raise ModelError(f"{path}: ONNX Runtime cannot load it: {err}") from None
+    meta = dict(session.get_modelmeta().custom_metadata_map)
+    del session
+    return {
+        "model_source": provenance.get("model_source", str(path)),
+        "registry_model": provenance.get("registry_model", ""),
+        "registry_version": provenance.get("registry_version", ""),
+        "registry_alias": provenance.get("registry_alias", ""),
+        "mlflow_run_id": provenance.get("run_id") or meta.get("mlflow_run_id", ""),
+        "data_version": provenance.get("data_version") or meta.get("data_sha256", ""),
+    }
+
+
+def trace_headers(sha256: str, provenance: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """The headers every response carries, so any prediction traces back to its registry
+    version, MLflow run and data version."""
+    registry = (
+        f"{provenance['registry_model']}/{provenance['registry_version']}"
+        if provenance["registry_version"]
+        else "local"
+    )
+    return [
+        (b"x-model-version", sha256[:12].encode()),
+        (b"x-model-registry-version", registry.encode()),
+        (b"x-mlflow-run-id", provenance["mlflow_run_id"].encode()),
+        (b"x-data-version", provenance["data_version"].encode()),
+    ]
+
+
+def verify_model(path: Path) -> str:
+    """sha256 of ``path`` after checking it against the ``<path>.sha256`` the export wrote."""
+    sums = path.with_name(path.name + ".sha256")
+    if not path.is_file():
+        raise ModelError(
+            f"{path}: model not found; run `make run` (or `dvc repro export`), "
+            f"or point ${MODEL_ENV} at an exported model"
+        )
+    try:
+        recorded = sums.read_text().split()[0].lower()
+    except FileNotFoundError:
+        raise ModelError(
+            f"{sums}: checksum file missing; the export stage writes it beside the model, "
+            "and the service only serves a model whose sha256 was recorded"
+        ) from None
+    except (OSError, UnicodeDecodeError, IndexError) as err:
+        raise ModelError(f"{sums}: unreadable checksum file ({err!r})") from None
+    try:
+        actual = sha256_file(path)
+    except OSError as err:
+        raise ModelError(f"{path}: cannot read the model ({err})") from None
+    if actual != recorded:
+        raise ModelError(
+            f"{path}: sha256 {actual} does not match {recorded} recorded in {sums.name}; "
+            "the file changed after export. Re-export it (`dvc repro export`) rather than "
+            "serve an unverified model"
+        )
+    return actual
+
+
+def load_model(path: Path, params: ServeParams) -> tuple[OnnxModel, str]:
+    """Verify, then open on the provider params ask for (a 'cuda' that cannot be had is a
+    ProviderError, never a quiet CPU run)."""
+    sha = verify_model(path)
+    try:
+        model = load_onnx(path, device=params.device, intra_op_threads=params.model_threads())
+    except ORT_LOAD_ERRORS as err:
+        raise ModelError(f"{path}: ONNX Runtime cannot load it: {err}") from None
+    return model, sha

@@ -1,0 +1,186 @@
+"""The service's settings in process: params and environment, the model source (local file or
+registry URI), the model's recorded sha256, its provenance and trace headers; and
+serving/service.py imported in a subprocess, with and without MLflow."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_serve_unit import DATA_SHA, RUN_ID, write_tiny_model
+
+from trainyard.core.config import ServeParams
+from trainyard.core.errors import ModelError
+from trainyard.core.io import sha256_file
+from trainyard.serve.settings import (
+    load_model,
+    model_provenance,
+    read_settings,
+    resolve_model,
+    trace_headers,
+    verify_model,
+)
+
+from conftest import REPO
+
+REGISTRY_HINT = "build it from a local model file"
+
+
+def params_file(folder: Path, **serve) -> Path:
+    """The repository's params.yaml, some `serve` keys changed, in ``folder``."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["serve"].update(serve)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_relative_model_path_is_relative_to_the_params_file(tmp_path):
+    params = params_file(tmp_path / "conf", model="models/m.onnx", top_k=3)
+    settings = read_settings({"TRAINYARD_PARAMS": str(params)})
+    assert settings.params.top_k == 3 and settings.params_file == params
+    assert settings.api_key is None and not settings.from_registry
+    assert settings.cache_dir == tmp_path / "conf" / ".cache" / "registry"
+    model, provenance = resolve_model(settings)
+    assert model == tmp_path / "conf" / "models" / "m.onnx"
+    assert provenance == {"model_source": str(model)}
+
+
+def test_the_environment_overrides_params(tmp_path):
+    params = params_file(tmp_path)
+    env = {
+        "TRAINYARD_PARAMS": str(params),
+        "TRAINYARD_MODEL": "/abs/model.onnx",
+        "TRAINYARD_API_KEY": "k",
+        "TRAINYARD_MODEL_CACHE": str(tmp_path / "cache"),
+    }
+    settings = read_settings(env)
+    assert (settings.model_source, settings.api_key) == ("/abs/model.onnx", "k")
+    assert settings.cache_dir == tmp_path / "cache"
+    assert resolve_model(settings)[0] == Path("/abs/model.onnx")
+
+
+def test_a_registry_uri_goes_to_the_fetcher_given_and_only_then(tmp_path):
+    params = params_file(tmp_path, model="models:/clf@champion")
+    settings = read_settings({"TRAINYARD_PARAMS": str(params)})
+    assert settings.from_registry
+    with pytest.raises(ModelError, match=REGISTRY_HINT):
+        resolve_model(settings)
+    calls = []
+
+    def fetch(uri: str, cache: Path) -> tuple[Path, dict[str, str]]:
+        calls.append((uri, cache))
+        return tmp_path / "got.onnx", {"registry_model": "clf"}
+
+    assert resolve_model(settings, fetch) == (tmp_path / "got.onnx", {"registry_model": "clf"})
+    assert calls == [("models:/clf@champion", tmp_path / ".cache" / "registry")]
+    local = read_settings({"TRAINYARD_PARAMS": str(params), "TRAINYARD_MODEL": "m.onnx"})
+    resolve_model(local, fetch)
+    assert len(calls) == 1
+
+
+def test_the_model_must_match_its_recorded_sha256(tmp_path):
+    model, _ = write_tiny_model(tmp_path)
+    assert verify_model(model) == sha256_file(model)
+    with pytest.raises(ModelError, match="model not found"):
+        verify_model(tmp_path / "nope.onnx")
+    sums = model.with_name("model.onnx.sha256")
+    sums.write_text(f"{'0' * 64}  model.onnx\n")
+    with pytest.raises(ModelError, match=r"does not match .* Re-export it"):
+        verify_model(model)
+    sums.write_text("")
+    with pytest.raises(ModelError, match="unreadable checksum file"):
+        verify_model(model)
+    sums.unlink()
+    with pytest.raises(ModelError, match="checksum file missing"):
+        verify_model(model)
+
+
+def test_load_model_opens_a_verified_model_or_says_why_not(tmp_path):
+    model, _ = write_tiny_model(tmp_path / "ok")
+    session, sha = load_model(model, ServeParams(device="cpu"))
+    assert sha == sha256_file(model) and session.provider == "CPUExecutionProvider"
+    broken = tmp_path / "broken" / "model.onnx"
+    broken.parent.mkdir()
+    broken.write_bytes(b"not onnx")
+    broken.with_name("model.onnx.sha256").write_text(sha256_file(broken) + "\n")
+    with pytest.raises(ModelError, match="ONNX Runtime cannot load it"):
+        load_model(broken, ServeParams(device="cpu"))
+    with pytest.raises(ModelError, match="ONNX Runtime cannot load it"):
+        model_provenance(broken, {})
+
+
+def test_provenance_and_trace_headers_name_the_run_and_data(tmp_path):
+    model, _ = write_tiny_model(tmp_path)
+    local = model_provenance(model, {"model_source": str(model)})
+    assert local == {
+        "model_source": str(model),
+        "registry_model": "",
+        "registry_version": "",
+        "registry_alias": "",
+        "mlflow_run_id": RUN_ID,
+        "data_version": DATA_SHA,
+    }
+    assert dict(trace_headers("a" * 64, local)) == {
+        b"x-model-version": b"a" * 12,
+        b"x-model-registry-version": b"local",
+        b"x-mlflow-run-id": RUN_ID.encode(),
+        b"x-data-version": DATA_SHA.encode(),
+    }
+    registered = model_provenance(
+        model,
+        {"registry_model": "clf", "registry_version": "3", "run_id": "r", "data_version": "v"},
+    )
+    assert registered["mlflow_run_id"] == "r" and registered["data_version"] == "v"
+    headers = dict(trace_headers("b" * 64, registered))
+    assert headers[b"x-model-registry-version"] == b"clf/3"
+
+
+# ---------------------------------------------------------------------------- the service
+
+
+def import_service(tmp_path: Path, model: str, blocked: str = "") -> subprocess.CompletedProcess:
+    """``import serving.service`` in a fresh interpreter (``blocked``: a module made
+    unimportable, as in a bento); prints the heavy modules it loaded."""
+    code = (
+        "import sys\n"
+        f"if {blocked!r}: sys.modules[{blocked!r}] = None\n"
+        "import serving.service\n"
+        "heavy = ('torch', 'lightning', 'mlflow', 'dvc', 'onnx', 'trainyard.track')\n"
+        "print('loaded:', *[m for m in heavy if m in sys.modules])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINYARD_")}
+    env.update(
+        TRAINYARD_PARAMS=str(params_file(tmp_path)),
+        TRAINYARD_MODEL=model,
+        BENTOML_HOME=str(tmp_path / "bentoml-home"),
+        BENTOML_DO_NOT_TRACK="true",
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_service_on_a_local_model_imports_no_training_stack(tmp_path):
+    model, _ = write_tiny_model(tmp_path / "model")
+    done = import_service(tmp_path, str(model))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "loaded:", done.stdout
+
+
+@pytest.mark.parametrize("blocked", ["mlflow", "trainyard.track"])
+def test_a_registry_uri_without_mlflow_says_to_build_from_a_local_file(tmp_path, blocked):
+    done = import_service(tmp_path, "models:/clf@champion", blocked=blocked)
+    assert done.returncode != 0
+    assert "ModelError" in done.stderr and REGISTRY_HINT in done.stderr, done.stderr[-3000:]
+    assert "model source models:/clf@champion: a registry model needs MLflow" in done.stderr

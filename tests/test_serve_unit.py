@@ -1,0 +1,555 @@
+"""The serve layer in process, without `bentoml serve`: the request guard, request parsing,
+and the predictor behind the real routes on a tiny ONNX model built here.
+
+tests/test_serving.py shows the same behaviour through a real server; these tests pin each
+piece down in milliseconds, with Starlette's TestClient (ASGI in process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from PIL import Image
+from prometheus_client import REGISTRY
+from starlette.requests import Request
+from starlette.testclient import TestClient
+
+from trainyard.core.card import METADATA_KEY, Card
+from trainyard.core.config import ServeParams
+from trainyard.core.io import sha256_file
+from trainyard.runtime.inputs import decode_image, normalize, softmax
+from trainyard.serve.app import build_app
+from trainyard.serve.guard import RequestGuard
+from trainyard.serve.parsing import (
+    Refused,
+    check_count,
+    file_fields,
+    json_images,
+    json_pixels,
+    parse_flag,
+    parse_form,
+    parse_top_k,
+)
+from trainyard.serve.predictor import Predictor
+
+CLASSES = ("cat", "dog", "bird")
+CARD = Card(
+    source="folder",
+    classes=CLASSES,
+    channels=1,
+    height=4,
+    width=4,
+    mean=(0.5,),
+    std=(0.25,),
+    resize="stretch",
+)
+RUN_ID, DATA_SHA = "tiny-run", "d" * 64
+
+
+def refused_count(reason: str) -> float:
+    return REGISTRY.get_sample_value("trainyard_requests_refused_total", {"reason": reason}) or 0.0
+
+
+# ---------------------------------------------------------------------------- a tiny model
+
+
+def write_tiny_model(folder: Path, card: Card = CARD, seed: int = 0) -> tuple[Path, dict]:
+    """model.onnx (flatten -> matmul -> add: logits) carrying ``card``, plus its .sha256.
+    Returns (path, weights) so a test can compute the expected answer itself."""
+    rng = np.random.default_rng(seed)
+    c, h, w = card.input_shape
+    weight = rng.normal(0, 1, (c * h * w, card.num_classes)).astype(np.float32)
+    bias = rng.normal(0, 1, card.num_classes).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Flatten", ["input"], ["flat"], axis=1),
+            helper.make_node("MatMul", ["flat", "weight"], ["product"]),
+            helper.make_node("Add", ["product", "bias"], ["logits"]),
+        ],
+        "tiny",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", c, h, w])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", card.num_classes])],
+        initializer=[
+            numpy_helper.from_array(weight, "weight"),
+            numpy_helper.from_array(bias, "bias"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    helper.set_model_props(
+        model,
+        {
+            METADATA_KEY: json.dumps(card.contract()),
+            "classes": json.dumps(list(card.classes)),
+            "mlflow_run_id": RUN_ID,
+            "data_sha256": DATA_SHA,
+            "arch": "tiny",
+        },
+    )
+    onnx.checker.check_model(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    onnx.save(model, path)
+    path.with_name("model.onnx.sha256").write_text(f"{sha256_file(path)}  model.onnx\n")
+    return path, {"weight": weight, "bias": bias}
+
+
+def expected_probabilities(images: list[bytes], weights: dict, invert: bool = False) -> np.ndarray:
+    """The answer computed here: the shared decode and normalisation, then numpy."""
+    pixels = np.stack([decode_image(b, CARD, invert=invert) for b in images]).astype(np.float32)
+    x = normalize(pixels, CARD).reshape(len(images), -1)
+    return softmax(x @ weights["weight"] + weights["bias"])
+
+
+def png(pixels: np.ndarray, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+PHOTOS = [
+    png(np.random.default_rng(i).integers(0, 256, (9 + i, 7 + 2 * i), dtype=np.uint8))
+    for i in range(4)
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    path, weights = write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    return {"path": path, "weights": weights}
+
+
+def client_for(tiny: dict, **serve) -> Iterator[TestClient]:
+    settings = {"max_batch_images": 4, "max_body_bytes": 64 * 1024, "top_k": 5, **serve}
+    params = ServeParams(**settings)
+    provenance = {"model_source": str(tiny["path"]), "mlflow_run_id": RUN_ID}
+    predictor = Predictor.load(tiny["path"], params, provenance)
+    app = RequestGuard(
+        build_app(lambda: predictor),
+        api_key=None,
+        max_body_bytes=params.max_body_bytes,
+        trace_headers=[(b"x-model-version", predictor.version.encode())],
+    )
+    # One client for the module: one event loop, on which the adaptive batcher lives.
+    with TestClient(app) as client:
+        client.predictor = predictor  # type: ignore[attr-defined]
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(tiny) -> Iterator[TestClient]:
+    yield from client_for(tiny, batching=False)
+
+
+@pytest.fixture(scope="module")
+def batched_client(tiny) -> Iterator[TestClient]:
+    yield from client_for(tiny, batching=True, max_batch_size=4, max_latency_ms=5000)
+
+
+# ---------------------------------------------------------------------------- the guard
+
+
+async def echo(scope, receive, send) -> None:
+    """The app behind the guard in these tests: answers with the body length it got."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": str(len(body)).encode()})
+
+
+TRACE = [(b"x-model-version", b"abc123"), (b"x-data-version", b"data-v1")]
+
+
+def guarded(api_key: str | None = "k3y", limit: int = 100) -> TestClient:
+    return TestClient(
+        RequestGuard(echo, api_key=api_key, max_body_bytes=limit, trace_headers=TRACE)
+    )
+
+
+def test_guard_without_the_key_is_a_401_naming_the_header():
+    client = guarded()
+    before = refused_count("unauthorized")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k3y"}):
+        resp = client.post("/classify", content=b"x", headers=headers)
+        assert resp.status_code == 401, headers
+        assert resp.json()["field"] == "Authorization"
+        assert "Authorization: Bearer" in resp.json()["error"]
+        assert resp.headers["www-authenticate"] == 'Bearer realm="trainyard"'
+    assert refused_count("unauthorized") - before == 3
+    assert client.get("/metadata").status_code == 401
+    ok = client.post("/classify", content=b"abc", headers={"Authorization": "Bearer k3y"})
+    assert ok.status_code == 200 and ok.text == "3"
+    assert client.post("/x", content=b"a", headers={"Authorization": "bearer k3y"}).text == "1"
+
+
+def test_guard_leaves_probes_and_metrics_open():
+    client = guarded()
+    for path in ("/healthz", "/livez", "/readyz", "/metrics", "/", "/docs.json"):
+        assert client.get(path).status_code == 200, path
+    assert client.get("/static_content/app.js").status_code == 200
+    assert client.post("/healthz", content=b"x").status_code == 401  # open to GET only
+
+
+def test_guard_refuses_a_body_over_the_limit_declared_or_counted():
+    client = guarded(api_key=None, limit=100)
+    assert client.post("/classify", content=b"x" * 100).text == "100"
+    before = refused_count("body_too_large")
+    resp = client.post("/classify", content=b"x" * 101)
+    assert resp.status_code == 413 and resp.json() == {
+        "error": "request body over 100 bytes (serve.max_body_bytes)",
+        "field": "body",
+    }
+    chunked = client.post("/classify", content=iter([b"x" * 60, b"x" * 60]))
+    assert chunked.status_code == 413 and "request body over 100" in chunked.json()["error"]
+    assert refused_count("body_too_large") - before == 2
+    assert client.get("/metadata").status_code == 200  # GET bodies are not read
+
+
+def test_guard_refuses_pickle_and_a_bad_content_length():
+    client = guarded(api_key=None)
+    resp = client.post(
+        "/classify_batch", content=b"\x80\x04.", headers={"Content-Type": "application/x"}
+    )
+    assert resp.status_code == 200
+    pickle = {"Content-Type": "application/vnd.bentoml+pickle; charset=x"}
+    resp = client.post("/classify", content=b"\x80\x04K\x01.", headers=pickle)
+    assert resp.status_code == 415 and "pickle" in resp.json()["error"]
+
+    guard = RequestGuard(echo, api_key=None, max_body_bytes=100)
+    sent: list[dict] = []
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"x", "more_body": False}
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/classify",
+        "headers": [(b"content-length", b"ten")],
+        "query_string": b"",
+    }
+    asyncio.run(guard(scope, receive, send))
+    assert sent[0]["status"] == 400
+    assert json.loads(sent[1]["body"])["error"] == "Content-Length is not a number"
+
+
+def test_every_answer_carries_the_trace_headers_refusals_included():
+    client = guarded()
+    for resp in (client.get("/healthz"), client.post("/classify", content=b"x")):
+        assert resp.headers["x-model-version"] == "abc123"
+        assert resp.headers["x-data-version"] == "data-v1"
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "", " ", "1.5", "²"])
+def test_top_k_that_is_not_a_whole_number_from_1_is_a_400_naming_it(value):
+    with pytest.raises(Refused) as err:
+        parse_top_k(value, 10, 5)
+    assert (err.value.status, err.value.field, err.value.reason) == (400, "top_k", "bad_field")
+    assert str(err.value) == f"top_k: expected a whole number from 1 to 10, got {value!r}"
+
+
+def test_top_k_defaults_and_caps_at_the_number_of_classes():
+    assert parse_top_k(None, 10, 5) == 5
+    assert parse_top_k(None, 3, 5) == 3
+    assert parse_top_k("2", 10, 5) == 2
+    assert parse_top_k(" 7 ", 10, 5) == 7
+    assert parse_top_k("400", 10, 5) == 10
+
+
+def test_flags():
+    assert [parse_flag("invert", v) for v in ("true", "1", "Yes", " on ")] == [True] * 4
+    assert [parse_flag("invert", v) for v in ("false", "0", "no", "OFF", "", None)] == [False] * 6
+    with pytest.raises(Refused, match=r"invert: expected true or false, got 'maybe'") as err:
+        parse_flag("invert", "maybe")
+    assert err.value.field == "invert"
+
+
+def multipart(files=None, data=None) -> tuple[Request, bytes]:
+    """A Starlette request and the multipart body httpx would send."""
+    req = httpx.Request("POST", "http://x/classify", files=files, data=data)
+    body = req.read()
+    headers = [(k.lower().encode(), v.encode()) for k, v in req.headers.items()]
+    return Request({"type": "http", "method": "POST", "headers": headers}), body
+
+
+def form_refusal(parts=None, data=None, **kw) -> Refused:
+    """The Refused that parsing this form (then reading its files) raises."""
+    request, body = multipart(parts, data)
+    options = {"files": "image", "texts": ("invert", "top_k"), "max_files": 1, "usage": "U"}
+    options.update(kw)
+
+    async def parse() -> None:
+        form = await parse_form(request, body, **options)
+        try:
+            await file_fields(form, options["files"], "U")
+        finally:
+            await form.close()
+
+    with pytest.raises(Refused) as err:
+        asyncio.run(parse())
+    return err.value
+
+
+def test_form_fields_are_checked_by_name_and_kind():
+    cases = {
+        "unknown field": ({"file": ("a.png", b"x")}, None, "file: unknown form field; U"),
+        "text as the image": ({"image": (None, "http://x/y.png")}, None, "image: must be a file"),
+        "file as a text field": (
+            {"image": ("a.png", b"x"), "invert": ("i.txt", b"true")},
+            None,
+            "invert: must be text, not a file",
+        ),
+        "three images": (
+            [("image", (f"{i}.png", b"x")) for i in range(3)],
+            None,
+            "image: expected one file field 'image', got more; U",
+        ),
+        "too many text fields": (
+            {"image": ("a.png", b"x")},
+            {"invert": ["1", "1", "1"], "top_k": "1"},
+            "body: too many text fields",
+        ),
+    }
+    for name, (files, data, text) in cases.items():
+        err = form_refusal(files, data)
+        assert err.status == 400 and text in str(err), (name, str(err))
+        assert err.field == text.split(":")[0], name
+
+
+def test_too_many_batch_files_is_a_413_and_a_good_form_parses():
+    err = form_refusal(
+        [("images", (f"{i}.png", b"x")) for i in range(5)],  # 4 parse; check_count refuses
+        files="images",
+        texts=("invert",),
+        max_files=3,
+    )
+    assert (err.status, err.field, err.reason) == (413, "images", "too_many_images")
+    assert str(err).startswith("images: more than the limit of 3 per request")
+
+    request, body = multipart({"image": ("a.png", b"bytes")}, {"top_k": "2"})
+
+    async def parse() -> tuple[list[bytes], str]:
+        form = await parse_form(
+            request, body, files="image", texts=("invert", "top_k"), max_files=1, usage="U"
+        )
+        try:
+            return await file_fields(form, "image", "U"), form["top_k"]
+        finally:
+            await form.close()
+
+    assert asyncio.run(parse()) == ([b"bytes"], "2")
+
+
+def test_malformed_multipart_is_a_400():
+    request = Request(
+        {"type": "http", "headers": [(b"content-type", b"multipart/form-data; boundary=zz")]}
+    )
+
+    async def parse() -> None:
+        await parse_form(request, b"garbage", files="image", texts=(), max_files=1, usage="U")
+
+    with pytest.raises(Refused, match="body: malformed multipart/form-data") as err:
+        asyncio.run(parse())
+    assert (err.value.status, err.value.reason) == (400, "bad_request")
+
+
+def test_json_batch_errors_name_the_field():
+    cases = {
+        b"{not json": ("body", "body: Invalid JSON"),
+        b"\xff\xfe": ("body", "body: Invalid JSON"),
+        b"[1, 2]": ("images", "images: missing"),
+        b'{"imgs": []}': ("images", "images: missing"),
+        b'{"images": [], "extra": 1}': ("extra", "extra: unknown field"),
+    }
+    for body, (field, text) in cases.items():
+        with pytest.raises(Refused) as err:
+            json_images(body)
+        assert err.value.status == 400 and err.value.field == field, body
+        assert str(err.value).startswith(text), str(err.value)
+    assert json_images(b'{"images": [1]}') == [1]
+
+
+def test_json_pixels_check_the_contract_and_the_limit():
+    zero = [[0] * 4 for _ in range(4)]
+    ok = json_pixels(json.dumps({"images": [zero, zero]}).encode(), CARD, max_images=2)
+    assert ok.shape == (2, 1, 4, 4) and ok.dtype == np.float32
+    with pytest.raises(Refused) as err:
+        json_pixels(json.dumps({"images": [zero] * 3}).encode(), CARD, max_images=2)
+    assert (err.value.status, err.value.reason) == (413, "too_many_images")
+    with pytest.raises(Refused) as err:
+        json_pixels(json.dumps({"images": [zero[:3]]}).encode(), CARD, max_images=2)
+    assert err.value.status == 400 and err.value.field == "images[0]"
+    assert "expected 4 rows of 4 numbers, got 3 items" in str(err.value)
+    with pytest.raises(Refused, match="images: no image files"):
+        check_count(0, 2)
+    with pytest.raises(Refused, match="more than the limit of 2") as err:
+        check_count(3, 2)
+    assert err.value.status == 413
+
+
+# ---------------------------------------------------------------------------- the predictor
+
+
+def test_classify_multipart_and_raw_body_give_the_computed_answer(client, tiny):
+    expected = expected_probabilities(PHOTOS, tiny["weights"])
+    version = sha256_file(tiny["path"])[:12]
+    for i, data in enumerate(PHOTOS):
+        multi = client.post("/classify", files={"image": ("p.png", data, "image/png")})
+        raw = client.post("/classify?top_k=2", content=data, headers={"Content-Type": "image/png"})
+        assert multi.status_code == 200 and raw.status_code == 200, (multi.text, raw.text)
+        assert multi.json()["probabilities"] == raw.json()["probabilities"]
+        pred = multi.json()
+        assert np.allclose(pred["probabilities"], expected[i], atol=1e-6)
+        best = int(expected[i].argmax())
+        assert (pred["class_id"], pred["label"]) == (best, CLASSES[best])
+        assert pred["model_version"] == version and multi.headers["x-model-version"] == version
+        assert len(pred["top_k"]) == 3  # serve.top_k 5, capped at the 3 classes
+        assert [t["class_id"] for t in raw.json()["top_k"]] == list(np.argsort(-expected[i])[:2])
+
+
+def test_invert_and_top_k_from_the_form(client, tiny):
+    resp = client.post(
+        "/classify",
+        files={"image": ("p.png", PHOTOS[0], "image/png")},
+        data={"invert": "true", "top_k": "1"},
+    )
+    assert resp.status_code == 200, resp.text
+    expected = expected_probabilities(PHOTOS[:1], tiny["weights"], invert=True)[0]
+    assert np.allclose(resp.json()["probabilities"], expected, atol=1e-6)
+    assert len(resp.json()["top_k"]) == 1
+
+
+def test_batch_by_files_and_by_json_agree(client, tiny):
+    expected = expected_probabilities(PHOTOS, tiny["weights"])
+    files = [("images", (f"{i}.png", data)) for i, data in enumerate(PHOTOS)]
+    by_files = client.post("/classify_batch", files=files)
+    assert by_files.status_code == 200, by_files.text
+    assert np.allclose([p["probabilities"] for p in by_files.json()], expected, atol=1e-6)
+    pixels = [decode_image(data, CARD)[0].tolist() for data in PHOTOS]
+    by_json = client.post("/classify_batch?top_k=1", json={"images": pixels})
+    assert by_json.status_code == 200, by_json.text
+    assert np.allclose([p["probabilities"] for p in by_json.json()], expected, atol=1e-6)
+    assert all(len(p["top_k"]) == 1 for p in by_json.json())
+
+
+def test_bad_requests_get_a_4xx_naming_the_field(client):
+    empty_second = [("images", ("a.png", PHOTOS[0])), ("images", ("b.png", b""))]
+    cases = [
+        (client.post("/classify", content=b""), 400, "body", "empty request body"),
+        (client.post("/classify", content=b"x"), 415, "Content-Type", "a body without a Content"),
+        (
+            client.post("/classify", content=b"x", headers={"Content-Type": "text/plain"}),
+            415,
+            "Content-Type",
+            "/classify does not take 'text/plain'",
+        ),
+        (
+            client.post(
+                "/classify?top_k=0", content=PHOTOS[0], headers={"Content-Type": "image/png"}
+            ),
+            400,
+            "top_k",
+            "top_k: expected a whole number from 1 to 3, got '0'",
+        ),
+        (
+            client.post("/classify", files={"image": ("a", b"not an image")}),
+            400,
+            "image",
+            "image: not an image",
+        ),
+        (
+            client.post("/classify", files=[("image", ("a", PHOTOS[0]))] * 2),
+            400,
+            "image",
+            "image: expected one file field 'image', got 2",
+        ),
+        (client.post("/classify_batch", files=empty_second), 400, "images[1]", "images[1]: the"),
+        (
+            client.post("/classify_batch", files=[("images", ("a", PHOTOS[0]))] * 5),
+            413,
+            "images",
+            "more than the limit of 4",
+        ),
+        (
+            client.post(
+                "/classify_batch", content=b"{x", headers={"Content-Type": "application/json"}
+            ),
+            400,
+            "body",
+            "Invalid JSON",
+        ),
+        (client.post("/classify_batch", json={"images": []}), 400, "images", "the list is empty"),
+        (client.post("/classify_batch?top_k=x", json={"images": []}), 400, "top_k", "top_k:"),
+    ]
+    for resp, status, field, text in cases:
+        assert resp.status_code == status, resp.text
+        assert resp.json()["field"] == field and text in resp.json()["error"], resp.text
+
+
+def test_image_over_the_pixel_limit_is_a_413(tiny):
+    for client in client_for(tiny, max_image_pixels=100):
+        before = refused_count("image_too_large")
+        resp = client.post(
+            "/classify", files={"image": ("big.png", png(np.zeros((20, 20), np.uint8)))}
+        )
+        assert resp.status_code == 413 and "image too large" in resp.json()["error"], resp.text
+        assert refused_count("image_too_large") - before == 1
+
+
+def test_unknown_routes_and_methods_answer_json(client):
+    resp = client.post("/internal/infer", json={})
+    assert resp.status_code == 404 and resp.json()["error"].startswith("POST /internal/infer: Not")
+    assert "endpoints: POST /classify" in resp.json()["error"]
+    assert client.get("/classify").status_code == 404  # the catch-all route takes GET
+    resp = client.patch("/classify")
+    assert resp.status_code == 405 and "Method Not Allowed" in resp.json()["error"]
+
+
+def test_metadata_describes_the_model_and_its_contract(client, tiny):
+    meta = client.get("/metadata").json()
+    assert meta["classes"] == list(CLASSES)
+    assert meta["model"]["sha256"] == sha256_file(tiny["path"])
+    assert meta["model"]["mlflow_run_id"] == RUN_ID and meta["model"]["arch"] == "tiny"
+    assert meta["input"]["shape"] == [-1, 1, 4, 4] and meta["input"]["image"] == "4x4"
+    assert meta["input"]["normalization"] == {"scale": 255.0, "mean": [0.5], "std": [0.25]}
+    assert meta["source"]["mlflow_run_id"] == RUN_ID
+    assert meta["provider"] == "CPUExecutionProvider" and meta["batching"]["enabled"] is False
+
+
+def test_adaptive_batching_gives_the_same_answers(batched_client, tiny):
+    predictor = batched_client.predictor
+    predictor.warm_up()
+    expected = expected_probabilities(PHOTOS, tiny["weights"])
+    for i, data in enumerate(PHOTOS):
+        resp = batched_client.post("/classify", files={"image": ("p.png", data)})
+        assert resp.status_code == 200, resp.text
+        assert np.allclose(resp.json()["probabilities"], expected[i], atol=1e-6)
+    assert predictor._batcher is not None  # the requests went through BentoML's batcher
+
+
+def test_predictions_are_counted_by_label(client):
+    def count(label: str) -> float:
+        return REGISTRY.get_sample_value("trainyard_predictions_total", {"label": label}) or 0.0
+
+    before = sum(count(c) for c in CLASSES)
+    assert client.post("/classify", files={"image": ("p.png", PHOTOS[1])}).status_code == 200
+    assert sum(count(c) for c in CLASSES) - before == 1
