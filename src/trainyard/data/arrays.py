@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:  # pydantic stays out of the light paths (bench, gpu-check)
-    pass
 
 LABEL_DTYPE = np.int32  # any class count (uint8 would stop at 256)
 _STATS_BYTES = 16 << 20  # bytes of images per block for mean/std: bounded on any dataset

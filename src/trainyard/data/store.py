@@ -10,16 +10,11 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from trainyard.core.card import CARD_FILE, SPLITS, Card
 from trainyard.core.io import atomic_dir, atomic_write_text
-
-if TYPE_CHECKING:  # pydantic stays out of the light paths (bench, gpu-check)
-    pass
-
 from trainyard.data.arrays import LABEL_DTYPE, channel_stats, class_counts
 
 
