@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from trainyard.core.card import Card
-from trainyard.core.config import DataParams
 from trainyard.data.sources.fashion_mnist import prepare_fashion_mnist
 from trainyard.data.sources.folder import prepare_folder
+
+if TYPE_CHECKING:  # pydantic stays out of the light paths (benchmarks, gpu-check)
+    from trainyard.core.config import DataParams
 
 # data.source -> its prepare function (raw_dir, out_dir, params, seed, max_image_pixels).
 SOURCES: dict[str, Callable[..., Card]] = {
