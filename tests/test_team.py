@@ -122,11 +122,11 @@ def test_clone_after_dvc_pull_is_up_to_date_and_repro_runs_nothing(team):
         assert (clone / rel).exists(), rel
     status = dvc(clone, "status", "dvc.yaml")
     assert "Data and pipelines are up to date." in status.stdout, status.stdout
-    # Repository-wide, only the on-demand benchmark (bench/dvc.yaml, never run here and
+    # Repository-wide, only the on-demand benchmark (benchmarks/dvc.yaml, never run here and
     # with no lock in git: its outs are one machine's timings) is listed as not run.
     everything = dvc(clone, "status").stdout
     headers = [line for line in everything.splitlines() if line and not line[0].isspace()]
-    assert headers == ["bench/dvc.yaml:bench:"], everything
+    assert headers == ["benchmarks/dvc.yaml:bench:"], everything
     lock = (clone / "dvc.lock").read_text()
     out = dvc(clone, "repro")
     assert ran(out.stdout) == set(), out.stdout
