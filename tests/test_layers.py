@@ -90,6 +90,10 @@ def violations(path: Path, source: str | None = None) -> list[str]:
             hidden = id(node) in in_function and not _is_probe(node, parents)
             if hidden and (parts[0] == "trainyard" or parts[0] in HEAVY):
                 found.append(f"{where} is imported inside a function; import it at the top")
+            if parts[0] == "benchmarks":
+                found.append(
+                    f"{where}: the library never imports the benchmarks (not in the wheel)"
+                )
             if layer is None:
                 continue
             if parts[0] == "trainyard" and len(parts) > 1:
@@ -126,6 +130,7 @@ def test_imports_go_down_the_layers(path):
         ("data/x.py", "from ..track import runs\n", "may not import layer 'track'"),
         ("train/x.py", "def f():\n    import torch\n", "inside a function"),
         ("export/x.py", "def f():\n    from trainyard.core import io\n", "inside a function"),
+        ("doctor/x.py", "import benchmarks.common\n", "never imports the benchmarks"),
     ],
 )
 def test_the_checker_finds_each_kind_of_break(where, source, expected):
