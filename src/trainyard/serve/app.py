@@ -16,8 +16,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from trainyard.serve.metrics import count_refusal
+from trainyard.serve.openapi import openapi_routes
 from trainyard.serve.parsing import BATCH_USAGE, CLASSIFY_USAGE, Refused
 from trainyard.serve.predictor import Predictor
+from trainyard.serve.ui import ui_routes
 
 ENDPOINTS = (
     "POST /classify, POST /classify_batch, GET /metadata, "
@@ -39,6 +41,8 @@ def build_app(predictor: Callable[[], Predictor]) -> Starlette:
             Route("/classify", _endpoint(predictor, "classify"), methods=["POST"]),
             Route("/classify_batch", _endpoint(predictor, "classify_batch"), methods=["POST"]),
             Route("/metadata", metadata, methods=["GET"]),
+            *ui_routes(),
+            *openapi_routes(),
             # Last: any other path. The mount sees only what BentoML's own routes did not
             # take, and Starlette's default 404 there is plain text.
             Route("/{path:path}", not_found, methods=["GET", "HEAD", "POST", "PUT", "DELETE"]),

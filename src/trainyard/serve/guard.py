@@ -17,8 +17,10 @@ from starlette.responses import JSONResponse
 from trainyard.serve.metrics import count_refusal
 
 # Reachable without the API key (probes, metrics, the docs UI); everything else needs it.
-OPEN_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/metrics", "/", "/docs.json"})
-OPEN_PREFIXES = ("/static_content/", "/assets/")
+OPEN_PATHS = frozenset(
+    {"/healthz", "/livez", "/readyz", "/metrics", "/", "/docs.json", "/docs", "/ui"}
+)
+OPEN_PREFIXES = ("/static_content/", "/assets/", "/ui/")
 PICKLE = "application/vnd.bentoml+pickle"
 
 Scope = MutableMapping[str, Any]
