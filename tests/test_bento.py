@@ -266,6 +266,10 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
         "models/model.onnx",
         "models/model.onnx.sha256",
         *modules,
+        # the demo page at /ui (trainyard.serve.ui), served from the package's files
+        "trainyard/serve/ui/index.html",
+        "trainyard/serve/ui/ui.js",
+        "trainyard/serve/ui/ui.css",
     }
     assert got == expected, (
         f"unexpected in the bento: {sorted(got - expected)}; missing: {sorted(expected - got)}"
