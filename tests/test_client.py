@@ -170,6 +170,12 @@ def test_error_answers_raise_service_error_with_the_servers_message():
         client.metadata()
     assert (err.value.status, err.value.field, err.value.retry_after) == (429, None, 1.0)
 
+    past = {"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}  # an HTTP date: seconds from now
+    client, _ = mock_client(503, {"error": "overloaded", "field": None}, past)
+    with pytest.raises(ServiceError, match=r"^overloaded$") as err:
+        client.classify(image_bytes())
+    assert err.value.retry_after == 0.0
+
     client, _ = mock_client(502, b"<html>bad gateway</html>")
     with pytest.raises(ServiceError, match=r"^HTTP 502 Bad Gateway: <html>bad gateway"):
         client.classify(image_bytes())

@@ -241,7 +241,8 @@ def _typed(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any
 class SupportsSave(Protocol):
     """A PIL.Image-like object: ``save(fp, format=...)`` writes it in that format."""
 
-    def save(self, fp: IO[bytes], format: str | None = ...) -> None: ...
+    def save(self, fp: IO[bytes], format: str | None = ...) -> None:
+        """Write the image to ``fp`` in ``format`` (PIL.Image.Image.save)."""
 
 
 ImageInput: TypeAlias = str | os.PathLike[str] | bytes | bytearray | memoryview | SupportsSave
