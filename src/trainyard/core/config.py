@@ -173,6 +173,14 @@ class ServeParams(_Strict):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=1024**3)
     max_concurrency: int = Field(256, ge=2, le=100_000)
     timeout_s: float = Field(10.0, gt=0, le=3600)
+    # Hostile input limits (tests/test_serve_limits.py): each a 4xx that names it.
+    max_aspect_ratio: float = Field(100, ge=1, le=100_000)
+    max_json_depth: int = Field(8, ge=5, le=100)
+    max_json_values: int = Field(1_048_576, ge=1, le=1_000_000_000)
+    max_json_int_digits: int = Field(20, ge=3, le=4000)
+    max_header_bytes: int = Field(16_384, ge=1024, le=1024**2)
+    header_timeout_s: float = Field(10.0, gt=0, le=3600)
+    body_timeout_s: float = Field(8.0, gt=0, le=3600)
 
 
 class Params(_Strict):

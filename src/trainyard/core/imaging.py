@@ -28,6 +28,12 @@ IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".mpo"}
 )
 DEFAULT_MAX_IMAGE_PIXELS = 25_000_000  # 25 MP: any phone photo; a 30000x30000 bomb is 900 MP
+# Longer side / shorter side. A 1x20000 strip is a few bytes of PNG, but the pad policy
+# would square it to 400 MP and crop would scale it to a 28x560000 strip: refused first.
+DEFAULT_MAX_ASPECT_RATIO = 100
+# The pad policy squares the image (to the target's aspect) before the resize: that canvas
+# may hold at most this many times max_pixels (a 24 MP 3:2 photo pads to 36 MP).
+PAD_CANVAS_FACTOR = 4
 _GRAY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 _INTERPOLATION = {"bilinear": 2, "bicubic": 3, "lanczos": 1, "nearest": 0}  # PIL.Image.Resampling
 
@@ -43,7 +49,7 @@ class ImageHeader:
     grayscale: bool
 
 
-def _open(data: bytes, max_pixels: int, field: str) -> Any:
+def _open(data: bytes, max_pixels: int, field: str, max_aspect_ratio: float) -> Any:
 
     if not data:
         raise InputError(f"{field}: the file is empty (0 bytes); send an image file", field=field)
@@ -69,14 +75,26 @@ def _open(data: bytes, max_pixels: int, field: str) -> Any:
     if width < 1 or height < 1:
         im.close()
         raise InputError(f"{field}: the image has no pixels ({width}x{height})", field=field)
+    if max(width, height) > max_aspect_ratio * min(width, height):
+        im.close()
+        raise InputError(
+            f"{field}: image too elongated ({width}x{height} pixels); the longer side may be "
+            f"at most {max_aspect_ratio:g} times the shorter (serve.max_aspect_ratio). "
+            "Crop or pad it first",
+            field=field,
+        )
     return im
 
 
 def read_header(
-    data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, field: str = "image"
+    data: bytes,
+    *,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    field: str = "image",
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
 ) -> ImageHeader:
     """Format, mode, size and whether the image is grayscale, from the header alone."""
-    with _open(data, max_pixels, field) as im:
+    with _open(data, max_pixels, field, max_aspect_ratio) as im:
         return ImageHeader(im.format, im.mode, im.size[0], im.size[1], _is_gray(im))
 
 
@@ -103,6 +121,7 @@ def image_to_pixels(
     field: str = "image",
     invert: bool = False,
     info: dict[str, Any] | None = None,
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
 ) -> np.ndarray:
     """Image bytes of any supported format and mode -> uint8 pixels ``[C, H, W]``.
 
@@ -110,7 +129,7 @@ def image_to_pixels(
     as the header is read (also when decoding then fails): what the service reports as
     input image sizes, without opening the image twice.
 
-    In order: header check (format, pixel count), decode (JPEGs far larger than needed
+    In order: header check (format, pixel count, aspect ratio), decode (JPEGs far larger than needed
     decode at 1/2..1/8 scale), EXIF orientation, conversion to ``channels`` (16-bit maps to
     8-bit, transparency is composited on ``fill``), then the resize policy (see
     ``trainyard.core.card``). An image already at the target size is not resampled, so a
@@ -119,7 +138,7 @@ def image_to_pixels(
 
     if channels not in (1, 3):
         raise ValueError(f"channels must be 1 or 3, got {channels}")
-    with _open(data, max_pixels, field) as im:
+    with _open(data, max_pixels, field, max_aspect_ratio) as im:
         fmt = im.format
         if info is not None:
             info.update(format=fmt, width=im.width, height=im.height)
@@ -138,6 +157,8 @@ def image_to_pixels(
             raise InputError(
                 f"{field}: the {fmt} image is truncated or corrupt ({_short(err)})", field=field
             ) from None
+    if resize == "pad":
+        _check_canvas(arr.shape[0], arr.shape[1], height, width, max_pixels, field)
     out = _apply_resize(arr, height, width, resize, fill, interpolation)
     return np.ascontiguousarray(out.transpose(2, 0, 1))
 
@@ -171,6 +192,23 @@ def _to_channels(im: Any, channels: int, fill: int, invert: bool = False) -> np.
     return arr[:, :, None] if arr.ndim == 2 else arr
 
 
+def _pad_size(h: int, w: int, height: int, width: int) -> tuple[int, int]:
+    """The canvas the pad policy puts an h x w image on: the target's aspect, no pixel lost."""
+    return max(h, math.ceil(w * height / width)), max(w, math.ceil(h * width / height))
+
+
+def _check_canvas(h: int, w: int, height: int, width: int, max_pixels: int, field: str) -> None:
+    """Refuse (413) an image whose padded canvas would exceed PAD_CANVAS_FACTOR x max_pixels
+    (the canvas is allocated whole before the resize)."""
+    th, tw = _pad_size(h, w, height, width)
+    if th * tw > PAD_CANVAS_FACTOR * max_pixels:
+        raise too_many_pixels(
+            field,
+            max_pixels,
+            f"{w}x{h} pixels pad to {tw}x{th}, over {PAD_CANVAS_FACTOR} times the limit",
+        )
+
+
 def _apply_resize(
     arr: np.ndarray, height: int, width: int, policy: str, fill: int, interpolation: str
 ) -> np.ndarray:
@@ -181,8 +219,7 @@ def _apply_resize(
     resample = _INTERPOLATION[interpolation]
     if policy == "pad":
         # Pad rather than stretch: the object keeps its proportions and every pixel stays.
-        th = max(h, math.ceil(w * height / width))
-        tw = max(w, math.ceil(h * width / height))
+        th, tw = _pad_size(h, w, height, width)
         if (th, tw) != (h, w):
             canvas = np.full((th, tw, c), fill, dtype=np.uint8)
             top, left = (th - h) // 2, (tw - w) // 2

@@ -19,9 +19,15 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from trainyard.core.card import Card, normalize_pixels
 from trainyard.core.errors import InputError
-from trainyard.core.imaging import DEFAULT_MAX_IMAGE_PIXELS, IMAGE_FORMATS, image_to_pixels
+from trainyard.core.imaging import (
+    DEFAULT_MAX_ASPECT_RATIO,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    IMAGE_FORMATS,
+    image_to_pixels,
+)
 
 __all__ = [
+    "DEFAULT_MAX_ASPECT_RATIO",
     "DEFAULT_MAX_IMAGE_PIXELS",
     "IMAGE_FORMATS",
     "decode_image",
@@ -52,6 +58,7 @@ def decode_image(
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     field: str = "image",
     info: dict[str, Any] | None = None,
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
 ) -> np.ndarray:
     """Image bytes of any supported format, size and mode -> uint8 [C,H,W] for ``card``.
 
@@ -70,6 +77,7 @@ def decode_image(
         field=field,
         invert=invert,
         info=info,
+        max_aspect_ratio=max_aspect_ratio,
     )
 
 

@@ -7,14 +7,22 @@ the headers (``trace_headers`` in trainyard.serve.settings).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
+import anyio
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from trainyard.serve.metrics import count_refusal
+
+try:  # httptools (uvicorn's parser of choice) is an optional extra of uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # pragma: no cover
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 # Reachable without the API key (probes, metrics, the docs UI); everything else needs it.
 OPEN_PATHS = frozenset(
@@ -22,6 +30,8 @@ OPEN_PATHS = frozenset(
 )
 OPEN_PREFIXES = ("/static_content/", "/assets/", "/ui/")
 PICKLE = "application/vnd.bentoml+pickle"
+# Defaults equal to ServeParams' (serve.max_header_bytes, body_timeout_s, header_timeout_s).
+MAX_HEADER_BYTES, BODY_TIMEOUT_S, HEADER_TIMEOUT_S = 16_384, 8.0, 10.0
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -35,8 +45,12 @@ class RequestGuard:
 
     - API key (when set): ``Authorization: Bearer <key>``, constant-time compare, 401 else;
     - ``application/vnd.bentoml+pickle`` -> 415 on every route (never unpickle a request);
+    - request line and headers over ``max_header_bytes`` -> 431 (httptools has no limit);
     - a POST body over ``max_body_bytes`` -> 413, read no further (Content-Length or
       counted), else handed on whole, so no route ever holds more than the limit;
+    - a body not received whole within ``body_timeout_s`` -> 408 (a slow client);
+    - a connection that sends no whole request head within ``header_timeout_s`` is closed
+      (uvicorn has no such timer: ``bound_header_time``).
     - every response carries ``trace_headers`` (the model's version, run, data version).
     """
 
@@ -47,11 +61,17 @@ class RequestGuard:
         api_key: str | None,
         max_body_bytes: int,
         trace_headers: Sequence[tuple[bytes, bytes]] = (),
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        header_timeout_s: float | None = HEADER_TIMEOUT_S,
     ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.trace_headers = list(trace_headers)
+        self.max_header_bytes, self.body_timeout_s = max_header_bytes, body_timeout_s
+        if header_timeout_s is not None:
+            bound_header_time(header_timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer a refused request here; hand any other on, its body already read."""
@@ -60,6 +80,18 @@ class RequestGuard:
             return
         send = _with_headers(send, self.trace_headers)
         headers = Headers(scope=scope)
+        head = _head_bytes(scope)
+        if head > self.max_header_bytes:
+            await _error(
+                send,
+                scope,
+                431,
+                f"request line and headers of {head:,} bytes, over the limit of "
+                f"{self.max_header_bytes:,} (serve.max_header_bytes); send fewer, shorter headers",
+                field="headers",
+                reason="headers_too_large",
+            )
+            return
         if not self._allowed(scope, headers):
             await _error(
                 send,
@@ -84,7 +116,20 @@ class RequestGuard:
                 reason="unsupported_media_type",
             )
             return
-        body = await self._read_body(scope, receive, send, headers)
+        body: bytes | None = None
+        with anyio.move_on_after(self.body_timeout_s) as timer:
+            body = await self._read_body(scope, receive, send, headers)
+        if timer.cancelled_caught:
+            await _error(
+                send,
+                scope,
+                408,
+                f"request body not received whole within {self.body_timeout_s:g} s "
+                "(serve.body_timeout_s); send it faster or smaller",
+                field="body",
+                reason="body_timeout",
+            )
+            return
         if body is None:
             return
         await self.app(scope, _replay(body, receive), send)
@@ -108,7 +153,8 @@ class RequestGuard:
         too_big = f"request body over {limit:,} bytes (serve.max_body_bytes)"
         declared = headers.get("content-length")
         if declared is not None:
-            if not declared.isdigit():
+            # ASCII digits only: '²' is a digit int() refuses, 4301 digits an int() refuses.
+            if not (declared.isascii() and declared.isdigit() and len(declared) <= 18):
                 await _error(
                     send,
                     scope,
@@ -134,6 +180,61 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _head_bytes(scope: Scope) -> int:
+    """The request line and headers as they came, roughly: method, path, query, each
+    header's name and value with its separators."""
+    line = len(scope.get("raw_path") or scope["path"]) + len(scope.get("query_string", b""))
+    return line + len(scope["method"]) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+
+
+def bound_header_time(seconds: float) -> None:
+    """Close any uvicorn connection that has not sent a whole request head within
+    ``seconds`` of connecting or of its last response (slowloris). uvicorn's keep-alive
+    timer stops at a connection's first byte, so a trickled head held it open forever.
+    Patches both HTTP protocol classes, once per process; later calls set the time."""
+    for cls in (HttpToolsProtocol, H11Protocol):
+        if cls is None:
+            continue
+        if not hasattr(cls, "_trainyard_head_s"):
+            _patch_protocol(cls)
+        cls._trainyard_head_s = seconds  # type: ignore[attr-defined]
+
+
+def _patch_protocol(cls: Any) -> None:
+    made, complete, lost = cls.connection_made, cls.on_response_complete, cls.connection_lost
+
+    def arm(self: Any) -> None:
+        timer = getattr(self, "_trainyard_head_timer", None)
+        if timer is not None:
+            timer.cancel()
+        self._trainyard_head_timer = asyncio.get_running_loop().call_later(
+            cls._trainyard_head_s, expire, self
+        )
+
+    def expire(self: Any) -> None:
+        waiting = self.cycle is None or self.cycle.response_complete  # no request under way
+        if waiting and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self: Any, transport: Any) -> None:
+        made(self, transport)
+        arm(self)
+
+    def on_response_complete(self: Any) -> None:
+        complete(self)
+        if not self.transport.is_closing():
+            arm(self)
+
+    def connection_lost(self: Any, exc: Exception | None) -> None:
+        timer = getattr(self, "_trainyard_head_timer", None)
+        if timer is not None:
+            timer.cancel()
+        lost(self, exc)
+
+    cls.connection_made, cls.on_response_complete = connection_made, on_response_complete
+    cls.connection_lost = connection_lost
 
 
 def _with_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:

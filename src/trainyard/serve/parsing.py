@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ BATCH_USAGE = (
     "(curl -F images=@a.jpg -F images=@b.png URL/classify_batch), or JSON "
     '{"images": [arrays of 0–255 numbers shaped as GET /metadata input.image]}'
 )
+_MAX_TOP_K_DIGITS = 9
 TRUE, FALSE = frozenset({"true", "1", "yes", "on"}), frozenset({"false", "0", "no", "off", ""})
 
 
@@ -94,14 +96,16 @@ def parse_top_k(value: str | None, num_classes: int, default: int) -> int:
     if value is None:
         return min(default, num_classes)
     # isdecimal, not isdigit: '²' is a digit that int() refuses (it was a 500).
-    if not value.strip().isdecimal() or int(value) < 1:
+    # Length first: int() of 4301+ digits raises (it was a 500).
+    text = value.strip()
+    if not text.isdecimal() or len(text) > _MAX_TOP_K_DIGITS or int(text) < 1:
         raise Refused(
             400,
             f"top_k: expected a whole number from 1 to {num_classes}, got {value!r}",
             field="top_k",
             reason="bad_field",
         )
-    return min(int(value), num_classes)
+    return min(int(text), num_classes)
 
 
 def _too_many_files(files: str, max_files: int, usage: str) -> Refused:
@@ -208,17 +212,90 @@ def check_count(n: int, limit: int) -> None:
         )
 
 
-def json_images(body: bytes) -> Any:
-    """The ``images`` of a JSON batch body ``{"images": [...]}``, not yet checked."""
-    try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise Refused(
+@dataclass(frozen=True)
+class JsonLimits:
+    """What one JSON body may hold (serve.max_json_*), checked before it is parsed."""
+
+    max_depth: int = 8
+    max_values: int = 1_048_576
+    max_int_digits: int = 20
+
+
+def _json_refusal(status: int, message: str, reason: str = "bad_request") -> Refused:
+    return Refused(status, f"body: {message}; {BATCH_USAGE}", field="body", reason=reason)
+
+
+def check_json_shape(body: bytes, limits: JsonLimits) -> None:
+    """Refuse a body nested deeper than ``max_depth`` (json's recursion would fail: a 500)
+    or holding more than ``max_values`` values, counted in one vectorised pass."""
+    masked = _outside_strings(body)
+    opens = (masked == ord("[")) | (masked == ord("{"))
+    closes = (masked == ord("]")) | (masked == ord("}"))
+    depth = int(np.cumsum(opens.astype(np.int64) - closes).max(initial=0))
+    if depth > limits.max_depth:
+        raise _json_refusal(
             400,
-            f"body: Invalid JSON ({err}); {BATCH_USAGE}",
-            field="body",
-            reason="bad_request",
+            f"JSON nested {depth} levels deep, more than the limit of {limits.max_depth} "
+            "(serve.max_json_depth)",
+            "json_too_deep",
+        )
+    values = int(np.count_nonzero(masked == ord(","))) + 1
+    if values > limits.max_values:
+        raise _json_refusal(
+            413,
+            f"JSON with about {values:,} values, more than the limit of {limits.max_values:,} "
+            "(serve.max_json_values); split the images over several requests",
+            "json_too_large",
+        )
+
+
+def _outside_strings(body: bytes) -> np.ndarray:
+    """The body's bytes with those inside JSON strings zeroed (linear, no regex: a body of
+    escaped quotes would make a string regex quadratic)."""
+    raw = np.frombuffer(body, dtype=np.uint8)
+    idx = np.arange(raw.size)
+    backslash = raw == ord("\\")
+    # Index of the last byte that is not a backslash, at or before each position.
+    last_plain = np.maximum.accumulate(np.where(backslash, -1, idx))
+    quotes = np.flatnonzero(raw == ord('"'))
+    run = (quotes - 1) - last_plain[np.maximum(quotes - 1, 0)]  # backslashes just before
+    run[quotes == 0] = 0
+    toggles = np.zeros(raw.size, dtype=np.int8)
+    toggles[quotes[run % 2 == 0]] = 1  # unescaped quotes open and close strings
+    inside = (np.cumsum(toggles) % 2 == 1) | (toggles == 1)
+    return np.where(inside, 0, raw)
+
+
+class _LongNumber(ValueError):
+    pass
+
+
+def _int_parser(max_digits: int) -> Any:
+    def parse_int(text: str) -> int:
+        if len(text.lstrip("-")) > max_digits:
+            raise _LongNumber(len(text.lstrip("-")))
+        return int(text)
+
+    return parse_int
+
+
+def json_images(body: bytes, limits: JsonLimits | None = None) -> Any:
+    """The ``images`` of a JSON batch body ``{"images": [...]}``, not yet checked."""
+    limits = limits or JsonLimits()
+    check_json_shape(body, limits)
+    try:
+        doc = json.loads(body, parse_int=_int_parser(limits.max_int_digits))
+    except _LongNumber as err:
+        raise _json_refusal(
+            400,
+            f"a JSON integer of {err.args[0]:,} digits, more than the limit of "
+            f"{limits.max_int_digits} (serve.max_json_int_digits); pixels are 0–255",
+            "json_number_too_long",
         ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _json_refusal(400, f"Invalid JSON ({err})") from None
+    except (ValueError, RecursionError) as err:  # any other parser limit: still the body's
+        raise _json_refusal(400, f"Invalid JSON ({type(err).__name__})") from None
     if not isinstance(doc, dict) or "images" not in doc:
         raise Refused(400, f"images: missing; {BATCH_USAGE}", field="images", reason="bad_field")
     unknown = sorted(set(doc) - {"images"})
@@ -232,9 +309,11 @@ def json_images(body: bytes) -> Any:
     return doc["images"]
 
 
-def json_pixels(body: bytes, card: Card, max_images: int) -> np.ndarray:
+def json_pixels(
+    body: bytes, card: Card, max_images: int, limits: JsonLimits | None = None
+) -> np.ndarray:
     """A JSON batch body -> float32 pixels [N,C,H,W] by the card, or a 4xx naming the item."""
-    images = json_images(body)
+    images = json_images(body, limits)
     try:
         return pixel_arrays(images, card, max_images=max_images)
     except InputError as err:

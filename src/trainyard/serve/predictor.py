@@ -34,6 +34,7 @@ from trainyard.serve.metrics import metrics
 from trainyard.serve.parsing import (
     BATCH_USAGE,
     CLASSIFY_USAGE,
+    JsonLimits,
     Refused,
     check_count,
     file_fields,
@@ -72,6 +73,11 @@ class Predictor:
         self.metrics = metrics()  # created here, in the worker, not at import
         self._batcher: Batcher | None = None
         self._limiter: anyio.CapacityLimiter | None = None  # made on this worker's loop
+        self.json_limits = JsonLimits(
+            max_depth=params.max_json_depth,
+            max_values=params.max_json_values,
+            max_int_digits=params.max_json_int_digits,
+        )
 
     @classmethod
     def load(cls, path: Path, params: ServeParams, provenance: dict[str, str]) -> Predictor:
@@ -169,6 +175,7 @@ class Predictor:
                 max_pixels=self.params.max_image_pixels,
                 field=field,
                 info=info,
+                max_aspect_ratio=self.params.max_aspect_ratio,
             )
         except InputError as err:
             reason = "image_too_large" if err.status == 413 else "bad_image"
@@ -255,7 +262,7 @@ class Predictor:
             check_count(len(files), limit)
             pixels = await self.in_thread(self._decode_all, files, invert)
         elif media == "application/json":
-            pixels = await self.in_thread(json_pixels, body, self.card, limit)
+            pixels = await self.in_thread(json_pixels, body, self.card, limit, self.json_limits)
         else:
             raise unsupported("/classify_batch", media, BATCH_USAGE)
         probs = await self.in_thread(self.probabilities, pixels)
@@ -324,6 +331,10 @@ class Predictor:
             "max_image_pixels": p.max_image_pixels,
             "max_batch_images": p.max_batch_images,
             "max_body_bytes": p.max_body_bytes,
+            "max_aspect_ratio": p.max_aspect_ratio,
+            "max_json_depth": p.max_json_depth,
+            "max_json_values": p.max_json_values,
+            "max_json_int_digits": p.max_json_int_digits,
             "top_k": p.top_k,
         }
 
