@@ -22,7 +22,7 @@ from trainyard.serve.predictor import Predictor
 from trainyard.serve.ui import ui_routes
 
 ENDPOINTS = (
-    "POST /classify, POST /classify_batch, GET /metadata, "
+    "POST /classify, POST /classify_batch, GET /metadata, GET /ui, GET /docs, GET /docs.json, "
     "GET /healthz, GET /readyz, GET /livez, GET /metrics"
 )
 Handler = Callable[[Request], Awaitable[JSONResponse]]
@@ -42,7 +42,7 @@ def build_app(predictor: Callable[[], Predictor]) -> Starlette:
             Route("/classify_batch", _endpoint(predictor, "classify_batch"), methods=["POST"]),
             Route("/metadata", metadata, methods=["GET"]),
             *ui_routes(),
-            *openapi_routes(),
+            *openapi_routes(predictor),
             # Last: any other path. The mount sees only what BentoML's own routes did not
             # take, and Starlette's default 404 there is plain text.
             Route("/{path:path}", not_found, methods=["GET", "HEAD", "POST", "PUT", "DELETE"]),

@@ -14,7 +14,6 @@ BentoML's own mount sees them. No CDN, no inline script.
 from __future__ import annotations
 
 import importlib.util
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -79,19 +78,14 @@ def swagger_assets() -> Path:
     return Path(spec.origin).parent / "_internal" / "server" / "static_content"
 
 
-def openapi_routes(predictor: Callable[[], Predictor] | None = None) -> list[BaseRoute]:
+def openapi_routes(predictor: Callable[[], Predictor]) -> list[BaseRoute]:
     """GET /docs.json (the document), /docs (Swagger UI), /static_content/* (its files),
     and / -> /docs (where BentoML's own index page, Swagger UI, would be).
 
-    ``predictor`` gives the limits and contract; without it the app's own /metadata route
-    is asked, in process, for the same document."""
+    ``predictor`` (the worker's, looked up per request) gives the limits and contract."""
 
     async def document(request: Request) -> Response:
-        if predictor is not None:
-            meta = predictor().describe()
-        else:
-            meta = await _metadata_from_app(request)
-        return JSONResponse(openapi_document(meta))
+        return JSONResponse(openapi_document(predictor().describe()))
 
     async def page(request: Request) -> Response:
         return HTMLResponse(PAGE)
@@ -105,15 +99,6 @@ def openapi_routes(predictor: Callable[[], Predictor] | None = None) -> list[Bas
         Route("/", home, methods=["GET"], name="home"),
         Mount("/static_content", StaticFiles(directory=swagger_assets()), name="static_content"),
     ]
-
-
-async def _metadata_from_app(request: Request) -> Doc:
-    """The GET /metadata document of the app serving ``request``, asked in process."""
-    for route in request.app.routes:
-        if isinstance(route, Route) and route.path == "/metadata":
-            response = await route.endpoint(request)
-            return json.loads(bytes(response.body))  # type: ignore[no-any-return]
-    raise RuntimeError("the app has no /metadata route to describe the model")
 
 
 # ---------------------------------------------------------------------------- the document
