@@ -414,6 +414,13 @@ def test_bento_from_a_clean_venv_answers_like_offline_onnx_runtime(
         # The probes and /metrics answer without the key, as the manifest's probes need.
         for path in ("/livez", "/healthz", "/readyz", "/metrics"):
             assert requests.get(f"{url}{path}", timeout=10).status_code == 200, path
+        # So do the demo page and the API's description, from the bento's own files.
+        page = requests.get(f"{url}/ui", timeout=10)
+        assert page.status_code == 200 and "ui/ui.js" in page.text, page.text[:200]
+        assert requests.get(f"{url}/ui/ui.js", timeout=10).status_code == 200
+        spec = requests.get(f"{url}/docs.json", timeout=10).json()
+        assert {"/classify", "/classify_batch", "/metadata"} <= set(spec["paths"])
+        assert requests.get(f"{url}/docs", timeout=10).status_code == 200
         refused = requests.post(
             f"{url}/classify", files={"image": ("x.png", pngs[0], "image/png")}, timeout=30
         )
