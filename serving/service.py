@@ -106,4 +106,7 @@ ImageClassifier.add_asgi_middleware(
     api_key=SETTINGS.api_key,
     max_body_bytes=PARAMS.max_body_bytes,
     trace_headers=trace_headers(MODEL_SHA256, PROVENANCE),
+    max_header_bytes=PARAMS.max_header_bytes,
+    body_timeout_s=PARAMS.body_timeout_s,
+    header_timeout_s=PARAMS.header_timeout_s,
 )

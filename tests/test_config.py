@@ -75,6 +75,13 @@ def test_val_size_must_fit_in_limit():
         parse_params(raw)
 
 
+def test_a_stalled_body_times_out_before_the_request():
+    raw = repo_params()
+    raw["serve"].update(timeout_s=10, body_timeout_s=10)
+    with pytest.raises(ParamsError, match=r"serve: .*body_timeout_s \(10\) must be less"):
+        parse_params(raw)
+
+
 def test_yaml_exponent_without_dot_still_reads_as_float():
     # YAML 1.1 reads `1e-3` as a string; users write it anyway.
     raw = repo_params()

@@ -182,6 +182,16 @@ class ServeParams(_Strict):
     header_timeout_s: float = Field(10.0, gt=0, le=3600)
     body_timeout_s: float = Field(8.0, gt=0, le=3600)
 
+    @model_validator(mode="after")
+    def _body_timeout_first(self) -> ServeParams:
+        # Otherwise BentoML's 504 (timeout_s) answers a stalled body before the guard's 408.
+        if self.body_timeout_s >= self.timeout_s:
+            raise ValueError(
+                f"body_timeout_s ({self.body_timeout_s:g}) must be less than timeout_s "
+                f"({self.timeout_s:g}), so that a stalled body gets its 408"
+            )
+        return self
+
 
 class Params(_Strict):
     seed: int = Field(42, ge=0, le=2**32 - 1)

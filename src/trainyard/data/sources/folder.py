@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -49,6 +50,10 @@ SOURCE = "folder"
 _CHUNK = 64  # files per pool task: big enough to amortise the hop, small for balance
 _MAX_LISTED = 50  # bad files spelled out in an error message (all are in the log)
 
+# The service's aspect-ratio limit (serve.max_aspect_ratio) guards untrusted uploads; a
+# user's own long panorama or receipt is training data (the pad canvas stays bounded).
+TRAINING_ASPECT = math.inf
+
 
 # ------------------------------------------------------------------ pool work (both passes)
 
@@ -65,7 +70,9 @@ def _inspect(paths: Sequence[str], max_pixels: int) -> list[tuple[str, bool, str
             continue
         digest = hashlib.sha256(data).hexdigest()
         try:
-            header = read_header(data, max_pixels=max_pixels, field="file")
+            header = read_header(
+                data, max_pixels=max_pixels, field="file", max_aspect_ratio=TRAINING_ASPECT
+            )
         except InputError as err:
             out.append((digest, False, str(err).removeprefix("file: ")))
             continue
@@ -265,6 +272,7 @@ def _decode_spec(params: DataParams, channels: int, max_pixels: int) -> dict[str
         "fill": 0,
         "interpolation": "bilinear",
         "max_pixels": max_pixels,
+        "max_aspect_ratio": TRAINING_ASPECT,
     }
 
 
