@@ -17,7 +17,7 @@ help:
 	@echo "make bench  - training/inference benchmark: reports/bench.json + docs/benchmarks.md"
 	@echo "make gpu-check - the benchmark + fast preset time-to-93% (bare GPU machine, no venv)"
 	@echo "make train-fast - dvc exp run with the fast preset (presets/fast.yaml)"
-	@echo "make serve  - the inference service (BentoML) on http://$(SERVE_HOST):$(SERVE_PORT), after make run"
+	@echo "make serve  - the inference service (BentoML) on http://$(SERVE_HOST):$(SERVE_PORT) (demo /ui, API /docs), after make run"
 	@echo "make bento  - bentoml build: service + verified model, ready for bentoml containerize"
 	@echo "make bench-serve - service load test (wrk): vs reference, p99, cold start, batching: docs/benchmarks.md"
 	@echo "make soak   - 60 s at 64 clients, good and bad requests: 0 errors, RSS growth < 10%/worker: docs/benchmarks.md"
