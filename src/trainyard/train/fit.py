@@ -173,7 +173,7 @@ def train(
     hw = resolve_hardware(params.train)
     L.seed_everything(params.seed, workers=True, verbose=False)
     dm = load_data(params, data_dir)
-    model = build_model(params, dm.card)
+    model = build_classifier(params, dm.card)
     tracked = open_tracking(params, root, uri, out_dir, dm.card, model, hw)
     if tracked.lead:
         log_run_inputs(tracked, dm, data_dir, params_file)
@@ -221,7 +221,7 @@ def load_data(params: Params, data_dir: str | os.PathLike[str]) -> ImageDataModu
     return dm
 
 
-def build_model(params: Params, card: Card) -> Classifier:
+def build_classifier(params: Params, card: Card) -> Classifier:
     """The classifier ``train.*`` describes, for the data ``card`` describes."""
     tp = params.train
     return Classifier(
