@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from trainyard.core.config import ServeParams
 from trainyard.serve.metrics import count_refusal
 
 try:  # httptools (uvicorn's parser of choice) is an optional extra of uvicorn
@@ -30,8 +31,10 @@ OPEN_PATHS = frozenset(
 )
 OPEN_PREFIXES = ("/static_content/", "/assets/", "/ui/")
 PICKLE = "application/vnd.bentoml+pickle"
-# Defaults equal to ServeParams' (serve.max_header_bytes, body_timeout_s, header_timeout_s).
-MAX_HEADER_BYTES, BODY_TIMEOUT_S, HEADER_TIMEOUT_S = 16_384, 8.0, 10.0
+# ServeParams' defaults (serve.max_header_bytes, body_timeout_s, header_timeout_s).
+_DEFAULTS = ServeParams()
+MAX_HEADER_BYTES, BODY_TIMEOUT_S = _DEFAULTS.max_header_bytes, _DEFAULTS.body_timeout_s
+HEADER_TIMEOUT_S = _DEFAULTS.header_timeout_s
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

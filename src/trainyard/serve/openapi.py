@@ -25,11 +25,11 @@ from starlette.staticfiles import StaticFiles
 
 from trainyard import __version__
 from trainyard.runtime.inputs import IMAGE_FORMATS
-from trainyard.serve.parsing import _MAX_TOP_K_DIGITS
+from trainyard.serve.parsing import MAX_TOP_K_DIGITS
 from trainyard.serve.predictor import Predictor
 
 Doc = dict[str, Any]
-TOP_K_MAX = 10**_MAX_TOP_K_DIGITS - 1  # parse_top_k refuses longer numbers
+TOP_K_MAX = 10**MAX_TOP_K_DIGITS - 1
 IMAGE_TYPES = tuple(f"image/{fmt.lower()}" for fmt in IMAGE_FORMATS)
 PROBES = {
     "/healthz": "Liveness (BentoML): 200 while the process runs.",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from trainyard.core.card import Card
+from trainyard.core.config import ServeParams
 from trainyard.core.errors import InputError
 from trainyard.runtime.inputs import pixel_arrays
 from trainyard.serve.metrics import count_refusal
@@ -33,7 +33,8 @@ BATCH_USAGE = (
     "(curl -F images=@a.jpg -F images=@b.png URL/classify_batch), or JSON "
     '{"images": [arrays of 0–255 numbers shaped as GET /metadata input.image]}'
 )
-_MAX_TOP_K_DIGITS = 9
+MAX_TOP_K_DIGITS = 9  # parse_top_k refuses longer numbers
+_DEFAULTS = ServeParams()  # the limits when none are given
 TRUE, FALSE = frozenset({"true", "1", "yes", "on"}), frozenset({"false", "0", "no", "off", ""})
 
 
@@ -98,7 +99,7 @@ def parse_top_k(value: str | None, num_classes: int, default: int) -> int:
     # isdecimal, not isdigit: '²' is a digit that int() refuses (it was a 500).
     # Length first: int() of 4301+ digits raises (it was a 500).
     text = value.strip()
-    if not text.isdecimal() or len(text) > _MAX_TOP_K_DIGITS or int(text) < 1:
+    if not text.isdecimal() or len(text) > MAX_TOP_K_DIGITS or int(text) < 1:
         raise Refused(
             400,
             f"top_k: expected a whole number from 1 to {num_classes}, got {value!r}",
@@ -212,38 +213,29 @@ def check_count(n: int, limit: int) -> None:
         )
 
 
-@dataclass(frozen=True)
-class JsonLimits:
-    """What one JSON body may hold (serve.max_json_*), checked before it is parsed."""
-
-    max_depth: int = 8
-    max_values: int = 1_048_576
-    max_int_digits: int = 20
-
-
 def _json_refusal(status: int, message: str, reason: str = "bad_request") -> Refused:
     return Refused(status, f"body: {message}; {BATCH_USAGE}", field="body", reason=reason)
 
 
-def check_json_shape(body: bytes, limits: JsonLimits) -> None:
-    """Refuse a body nested deeper than ``max_depth`` (json's recursion would fail: a 500)
-    or holding more than ``max_values`` values, counted in one vectorised pass."""
+def check_json_shape(body: bytes, params: ServeParams) -> None:
+    """Refuse a body nested deeper than ``max_json_depth`` (json's recursion would fail: a
+    500) or holding more than ``max_json_values`` values, counted in one vectorised pass."""
     masked = _outside_strings(body)
     opens = (masked == ord("[")) | (masked == ord("{"))
     closes = (masked == ord("]")) | (masked == ord("}"))
     depth = int(np.cumsum(opens.astype(np.int64) - closes).max(initial=0))
-    if depth > limits.max_depth:
+    if depth > params.max_json_depth:
         raise _json_refusal(
             400,
-            f"JSON nested {depth} levels deep, more than the limit of {limits.max_depth} "
+            f"JSON nested {depth} levels deep, more than the limit of {params.max_json_depth} "
             "(serve.max_json_depth)",
             "json_too_deep",
         )
     values = int(np.count_nonzero(masked == ord(","))) + 1
-    if values > limits.max_values:
+    if values > params.max_json_values:
         raise _json_refusal(
             413,
-            f"JSON with about {values:,} values, more than the limit of {limits.max_values:,} "
+            f"JSON with about {values:,} values, more than the limit of {params.max_json_values:,} "
             "(serve.max_json_values); split the images over several requests",
             "json_too_large",
         )
@@ -279,17 +271,17 @@ def _int_parser(max_digits: int) -> Any:
     return parse_int
 
 
-def json_images(body: bytes, limits: JsonLimits | None = None) -> Any:
-    """The ``images`` of a JSON batch body ``{"images": [...]}``, not yet checked."""
-    limits = limits or JsonLimits()
-    check_json_shape(body, limits)
+def json_images(body: bytes, params: ServeParams = _DEFAULTS) -> Any:
+    """The ``images`` of a JSON batch body ``{"images": [...]}``, not yet checked; the
+    body is first held to ``params``' serve.max_json_* limits."""
+    check_json_shape(body, params)
     try:
-        doc = json.loads(body, parse_int=_int_parser(limits.max_int_digits))
+        doc = json.loads(body, parse_int=_int_parser(params.max_json_int_digits))
     except _LongNumber as err:
         raise _json_refusal(
             400,
             f"a JSON integer of {err.args[0]:,} digits, more than the limit of "
-            f"{limits.max_int_digits} (serve.max_json_int_digits); pixels are 0–255",
+            f"{params.max_json_int_digits} (serve.max_json_int_digits); pixels are 0–255",
             "json_number_too_long",
         ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -310,10 +302,10 @@ def json_images(body: bytes, limits: JsonLimits | None = None) -> Any:
 
 
 def json_pixels(
-    body: bytes, card: Card, max_images: int, limits: JsonLimits | None = None
+    body: bytes, card: Card, max_images: int, params: ServeParams = _DEFAULTS
 ) -> np.ndarray:
     """A JSON batch body -> float32 pixels [N,C,H,W] by the card, or a 4xx naming the item."""
-    images = json_images(body, limits)
+    images = json_images(body, params)
     try:
         return pixel_arrays(images, card, max_images=max_images)
     except InputError as err:

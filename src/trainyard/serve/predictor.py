@@ -34,7 +34,6 @@ from trainyard.serve.metrics import metrics
 from trainyard.serve.parsing import (
     BATCH_USAGE,
     CLASSIFY_USAGE,
-    JsonLimits,
     Refused,
     check_count,
     file_fields,
@@ -73,11 +72,6 @@ class Predictor:
         self.metrics = metrics()  # created here, in the worker, not at import
         self._batcher: Batcher | None = None
         self._limiter: anyio.CapacityLimiter | None = None  # made on this worker's loop
-        self.json_limits = JsonLimits(
-            max_depth=params.max_json_depth,
-            max_values=params.max_json_values,
-            max_int_digits=params.max_json_int_digits,
-        )
 
     @classmethod
     def load(cls, path: Path, params: ServeParams, provenance: dict[str, str]) -> Predictor:
@@ -262,7 +256,7 @@ class Predictor:
             check_count(len(files), limit)
             pixels = await self.in_thread(self._decode_all, files, invert)
         elif media == "application/json":
-            pixels = await self.in_thread(json_pixels, body, self.card, limit, self.json_limits)
+            pixels = await self.in_thread(json_pixels, body, self.card, limit, self.params)
         else:
             raise unsupported("/classify_batch", media, BATCH_USAGE)
         probs = await self.in_thread(self.probabilities, pixels)
