@@ -230,15 +230,23 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def wrk(url: str, script: Path, clients: int, seconds: int) -> dict[str, Any]:
-    """One wrk run of ``script`` at ``clients`` connections: its rates and latencies."""
+def wrk_summary(
+    target: str, script: Path, clients: int, seconds: int, marker: str
+) -> dict[str, Any]:
+    """Run wrk on ``target`` with ``script`` at ``clients`` connections; return the JSON
+    summary the script prints on the line that starts with ``marker``."""
     cmd = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, int(seconds))}s", "--timeout", "10s"]
-    cmd += ["-s", str(script), f"{url}/classify"]
+    cmd += ["-s", str(script), target]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60).stdout
-    line = next((x for x in out.splitlines() if x.startswith("WRKJSON ")), None)
+    line = next((x for x in out.splitlines() if x.startswith(f"{marker} ")), None)
     if line is None:
         raise SystemExit(f"wrk gave no summary:\n{out}")
-    r = json.loads(line.removeprefix("WRKJSON "))
+    return json.loads(line.removeprefix(f"{marker} "))  # type: ignore[no-any-return]
+
+
+def wrk(url: str, script: Path, clients: int, seconds: int) -> dict[str, Any]:
+    """One wrk run of ``script`` at ``clients`` connections: its rates and latencies."""
+    r = wrk_summary(f"{url}/classify", script, clients, seconds, "WRKJSON")
     seconds_run = max(r["duration_us"] / 1e6, 1e-9)
     ok = r["requests"] - r["status_errors"]
     return {

@@ -24,7 +24,6 @@ import argparse
 import io
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +42,7 @@ from benchmarks.serve_load import (
     start_server,
     stop_server,
     test_images,
+    wrk_summary,
 )
 from benchmarks.serve_report import replace_section
 
@@ -350,13 +350,7 @@ class RssSampler(threading.Thread):
 
 def run_wrk(url: str, script: Path, clients: int, seconds: int) -> dict[str, Any]:
     """One wrk run of the mix: rates, latencies, socket errors and each status code's count."""
-    cmd = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, int(seconds))}s", "--timeout", "10s"]
-    cmd += ["-s", str(script), url]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60).stdout
-    line = next((x for x in out.splitlines() if x.startswith("SOAKJSON ")), None)
-    if line is None:
-        raise SystemExit(f"wrk gave no summary:\n{out}")
-    r = json.loads(line.removeprefix("SOAKJSON "))
+    r = wrk_summary(url, script, clients, seconds, "SOAKJSON")
     secs = max(r["duration_us"] / 1e6, 1e-9)
     return {
         "requests": r["requests"],
