@@ -16,14 +16,14 @@ from trainyard.core.card import METADATA_KEY, Card, normalize_pixels
 from trainyard.core.errors import DataError, ModelError
 from trainyard.export import evaluation
 from trainyard.export.evaluation import (
-    MAX_FIGURE_PIXELS,
-    confusion_png,
+    REPORT_FILES,
     evaluate_onnx,
     metric_key,
     predictions_csv,
-    tick_label,
     write_reports,
 )
+from trainyard.export.report import MAX_FIGURE_PIXELS, confusion_png, tick_label
+from trainyard.runtime.inputs import softmax
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Every awkward thing a folder name can hold: spaces, '/', CSV and TeX specials, accents,
@@ -89,15 +89,25 @@ def readonly_memmap(path: Path, array: np.ndarray) -> np.ndarray:
 
 def run_whole(onnx_path: Path, x: np.ndarray) -> np.ndarray:
     """Argmax of the model on all of ``x`` in one ONNX Runtime call."""
+    return logits_whole(onnx_path, x).argmax(1)
+
+
+def logits_whole(onnx_path: Path, x: np.ndarray) -> np.ndarray:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": x})[0].argmax(1)
+    return session.run(None, {"x": x})[0]
 
 
 def reference_predictions(onnx_path: Path, images: np.ndarray, card: Card) -> np.ndarray:
     """The whole set normalised at once and run in one call."""
     return run_whole(onnx_path, normalize_pixels(np.asarray(images), card.mean, card.std))
+
+
+def reference_confidence(onnx_path: Path, images: np.ndarray, card: Card) -> np.ndarray:
+    """The softmax probability of each image's top class, the whole set in one call."""
+    x = normalize_pixels(np.asarray(images), card.mean, card.std)
+    return softmax(logits_whole(onnx_path, x)).max(axis=1)
 
 
 @pytest.fixture
@@ -139,6 +149,11 @@ def test_batched_memmap_predictions_equal_whole_set_at_once(tiny, batch_size, mo
 
     assert result["predictions"].dtype == np.int64
     np.testing.assert_array_equal(result["predictions"], expected)
+    assert result["confidence"].dtype == np.float32
+    np.testing.assert_allclose(
+        result["confidence"], reference_confidence(tiny["onnx"], images, card), rtol=1e-6
+    )
+    assert result["confidence"].min() > 1 / 7  # a top-1 probability of 7 classes
     # Only one batch is ever float: never more rows than the batch size per call.
     assert max(seen) <= batch_size and sum(seen) == len(labels)
     assert len(seen) == -(-len(labels) // batch_size)
@@ -202,7 +217,7 @@ def test_hundred_awkward_classes_end_to_end_reports(tmp_path):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        paths = write_reports(result, labels, tmp_path / "reports")
+        paths = write_reports(result, images, labels, tmp_path / "reports", history=None)
     glyphs = [w for w in caught if "Glyph" in str(w.message)]
     assert not glyphs, glyphs[0].message
 
@@ -216,8 +231,13 @@ def test_hundred_awkward_classes_end_to_end_reports(tmp_path):
         for a, p in zip(labels, result["predictions"], strict=True)
     ]
 
+    assert set(paths) == set(REPORT_FILES)
     png = paths["confusion_png"].read_bytes()
     assert_valid_png(png, min_side=2000)
+    assert_valid_png(paths["confusion_normalized_png"].read_bytes(), min_side=2000)
+    assert_valid_png(paths["per_class_png"].read_bytes(), min_side=800)  # 100 bars, 30 in
+    assert_valid_png(paths["mistakes_png"].read_bytes(), min_side=600)
+    assert_valid_png(paths["curves_png"].read_bytes(), min_side=600)  # "no history" text
 
     report = json.loads(paths["classification"].read_text(encoding="utf-8"))
     assert list(report["per_class"]) == classes

@@ -11,21 +11,15 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
 import re
 import unicodedata
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import numpy as np
 import torch
-from matplotlib import font_manager
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from torchmetrics.functional.classification import (
     multiclass_accuracy,
     multiclass_confusion_matrix,
@@ -37,7 +31,25 @@ from torchmetrics.functional.classification import (
 from trainyard.core.card import card_from_metadata, normalize_pixels
 from trainyard.core.errors import DataError, ModelError
 from trainyard.core.io import atomic_write_bytes, atomic_write_text
+from trainyard.export.report import (
+    confusion_png,
+    learning_curves_png,
+    mistakes_png,
+    per_class_png,
+)
+from trainyard.runtime.inputs import softmax
 from trainyard.runtime.sessions import Device, OnnxModel, load_onnx
+
+# What write_reports writes into the reports folder, by the name it returns each under.
+REPORT_FILES = {
+    "predictions": "predictions.csv",
+    "classification": "classification_report.json",
+    "confusion_png": "confusion_matrix.png",
+    "confusion_normalized_png": "confusion_matrix_normalized.png",
+    "per_class_png": "per_class.png",
+    "mistakes_png": "mistakes.png",
+    "curves_png": "learning_curves.png",
+}
 
 
 def classification_metrics(
@@ -95,118 +107,6 @@ def metric_key(prefix: str, index: int, name: str, num_classes: int) -> str:
 
 # ---------------------------------------------------------------------------- reports
 
-TICK_LABEL_CHARS = 24
-MAX_FIGURE_INCHES = 30.0
-MAX_FIGURE_PIXELS = 3000  # per side: a 30 in figure at 100 dpi, a PNG of a few MB at most
-ANNOTATE_MAX_CLASSES = 30  # above this, numbers in the cells are unreadable
-MIN_TICK_POINTS = (
-    5.0  # 7 px at 100 dpi; below this, label every n-th class instead of shrinking further
-)
-# Fonts tried after DejaVu Sans for glyphs it lacks (CJK, mostly), used where installed.
-_FALLBACK_FONTS = (
-    "Noto Sans CJK JP",
-    "Noto Sans CJK SC",
-    "Noto Sans CJK TC",
-    "Noto Sans CJK KR",
-    "Source Han Sans",
-    "WenQuanYi Zen Hei",
-    "WenQuanYi Micro Hei",
-    "Droid Sans Fallback",
-    "IPAGothic",
-    "Noto Sans",
-    "Arial Unicode MS",
-)
-
-
-def tick_label(name: str, limit: int = TICK_LABEL_CHARS) -> str:
-    """A class name fit for an axis: one line, at most ``limit`` characters."""
-    # Newlines and tabs would make multi-line ticks that overlap their neighbours.
-    text = " ".join(name.split())
-    text = "".join(c if c.isprintable() else " " for c in text)
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
-
-
-def _font_families() -> list[str]:
-
-    installed = {f.name for f in font_manager.fontManager.ttflist}
-    # Only installed ones: naming a missing family makes matplotlib log a warning per text.
-    return ["DejaVu Sans", *(f for f in _FALLBACK_FONTS if f in installed)]
-
-
-def confusion_png(matrix: list[list[int]], classes: list[str], title: str) -> bytes:
-    """The confusion matrix as a PNG, legible from 2 to a few hundred classes.
-
-    Colour is the share of each actual class's images (row-normalised, so the diagonal is
-    the recall), which keeps small and large classes on one scale; cells show counts only
-    up to ``ANNOTATE_MAX_CLASSES`` classes.
-    """
-
-    cm = np.asarray(matrix, dtype=np.int64)
-    k = len(classes)
-    if cm.shape != (k, k):
-        raise ValueError(f"confusion matrix is {cm.shape}, expected ({k}, {k}) for the classes")
-    support = cm.sum(axis=1, keepdims=True)
-    share = np.divide(cm, support, out=np.zeros(cm.shape), where=support > 0)
-
-    # The figure grows with the class count up to MAX_FIGURE_INCHES; ~3.5 in go to the tick
-    # labels, the colour bar and the title, the rest is the grid.
-    side = min(MAX_FIGURE_INCHES, max(8.0, 3.5 + 0.25 * k))
-    dpi = min(110.0, MAX_FIGURE_PIXELS / side)
-    cell_pt = (side - 3.5) * 72 / k
-    tick_pt = min(9.0, 0.7 * cell_pt)
-    stride = 1 if tick_pt >= MIN_TICK_POINTS else math.ceil(MIN_TICK_POINTS / tick_pt)
-    tick_pt = max(tick_pt, MIN_TICK_POINTS)
-    ticks = list(range(0, k, stride))
-    labels = [tick_label(classes[i]) for i in ticks]
-    annotate = k <= ANNOTATE_MAX_CLASSES
-    what = "colour: share of each actual class (row-normalised; diagonal = recall)"
-    if annotate:
-        what += "; numbers: image counts"
-    if stride > 1:
-        what += f"; one class in {stride} labelled"
-
-    # A private Figure + Agg canvas, not pyplot: no global backend switch, no figure left
-    # open if anything fails, safe beside other threads' plots.
-    rc = {"text.usetex": False, "font.family": _font_families()}
-    with matplotlib.rc_context(rc), warnings.catch_warnings():
-        # A glyph no installed font has (CJK without a CJK font) is drawn as a box; the
-        # per-glyph warning would only repeat that for every class name.
-        warnings.filterwarnings("ignore", message=r"Glyph .* missing from", category=UserWarning)
-        fig = Figure(figsize=(side, side), dpi=dpi, layout="constrained")
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        im = ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
-        # parse_math=False: a "$" in a class name must stay a dollar sign, not start TeX.
-        xrot = {"rotation": 90, "ha": "center"} if k > 12 else {"rotation": 45, "ha": "right"}
-        ax.set_xticks(ticks, labels, fontsize=tick_pt, parse_math=False, **xrot)
-        ax.set_yticks(ticks, labels, fontsize=tick_pt, parse_math=False)
-        # Title and axis names grow a little with the figure so they stay findable.
-        head_pt = min(16.0, 10.0 * math.sqrt(side / 8.0))
-        ax.set_xlabel("predicted", fontsize=head_pt)
-        ax.set_ylabel("actual", fontsize=head_pt)
-        ax.set_title(f"{title}\n{what}", parse_math=False, fontsize=head_pt)
-        if annotate:
-            digits = len(str(int(cm.max(initial=0))))
-            number_pt = max(4.0, min(8.0, cell_pt / (0.65 * max(digits, 2) + 0.6)))
-            for i, j in np.ndindex(cm.shape):
-                ax.text(
-                    j,
-                    i,
-                    str(cm[i, j]),
-                    ha="center",
-                    va="center",
-                    fontsize=number_pt,
-                    color="white" if share[i, j] > 0.5 else "black",
-                )
-        # About 0.4 in wide at any figure size (a fixed fraction would be 1.4 in at 30 in).
-        bar = fig.colorbar(
-            im, ax=ax, fraction=min(0.046, 0.4 / side), pad=0.01, aspect=max(20.0, 2.5 * side)
-        )
-        bar.set_label("share of the actual class", fontsize=head_pt)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-    return buf.getvalue()
-
 
 def predictions_csv(y_true: np.ndarray, y_pred: np.ndarray, classes: list[str]) -> str:
     """``actual,predicted`` per test image, by class name (what `dvc plots` reads).
@@ -233,10 +133,12 @@ def _predict(
     std: tuple[float, ...],
     batch_size: int,
     num_classes: int,
-) -> np.ndarray:
-    """Argmax class (int64 ``[N]``) of each image, normalising one batch at a time."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Argmax class (int64 ``[N]``) of each image and its softmax probability (float32
+    ``[N]``, the confidence the service reports), normalising one batch at a time."""
     n = images.shape[0]
     preds = np.empty(n, dtype=np.int64)
+    confidence = np.empty(n, dtype=np.float32)
 
     def prepare(start: int) -> np.ndarray:
         # Slicing a memmap reads only this batch; normalize_pixels makes its float copy.
@@ -259,7 +161,8 @@ def _predict(
                     "expected. Re-export it with `dvc repro export`"
                 )
             preds[start : start + x.shape[0]] = logits.argmax(axis=1)
-    return preds
+            confidence[start : start + x.shape[0]] = softmax(logits).max(axis=1)
+    return preds, confidence
 
 
 def evaluate_onnx(
@@ -273,7 +176,8 @@ def evaluate_onnx(
 
     ``images`` may be a read-only memmap of any size: it is read and normalised one batch
     at a time. Returns ``{"metrics": {..., "samples", "provider"}, "predictions": int64
-    [N], "classes": the card's class names}``.
+    [N], "confidence": float32 [N] (softmax probability of the prediction), "classes": the
+    card's class names, "card"}``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -299,36 +203,49 @@ def evaluate_onnx(
             f"test labels go from {labels.min()} to {labels.max()}, "
             f"model has {len(classes)} classes"
         )
-    preds = _predict(model, images, card.mean, card.std, batch_size, len(classes))
+    preds, confidence = _predict(model, images, card.mean, card.std, batch_size, len(classes))
     metrics = classification_metrics(labels.astype(np.int64), preds, classes)
     metrics["samples"] = int(labels.shape[0])
     metrics["provider"] = model.provider
-    return {"metrics": metrics, "predictions": preds, "classes": classes, "card": card}
+    return {
+        "metrics": metrics,
+        "predictions": preds,
+        "confidence": confidence,
+        "classes": classes,
+        "card": card,
+    }
 
 
 def write_reports(
     result: dict[str, Any],
+    images: np.ndarray,
     labels: np.ndarray,
     reports_dir: str | os.PathLike[str],
+    history: list[dict[str, Any]] | None,
 ) -> dict[str, Path]:
-    """predictions.csv, confusion_matrix.png and classification_report.json into
-    ``reports_dir`` (each atomically); returns their paths by name."""
+    """``REPORT_FILES`` into ``reports_dir``, each atomically: the predictions, the metrics
+    JSON and the pictures (``trainyard.export.report``); returns their paths by name.
+
+    ``images`` and ``labels`` are the test set ``result`` was computed on (only the images
+    of the mistakes grid are read); ``history`` the fit's rows (None: a picture says so).
+    """
     reports_dir = Path(reports_dir)
     m, classes = result["metrics"], result["classes"]
-    paths = {
-        "predictions": reports_dir / "predictions.csv",
-        "confusion_png": reports_dir / "confusion_matrix.png",
-        "classification": reports_dir / "classification_report.json",
-    }
-    atomic_write_text(paths["predictions"], predictions_csv(labels, result["predictions"], classes))
-    atomic_write_bytes(
-        paths["confusion_png"],
-        confusion_png(
-            m["confusion_matrix"],
-            classes,
-            f"ONNX model on {m['samples']} test images — accuracy {m['accuracy']:.4f}",
-        ),
-    )
+    preds = result["predictions"]
+    paths = {name: reports_dir / file for name, file in REPORT_FILES.items()}
+    atomic_write_text(paths["predictions"], predictions_csv(labels, preds, classes))
     # ensure_ascii=False: class names stay readable ("crème brûlée"); the file is UTF-8.
     atomic_write_text(paths["classification"], json.dumps(m, indent=2, ensure_ascii=False) + "\n")
+    title = f"ONNX model on {m['samples']} test images — accuracy {m['accuracy']:.4f}"
+    pictures = {
+        "confusion_png": lambda: confusion_png(m["confusion_matrix"], classes, title),
+        "confusion_normalized_png": lambda: confusion_png(
+            m["confusion_matrix"], classes, title, normalize=True
+        ),
+        "per_class_png": lambda: per_class_png(m["per_class"], classes, title),
+        "mistakes_png": lambda: mistakes_png(images, labels, preds, result["confidence"], classes),
+        "curves_png": lambda: learning_curves_png(history, "Training history"),
+    }
+    for name, draw in pictures.items():
+        atomic_write_bytes(paths[name], draw())
     return paths

@@ -1,6 +1,7 @@
 """DVC stage `evaluate`: the ONNX model on the full test set -> reports/ + the MLflow run."""
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,12 @@ from trainyard.stages.common import stage_main
 from trainyard.track.records import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.track.registry import register_and_promote
 from trainyard.track.runs import logging_into, open_run
+from trainyard.train.history import HISTORY_FILE, read_history
+
+log = logging.getLogger(__name__)
+# MLflow artifact folders of the train run: the data files, and the pictures to look at.
+EVALUATION_ARTIFACTS = "evaluation"
+REPORT_ARTIFACTS = "report"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +44,8 @@ def run(params: Params, args: argparse.Namespace) -> None:
         params.evaluate.batch_size,
         params.evaluate.device,
     )
-    paths = write_metrics(result, labels, args.reports, info, exported)
+    history = training_history(Path(args.models, HISTORY_FILE))
+    paths = write_metrics(result, images, labels, args.reports, info, exported, history)
     log_evaluation(run_id, result, paths)
     enabled = params.registry.enabled
     registration = register(params, run_id, result, info, exported) if enabled else None
@@ -60,15 +68,26 @@ def stage_metrics(
     }
 
 
+def training_history(path: Path) -> list[dict[str, Any]] | None:
+    """The fit's per-epoch rows, or None (with a warning) for a model trained before the fit
+    wrote them: the report then says so instead of failing the evaluation."""
+    if not path.exists():
+        log.warning("no %s: the report's learning curves will say so", path)
+        return None
+    return read_history(path)
+
+
 def write_metrics(
     result: dict[str, Any],
+    images: np.ndarray,
     labels: np.ndarray,
     reports: str,
     info: TrainRecord,
     exported: ExportRecord,
+    history: list[dict[str, Any]] | None,
 ) -> dict[str, Path]:
-    """The four reports into ``reports``; returns those logged to MLflow (not metrics.json)."""
-    paths = write_reports(result, labels, reports)
+    """The reports into ``reports``; returns those logged to MLflow (not metrics.json)."""
+    paths = write_reports(result, images, labels, reports, history)
     metrics = stage_metrics(result["metrics"], info, exported)
     atomic_write_json(Path(reports, "metrics.json"), metrics)
     return paths
@@ -92,7 +111,8 @@ def log_evaluation(run_id: str, result: dict[str, Any], paths: dict[str, Path]) 
             }
         )
         for path in paths.values():
-            mlflow.log_artifact(str(path), "evaluation")
+            folder = REPORT_ARTIFACTS if path.suffix == ".png" else EVALUATION_ARTIFACTS
+            mlflow.log_artifact(str(path), folder)
 
 
 def register(
