@@ -465,7 +465,8 @@ def bad_tree(root: Path) -> tuple[list[str], dict[str, str]]:
     files = make_photo_folder(root, per_class=6, litter=True, bad=True)
     circle, square, triangle = (root / c for c in ("circle", "square", "triangle"))
     (square / "half.jpg").write_bytes(truncated_jpeg())
-    (square / "bomb.png").write_bytes(png_claiming(20000, 20000))
+    # 1.6 GP, over data.max_image_pixels (1 GP): refused from the header
+    (square / "bomb.png").write_bytes(png_claiming(40000, 40000))
     (triangle / "x.png").symlink_to(root / "gone" / "x.png")
     (triangle / "Gone.JPG").symlink_to("nowhere.jpg")  # relative, upper-case extension
     (triangle / "self.jpg").symlink_to("self.jpg")  # a link to itself
@@ -476,7 +477,8 @@ def bad_tree(root: Path) -> tuple[list[str], dict[str, str]]:
         "circle/text.jpg": "not an image",
         "circle/truncated.png": "truncated",
         "square/half.jpg": "truncated",
-        "square/bomb.png": "too large",
+        "square/bomb.png": "too large (40000x40000 pixels); the limit is 1,000,000,000 "
+        "pixels (data.max_image_pixels)",
         "triangle/x.png": "broken symlink",
         "triangle/Gone.JPG": "broken symlink",
         "triangle/self.jpg": "symlink loop",
@@ -531,7 +533,9 @@ def test_bomb_limit_follows_max_image_pixels(tmp_path):
         for i in range(5):
             solid(root / c / f"{i}.png", colour_of(i), 16)
     solid(root / "a" / "big.png", (1, 2, 3), 64)  # 4096 pixels
-    with pytest.raises(DataError, match=r"a/big\.png: image too large \(64x64 pixels\)"):
+    with pytest.raises(
+        DataError, match=r"a/big\.png: image too large \(64x64 pixels\).*\(data\.max_image_pixels\)"
+    ):
         prepare(tmp_path / "raw", tmp_path / "out", params(root, image_size=16), 0, 4000)
     assert_nothing_written(tmp_path / "out")
     card = prepare(tmp_path / "raw", tmp_path / "out", params(root, image_size=16), 0, 4096)

@@ -53,12 +53,18 @@ EXTENSIONS = {
     ".png": ("PNG", {}, 0.0),
     ".jpg": ("JPEG", {"quality": 95}, 4.0),
     ".jpeg": ("JPEG", {"quality": 95}, 4.0),
+    ".jfif": ("JPEG", {"quality": 95}, 4.0),
     ".mpo": ("MPO", {"quality": 95}, 4.0),
     ".bmp": ("BMP", {}, 0.0),
     ".gif": ("GIF", {}, 12.0),  # quantised to a 256-colour palette
     ".webp": ("WEBP", {"lossless": True}, 0.0),
     ".tif": ("TIFF", {}, 0.0),
     ".tiff": ("TIFF", {"compression": "tiff_lzw"}, 0.0),
+    # phone formats: HEIC is the iPhone's default (pillow-heif), AVIF is Pillow's own
+    ".heic": ("HEIF", {"quality": 95}, 6.0),
+    ".heif": ("HEIF", {"quality": 95}, 6.0),
+    ".hif": ("HEIF", {"quality": 95}, 6.0),
+    ".avif": ("AVIF", {"quality": 95}, 6.0),
 }
 
 

@@ -112,11 +112,15 @@ def test_image_more_elongated_than_max_aspect_ratio_is_a_400(client):
 
 
 def test_pad_canvas_over_four_times_max_image_pixels_is_a_413():
-    # 10x1000 = 10k pixels, under the limit, but padded square it is 1M.
+    # 10x1000 = 10k pixels, under the limit, but padded square it is 1M (a 600x600 target
+    # is too large for the strip to be reduced first).
     with pytest.raises(InputError, match="pad to 1000x1000") as err:
-        image_to_pixels(strip(10, 1000), channels=1, height=8, width=8, max_pixels=100_000)
+        image_to_pixels(strip(10, 1000), channels=1, height=600, width=600, max_pixels=100_000)
     assert err.value.status == 413
-    out = image_to_pixels(strip(10, 1000), channels=1, height=8, width=8, max_pixels=250_000)
+    out = image_to_pixels(strip(10, 1000), channels=1, height=600, width=600, max_pixels=250_000)
+    assert out.shape == (1, 600, 600)
+    # For a small target the strip is box-reduced (to 1x17) before padding: a tiny canvas.
+    out = image_to_pixels(strip(10, 1000), channels=1, height=8, width=8, max_pixels=100_000)
     assert out.shape == (1, 8, 8)
 
 

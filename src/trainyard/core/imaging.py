@@ -5,6 +5,12 @@ arguments taken from the dataset card, so the model sees at serving time exactly
 saw in training (no train/serve skew). Everything here treats its input as hostile: the
 pixel count is checked from the header *before* any pixel is decoded (decompression
 bombs), and every decode failure becomes an ``InputError`` that says what was wrong.
+
+Memory stays bounded by the target size, not the file's: JPEGs decode at 1/2..1/8 scale,
+and any image far larger than the target is box-reduced (``Image.reduce``, in strips for
+modes with alpha) to about twice the target before any conversion or float arithmetic.
+A 600 MP RGBA poster then costs its decoded bytes (4 per pixel) and little more
+(docs/own-images.md has the measurements).
 """
 
 from __future__ import annotations
@@ -16,18 +22,30 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pillow_heif
 from PIL import Image, ImageOps
 
 from trainyard.core.errors import InputError
 
+# HEIC/HEIF (the iPhone's default format) through pillow-heif, registered once for the whole
+# process; AVIF is Pillow's own (>= 11.3). No thumbnails: only the primary image is read.
+pillow_heif.register_heif_opener(thumbnails=False)
+# Pillow's own bomb guard (an error at 2x ~89 MP) would refuse a user's 600 MP poster before
+# our limit is consulted. Every open in trainyard goes through ``_open``, which checks the
+# caller's limit (data.max_image_pixels or serve.max_image_pixels) from the header first.
+Image.MAX_IMAGE_PIXELS = None
+
 # What Pillow may open. Multi-picture JPEGs from phone cameras open through "JPEG" and then
 # call themselves "MPO" (naming MPO here raises KeyError inside Pillow).
-IMAGE_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")
-# File extensions a folder source reads (any case); everything else is ignored.
+IMAGE_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF", "HEIF", "AVIF")
+# File extensions a folder source reads (any case); ``data.walk`` says what the others become.
 IMAGE_EXTENSIONS = frozenset(
-    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".mpo"}
+    {".jpg", ".jpeg", ".jfif", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".mpo"}
+    | {".heic", ".heif", ".hif", ".avif"}
 )
 DEFAULT_MAX_IMAGE_PIXELS = 25_000_000  # 25 MP: any phone photo; a 30000x30000 bomb is 900 MP
+# The key that sets the pixel limit, named in the too-large error (prepare passes its own).
+SERVE_LIMIT_KEY = "serve.max_image_pixels"
 # Longer side / shorter side. A 1x20000 strip is a few bytes of PNG, but the pad policy
 # would square it to 400 MP and crop would scale it to a 28x560000 strip: refused first.
 DEFAULT_MAX_ASPECT_RATIO = 100
@@ -36,6 +54,23 @@ DEFAULT_MAX_ASPECT_RATIO = 100
 PAD_CANVAS_FACTOR = 4
 _GRAY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 _INTERPOLATION = {"bilinear": 2, "bicubic": 3, "lanczos": 1, "nearest": 0}  # PIL.Image.Resampling
+# Images are box-reduced to at least this many times the target before the resize: enough
+# for the resize's own antialiasing (Pillow's reducing_gap), far less memory than full size.
+REDUCE_TO = 2
+# Bytes of one strip converted at a time when reducing an image with alpha (premultiplied).
+_STRIP_BYTES = 32 * 2**20
+# EXIF orientation -> the transpose that shows the image upright (as ImageOps.exif_transpose).
+_T = Image.Transpose
+_ORIENT = {
+    2: _T.FLIP_LEFT_RIGHT,
+    3: _T.ROTATE_180,
+    4: _T.FLIP_TOP_BOTTOM,
+    5: _T.TRANSPOSE,
+    6: _T.ROTATE_270,
+    7: _T.TRANSVERSE,
+    8: _T.ROTATE_90,
+}
+_TURNED = frozenset({_T.TRANSPOSE, _T.ROTATE_270, _T.TRANSVERSE, _T.ROTATE_90})
 
 
 @dataclass(frozen=True)
@@ -49,19 +84,19 @@ class ImageHeader:
     grayscale: bool
 
 
-def _open(data: bytes, max_pixels: int, field: str, max_aspect_ratio: float) -> Any:
+def _open(data: bytes, max_pixels: int, field: str, max_aspect_ratio: float, limit_key: str) -> Any:
 
     if not data:
         raise InputError(f"{field}: the file is empty (0 bytes); send an image file", field=field)
     try:
         with warnings.catch_warnings():
-            # Pillow warns past its own limit; ours (max_pixels) is checked just below.
+            # Pillow's guard is off (above) unless someone turned it back on: ours decides.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             # open() reads only the header: the size is known before any pixel is decoded.
             im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError:
-        # Pillow's own guard (2x Image.MAX_IMAGE_PIXELS) fired before ours could look.
-        raise too_many_pixels(field, max_pixels, "a likely decompression bomb") from None
+        # Pillow's own guard, when re-enabled by other code, fired before ours could look.
+        raise too_many_pixels(field, max_pixels, "a likely decompression bomb", limit_key) from None
     except Exception:  # Pillow signals unreadable input with many types; all mean "not an image"
         raise InputError(
             f"{field}: not an image ({', '.join(IMAGE_FORMATS)}): the bytes are not a "
@@ -71,7 +106,7 @@ def _open(data: bytes, max_pixels: int, field: str, max_aspect_ratio: float) -> 
     width, height = im.size
     if width * height > max_pixels:
         im.close()
-        raise too_many_pixels(field, max_pixels, f"{width}x{height} pixels")
+        raise too_many_pixels(field, max_pixels, f"{width}x{height} pixels", limit_key)
     if width < 1 or height < 1:
         im.close()
         raise InputError(f"{field}: the image has no pixels ({width}x{height})", field=field)
@@ -92,9 +127,11 @@ def read_header(
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     field: str = "image",
     max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
+    limit_key: str = SERVE_LIMIT_KEY,
 ) -> ImageHeader:
-    """Format, mode, size and whether the image is grayscale, from the header alone."""
-    with _open(data, max_pixels, field, max_aspect_ratio) as im:
+    """Format, mode, size (as stored, before EXIF orientation) and whether the image is
+    grayscale, from the header alone."""
+    with _open(data, max_pixels, field, max_aspect_ratio, limit_key) as im:
         return ImageHeader(im.format, im.mode, im.size[0], im.size[1], _is_gray(im))
 
 
@@ -122,6 +159,7 @@ def image_to_pixels(
     invert: bool = False,
     info: dict[str, Any] | None = None,
     max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
+    limit_key: str = SERVE_LIMIT_KEY,
 ) -> np.ndarray:
     """Image bytes of any supported format and mode -> uint8 pixels ``[C, H, W]``.
 
@@ -129,28 +167,35 @@ def image_to_pixels(
     as the header is read (also when decoding then fails): what the service reports as
     input image sizes, without opening the image twice.
 
-    In order: header check (format, pixel count, aspect ratio), decode (JPEGs far larger than needed
-    decode at 1/2..1/8 scale), EXIF orientation, conversion to ``channels`` (16-bit maps to
-    8-bit, transparency is composited on ``fill``), then the resize policy (see
+    In order: header check (format, pixel count against ``limit_key``'s ``max_pixels``,
+    aspect ratio), decode (JPEGs far larger than needed decode at 1/2..1/8 scale), a box
+    reduce of anything over ``REDUCE_TO`` x the target (alpha premultiplied, so transparent
+    pixels' colours do not bleed), EXIF orientation, conversion to ``channels`` (16-bit maps
+    to 8-bit, transparency is composited on ``fill``), then the resize policy (see
     ``trainyard.core.card``). An image already at the target size is not resampled, so a
     Fashion-MNIST PNG gives back exactly its training pixels.
     """
 
     if channels not in (1, 3):
         raise ValueError(f"channels must be 1 or 3, got {channels}")
-    with _open(data, max_pixels, field, max_aspect_ratio) as im:
+    with _open(data, max_pixels, field, max_aspect_ratio, limit_key) as im:
         fmt = im.format
         if info is not None:
             info.update(format=fmt, width=im.width, height=im.height)
         try:
+            # The orientation first: the reduce works on the stored image, whose sides are
+            # the target's swapped when the EXIF says it is shown turned by 90 degrees.
+            method = _ORIENT.get(im.getexif().get(0x0112, 1))
+            th, tw = (width, height) if method in _TURNED else (height, width)
             if fmt in ("JPEG", "MPO"):
                 # Any scale that keeps both sides at least twice the target: enough for every
                 # policy (crop needs the shorter side >= target) and far cheaper to decode.
-                im.draft(im.mode, (2 * width, 2 * height))
+                im.draft(im.mode, (REDUCE_TO * tw, REDUCE_TO * th))
             im.load()
-            # In place: without EXIF orientation (most uploads) nothing is copied.
-            ImageOps.exif_transpose(im, in_place=True)
-            arr = _to_channels(im, channels, fill, invert)
+            small = _reduce(im, th, tw, resize)
+            if method is not None:
+                small = small.transpose(method)
+            arr = _to_channels(small, channels, fill, invert)
         except InputError:
             raise
         except Exception as err:  # truncated or corrupt data: the sender's bytes, not our bug
@@ -158,9 +203,58 @@ def image_to_pixels(
                 f"{field}: the {fmt} image is truncated or corrupt ({_short(err)})", field=field
             ) from None
     if resize == "pad":
-        _check_canvas(arr.shape[0], arr.shape[1], height, width, max_pixels, field)
+        _check_canvas(arr.shape[0], arr.shape[1], height, width, max_pixels, field, limit_key)
     out = _apply_resize(arr, height, width, resize, fill, interpolation)
     return np.ascontiguousarray(out.transpose(2, 0, 1))
+
+
+def _reduce_factors(w: int, h: int, tw: int, th: int, policy: str) -> tuple[int, int]:
+    """Integer box-reduce factors (x, y) that keep what ``policy`` needs at least
+    ``REDUCE_TO`` x the target: both sides for crop, the side that limits the scale for pad
+    (the other is padded anyway), each side on its own for stretch."""
+    kx, ky = w // (REDUCE_TO * tw), h // (REDUCE_TO * th)
+    if policy == "crop":
+        kx = ky = min(kx, ky)
+    elif policy == "pad":
+        kx = ky = max(kx, ky)
+    return max(1, kx), max(1, ky)
+
+
+def _work_mode(im: Any) -> str:
+    """The mode a reduce averages in: alpha kept (Pillow's reduce premultiplies RGBA/LA),
+    palettes and 1-bit expanded, 16-bit as 32-bit integers, other colour spaces as RGB."""
+    mode = im.mode
+    if mode in ("RGBA", "LA", "RGBa", "La", "L", "RGB", "I", "F"):
+        return mode
+    if mode.startswith("I;16"):
+        return "I"
+    if im.has_transparency_data or mode == "PA":
+        return "LA" if mode == "1" else "RGBA"
+    return "L" if mode == "1" else "RGB"
+
+
+def _reduce(im: Any, th: int, tw: int, policy: str) -> Any:
+    """``im`` box-reduced to about ``REDUCE_TO`` x the target (``im`` itself when already
+    that small: the target size passes through bit-exactly).
+
+    Modes that need a conversion first (alpha, palettes) are converted and reduced in
+    strips of whole factor rows, so the full-size image is never copied.
+    """
+    kx, ky = _reduce_factors(im.width, im.height, tw, th, policy)
+    if (kx, ky) == (1, 1):
+        return im
+    mode = _work_mode(im)
+    if mode == im.mode and mode not in ("RGBA", "LA"):
+        return im.reduce((kx, ky))  # the C reduce allocates only the small result
+    w, h = im.size
+    rows = ky * max(1, _STRIP_BYTES // (4 * w * ky))
+    out = Image.new(mode, (-(-w // kx), -(-h // ky)))
+    for top in range(0, h, rows):
+        strip = im.crop((0, top, w, min(h, top + rows)))
+        if strip.mode != mode:
+            strip = strip.convert(mode)
+        out.paste(strip.reduce((kx, ky)), (0, top // ky))
+    return out
 
 
 def _to_channels(im: Any, channels: int, fill: int, invert: bool = False) -> np.ndarray:
@@ -197,7 +291,9 @@ def _pad_size(h: int, w: int, height: int, width: int) -> tuple[int, int]:
     return max(h, math.ceil(w * height / width)), max(w, math.ceil(h * width / height))
 
 
-def _check_canvas(h: int, w: int, height: int, width: int, max_pixels: int, field: str) -> None:
+def _check_canvas(
+    h: int, w: int, height: int, width: int, max_pixels: int, field: str, limit_key: str
+) -> None:
     """Refuse (413) an image whose padded canvas would exceed PAD_CANVAS_FACTOR x max_pixels
     (the canvas is allocated whole before the resize)."""
     th, tw = _pad_size(h, w, height, width)
@@ -206,6 +302,7 @@ def _check_canvas(h: int, w: int, height: int, width: int, max_pixels: int, fiel
             field,
             max_pixels,
             f"{w}x{h} pixels pad to {tw}x{th}, over {PAD_CANVAS_FACTOR} times the limit",
+            limit_key,
         )
 
 
@@ -249,10 +346,17 @@ def _resize(arr: np.ndarray, width: int, height: int, resample: int) -> np.ndarr
     return out[:, :, None] if out.ndim == 2 else out
 
 
-def too_many_pixels(field: str, max_pixels: int, got: str) -> InputError:
+def too_many_pixels(
+    field: str, max_pixels: int, got: str, limit_key: str = SERVE_LIMIT_KEY
+) -> InputError:
+    """413 for an image over ``limit_key``'s limit: a user's own setting (``data.``) can be
+    raised, an upload's (``serve.``) only met by a smaller image."""
+    fix = "Downscale it first" + (
+        f", or raise {limit_key}" if not limit_key.startswith("serve.") else ""
+    )
     return InputError(
         f"{field}: image too large ({got}); the limit is {max_pixels:,} pixels "
-        "(serve.max_image_pixels). Downscale it first",
+        f"({limit_key}). {fix}",
         field=field,
         status=413,
     )

@@ -10,7 +10,10 @@ Two layouts, found by looking at the folder:
 Hidden files and folders (a leading dot: ``.DS_Store``, AppleDouble ``._x.jpg``), OS litter
 (Thumbs.db, desktop.ini, __MACOSX in any case, $RECYCLE.BIN) are passed over silently; an
 image is a file whose extension, in any case, is in ``IMAGE_EXTENSIONS``; other files are
-counted as ignored. Symlinks are followed, each real folder once.
+counted as ignored, by extension. Image formats trainyard cannot read (``UNREADABLE_IMAGES``:
+.psd, .svg, camera raw...) are counted apart, so prepare can warn about them instead of
+passing a fifth of someone's photos over in an INFO line. Symlinks are followed, each real
+folder once.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainyard.core.card import SPLITS
@@ -28,11 +32,27 @@ from trainyard.core.imaging import IMAGE_EXTENSIONS
 
 # Compared lower-cased: __MACOSX from a zip made on a Mac, Thumbs.db/desktop.ini from Windows.
 LITTER = frozenset({"thumbs.db", "desktop.ini", "__macosx", "$recycle.bin", "icon\r"})
+# Image files trainyard does not decode (vector, layered, camera raw, HDR, icons, JPEG XL /
+# 2000): left out with a WARNING that lists them, never silently.
+UNREADABLE_IMAGES = frozenset(
+    {".svg", ".svgz", ".ai", ".eps", ".psd", ".psb", ".xcf", ".kra", ".ora"}
+    | {".raw", ".cr2", ".cr3", ".crw", ".nef", ".nrw", ".arw", ".srf", ".sr2", ".dng"}
+    | {".orf", ".rw2", ".raf", ".pef", ".srw", ".x3f", ".3fr", ".erf", ".kdc", ".mrw"}
+    | {".jxl", ".jp2", ".j2k", ".jpf", ".jpx", ".jxr", ".wdp", ".hdp", ".exr", ".hdr"}
+    | {".ico", ".icns", ".cur", ".tga", ".pcx", ".ppm", ".pgm", ".pbm", ".pnm", ".dds"}
+    | {".dcm", ".fits", ".fit", ".pict", ".pct", ".wmf", ".emf", ".sgi", ".rgb", ".qoi"}
+    | {".heics", ".heifs", ".avifs"}
+)
 
 
 def is_image(path: Path) -> bool:
     """An image file by its extension, in any case (``.JPG`` as ``.jpg``)."""
     return path.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def extension(path: Path) -> str:
+    """The lower-cased extension counted for an ignored file; ``(none)`` without one."""
+    return path.suffix.lower() or "(none)"
 
 
 @dataclass
@@ -53,7 +73,10 @@ class Scan:
     layout: str  # "flat" | "splits"
     entries: list[Entry]
     bad: list[tuple[str, str]]  # (rel, reason): unreadable entries found while walking
-    ignored: int
+    ignored: int  # files passed over: not images, or images trainyard cannot read
+    # extension -> count, of the ignored files that are not images / image formats left out
+    other_files: dict[str, int] = field(default_factory=dict)
+    unreadable_images: dict[str, int] = field(default_factory=dict)
 
 
 def is_hidden_or_litter(name: str) -> bool:
@@ -206,7 +229,8 @@ def scan_folder(root: str | os.PathLike[str]) -> Scan:
     classes = _classes(root, layout, per_split)
     index = {name: i for i, name in enumerate(classes)}
     bad: list[tuple[str, str]] = []
-    ignored = 0
+    other: Counter[str] = Counter()
+    unreadable: Counter[str] = Counter()
     entries: list[Entry] = []
     for split, groups in per_split.items():
         for name, dirs in groups.items():
@@ -214,7 +238,10 @@ def scan_folder(root: str | os.PathLike[str]) -> Scan:
             for d in dirs:
                 for path in walk_files(root, d, bad):
                     if not is_image(path):
-                        ignored += 1  # notes.txt, .json sidecars: not images, not errors
+                        ext = extension(path)
+                        # notes.txt, .json sidecars: not images, not errors; a .psd is an
+                        # image the user may expect in the dataset: counted apart
+                        (unreadable if ext in UNREADABLE_IMAGES else other)[ext] += 1
                         continue
                     entries.append(Entry(path, rel_path(path, root), index[name], split))
                     found += 1
@@ -224,4 +251,5 @@ def scan_folder(root: str | os.PathLike[str]) -> Scan:
                     f"data.folder: class folder {root / where} has no images (extensions: "
                     f"{', '.join(sorted(IMAGE_EXTENSIONS))}); add images or remove the folder"
                 )
-    return Scan(classes, layout, entries, bad, ignored)
+    ignored = sum(other.values()) + sum(unreadable.values())
+    return Scan(classes, layout, entries, bad, ignored, dict(other), dict(unreadable))

@@ -14,6 +14,7 @@ from trainyard.core.card import CARD_FILE, SPLITS, load_card
 from trainyard.core.config import DataParams, Params
 from trainyard.core.errors import TrainyardError
 from trainyard.data.sources import fashion_mnist
+from trainyard.data.sources.folder import AUTO_SIZE_MAX
 from trainyard.data.walk import scan_folder
 
 # ----------------------------------------------------------------------------- disk
@@ -141,7 +142,8 @@ def _folder_counts(folder: Path, data: DataParams) -> tuple[dict[str, int], str]
 
 def expected_folder(params: Params, root: Path) -> dict[str, Any]:
     """A folder source's size before prepare: its image files counted, times C*H*W of
-    data.image_size (channels ``auto`` counted as 3, the larger case)."""
+    data.image_size (channels ``auto`` counted as 3, image_size ``auto`` as its largest
+    choice: the larger cases)."""
     data = params.data
     folder = Path(data.folder or "").expanduser()
     if not folder.is_absolute():
@@ -153,10 +155,12 @@ def expected_folder(params: Params, root: Path) -> dict[str, Any]:
         )
     counts, layout = _folder_counts(folder, data)
     c = 3 if data.channels == "auto" else int(data.channels)
-    h, w = data.size_hw
+    h, w = data.size_hw or (AUTO_SIZE_MAX, AUTO_SIZE_MAX)
     note = (
         f"estimated: {sum(counts.values()):,} image files in {folder} ({layout}) at "
-        f"data.image_size {h}x{w}, {c} channel(s)"
+        f"data.image_size {h}x{w}"
+        + (" (auto: counted at its largest; prepare picks it)" if data.size_hw is None else "")
+        + f", {c} channel(s)"
         + (
             " (channels auto: counted as 3; an all-grayscale folder prepares as 1)"
             if data.channels == "auto"
@@ -198,7 +202,8 @@ def _card_mismatch(card: Any, counts: dict[str, int], params: Params) -> str:
     if card.source != data.source:
         return f"card source {card.source}, data.source {data.source}"
     if data.source == "folder":
-        if (card.height, card.width) != data.size_hw:
+        # image_size auto: any size prepare chose matches
+        if data.size_hw is not None and (card.height, card.width) != data.size_hw:
             return f"card {card.height}x{card.width}, data.image_size {data.size_hw}"
         if data.channels != "auto" and card.channels != data.channels:
             return f"card {card.channels} channel(s), data.channels {data.channels}"

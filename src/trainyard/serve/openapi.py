@@ -30,7 +30,8 @@ from trainyard.serve.predictor import Predictor
 
 Doc = dict[str, Any]
 TOP_K_MAX = 10**MAX_TOP_K_DIGITS - 1
-IMAGE_TYPES = tuple(f"image/{fmt.lower()}" for fmt in IMAGE_FORMATS)
+# Every format the service decodes; HEIF's photos are usually sent as image/heic (iPhone).
+IMAGE_TYPES = (*(f"image/{fmt.lower()}" for fmt in IMAGE_FORMATS), "image/heic")
 PROBES = {
     "/healthz": "Liveness (BentoML): 200 while the process runs.",
     "/livez": "Liveness (BentoML): 200 while the process runs.",

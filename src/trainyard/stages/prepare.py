@@ -13,9 +13,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
-    # The service refuses uploads over serve.max_image_pixels: prepare holds images to the
-    # same limit, so nothing trains on an image the service would refuse.
-    card = prepare(args.raw, args.out, params.data, params.seed, params.serve.max_image_pixels)
+    # The user's own images are training data, held only to a memory limit
+    # (data.max_image_pixels); serve.max_image_pixels guards the service's untrusted uploads.
+    card = prepare(args.raw, args.out, params.data, params.seed, params.data.max_image_pixels)
     counts = {s: c["total"] for s, c in card.counts.items()}
     mean = ", ".join(f"{m:.4f}" for m in card.mean)
     std = ", ".join(f"{s:.4f}" for s in card.std)

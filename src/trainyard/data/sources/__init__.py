@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pydantic stays out of the light paths (benchmarks, gpu-chec
     from trainyard.core.config import DataParams
 
 # data.source -> its prepare function (raw_dir, out_dir, params, seed, max_image_pixels).
+# Fashion-MNIST's images are 28x28 whatever data.image_size / data.max_image_pixels say.
 SOURCES: dict[str, Callable[..., Card]] = {
     "fashion-mnist": lambda raw, out, params, seed, _pixels: prepare_fashion_mnist(
         raw, out, params, seed
@@ -37,5 +38,8 @@ def prepare_source(
     seed: int,
     max_image_pixels: int | None = None,
 ) -> Card:
-    """Prepare ``params.source`` into ``out_dir`` (written atomically); return its card."""
+    """Prepare ``params.source`` into ``out_dir`` (written atomically); return its card.
+
+    ``max_image_pixels``: the folder source's pixel limit, None for data.max_image_pixels.
+    """
     return SOURCES[params.source](raw_dir, out_dir, params, seed, max_image_pixels)

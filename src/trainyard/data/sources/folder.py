@@ -7,15 +7,18 @@ Two layouts, found by looking at the folder:
                                                test is carved out of train)
 
 Classes are the subfolder names, sorted as torchvision's ``ImageFolder`` sorts them.
-Hidden files and folders, OS litter (Thumbs.db, desktop.ini, __MACOSX) and files without
-an image extension are passed over silently (the rules: ``trainyard.data.walk``, which the
-doctor shares). Everything else that cannot be read is a
-*bad file*: with ``data.on_bad_file: error`` the stage lists every one of them and stops;
-with ``skip`` they are left out and recorded in the card.
+Hidden files and folders and OS litter (Thumbs.db, desktop.ini, __MACOSX) are passed over
+silently, other files without an image extension with an INFO line counting them by
+extension, image formats trainyard cannot read (.psd, .svg, camera raw) with a WARNING that
+lists them (the rules: ``trainyard.data.walk``, which the doctor shares). A file with an
+image extension that cannot be read is a *bad file*: with ``data.on_bad_file: error`` the
+stage lists every one of them and stops; with ``skip`` they are left out and recorded in the
+card.
 
 Two passes over the files, both in a process pool: the first reads each file once (its
 sha256 and its header: format, size, grayscale or not), which decides the channels, the
-splits and the duplicates before any pixel is decoded; the second decodes each image with
+image size (``data.image_size: auto``), the splits and the duplicates before any pixel is
+decoded; the second decodes each image with
 ``trainyard.core.imaging.image_to_pixels`` straight into its slot of a memory-mapped array, so
 neither pass holds more than a few images per process.
 """
@@ -26,9 +29,10 @@ import hashlib
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +40,8 @@ import numpy as np
 
 from trainyard.core.card import SPLITS, Card
 from trainyard.core.errors import DataError, InputError
-from trainyard.core.imaging import DEFAULT_MAX_IMAGE_PIXELS, image_to_pixels, read_header
+from trainyard.core.imaging import IMAGE_EXTENSIONS, image_to_pixels, read_header
+from trainyard.core.progress import Progress
 from trainyard.data.arrays import row_blocks
 from trainyard.data.store import PreparedWriter, open_prepared
 from trainyard.data.walk import Entry, Scan, scan_folder
@@ -49,34 +54,52 @@ log = logging.getLogger(__name__)
 SOURCE = "folder"
 _CHUNK = 64  # files per pool task: big enough to amortise the hop, small for balance
 _MAX_LISTED = 50  # bad files spelled out in an error message (all are in the log)
+PROGRESS_EVERY_S = 10.0  # off a terminal: a progress INFO line this often, per pass
 
 # The service's aspect-ratio limit (serve.max_aspect_ratio) guards untrusted uploads; a
 # user's own long panorama or receipt is training data (the pad canvas stays bounded).
 TRAINING_ASPECT = math.inf
+# The user's own images are held to data.max_image_pixels (memory), not the service's limit.
+LIMIT_KEY = "data.max_image_pixels"
+# data.image_size: auto = the median shorter side of the images, clamped to this range: 8x8
+# digit scans train at 32 (the smallest size every architecture takes), photos at 64 (CPU
+# training stays fast; set image_size yourself for more detail).
+AUTO_SIZE_MIN = 32
+AUTO_SIZE_MAX = 64
+# Class balance warnings (train split): largest/smallest above this ratio, or fewer images.
+IMBALANCE_RATIO = 10
+TINY_CLASS = 10
 
 
 # ------------------------------------------------------------------ pool work (both passes)
 
 
-def _inspect(paths: Sequence[str], max_pixels: int) -> list[tuple[str, bool, str | None]]:
-    """(sha256, grayscale, problem) per file: pass 1, in a worker."""
-    out = []
+Inspected = tuple[str, bool, int, int, str | None]  # sha256, grayscale, width, height, problem
+
+
+def _inspect(paths: Sequence[str], max_pixels: int) -> list[Inspected]:
+    """(sha256, grayscale, width, height, problem) per file: pass 1, in a worker."""
+    out: list[Inspected] = []
     for p in paths:
         try:
             with open(p, "rb") as fh:
                 data = fh.read()
         except OSError as err:
-            out.append(("", False, f"unreadable ({err.strerror or err})"))
+            out.append(("", False, 0, 0, f"unreadable ({err.strerror or err})"))
             continue
         digest = hashlib.sha256(data).hexdigest()
         try:
             header = read_header(
-                data, max_pixels=max_pixels, field="file", max_aspect_ratio=TRAINING_ASPECT
+                data,
+                max_pixels=max_pixels,
+                field="file",
+                max_aspect_ratio=TRAINING_ASPECT,
+                limit_key=LIMIT_KEY,
             )
         except InputError as err:
-            out.append((digest, False, str(err).removeprefix("file: ")))
+            out.append((digest, False, 0, 0, str(err).removeprefix("file: ")))
             continue
-        out.append((digest, header.grayscale, None))
+        out.append((digest, header.grayscale, header.width, header.height, None))
     return out
 
 
@@ -92,7 +115,7 @@ def _decode(
         try:
             with open(p, "rb") as fh:
                 data = fh.read()
-            images[slot] = image_to_pixels(data, field="file", **spec)
+            images[slot] = image_to_pixels(data, field="file", limit_key=LIMIT_KEY, **spec)
         except InputError as err:
             failed.append((slot, str(err).removeprefix("file: ")))
         except OSError as err:
@@ -113,10 +136,28 @@ class _Pool:
     def __init__(self, workers: int) -> None:
         self.executor = ProcessPoolExecutor(workers) if workers > 1 else None
 
-    def map(self, fn: Any, calls: list[tuple[Any, ...]]) -> list[Any]:
+    def map(
+        self,
+        fn: Any,
+        calls: list[tuple[Any, ...]],
+        progress: Progress | None = None,
+        sizes: list[int] | None = None,
+    ) -> list[Any]:
+        """``fn(*call)`` for every call, in order; ``progress`` advances by the call's
+        ``sizes`` entry as each one completes (a large folder shows it is alive)."""
+        step = sizes or [0] * len(calls)
         if self.executor is None:
-            return [fn(*args) for args in calls]
-        futures = [self.executor.submit(fn, *args) for args in calls]
+            out = []
+            for args, n in zip(calls, step, strict=True):
+                out.append(fn(*args))
+                if progress is not None:
+                    progress.update(n)
+            return out
+        futures = {self.executor.submit(fn, *args): n for args, n in zip(calls, step, strict=True)}
+        for done in as_completed(futures):
+            done.result()  # the first failure stops the stage here
+            if progress is not None:
+                progress.update(futures[done])
         return [f.result() for f in futures]
 
     def close(self) -> None:
@@ -209,25 +250,75 @@ def _bad_files_error(root: Path, bad: list[tuple[str, str]]) -> DataError:
 
 def _first_pass(
     scan: Scan, pool: _Pool, max_pixels: int, bad: list[tuple[str, str]]
-) -> tuple[list[Entry], list[str], bool]:
-    """Pass 1: read every file once. Returns the readable entries, their sha256 and whether
-    all of them are grayscale; the unreadable ones go to ``bad``."""
+) -> tuple[list[Entry], list[str], bool, list[int]]:
+    """Pass 1: read every file once. Returns the readable entries, their sha256, whether
+    all of them are grayscale and their shorter sides; the unreadable ones go to ``bad``."""
     n = len(scan.entries)
     paths = [str(e.path) for e in scan.entries]
-    calls = [(paths[s], max_pixels) for s in _chunks(n)]
-    inspected = [r for chunk in pool.map(_inspect, calls) for r in chunk]
-    good = []
-    for entry, (_, _, problem) in zip(scan.entries, inspected, strict=True):
-        if problem is None:
-            good.append(True)
+    chunks = list(_chunks(n))
+    calls = [(paths[s], max_pixels) for s in chunks]
+    with Progress(n, "prepare: reading headers", "files", PROGRESS_EVERY_S) as progress:
+        results = pool.map(_inspect, calls, progress, [s.stop - s.start for s in chunks])
+    inspected = [r for chunk in results for r in chunk]
+    keep = []
+    for i, (entry, found) in enumerate(zip(scan.entries, inspected, strict=True)):
+        if found[4] is None:
+            keep.append(i)
         else:
-            bad.append((entry.rel, problem))
-            good.append(False)
-    keep = [i for i in range(n) if good[i]]
+            bad.append((entry.rel, found[4]))
     entries = [scan.entries[i] for i in keep]
     hashes = [inspected[i][0] for i in keep]
     gray = all(inspected[i][1] for i in keep)
-    return entries, hashes, gray
+    shorter = [min(inspected[i][2], inspected[i][3]) for i in keep]
+    return entries, hashes, gray, shorter
+
+
+def auto_image_size(shorter_sides: Sequence[int]) -> tuple[int, str]:
+    """``data.image_size: auto``: the images' median shorter side, clamped to
+    ``AUTO_SIZE_MIN``..``AUTO_SIZE_MAX``; returns (size, the reason, for the log)."""
+    if not shorter_sides:
+        return AUTO_SIZE_MAX, "no readable images"
+    median = int(statistics.median(shorter_sides))
+    size = min(AUTO_SIZE_MAX, max(AUTO_SIZE_MIN, median))
+    how = "" if size == median else f", clamped to {AUTO_SIZE_MIN}..{AUTO_SIZE_MAX}"
+    return size, f"the median shorter side of {len(shorter_sides):,} images is {median} px{how}"
+
+
+def _image_size(params: DataParams, shorter: list[int]) -> tuple[int, int]:
+    """(height, width) of the prepared images: data.image_size, or chosen (auto) and logged."""
+    if params.size_hw is not None:
+        return params.size_hw
+    size, reason = auto_image_size(shorter)
+    log.info("data.image_size auto: %dx%d (%s); set data.image_size to choose", size, size, reason)
+    return size, size
+
+
+def _check_balance(classes: tuple[str, ...], labels: np.ndarray, splits: np.ndarray) -> None:
+    """WARNING for classes with few train images and for a large imbalance between
+    classes: both make accuracy misleading, and the user can fix them by adding images."""
+    counts = np.bincount(labels[splits == "train"], minlength=len(classes))
+    tiny = [f"{classes[c]} ({counts[c]})" for c in np.flatnonzero(counts < TINY_CLASS)]
+    if tiny:
+        log.warning(
+            "%d class(es) with fewer than %d train images: %s; the model can hardly learn "
+            "them (and their val/test accuracy is noise); add images to them",
+            len(tiny),
+            TINY_CLASS,
+            ", ".join(tiny[:20]) + (f" ... and {len(tiny) - 20} more" if len(tiny) > 20 else ""),
+        )
+    big, small = int(counts.argmax()), int(counts.argmin())
+    if counts[small] and counts[big] > IMBALANCE_RATIO * counts[small]:
+        log.warning(
+            "class imbalance: %s has %d train images, %s only %d (%.0fx, over %dx); "
+            "accuracy favours the large classes: add images to the small ones or remove "
+            "some from the large",
+            classes[big],
+            counts[big],
+            classes[small],
+            counts[small],
+            counts[big] / counts[small],
+            IMBALANCE_RATIO,
+        )
 
 
 def _split(
@@ -261,9 +352,11 @@ def _split(
     return labels, splits, dups
 
 
-def _decode_spec(params: DataParams, channels: int, max_pixels: int) -> dict[str, Any]:
+def _decode_spec(
+    params: DataParams, channels: int, max_pixels: int, size: tuple[int, int]
+) -> dict[str, Any]:
     """The ``image_to_pixels`` arguments every image of this dataset is decoded with."""
-    height, width = params.size_hw
+    height, width = size
     return {
         "channels": channels,
         "height": height,
@@ -285,6 +378,7 @@ def _write_split(
     labels: np.ndarray,
     spec: dict[str, Any],
     bad: list[tuple[str, str]],
+    progress: Progress,
 ) -> list[int]:
     """Pass 2 for one split: decode its images into their array, drop the rows of files
     that fail (they go to ``bad``), write its labels. Returns the entries written."""
@@ -296,11 +390,13 @@ def _write_split(
         )
     writer.allocate(split, len(members), (spec["channels"], spec["height"], spec["width"]))
     array = str(writer.images_path(split))
+    chunks = list(_chunks(len(members)))
     calls = [
         (array, list(range(s.start, s.stop)), [str(entries[i].path) for i in members[s]], spec)
-        for s in _chunks(len(members))
+        for s in chunks
     ]
-    failed = [f for chunk in pool.map(_decode, calls) for f in chunk]
+    sizes = [s.stop - s.start for s in chunks]
+    failed = [f for chunk in pool.map(_decode, calls, progress, sizes) for f in chunk]
     for slot, problem in failed:
         bad.append((entries[members[slot]].rel, problem))
     failed_slots = {slot for slot, _ in failed}
@@ -334,13 +430,25 @@ def _card(
     hashes: list[str],
     bad: list[tuple[str, str]],
     dups: dict[str, list[int]],
+    size: tuple[int, int],
 ) -> Card:
     """The dataset card before ``PreparedWriter.finish`` adds counts, statistics and hash."""
     source_hash = hashlib.sha256()
     for e, h in sorted(zip(entries, hashes, strict=True), key=lambda t: t[0].rel):
         source_hash.update(f"{e.rel}\0{h}\n".encode())
     n_dups = len(dups["val"]) + len(dups["test"])
-    height, width = params.size_hw
+    height, width = size
+    extra: dict[str, Any] = {
+        "layout": scan.layout,
+        "seed": seed,
+        "val_fraction": params.val_fraction,
+        "test_fraction": params.test_fraction,
+        "channels_param": params.channels,
+    }
+    if params.image_size == "auto":
+        extra["image_size_param"] = "auto"
+    if scan.unreadable_images:
+        extra["unreadable_images"] = dict(sorted(scan.unreadable_images.items()))
     return Card(
         source=SOURCE,
         classes=scan.classes,
@@ -363,13 +471,7 @@ def _card(
         },
         # No absolute path and no timing: the card is part of data/prepared, whose
         # DVC hash is the data version; it must change only with the data.
-        extra={
-            "layout": scan.layout,
-            "seed": seed,
-            "val_fraction": params.val_fraction,
-            "test_fraction": params.test_fraction,
-            "channels_param": params.channels,
-        },
+        extra=extra,
     )
 
 
@@ -379,36 +481,44 @@ def prepare_folder(
     seed: int,
     max_image_pixels: int | None = None,
 ) -> Card:
-    """Prepare ``params.folder`` into ``out_dir`` (atomically); return the dataset card."""
+    """Prepare ``params.folder`` into ``out_dir`` (atomically); return the dataset card.
+
+    ``max_image_pixels`` overrides ``params.max_image_pixels`` (data.max_image_pixels).
+    """
 
     assert params.folder is not None  # DataParams guarantees it for source: folder
     root = Path(params.folder).expanduser().resolve()
-    max_pixels = max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS
+    max_pixels = max_image_pixels or params.max_image_pixels
     t0 = time.perf_counter()
     scan = scan_folder(root)
     n = len(scan.entries)
     log.info(
-        "folder %s: %d images in %d classes (%s layout), %d other files ignored",
-        root,
-        n,
-        len(scan.classes),
-        scan.layout,
-        scan.ignored,
+        "folder %s: %d images in %d classes (%s layout)", root, n, len(scan.classes), scan.layout
     )
+    _log_ignored(scan)
     pool = _Pool(min(_workers(params), max(1, n // _CHUNK)))
     try:
         bad = list(scan.bad)
-        entries, hashes, gray = _first_pass(scan, pool, max_pixels, bad)
+        entries, hashes, gray, shorter = _first_pass(scan, pool, max_pixels, bad)
         channels = (1 if gray else 3) if params.channels == "auto" else int(params.channels)
+        size = _image_size(params, shorter)
         labels, splits, dups = _split(entries, hashes, scan.classes, params, seed)
-        spec = _decode_spec(params, channels, max_pixels)
-        with open_prepared(out_dir) as writer:
+        _check_balance(scan.classes, labels, splits)
+        spec = _decode_spec(params, channels, max_pixels, size)
+        total = int((splits != "dropped").sum())
+        with (
+            open_prepared(out_dir) as writer,
+            Progress(total, "prepare: decoding", "images", PROGRESS_EVERY_S) as progress,
+        ):
             written = {
-                split: _write_split(writer, pool, split, entries, splits, labels, spec, bad)
+                split: _write_split(
+                    writer, pool, split, entries, splits, labels, spec, bad, progress
+                )
                 for split in SPLITS
             }
+            progress.close()
             _check_bad_files(root, bad, params.on_bad_file, written)
-            card = _card(scan, params, seed, channels, entries, hashes, bad, dups)
+            card = _card(scan, params, seed, channels, entries, hashes, bad, dups, size)
             card = writer.finish(card)
     finally:
         pool.close()
@@ -416,6 +526,29 @@ def prepare_folder(
     done = sum(c["total"] for c in card.counts.values())
     log.info("prepared %d images in %.1f s (%.0f images/s)", done, dt, done / dt)
     return card
+
+
+def _counted(counts: dict[str, int]) -> str:
+    """``.txt 3, .json 2``: counts by extension, the most common first."""
+    return ", ".join(f"{ext} {k}" for ext, k in sorted(counts.items(), key=lambda t: (-t[1], t[0])))
+
+
+def _log_ignored(scan: Scan) -> None:
+    """INFO for the non-image files passed over; a WARNING for image files trainyard cannot
+    read (never silent: they may be a good part of the user's data)."""
+    if scan.other_files:
+        n = sum(scan.other_files.values())
+        log.info("%d other file(s) ignored (not images): %s", n, _counted(scan.other_files))
+    if scan.unreadable_images:
+        n = sum(scan.unreadable_images.values())
+        log.warning(
+            "%d image file(s) left out: trainyard cannot read %s; convert them to PNG or "
+            "JPEG (e.g. ImageMagick: magick mogrify -format png *.psd; camera raw: export "
+            "from your photo app) if they belong in the dataset. Read: %s",
+            n,
+            _counted(scan.unreadable_images),
+            " ".join(sorted(IMAGE_EXTENSIONS)),
+        )
 
 
 def _compact(writer: PreparedWriter, split: str, keep: list[bool]) -> None:
