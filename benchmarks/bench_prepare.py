@@ -267,9 +267,9 @@ def _time_phases(
         pool_workers.append(workers)
         pool_init(self, workers)
 
-    def map_(self: Any, fn: Any, args: list[Any]) -> list[Any]:
+    def map_(self: Any, fn: Any, args: list[Any], *rest: Any) -> list[Any]:
         key = "header_pass_s" if fn is src._inspect else "decode_pass_s"
-        return timed(pool_map, key)(self, fn, args)
+        return timed(pool_map, key)(self, fn, args, *rest)
 
     src._Pool.__init__ = init  # type: ignore[method-assign]
     src._Pool.map = map_  # type: ignore[method-assign]

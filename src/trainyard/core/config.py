@@ -35,13 +35,17 @@ class DataParams(_Strict):
     image_size: (
         Annotated[int, Field(ge=8, le=1024)]
         | tuple[Annotated[int, Field(ge=8, le=1024)], Annotated[int, Field(ge=8, le=1024)]]
-    ) = 64
+        | Literal["auto"]
+    ) = "auto"
     resize: Literal["crop", "pad", "stretch"] = "crop"
     channels: Literal["auto", 1, 3] = "auto"
     val_fraction: float = Field(0.1, ge=0, lt=1)
     test_fraction: float = Field(0.1, ge=0, lt=1)
     dedupe: bool = False
     workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = "auto"
+    # Your own images are training data, not untrusted uploads: this guards only against
+    # an image too large for memory (serve.max_image_pixels guards the service).
+    max_image_pixels: int = Field(1_000_000_000, ge=1, le=20_000_000_000)
     # fashion-mnist source
     source_dir: str | None = None
     debian_dir: str = "/usr/share/datasets/fashion-mnist"
@@ -84,21 +88,34 @@ class DataParams(_Strict):
         return self
 
     @property
-    def size_hw(self) -> tuple[int, int]:
-        """(height, width) of prepared folder images."""
+    def size_hw(self) -> tuple[int, int] | None:
+        """(height, width) of prepared folder images; None for ``auto`` (prepare picks it
+        from the images' own sizes)."""
         s = self.image_size
+        if s == "auto":
+            return None
         return (s, s) if isinstance(s, int) else (s[0], s[1])
 
 
+Auto = Literal["auto"]
+
+
 class TrainParams(_Strict):
-    arch: Literal["cnn", "resnet", "resnet18", "mobilenet_v3_small", "efficientnet_b0"] = "cnn"
+    """``auto`` keys are filled by the recipe (``train.recipe``) from the dataset card and
+    the hardware; a value the user sets always wins (trainyard.train.recipe)."""
+
+    recipe: Literal["auto", "classic"] = "auto"
+    time_budget_min: float | None = Field(3.0, gt=0, le=7 * 24 * 60)
+    arch: Literal["cnn", "resnet", "resnet18", "mobilenet_v3_small", "efficientnet_b0"] | Auto = (
+        "auto"
+    )
     pretrained: str | None = None
-    max_epochs: int = Field(10, ge=1, le=1000)
-    batch_size: int = Field(256, ge=1, le=65536)
-    lr: float = Field(3e-3, gt=0, le=10)
+    max_epochs: Annotated[int, Field(ge=1, le=1000)] | Auto = "auto"
+    batch_size: Annotated[int, Field(ge=1, le=65536)] | Auto = "auto"
+    lr: Annotated[float, Field(gt=0, le=10)] | Auto = "auto"
     weight_decay: float = Field(5e-4, ge=0, le=1)
     label_smoothing: float = Field(0.1, ge=0, lt=1)
-    augment: bool = True
+    augment: Literal["none", "shift", "flip"] | Auto = "auto"
     data_path: Literal["fast", "naive"] = "fast"
     device_resident: bool = True
     memory_budget: float = Field(0.5, gt=0, le=0.95)
@@ -109,11 +126,21 @@ class TrainParams(_Strict):
     precision: Literal[
         "auto", "32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "64-true"
     ] = "auto"
-    early_stopping_patience: int = Field(3, ge=1)
+    early_stopping_patience: Annotated[int, Field(ge=1)] | Auto = "auto"
     deterministic: bool = False
     limit_train_batches: int | float | None = None
     resume: Literal["auto", "never"] = "auto"
     checkpoint_every_min: float = Field(10.0, ge=0, le=24 * 60)
+
+    @field_validator("augment", mode="before")
+    @classmethod
+    def _augment_bool(cls, v: Any) -> Any:
+        # Older params files said true/false: true was shift + flip.
+        if v is True:
+            return "flip"
+        if v is False:
+            return "none"
+        return v
 
 
 class ExportParams(_Strict):
@@ -229,17 +256,39 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+_TYPE_TAGS = frozenset({"int", "float", "str", "bool", "list", "tuple", "dict", "none"})
+
+
+def _key(loc: tuple[Any, ...]) -> str:
+    """The dotted key of an error location, without pydantic's union-member tags
+    (``train.max_epochs.constrained-int`` -> ``train.max_epochs``)."""
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (str(p).isidentifier() and str(p) not in _TYPE_TAGS)
+    ]
+    return ".".join(parts) or "(top level)"
+
+
 def _describe(err: ValidationError, source: str) -> str:
-    lines = [f"invalid params in {source}:"]
+    # One line per key: a value that fits no member of a union (an int or "auto") gets
+    # each member's complaint joined with "or", and the value once.
+    found: dict[str, tuple[list[str], Any]] = {}
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        key = _key(e["loc"])
         if e["type"] == "extra_forbidden":
             msg = "unknown key (typo? see params.yaml for the valid keys)"
         else:
             msg = e["msg"]
-            if "input" in e and not isinstance(e["input"], dict):
-                msg += f" (got {e['input']!r})"
-        lines.append(f"  {key}: {msg}")
+        msgs, got = found.setdefault(key, ([], e.get("input", dict)))
+        if msg not in msgs:
+            msgs.append(msg)
+    lines = [f"invalid params in {source}:"]
+    for key, (msgs, got) in found.items():
+        text = " or ".join(msgs)
+        if got is not dict and not isinstance(got, dict) and "unknown key" not in text:
+            text += f" (got {got!r})"
+        lines.append(f"  {key}: {text}")
     return "\n".join(lines)
 
 

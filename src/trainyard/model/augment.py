@@ -29,9 +29,13 @@ def normalize(
 
 
 def augment_batch(
-    x: torch.Tensor, generator: torch.Generator | None = None, pad: int | None = None
+    x: torch.Tensor,
+    generator: torch.Generator | None = None,
+    pad: int | None = None,
+    flip: bool = True,
 ) -> torch.Tensor:
-    """Random translate (zero pad + crop) and horizontal flip on a whole batch, on its device.
+    """Random translate (zero pad + crop) and, with ``flip``, horizontal flip on a whole
+    batch, on its device.
 
     One gather for the whole batch instead of per-sample PIL ops: cost is a few
     elementwise kernels regardless of batch size. Any channel count and size; ``pad``
@@ -43,7 +47,8 @@ def augment_batch(
         pad = max(2, round(min(h, w) / 14))
     dev = x.device
     shifts = torch.randint(0, 2 * pad + 1, (2, b), generator=generator, device=dev)
-    flips = torch.rand(b, generator=generator, device=dev) < 0.5
+    # Drawn either way: the translation stream does not depend on the flip setting.
+    flips = (torch.rand(b, generator=generator, device=dev) < 0.5) & flip
     padded = F.pad(x, (pad, pad, pad, pad))
     rows = (shifts[0][:, None] + torch.arange(h, device=dev))[:, :, None]  # [B,H,1]
     cols = shifts[1][:, None] + torch.arange(w, device=dev)  # [B,W]

@@ -12,6 +12,18 @@ from trainyard.core.card import Card
 from trainyard.model.augment import augment_batch, normalize
 from trainyard.model.networks import build_model
 
+AUGMENT_MODES = ("none", "shift", "flip")
+
+
+def augment_mode(augment: str | bool) -> str:
+    """``none`` | ``shift`` | ``flip`` (shift + horizontal flip); checkpoints of earlier
+    versions hold a bool (True was shift + flip)."""
+    if isinstance(augment, bool):
+        return "flip" if augment else "none"
+    if augment not in AUGMENT_MODES:
+        raise ValueError(f"augment must be one of {AUGMENT_MODES}, got {augment!r}")
+    return augment
+
 
 class Classifier(L.LightningModule):
     """Trains any ``build_model`` net on uint8 batches, normalising them on the device.
@@ -32,11 +44,13 @@ class Classifier(L.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 5e-4,
         label_smoothing: float = 0.1,
-        augment: bool = True,
+        augment: str | bool = "flip",
         seed: int = 0,
         channels_last: bool = False,
         compile: bool = False,
         pretrained: str | None = None,
+        finetune: bool = False,
+        freeze_epochs: int = 1,
     ) -> None:
         super().__init__()
         parsed = card if isinstance(card, Card) else Card.from_dict(card, "Classifier card")
@@ -84,8 +98,9 @@ class Classifier(L.LightningModule):
         # Runs on the device: uint8 crosses the bus (4x fewer bytes), floats are made there.
         images, labels = batch
         x = normalize(images, self.pixel_mean, self.pixel_std)
-        if self.trainer.training and self.hparams.augment:
-            x = augment_batch(x, self._generator(x.device))
+        mode = augment_mode(self.hparams.augment)
+        if self.trainer.training and mode != "none":
+            x = augment_batch(x, self._generator(x.device), flip=mode == "flip")
         if self.hparams.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, labels
@@ -129,13 +144,34 @@ class Classifier(L.LightningModule):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._step(batch, "test")
 
+    def _head_and_body(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        """The new head's parameters (the last Linear layer) and the pretrained body's."""
+        head = [m for m in self.net.modules() if isinstance(m, torch.nn.Linear)][-1]
+        head_ids = {id(p) for p in head.parameters()}
+        body = [p for p in self.net.parameters() if id(p) not in head_ids]
+        return list(head.parameters()), body
+
+    def on_train_epoch_start(self) -> None:
+        # fastai's fine_tune: the new head learns alone for freeze_epochs (the body's random
+        # head gradients would wreck the pretrained features), then everything trains.
+        if self.hparams.finetune:
+            frozen = self.current_epoch < self.hparams.freeze_epochs
+            for p in self._head_and_body()[1]:
+                p.requires_grad_(not frozen)
+
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(
-            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
-        )
+        lr = self.hparams.lr
+        if self.hparams.finetune:
+            # Discriminative rates: the pretrained body moves at a tenth of the head's.
+            head, body = self._head_and_body()
+            groups: Any = [{"params": body, "lr": lr / 10}, {"params": head, "lr": lr}]
+            max_lr: Any = [lr / 10, lr]
+        else:
+            groups, max_lr = self.parameters(), lr
+        opt = torch.optim.AdamW(groups, lr=lr, weight_decay=self.hparams.weight_decay)
         sched = torch.optim.lr_scheduler.OneCycleLR(
             opt,
-            max_lr=self.hparams.lr,
+            max_lr=max_lr,
             # OneCycle needs a few steps per phase; tiny runs (tests, benchmarks) get a floor.
             total_steps=max(int(self.trainer.estimated_stepping_batches), 8),
             pct_start=0.25,

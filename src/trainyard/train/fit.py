@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from mlflow import MlflowClient
 
-from trainyard.core.card import CARD_FILE, Card
+from trainyard.core.card import CARD_FILE, Card, load_card
 from trainyard.core.config import MlflowParams, Params, TrainParams
 from trainyard.core.io import atomic_file, sha256_file
 from trainyard.data.datamodule import ImageDataModule
@@ -35,8 +35,11 @@ from trainyard.track.runs import (
     run_tags,
 )
 from trainyard.train.builder import build_trainer
+from trainyard.train.history import HISTORY_FILE, History
 from trainyard.train.perf import InputBoundMeter
+from trainyard.train.recipe import Plan, describe, load_plan, plan
 from trainyard.train.resume import (
+    RESUME_ROOT,
     AtomicCheckpointIO,
     Resume,
     ResumeCallback,
@@ -55,6 +58,8 @@ warnings.filterwarnings("ignore", message=r".*`IterableDataset` has `__len__` de
 warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfer`.*")
 
 BEST_CKPT = "best.ckpt"
+RECIPE_FILE = "recipe.json"  # the plan, beside the resumable checkpoint and in the MLflow run
+HARD_STOP = 1.25  # a planned run stops at this multiple of train.time_budget_min
 
 
 MIN_STEPS = 200  # optimizer steps below which a run has little chance to fit anything
@@ -112,12 +117,14 @@ class EpochTimer(L.Callback):
             return
         m = trainer.callback_metrics
         # One plain line per epoch: readable in `dvc repro` logs, where no progress bar draws.
-        print(
-            f"trainyard: epoch {trainer.current_epoch + 1}/{trainer.max_epochs} "
-            f"train/loss {float(m.get('train/loss_epoch', float('nan'))):.4f} "
-            f"val/acc {float(m.get('val/acc', float('nan'))):.4f} "
-            f"{dt:.1f}s {rate:,.0f} img/s",
-            flush=True,
+        log.info(
+            "epoch %d/%d train/loss %.4f val/acc %.4f %.1fs %s img/s",
+            trainer.current_epoch + 1,
+            trainer.max_epochs,
+            float(m.get("train/loss_epoch", float("nan"))),
+            float(m.get("val/acc", float("nan"))),
+            dt,
+            f"{rate:,.0f}",
         )
 
 
@@ -171,31 +178,58 @@ def train(
     uri = resolve_tracking_uri(root)
     check_tracking_uri(uri)  # before any work: a dead server fails in seconds
     hw = resolve_hardware(params.train)
+    recipe = plan_training(params, data_dir, hw, root, uri, out_dir)
+    run_params = recipe.apply(params)  # every auto train key resolved
+    # After the plan: its timing probe draws random numbers, the fit must not see them.
     L.seed_everything(params.seed, workers=True, verbose=False)
-    dm = load_data(params, data_dir)
-    model = build_classifier(params, dm.card)
-    tracked = open_tracking(params, root, uri, out_dir, dm.card, model, hw)
+    dm = load_data(run_params, data_dir)
+    model = build_classifier(run_params, dm.card, recipe.finetune)
+    tracked = open_tracking(params, run_params, root, uri, out_dir, dm.card, model, hw)
     if tracked.lead:
-        log_run_inputs(tracked, dm, data_dir, params_file)
+        recipe.save(tracked.resume.folder / RECIPE_FILE)
+        log_run_inputs(tracked, dm, data_dir, params_file, recipe)
         tracked.resume.write_state(tracked.run_id, tracked.logger.experiment_id, uri)
-    setup = build_fit(params.train, hw, tracked, dm.card.counts["train"]["total"], out_dir)
+    budget = params.train.time_budget_min if recipe.planned_epochs else None
+    setup = build_fit(
+        run_params.train, hw, tracked, dm.card.counts["train"]["total"], out_dir, budget
+    )
     fit_s = run_fit(setup, model, dm, tracked, params.mlflow)
     if setup.trainer.global_rank != 0:
         return None
-    record = write_outputs(params, out_dir, tracked, setup, hw, dm, fit_s)
+    record = write_outputs(run_params, out_dir, tracked, setup, hw, dm, fit_s)
     tracked.resume.finish()  # done: a forced rerun of the same params trains anew
-    print(
-        f"trainyard: best val/acc {float(setup.checkpoint.best_model_score):.4f}; "
-        f"MLflow run {record.run_id} at {uri}"
+    log.info(
+        "best val/acc %.4f; MLflow run %s at %s",
+        float(setup.checkpoint.best_model_score),
+        record.run_id,
+        uri,
     )
     return record
+
+
+def plan_training(
+    params: Params,
+    data_dir: str | os.PathLike[str],
+    hw: Hardware,
+    root: str | os.PathLike[str],
+    uri: str,
+    out_dir: Path,
+) -> Plan:
+    """The recipe's plan for this data and hardware (trainyard.train.recipe), said once per
+    choice; an interrupted run of the same params resumes with the plan it made."""
+    card = load_card(data_dir)
+    key = resume_key(params, card.data_sha256, uri, out_dir)
+    saved = Path(root) / RESUME_ROOT / key / RECIPE_FILE
+    recipe = load_plan(saved, params) or plan(params, card, data_dir, hw.accelerator, hw.precision)
+    for line in describe(recipe):
+        log.info(line)
+    return recipe
 
 
 def resolve_hardware(tp: TrainParams) -> Hardware:
     """The accelerator, precision and device ``train.*`` come to on this machine, said once."""
     accelerator, precision, device = resolve_device(tp)
     log.info("training on %s (accelerator=%s, precision=%s)", device, accelerator, precision)
-    print(f"trainyard: training on {device} (accelerator={accelerator}, precision={precision})")
     return Hardware(accelerator, precision, device)
 
 
@@ -212,17 +246,24 @@ def load_data(params: Params, data_dir: str | os.PathLike[str]) -> ImageDataModu
         memory_budget=tp.memory_budget,
     )
     card = dm.card
-    print(
-        f"trainyard: {card.source} data, {card.num_classes} classes, "
-        f"{card.channels}x{card.height}x{card.width}, arch {tp.arch}"
+    log.info(
+        "%s data, %d classes, %dx%dx%d, arch %s",
+        card.source,
+        card.num_classes,
+        card.channels,
+        card.height,
+        card.width,
+        tp.arch,
     )
     if warning := few_steps_warning(card.counts["train"]["total"], tp.batch_size, tp.max_epochs):
         log.warning(warning)  # once: "[train] WARNING ..." (it was also printed: twice)
     return dm
 
 
-def build_classifier(params: Params, card: Card) -> Classifier:
-    """The classifier ``train.*`` describes, for the data ``card`` describes."""
+def build_classifier(params: Params, card: Card, finetune: bool = False) -> Classifier:
+    """The classifier ``train.*`` describes (resolved: no ``auto`` left), for the data
+    ``card`` describes; ``finetune``: the pretrained body is frozen for the first epoch
+    and then trains at a tenth of the head's rate."""
     tp = params.train
     return Classifier(
         card=card.contract(),
@@ -235,6 +276,7 @@ def build_classifier(params: Params, card: Card) -> Classifier:
         compile=tp.compile,
         seed=params.seed,
         pretrained=tp.pretrained,
+        finetune=finetune,
     )
 
 
@@ -258,6 +300,7 @@ def lineage_tags(
 
 def open_tracking(
     params: Params,
+    run_params: Params,
     root: str | os.PathLike[str],
     uri: str,
     out_dir: Path,
@@ -266,7 +309,8 @@ def open_tracking(
     hw: Hardware,
 ) -> TrackedRun:
     """The fit's MLflow run: an interrupted run of this very training, reopened, or a new
-    one with the params and the lineage tags."""
+    one with the params and the lineage tags. ``params`` as in params.yaml (``auto`` keys:
+    they identify a resumable run), ``run_params`` as resolved (what MLflow records)."""
     dvc_md5 = dvc_data_version(root)
     tags = lineage_tags(root, card, model, hw, dvc_md5)
     lead = rank_zero_only.rank == 0
@@ -282,9 +326,9 @@ def open_tracking(
         run_id=resume.run_id,
     )
     if resume.run_id and mlc is not None:
-        reopen_run(mlc, resume.run_id, params.flat())
+        reopen_run(mlc, resume.run_id, run_params.flat())
     else:
-        logger.log_hyperparams(params.flat())
+        logger.log_hyperparams(run_params.flat())
     return TrackedRun(uri, logger, mlc, resume, lead, dvc_md5)
 
 
@@ -293,8 +337,10 @@ def log_run_inputs(
     dm: ImageDataModule,
     data_dir: str | os.PathLike[str],
     params_file: str | os.PathLike[str] | None,
+    recipe: Plan,
 ) -> None:
-    """What the run learns from (rank 0 only): the splits as datasets, params and card."""
+    """What the run learns from (rank 0 only): the splits as datasets, params and card,
+    and the recipe's choices (tags ``recipe.<key>`` and ``config/recipe.json``)."""
     card = dm.card
     client, run_id = tracked.logger.experiment, tracked.run_id
     splits = {split: dm.split_arrays(split) for split in ("train", "val")}
@@ -311,6 +357,9 @@ def log_run_inputs(
     # The card (classes, normalisation, counts, every skipped file and why) beside the run.
     client.log_artifact(run_id, str(Path(data_dir) / CARD_FILE), "data")
     client.log_metric(run_id, "data/skipped_files", len(card.skipped))
+    for key, value in recipe.tags().items():
+        client.set_tag(run_id, key, value)
+    client.log_dict(run_id, recipe.to_dict(), "config/recipe.json")
 
 
 def checkpoint_callbacks(
@@ -344,9 +393,16 @@ def checkpoint_callbacks(
 
 
 def build_fit(
-    tp: TrainParams, hw: Hardware, tracked: TrackedRun, train_images: int, out_dir: Path
+    tp: TrainParams,
+    hw: Hardware,
+    tracked: TrackedRun,
+    train_images: int,
+    out_dir: Path,
+    budget_min: float | None = None,
 ) -> FitSetup:
-    """The trainer with trainyard's callbacks: checkpoints, early stopping, timing, meter."""
+    """The trainer with trainyard's callbacks: checkpoints, early stopping, timing, meter,
+    the per-epoch history; ``budget_min``: a hard stop at HARD_STOP times it (the recipe
+    planned the epochs to fit it; a slower machine must not run far past it)."""
     checkpoint, resume_callbacks = checkpoint_callbacks(tp, tracked)
     early = EarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
     # Data wait / host->device copy / compute per step; the input-bound verdict at the end.
@@ -361,6 +417,7 @@ def build_fit(
             early,
             LearningRateMonitor("step"),
             EpochTimer(),
+            History(out_dir / HISTORY_FILE),
             meter,
             *resume_callbacks,
         ],
@@ -376,6 +433,7 @@ def build_fit(
         # per-step loss at least ~5 times an epoch, even on the small slices tests use
         log_every_n_steps=max(1, min(10, -(-train_images // tp.batch_size) // 5)),
         limit_train_batches=tp.limit_train_batches,
+        max_time=None if budget_min is None else timedelta(minutes=budget_min * HARD_STOP),
     )
     return FitSetup(trainer, checkpoint, meter)
 

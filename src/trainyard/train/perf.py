@@ -25,6 +25,7 @@ TensorFlow's profiler thresholds: >= 20% of the step waiting for input is input-
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from dataclasses import dataclass, replace
@@ -33,6 +34,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
+
+log = logging.getLogger(__name__)
 
 INPUT_BOUND = 0.20  # >= this fraction of the step waiting for the batch: input-bound
 MODERATE = 0.05  # >= this: moderately input-bound; below: not input-bound
@@ -402,10 +405,7 @@ class InputBoundMeter(L.Callback):
             return
         r = self.result
         if self.verbose:
-            print(
-                f"trainyard: input-bound verdict: {r['level']}: {r['why']}; fix: {r['fix']}",
-                flush=True,
-            )
+            log.info("input-bound verdict: %s: %s; fix: %s", r["level"], r["why"], r["fix"])
         self._tag(trainer, r)
 
     # ------------------------------------------------------------------ verdict

@@ -191,7 +191,7 @@ def _end_run(client: Any, run_id: str, status: str, reason: str) -> None:
             return
         client.set_tag(run_id, END_REASON_TAG, reason)
         client.set_terminated(run_id, status)
-        print(f"trainyard: MLflow run {run_id} marked {status}: {reason}", flush=True)
+        log.info("MLflow run %s marked %s: %s", run_id, status, reason)
     except Exception as err:  # a run missing from this store, a store hiccup
         log.warning("could not mark MLflow run %s %s: %s", run_id, status, err)
 
@@ -213,10 +213,10 @@ def prepare(
     if lock is None:
         private = base / f"{key}.{os.getpid()}"
         shutil.rmtree(private, ignore_errors=True)
-        print(
-            f"trainyard: WARNING another training with the same params holds {folder}; "
-            "this one checkpoints privately and will not be resumable",
-            flush=True,
+        log.warning(
+            "another training with the same params holds %s; this one checkpoints "
+            "privately and will not be resumable",
+            folder,
         )
         res = Resume(folder=private, key=key, private=True)
         return _export(res)
@@ -236,9 +236,8 @@ def prepare(
         if problem.startswith("unreadable") or problem.startswith("incomplete"):
             msg = f"last checkpoint {folder / LAST_CKPT} is {problem}; starting fresh"
             log.warning(msg)
-            print(f"trainyard: WARNING {msg}", flush=True)
         else:
-            print(f"trainyard: not resuming ({problem}); starting fresh", flush=True)
+            log.info("not resuming (%s); starting fresh", problem)
         if status is not None:
             _end_run(client, run_id, "FAILED", f"interrupted; not resumed: {problem}")
     _wipe(folder)
@@ -378,10 +377,12 @@ class ResumeCallback(L.Callback):
                 obj.epoch = max(0, int(epoch))
             self._loaded = None
         if self.resume.resuming and trainer.is_global_zero:
-            print(
-                f"trainyard: resuming from epoch {next_epoch + 1}, step "
-                f"{trainer.global_step}, MLflow run {self.run_id} ({self.resume.ckpt_path})",
-                flush=True,
+            log.info(
+                "resuming from epoch %d, step %d, MLflow run %s (%s)",
+                next_epoch + 1,
+                trainer.global_step,
+                self.run_id,
+                self.resume.ckpt_path,
             )
 
     @staticmethod

@@ -1,0 +1,368 @@
+"""The training recipe: every ``auto`` train key, chosen from the dataset card and the hardware.
+
+The defaults of earlier versions were Fashion-MNIST's (cnn, batch 256, 10 epochs, flips), and
+a folder of a thousand photos got 4 optimizer steps an epoch from them, flipped digits
+included. The recipe reads the data instead, the way Ultralytics derives its schedule from
+the dataset and fastai fixes it (``fine_tune``), and fills a time budget as AutoGluon does:
+
+- ``batch_size``: the power of two nearest to an epoch of ``STEPS_PER_EPOCH`` steps, within
+  16..256 (1,000 images -> 32; Fashion-MNIST's 55,000 -> 256).
+- ``arch``: ``resnet18`` fine-tuned when ImageNet weights are at hand (``train.pretrained``,
+  or torch's hub cache); else ``cnn``, the net that measured best from scratch on
+  these CPUs (docs/own-images.md), or ``resnet`` on a GPU with large images.
+- ``lr``: the OneCycle peak that measured best for the arch (AdamW); a fine-tune takes the
+  pretrained body at a tenth of it (fastai's discriminative rates).
+- ``augment``: random shifts always; horizontal flips unless mirroring costs the data its
+  classes: the validation images and their mirror images are classified by the train split's
+  class means, and a drop below ``FLIP_KEEPS`` of the accuracy turns flips off (handwritten
+  digits: 0.89 -> 0.30, off; Fashion-MNIST 0.63 -> 0.53 and clip art 0.27 -> 0.27, on).
+- ``max_epochs``: as many as the time budget holds, from a timed probe of a few real
+  optimizer steps (capped at ``MAX_EPOCHS`` and ``MAX_STEPS``); without a budget,
+  ``TARGET_STEPS`` optimizer steps.
+- ``early_stopping_patience``: a fifth of the epochs, at least 3.
+
+``train.recipe: classic`` gives every auto key its old fixed value instead. A key set in
+params.yaml is never changed: the recipe only fills ``auto``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainyard.core.card import Card
+from trainyard.core.config import Params, TrainParams
+from trainyard.core.io import atomic_write_json
+from trainyard.data.datamodule import load_split
+from trainyard.model.augment import augment_batch
+from trainyard.model.networks import build_model
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+# The keys the recipe fills, in the order it decides them.
+KEYS = ("arch", "batch_size", "lr", "augment", "max_epochs", "early_stopping_patience")
+# train.recipe: classic -- the fixed defaults of trainyard <= 0.x (Fashion-MNIST's).
+CLASSIC: dict[str, Any] = {
+    "arch": "cnn",
+    "batch_size": 256,
+    "lr": 3e-3,
+    "augment": "flip",
+    "max_epochs": 10,
+    "early_stopping_patience": 3,
+}
+STEPS_PER_EPOCH = 32  # batch: the power of two nearest to an epoch of this many steps
+MIN_BATCH, MAX_BATCH = 16, 256
+MAX_EPOCHS = 100
+MAX_STEPS = 5000  # optimizer steps: past this, more epochs rarely pay on one machine
+TARGET_STEPS = 2500  # without a time budget
+MIN_PATIENCE = 3
+FLIP_KEEPS = 0.7  # mirrored val images must keep this share of the nearest-mean accuracy
+LR = {"cnn": 3e-3, "resnet": 3e-3, "finetune": 1e-3}
+DEFAULT_LR = 2e-3  # torchvision backbones from scratch
+# ImageNet weights torchvision saves in torch's hub cache (checkpoints/<file>).
+HUB_WEIGHTS = {"resnet18": "resnet18-f37072fd.pth"}
+FINETUNE_ARCH = "resnet18"
+GPU_LARGE_IMAGE = 64  # on a GPU, images above this side get the wider resnet
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One train key: its value, who set it (``params`` or the recipe) and why."""
+
+    key: str
+    value: Any
+    by: str
+    reason: str
+
+    def line(self) -> str:
+        return f"train.{self.key} = {self.value} ({self.by}: {self.reason})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved train params and the choices that made them."""
+
+    train: TrainParams
+    choices: tuple[Choice, ...]
+    finetune: bool
+
+    @property
+    def planned_epochs(self) -> bool:
+        """The recipe chose max_epochs (so the time budget is what bounds the fit)."""
+        return any(c.key == "max_epochs" and c.by == "recipe" for c in self.choices)
+
+    def apply(self, params: Params) -> Params:
+        """``params`` with this plan's train section."""
+        return params.model_copy(update={"train": self.train})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.train.recipe,
+            "finetune": self.finetune,
+            "choices": {
+                c.key: {"value": c.value, "by": c.by, "reason": c.reason} for c in self.choices
+            },
+        }
+
+    def tags(self) -> dict[str, str]:
+        """MLflow tags: ``recipe.<key>`` = "<value> (<by>: <reason>)"."""
+        return {f"recipe.{c.key}": c.line().split(" = ", 1)[1][:5000] for c in self.choices}
+
+    def save(self, path: Path) -> None:
+        atomic_write_json(path, self.to_dict())
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the recipe reads: the data (from the card) and the hardware."""
+
+    train_images: int
+    val_images: int
+    classes: int
+    channels: int
+    height: int
+    width: int
+    accelerator: str  # "cpu" | "gpu"
+    precision: str
+
+
+def facts_from(card: Card, accelerator: str, precision: str) -> Facts:
+    counts = card.counts
+    return Facts(
+        train_images=int(counts["train"]["total"]),
+        val_images=int(counts["val"]["total"]),
+        classes=card.num_classes,
+        channels=card.channels,
+        height=card.height,
+        width=card.width,
+        accelerator=accelerator,
+        precision=precision,
+    )
+
+
+def hub_weights(arch: str = FINETUNE_ARCH) -> Path | None:
+    """ImageNet weights for ``arch`` in torch's hub cache (where torchvision downloads
+    them), or None."""
+    name = HUB_WEIGHTS.get(arch)
+    if name is None:
+        return None
+    path = Path(torch.hub.get_dir()) / "checkpoints" / name
+    return path if path.is_file() else None
+
+
+def choose_batch(n_train: int) -> tuple[int, str]:
+    batch = 2 ** max(0, round(math.log2(max(1.0, n_train / STEPS_PER_EPOCH))))
+    batch = min(MAX_BATCH, max(MIN_BATCH, batch))
+    steps = -(-n_train // batch)
+    return batch, f"{n_train:,} train images: {steps:,} optimizer steps an epoch"
+
+
+def choose_arch(facts: Facts, pretrained: str | None) -> tuple[str, str]:
+    if pretrained:
+        return FINETUNE_ARCH, f"fine-tunes the pretrained weights {pretrained}"
+    if facts.accelerator == "gpu" and max(facts.height, facts.width) > GPU_LARGE_IMAGE:
+        return "resnet", "a GPU and images above 64 px: the wider residual net"
+    return "cnn", (
+        f"{facts.height}x{facts.width} images from scratch on {facts.accelerator}: the "
+        "small cnn measured best (no ImageNet weights at hand)"
+    )
+
+
+def choose_lr(arch: str, finetune: bool) -> tuple[float, str]:
+    if finetune:
+        return LR["finetune"], "fine-tune peak (the pretrained body at a tenth of it)"
+    lr = LR.get(arch, DEFAULT_LR)
+    return lr, f"OneCycle peak that measured best for {arch} (AdamW)"
+
+
+def mirror_keeps(data_dir: str | os.PathLike[str], limit: int = 10_000) -> tuple[float, float]:
+    """(accuracy, accuracy on mirror images) of a nearest-class-mean classifier fitted on
+    the train split and scored on the val split (each image centred and scaled to unit
+    norm): how much of the classes survives a horizontal flip."""
+    x, y = load_split(data_dir, "train")
+    xv, yv = load_split(data_dir, "val")
+    rng = np.random.default_rng(0)
+    ti = np.sort(rng.permutation(len(y))[:limit])
+    vi = np.sort(rng.permutation(len(yv))[: limit // 5])
+    x, y, xv, yv = np.asarray(x[ti]), y[ti], np.asarray(xv[vi]), yv[vi]
+
+    def unit(a: np.ndarray) -> np.ndarray:
+        f = a.reshape(len(a), -1).astype(np.float32)
+        f -= f.mean(axis=1, keepdims=True)
+        return f / (np.linalg.norm(f, axis=1, keepdims=True) + 1e-6)
+
+    f, classes = unit(x), np.unique(y)
+    centres = np.stack([f[y == c].mean(axis=0) for c in classes])
+
+    def accuracy(a: np.ndarray) -> float:
+        return float((classes[np.argmax(unit(a) @ centres.T, axis=1)] == yv).mean())
+
+    return accuracy(xv), accuracy(xv[..., ::-1])
+
+
+def choose_augment(data_dir: str | os.PathLike[str]) -> tuple[str, str]:
+    acc, mirrored = mirror_keeps(data_dir)
+    kept = mirrored / acc if acc > 0 else 1.0
+    verdict = "keeps its classes" if kept >= FLIP_KEEPS else "loses its classes"
+    mode = "flip" if kept >= FLIP_KEEPS else "shift"
+    return mode, (
+        f"mirrored, the val split {verdict} ({acc:.2f} -> {mirrored:.2f} accuracy by nearest "
+        f"class mean; flips need {FLIP_KEEPS:.0%} kept): shifts"
+        + (" and horizontal flips" if mode == "flip" else " only, no flips")
+    )
+
+
+def probe_step_s(
+    arch: str, facts: Facts, batch: int, augment: str, steps: int = 3, pretrained: str | None = None
+) -> float:
+    """Seconds per optimizer step of ``arch`` at ``batch``, timed on a few real steps with
+    random data on the training device and precision (after one warm-up step)."""
+    device = "cuda" if facts.accelerator == "gpu" else "cpu"
+    net = build_model(arch, facts.channels, facts.classes, (facts.height, facts.width))
+    net = net.to(device).train()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x = torch.randn(batch, facts.channels, facts.height, facts.width, device=device)
+    y = torch.randint(0, facts.classes, (batch,), device=device)
+    dtype = torch.bfloat16 if "bf16" in facts.precision else None
+    times = []
+    for i in range(steps + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        xb = augment_batch(x, flip=augment == "flip") if augment != "none" else x
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(net(xb), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def epoch_seconds(step_s: float, facts: Facts, batch: int) -> float:
+    """One epoch: the train steps, plus validation (a forward pass costs about a third of a
+    training step per image) and a little per-epoch overhead (checkpoint, logging)."""
+    steps = -(-facts.train_images // batch)
+    val = facts.val_images / batch * step_s / 3
+    return steps * step_s + val + 0.5
+
+
+def choose_epochs(
+    tp: TrainParams, facts: Facts, batch: int, step_s: float | None
+) -> tuple[int, str]:
+    steps = -(-facts.train_images // batch)
+    cap = max(1, min(MAX_EPOCHS, MAX_STEPS // steps))
+    if tp.time_budget_min is None or step_s is None:
+        epochs = max(1, min(cap, -(-TARGET_STEPS // steps)))
+        return epochs, f"about {TARGET_STEPS:,} optimizer steps (no time budget)"
+    epoch_s = epoch_seconds(step_s, facts, batch)
+    fits = int(tp.time_budget_min * 60 // epoch_s)
+    epochs = max(1, min(cap, fits))
+    why = (
+        f"{tp.time_budget_min:g} min budget / {epoch_s:.1f} s an epoch "
+        f"({step_s * 1000:.0f} ms a step, timed)"
+    )
+    if fits > cap:
+        why += f", capped at {cap} ({MAX_EPOCHS} epochs or {MAX_STEPS:,} steps)"
+    elif fits < 1:
+        why += "; the budget holds less than one epoch: raise train.time_budget_min"
+    return epochs, why
+
+
+def _given(tp: TrainParams, key: str) -> Any:
+    value = getattr(tp, key)
+    return None if value == AUTO else value
+
+
+def plan(
+    params: Params,
+    card: Card,
+    data_dir: str | os.PathLike[str],
+    accelerator: str,
+    precision: str,
+) -> Plan:
+    """Resolve every ``auto`` train key (see the module doc); the user's keys win."""
+    tp = params.train
+    facts = facts_from(card, accelerator, precision)
+    chosen: dict[str, Choice] = {}
+
+    def decide(key: str, make: Any) -> Any:
+        given = _given(tp, key)
+        if given is not None:
+            chosen[key] = Choice(key, given, "params", "set in params")
+        elif tp.recipe == "classic":
+            chosen[key] = Choice(key, CLASSIC[key], "classic", "train.recipe: classic")
+        else:
+            value, reason = make()
+            chosen[key] = Choice(key, value, "recipe", reason)
+        return chosen[key].value
+
+    pretrained = tp.pretrained
+    if pretrained is None and tp.recipe == "auto" and tp.arch in (AUTO, FINETUNE_ARCH):
+        found = hub_weights()
+        pretrained = str(found) if found else None
+    arch = decide("arch", lambda: choose_arch(facts, pretrained))
+    finetune = bool(pretrained) and arch == FINETUNE_ARCH
+    if not finetune:
+        pretrained = tp.pretrained
+    batch = decide("batch_size", lambda: choose_batch(facts.train_images))
+    decide("lr", lambda: choose_lr(arch, finetune))
+    augment = decide("augment", lambda: choose_augment(data_dir))
+    epochs = decide(
+        "max_epochs",
+        lambda: choose_epochs(
+            tp,
+            facts,
+            batch,
+            probe_step_s(arch, facts, batch, augment) if tp.time_budget_min else None,
+        ),
+    )
+    decide(
+        "early_stopping_patience",
+        lambda: (max(MIN_PATIENCE, round(epochs / 5)), f"a fifth of {epochs} epochs, at least 3"),
+    )
+    values = {k: chosen[k].value for k in KEYS}
+    train = tp.model_copy(update={**values, "pretrained": pretrained})
+    return Plan(train, tuple(chosen[k] for k in KEYS), finetune)
+
+
+def load_plan(path: Path, params: Params) -> Plan | None:
+    """The plan saved beside an interrupted run's checkpoint (a resumed fit keeps the
+    epochs it planned, whatever a new timing probe would say), or None."""
+    try:
+        saved = json.loads(path.read_text())
+        found = saved["choices"]
+        choices = tuple(
+            Choice(k, found[k]["value"], found[k]["by"], found[k]["reason"])
+            for k in KEYS
+            if k in found
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    values = {c.key: c.value for c in choices if c.key in KEYS}
+    try:
+        train = params.train.model_copy(update=values)
+    except ValueError:
+        return None
+    log.info("recipe: the interrupted run's plan (%s)", path)
+    return Plan(train, choices, bool(saved.get("finetune")))
+
+
+def describe(p: Plan) -> list[str]:
+    """One line per choice, for the log."""
+    head = f"recipe {p.train.recipe}" + (" (fine-tune)" if p.finetune else "")
+    return [f"{head}: {c.line()}" for c in p.choices]

@@ -1,0 +1,218 @@
+"""The training recipe (train.recipe): each auto key's choice and its reason, the user's keys
+winning, the classic defaults, the flip rule on real arrays, the time budget, and the
+fastai-style fine-tune of a local state-dict file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainyard.core.card import Card
+from trainyard.core.config import Params, parse_params
+from trainyard.data.store import open_prepared
+from trainyard.train import recipe
+from trainyard.train.recipe import CLASSIC, Facts, choose_batch, choose_epochs, load_plan, plan
+
+
+def _card(classes: int, channels: int, size: int) -> Card:
+    return Card(
+        source="folder",
+        classes=tuple(f"c{i}" for i in range(classes)),
+        channels=channels,
+        height=size,
+        width=size,
+        mean=(0.0,) * channels,
+        std=(1.0,) * channels,
+        resize="crop",
+        fill=0,
+        interpolation="bilinear",
+    )
+
+
+def _prepared(
+    out: Path, train: np.ndarray, ytrain: np.ndarray, val: np.ndarray, yval: np.ndarray
+) -> Card:
+    """A real prepared folder (the store's writer) holding these splits; test = val."""
+    c, size = train.shape[1], train.shape[2]
+    card = _card(int(ytrain.max()) + 1, c, size)
+    with open_prepared(out) as w:
+        for split, (x, y) in {
+            "train": (train, ytrain),
+            "val": (val, yval),
+            "test": (val, yval),
+        }.items():
+            w.write_images(split, x)
+            w.write_labels(split, y)
+        return w.finish(card)
+
+
+def _arrows(n: int, size: int = 16, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Two classes that are each other's mirror image: a bar on the left or the right half,
+    with noise. Flipping turns one class into the other."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, n)
+    x = rng.integers(0, 40, (n, 1, size, size)).astype(np.uint8)
+    for i, label in enumerate(y):
+        cols = slice(1, size // 3) if label == 0 else slice(size - size // 3, size - 1)
+        x[i, 0, 2:-2, cols] = 220
+    return x, y
+
+
+def _rings(n: int, size: int = 16, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Two mirror-symmetric classes: a small or a large centred square outline."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, n)
+    x = rng.integers(0, 40, (n, 1, size, size)).astype(np.uint8)
+    for i, label in enumerate(y):
+        r = 3 if label == 0 else 6
+        lo, hi = size // 2 - r, size // 2 + r
+        x[i, 0, lo:hi, [lo, hi - 1]] = 220
+        x[i, 0, [lo, hi - 1], lo:hi] = 220
+    return x, y
+
+
+def _params(**train: object) -> Params:
+    return parse_params({"train": train})
+
+
+@pytest.mark.parametrize(
+    ("n", "batch"), [(30, 16), (862, 32), (1_078, 32), (1_195, 32), (5_000, 128), (55_000, 256)]
+)
+def test_batch_gives_about_32_steps_an_epoch(n: int, batch: int) -> None:
+    got, reason = choose_batch(n)
+    assert got == batch
+    assert f"{n:,} train images" in reason
+
+
+def test_epochs_fill_the_budget_within_the_caps() -> None:
+    facts = Facts(1_000, 200, 10, 1, 32, 32, "cpu", "32-true")
+    tp = _params(time_budget_min=1.0).train
+    epochs, why = choose_epochs(tp, facts, 32, step_s=0.05)  # 32 steps: ~2.1 s an epoch
+    assert 20 <= epochs <= 30 and "1 min budget" in why
+    fast, why_fast = choose_epochs(tp, facts, 32, step_s=0.0001)
+    assert fast == recipe.MAX_EPOCHS and "capped" in why_fast
+    slow, why_slow = choose_epochs(tp, facts, 32, step_s=10.0)
+    assert slow == 1 and "less than one epoch" in why_slow
+    unbudgeted, why_none = choose_epochs(_params(time_budget_min=None).train, facts, 32, None)
+    assert unbudgeted == -(-recipe.TARGET_STEPS // 32) and "no time budget" in why_none
+
+
+def test_flips_off_for_mirror_classes_on_for_symmetric_ones(tmp_path: Path) -> None:
+    x, y = _arrows(400)
+    xv, yv = _arrows(100, seed=1)
+    card = _prepared(tmp_path / "arrows", x, y, xv, yv)
+    p = plan(_params(max_epochs=2), card, tmp_path / "arrows", "cpu", "32-true")
+    aug = {c.key: c for c in p.choices}["augment"]
+    assert aug.value == "shift" and aug.by == "recipe" and "no flips" in aug.reason
+
+    x, y = _rings(400)
+    xv, yv = _rings(100, seed=1)
+    card = _prepared(tmp_path / "rings", x, y, xv, yv)
+    p = plan(_params(max_epochs=2), card, tmp_path / "rings", "cpu", "32-true")
+    aug = {c.key: c for c in p.choices}["augment"]
+    assert aug.value == "flip" and "horizontal flips" in aug.reason
+
+
+def test_every_auto_key_is_chosen_with_a_reason_and_the_users_keys_win(tmp_path: Path) -> None:
+    x, y = _rings(300)
+    card = _prepared(tmp_path / "d", x, y, *_rings(60, seed=1))
+    p = plan(_params(time_budget_min=0.05), card, tmp_path / "d", "cpu", "32-true")
+    by = {c.key: c for c in p.choices}
+    assert set(by) == set(recipe.KEYS)
+    assert all(c.by == "recipe" and c.reason for c in p.choices)
+    assert p.train.arch == "cnn" and p.train.batch_size == 16  # 300 images
+    assert isinstance(p.train.max_epochs, int) and "timed" in by["max_epochs"].reason
+    assert p.planned_epochs
+    assert all(getattr(p.train, k) != "auto" for k in recipe.KEYS)
+
+    mine = plan(
+        _params(batch_size=64, max_epochs=7, augment="none", lr=0.01, arch="resnet"),
+        card,
+        tmp_path / "d",
+        "cpu",
+        "32-true",
+    )
+    by = {c.key: c for c in mine.choices}
+    assert (mine.train.batch_size, mine.train.max_epochs, mine.train.lr) == (64, 7, 0.01)
+    assert mine.train.augment == "none" and mine.train.arch == "resnet"
+    assert all(by[k].by == "params" for k in ("batch_size", "max_epochs", "augment", "lr", "arch"))
+    assert by["early_stopping_patience"].by == "recipe"  # still auto: a fifth of 7, at least 3
+    assert mine.train.early_stopping_patience == 3
+    assert not mine.planned_epochs  # the user's epochs: no hard stop at the budget
+
+
+def test_classic_recipe_is_the_old_fixed_defaults(tmp_path: Path) -> None:
+    x, y = _rings(200)
+    card = _prepared(tmp_path / "d", x, y, *_rings(40, seed=1))
+    p = plan(_params(recipe="classic"), card, tmp_path / "d", "cpu", "32-true")
+    assert {k: getattr(p.train, k) for k in CLASSIC} == CLASSIC
+    assert all(c.by == "classic" for c in p.choices)
+
+
+def test_plan_is_saved_and_reloaded_for_a_resumed_run(tmp_path: Path) -> None:
+    x, y = _rings(200)
+    card = _prepared(tmp_path / "d", x, y, *_rings(40, seed=1))
+    params = _params(time_budget_min=0.05)
+    p = plan(params, card, tmp_path / "d", "cpu", "32-true")
+    p.save(tmp_path / "recipe.json")
+    again = load_plan(tmp_path / "recipe.json", params)
+    assert again is not None and again.train == p.train and again.choices == p.choices
+    (tmp_path / "bad.json").write_text("{not json")
+    assert load_plan(tmp_path / "bad.json", params) is None
+    assert load_plan(tmp_path / "missing.json", params) is None
+
+
+def test_pretrained_weights_make_a_finetune_of_resnet18(tmp_path: Path) -> None:
+    """A local state-dict file (as torchvision saves ImageNet weights): the recipe picks
+    resnet18 and fine-tunes it; the body is frozen for the first epoch, then trains."""
+    import lightning as L
+    import torchvision
+    from torch.utils.data import DataLoader
+
+    from trainyard.data.datamodule import TensorBatches
+    from trainyard.model.classifier import Classifier
+    from trainyard.train.builder import build_trainer
+
+    weights = tmp_path / "resnet18.pth"
+    torch.save(torchvision.models.resnet18().state_dict(), weights)
+    x, y = _rings(64, size=32)
+    card = _prepared(tmp_path / "d", x, y, *_rings(32, size=32, seed=1))
+    p = plan(_params(pretrained=str(weights), max_epochs=2), card, tmp_path / "d", "cpu", "32-true")
+    by = {c.key: c for c in p.choices}
+    assert p.finetune and p.train.arch == "resnet18" and str(weights) in by["arch"].reason
+    assert p.train.lr == recipe.LR["finetune"] and p.train.pretrained == str(weights)
+
+    L.seed_everything(0, verbose=False)
+    model = Classifier(
+        card=card.contract(), arch="resnet18", lr=p.train.lr, pretrained=str(weights), finetune=True
+    )
+    body_before = model.net.layer1[0].conv1.weight.detach().clone()
+    head_before = model.net.fc.weight.detach().clone()
+    loader = DataLoader(
+        TensorBatches(torch.from_numpy(x), torch.from_numpy(y), 16, shuffle=True), batch_size=None
+    )
+    build_trainer(max_epochs=1, root=tmp_path).fit(model, loader)
+    assert torch.equal(model.net.layer1[0].conv1.weight, body_before)  # frozen: epoch 1
+    assert not torch.equal(model.net.fc.weight, head_before)  # the new head learns
+    build_trainer(max_epochs=2, root=tmp_path).fit(model, loader)
+    assert not torch.equal(model.net.layer1[0].conv1.weight, body_before)  # then all trains
+    groups = model.optimizers().optimizer.param_groups
+    assert len(groups) == 2 and groups[0]["initial_lr"] == pytest.approx(
+        groups[1]["initial_lr"] / 10
+    )
+
+
+def test_hub_cache_weights_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    assert recipe.hub_weights() is None
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / recipe.HUB_WEIGHTS["resnet18"]).write_bytes(b"x")
+    assert recipe.hub_weights() == tmp_path / "checkpoints" / recipe.HUB_WEIGHTS["resnet18"]
+
+
+def test_probe_times_real_steps() -> None:
+    facts = Facts(100, 20, 3, 1, 28, 28, "cpu", "32-true")
+    assert 0 < recipe.probe_step_s("cnn", facts, 16, "flip") < 5
