@@ -33,6 +33,26 @@ from trainyard.track.records import TRAIN_RECORD
 
 log = logging.getLogger(__name__)
 
+
+def quiet_mlflow() -> None:
+    """MLflow's chatter off, at its source; its warnings and errors stay.
+
+    - "🏃 View run ... at: <url>" / "🧪 View experiment at: <url>", written to stdout at
+      every run's end on a tracking server: MLflow's own switch (an explicit
+      ``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT=false`` brings them back). train's last line
+      names the run and the store.
+    - the system-metrics monitor's INFO lines (started, stopping, terminated, "Skip logging
+      GPU metrics"), four a training; its failures are warnings and still show;
+    - "Creating initial MLflow database tables..." / "Updating database tables" on a new
+      sqlite store.
+    """
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    for name in ("mlflow.system_metrics", "mlflow.store.db.utils"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+quiet_mlflow()  # at import: whoever uses MLflow through trainyard imports this module
+
 # Why a run ended other than FINISHED (Ctrl-C, SIGTERM, an error), set by every stage that
 # ends a run early; kept as PREVIOUS_END_TAG once the run is finished again.
 END_REASON_TAG = "trainyard.end_reason"

@@ -1,0 +1,122 @@
+"""What a fit says as it goes, in log lines: the model's size once, a line every
+``every_s`` seconds within an epoch when no progress bar draws, and why it stopped early.
+
+The per-epoch summary is train.fit's EpochTimer; this callback fills the time between
+those lines: an epoch of a large folder on a CPU takes many minutes, and a log (CI,
+`dvc exp run --queue`, a file) showed nothing until it ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import EarlyStopping
+from torch.nn.parameter import UninitializedParameter
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 30.0  # often enough to see a fit moving, rare enough to read the log
+
+
+def duration(seconds: float) -> str:
+    """``45s``, ``12m05s`` or ``2h03m``: an ETA readable at a glance."""
+    seconds = max(0, round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def batch_len(batch: Any) -> int:
+    """Images in a batch: the first dimension of its first tensor (images, labels)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, list | tuple) and batch:
+        return batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_len(next(iter(batch.values())))
+    return 0
+
+
+def model_line(module: torch.nn.Module) -> str:
+    """``model: 458,378 parameters (all trainable), 1.8 MB as fp32``: what Lightning's
+    summary table said that matters here, in one line."""
+    params = [p for p in module.parameters() if not isinstance(p, UninitializedParameter)]
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    which = "all trainable" if trainable == total else f"{trainable:,} trainable"
+    return f"model: {total:,} parameters ({which}), {total * 4 / 1e6:.1f} MB as fp32"
+
+
+class ProgressLog(L.Callback):
+    """The fit's log lines (rank 0 only). ``periodic``: a line every ``every_s`` seconds
+    within an epoch, ``epoch 2/10 step 120/215 (56%), loss 0.4321, 1,234 img/s, ETA 45s``
+    (off under a progress bar, which shows the same)."""
+
+    def __init__(self, periodic: bool = True, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.periodic, self.every_s = periodic, every_s
+        self.t0 = self.t_last = time.monotonic()
+        self.steps = self.seen = 0
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            log.info(model_line(pl_module))
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.t0 = self.t_last = time.monotonic()
+        self.steps = self.seen = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A fit resumed within an epoch (a timed checkpoint) skips on_train_epoch_start.
+        self.on_train_epoch_start(trainer, pl_module)
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self.steps += 1
+        self.seen += batch_len(batch)
+        now = time.monotonic()
+        if not self.periodic or now - self.t_last < self.every_s or not trainer.is_global_zero:
+            return
+        self.t_last = now
+        log.info(self.line(trainer, outputs, batch_idx + 1, now - self.t0))
+
+    def line(self, trainer: L.Trainer, outputs: Any, step: int, elapsed: float) -> str:
+        """``epoch e/E step k/n (pct), loss x, r img/s, ETA t`` (ETA: of this epoch)."""
+        total = trainer.num_training_batches
+        text = f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs} step {step:,}"
+        if math.isfinite(total):
+            text += f"/{int(total):,} ({100 * step / max(total, 1):.0f}%)"
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            text += f", loss {float(loss):.4f}"  # a sync, but once in every_s seconds
+        elapsed = max(elapsed, 1e-9)
+        # Under DDP every rank trains an equal shard in lockstep: total = world_size x own.
+        text += f", {self.seen * trainer.world_size / elapsed:,.0f} img/s"
+        if math.isfinite(total) and step < total:
+            text += f", ETA {duration((total - step) * elapsed / self.steps)}"
+        return text
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Early stopping ends a fit silently (Lightning says so at DEBUG only); reaching
+        # max_epochs needs no line: the last epoch line reads "epoch N/N".
+        early = trainer.early_stopping_callback
+        if not trainer.is_global_zero or not isinstance(early, EarlyStopping):
+            return
+        if early.stopping_reason_message and trainer.current_epoch < (trainer.max_epochs or 0):
+            why = early.stopping_reason_message.removesuffix(" Signaling Trainer to stop.")
+            log.info(
+                "early stopping after epoch %d/%d: %s",
+                trainer.current_epoch,
+                trainer.max_epochs,
+                why,
+            )
