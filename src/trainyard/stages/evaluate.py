@@ -18,7 +18,9 @@ from trainyard.track.registry import register_and_promote
 from trainyard.track.runs import logging_into, open_run
 from trainyard.train.history import HISTORY_FILE, read_history
 
-log = logging.getLogger(__name__)
+# By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
+# INFO lines the stage shows (stages.common.configure_logging).
+log = logging.getLogger("trainyard.stages.evaluate")
 # MLflow artifact folders of the train run: the data files, and the pictures to look at.
 EVALUATION_ARTIFACTS = "evaluation"
 REPORT_ARTIFACTS = "report"
@@ -97,9 +99,12 @@ def log_evaluation(run_id: str, result: dict[str, Any], paths: dict[str, Path]) 
     """Test accuracy, macro and per-class F1, and the reports, into the train run."""
     m = result["metrics"]
     with logging_into(run_id, "evaluate"):
-        print(
-            f"evaluate: test accuracy {m['accuracy']:.4f} on {m['samples']} images "
-            f"({m['provider']}); logging it to MLflow run {run_id}"
+        log.info(
+            "test accuracy %.4f on %d images (%s); logging it to MLflow run %s",
+            m["accuracy"],
+            m["samples"],
+            m["provider"],
+            run_id,
         )
         mlflow.log_metrics({"test/accuracy": m["accuracy"], "test/macro_f1": m["macro_f1"]})
         # Class names may hold '/', spaces or any letter: keys are index + a safe spelling.
@@ -127,7 +132,7 @@ def register(
     name = params.registry_model_name()
     # Registration is a handful of registry writes that must all land or none: name the
     # step, so a failure or a Ctrl-C here is not taken for one in the metrics above.
-    print(f"evaluate: registering the model in {name}")
+    log.info("registering the model in %s", name)
     reg = Registration(
         **register_and_promote(
             mlflow.MlflowClient(),
@@ -151,12 +156,15 @@ def register(
             }
         )
     if reg.already_registered:
-        print(
-            f"evaluate: this model is already {reg.model_name} v{reg.version} ({reg.alias}), "
-            f"not registered again: {reg.reason}"
+        log.info(
+            "this model is already %s v%s (%s), not registered again: %s",
+            reg.model_name,
+            reg.version,
+            reg.alias,
+            reg.reason,
         )
     else:
-        print(f"evaluate: registered {reg.model_name} v{reg.version} as {reg.alias}: {reg.reason}")
+        log.info("registered %s v%s as %s: %s", reg.model_name, reg.version, reg.alias, reg.reason)
     return reg
 
 

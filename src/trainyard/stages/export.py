@@ -1,6 +1,7 @@
 """DVC stage `export`: models/best.ckpt -> models/model.onnx, gated on ONNX/PyTorch parity."""
 
 import argparse
+import logging
 from pathlib import Path
 
 import mlflow
@@ -12,6 +13,10 @@ from trainyard.stages.common import stage_main
 from trainyard.track.records import EXPORT_RECORD, ExportRecord, TrainRecord
 from trainyard.track.registry import log_onnx_model
 from trainyard.track.runs import logging_into, open_run
+
+# By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
+# INFO lines the stage shows (stages.common.configure_logging).
+log = logging.getLogger("trainyard.stages.export")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -37,14 +42,16 @@ def run(params: Params, args: argparse.Namespace) -> None:
         run_id,
         info.data_sha256,
     )
-    print(
-        f"export: parity ok on {report['samples']} images, max abs diff "
-        f"{report['max_abs_diff']:.2e}, agreement {report['argmax_agreement']:.2%}"
+    log.info(
+        "parity ok on %d images, max abs diff %.2e, agreement %.2f%%",
+        report["samples"],
+        report["max_abs_diff"],
+        100 * report["argmax_agreement"],
     )
     example = normalized_example(onnx_path, images[:1])
     with logging_into(run_id, "export"):
         # Logging the model takes seconds: say so, and where it goes.
-        print(f"export: logging the ONNX model to MLflow run {run_id}")
+        log.info("logging the ONNX model to MLflow run %s", run_id)
         mlflow.log_metrics(
             {
                 "export/max_abs_diff": report["max_abs_diff"],

@@ -1,10 +1,15 @@
 """DVC stage `prepare`: the data source -> uint8 [N,C,H,W] splits + card.json in data/prepared/."""
 
 import argparse
+import logging
 
 from trainyard.core.config import Params
 from trainyard.data.sources import prepare_source as prepare
 from trainyard.stages.common import stage_main
+
+# By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
+# INFO lines the stage shows (stages.common.configure_logging).
+log = logging.getLogger("trainyard.stages.prepare")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -19,10 +24,19 @@ def run(params: Params, args: argparse.Namespace) -> None:
     counts = {s: c["total"] for s, c in card.counts.items()}
     mean = ", ".join(f"{m:.4f}" for m in card.mean)
     std = ", ".join(f"{s:.4f}" for s in card.std)
-    print(
-        f"prepare: {card.source}, {card.num_classes} classes, {card.channels}x{card.height}x"
-        f"{card.width} ({card.resize}), {counts}, mean [{mean}] std [{std}]"
-        + (f", {len(card.skipped)} bad file(s) skipped" if card.skipped else "")
+    skipped = f", {len(card.skipped)} bad file(s) skipped" if card.skipped else ""
+    log.info(
+        "%s, %d classes, %dx%dx%d (%s), %s, mean [%s] std [%s]%s",
+        card.source,
+        card.num_classes,
+        card.channels,
+        card.height,
+        card.width,
+        card.resize,
+        counts,
+        mean,
+        std,
+        skipped,
     )
 
 

@@ -221,10 +221,10 @@ def _remove_cut_off(client: Any, name: str, run_id: str) -> None:
     for v in _versions_of_run(client, name, run_id):
         if v.tags.get(SHA_TAG) and not v.tags.get("decision"):
             client.delete_model_version(name, v.version)
-            print(
-                f"registry: deleted {name} v{v.version}: its registration was cut off "
-                "before the decision",
-                flush=True,
+            log.info(
+                "deleted %s v%s: its registration was cut off before the decision",
+                name,
+                v.version,
             )
 
 

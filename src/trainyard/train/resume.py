@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -430,6 +429,6 @@ def end_killed(resume: Resume, client: Any, run_id: str, trainer: L.Trainer) -> 
         "KILLED",
         f"{name} at epoch {trainer.current_epoch + 1}, step {trainer.global_step}",
     )
-    print(f"trainyard: interrupted by {name}; {then}", file=sys.stderr, flush=True)
+    log.warning("interrupted by %s; %s", name, then)
     resume.release()
     raise SystemExit(128 + resume.signal)
