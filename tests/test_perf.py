@@ -3,6 +3,7 @@ sample JPEG decoding from a folder is input-bound, the fast path over prepared a
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -153,7 +154,8 @@ def fit(model: L.LightningModule, loader: DataLoader, root: Path, data_path: str
     return meter
 
 
-def test_per_sample_jpeg_decoding_from_a_folder_is_input_bound(tmp_path, capsys, one_thread):
+def test_per_sample_jpeg_decoding_from_a_folder_is_input_bound(tmp_path, caplog, one_thread):
+    caplog.set_level(logging.INFO, logger="trainyard")
     rng = np.random.default_rng(0)
     files, labels = [], []
     for i in range(256):
@@ -176,11 +178,13 @@ def test_per_sample_jpeg_decoding_from_a_folder_is_input_bound(tmp_path, capsys,
     assert r["steps"] == 8 - r["warmup_steps_excluded"] and r["warmup_steps_excluded"] == 3
     assert "dvc repro prepare" in r["fix"] and "num_workers is 0" in r["fix"]
     assert r["timer"] == "perf_counter" and r["device"] == "cpu"
-    assert "trainyard: input-bound verdict: input-bound" in capsys.readouterr().out
+    verdicts = [m for m in caplog.messages if m.startswith("input-bound verdict: ")]
+    assert len(verdicts) == 1 and verdicts[0].startswith("input-bound verdict: input-bound: ")
     assert meter.epochs and meter.epochs[0]["data_wait_fraction"] >= 0.2
 
 
-def test_fast_path_over_prepared_arrays_is_not_input_bound(tmp_path, capsys, one_thread):
+def test_fast_path_over_prepared_arrays_is_not_input_bound(tmp_path, caplog, one_thread):
+    caplog.set_level(logging.INFO, logger="trainyard")
     rng = np.random.default_rng(0)
     n, size = 512, 64
     x = torch.from_numpy(rng.integers(0, 256, size=(n, 3, size, size), dtype=np.uint8))
@@ -198,7 +202,8 @@ def test_fast_path_over_prepared_arrays_is_not_input_bound(tmp_path, capsys, one
     assert "transfer_batch_to_device" not in vars(model)  # the timing wrapper is gone
     assert r["steps"] == 16 - 3, r
     # The verdict printed is the one computed (moderately, on a stalled machine).
-    assert f"trainyard: input-bound verdict: {r['level']}" in capsys.readouterr().out
+    verdicts = [m for m in caplog.messages if m.startswith("input-bound verdict: ")]
+    assert verdicts == [f"input-bound verdict: {r['level']}: {r['why']}; fix: {r['fix']}"]
 
 
 def test_data_path_and_placement_come_from_trainyards_datamodule(tmp_path, one_thread):

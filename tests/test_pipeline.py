@@ -35,7 +35,7 @@ def repo(fashion_dir, tmp_path_factory) -> Path:
 def test_first_repro_runs_every_stage_and_writes_outputs(repo):
     log = (repo / "first_repro.log").read_text()
     assert ran(log) == set(STAGES)
-    assert "trainyard: training on cpu" in log
+    assert "[train] training on cpu" in log
     assert len(list((repo / "data/raw").iterdir())) == 4
     card = json.loads((repo / "data/prepared/card.json").read_text())
     assert card["counts"]["train"]["total"] == 2500 and card["counts"]["test"]["total"] == 10_000
@@ -92,20 +92,20 @@ def test_mlflow_run_holds_params_metrics_artifacts(repo):
     for key in ("perf/data_wait_fraction", "perf/step_ms", "perf/compute_ms", "perf/h2d_ms"):
         assert key in metrics, key
     assert run.data.tags["perf.verdict"] == verdict.level
-    assert "trainyard: input-bound verdict: " in (repo / "first_repro.log").read_text()
+    assert "[train] input-bound verdict: " in (repo / "first_repro.log").read_text()
     inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}
     assert set(inputs) == {"fashion-mnist-train", "fashion-mnist-val"}
     assert inputs["fashion-mnist-train"].dataset.digest.startswith(info.data_sha256[:16])
     assert len(run.outputs.model_outputs) == 1  # the ONNX model, logged as an MLflow model
     artifacts = {
         a.path
-        for d in ("checkpoints", "config", "evaluation")
+        for d in ("checkpoints", "config", "evaluation", "report")
         for a in client.list_artifacts(run.info.run_id, d)
     }
     assert {
         "checkpoints/best.ckpt",
         "config/params.yaml",
-        "evaluation/confusion_matrix.png",
+        "report/confusion_matrix.png",
     } <= artifacts
 
 
@@ -143,7 +143,8 @@ def test_worse_train_params_rerun_train_export_evaluate_only_and_become_challeng
     registry = RegistryRecord.read(repo / REGISTRY_RECORD).registration
     assert (registry.version, registry.alias) == (2, "challenger")
     assert "does not beat champion v1" in registry.reason
-    assert "registered fashion-mnist-classifier v2 as challenger" in out.stdout
+    # DVC's lines are on stdout, the stages' log on stderr.
+    assert "[evaluate] registered fashion-mnist-classifier v2 as challenger" in out.stderr
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
@@ -196,7 +197,8 @@ def test_ddp_on_two_cpu_processes_logs_one_run(repo, tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "MEMBER: 2/2" in out.stdout + out.stderr
-    assert out.stdout.count("trainyard: epoch 2/2") == 1  # rank 0 prints, rank 1 does not
+    # rank 0 logs the epoch's line, rank 1 does not
+    assert out.stderr.count("[train] epoch 2/2 train/loss ") == 1, out.stderr[-3000:]
     info = TrainRecord.read(TrainRecord.path_in(tmp_path / "ddp"))
     assert len(client.search_runs([exp.experiment_id])) == before + 1
     run = client.get_run(info.run_id)
