@@ -8,7 +8,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
-	bench-serve bench-prepare bench-resume soak doctor gpu-wheels clean
+	bench-serve bench-prepare bench-resume bench-recipe soak doctor gpu-wheels clean
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
@@ -23,6 +23,7 @@ help:
 	@echo "make soak   - 60 s at 64 clients, good and bad requests: 0 errors, RSS growth < 10%/worker: docs/benchmarks.md"
 	@echo "make bench-prepare - prepare on 20,000 generated JPEGs, 1 vs 2 workers: docs/benchmarks.md"
 	@echo "make bench-resume - SIGKILL after epoch 2 of 4, rerun resumes: time saved vs an uninterrupted run"
+	@echo "make bench-recipe - trainyard's defaults vs the old defaults vs a textbook script, 2 real folders (~25 min)"
 	@echo "make doctor - this machine (CPU, RAM, GPUs, torch, ONNX Runtime, disk) and what trainyard will do on it"
 	@echo "make lint   - ruff check + format check"
 
@@ -69,6 +70,16 @@ bench-prepare: venv
 # reports/bench-resume.json + docs/benchmarks.md. BENCH_RESUME_ARGS="--limit 20000".
 bench-resume: venv
 	$(BIN)/python -m benchmarks.bench_resume $(BENCH_RESUME_ARGS)
+
+# About 25 min on 2 cores, not part of `make test`: scikit-learn's digits (HEIC/AVIF among
+# them) and Debian's clip art (apt-get install openclipart-png), each trained by trainyard's
+# defaults (dvc exp run in a clone of the committed repo), the old defaults (train.recipe:
+# classic) and a textbook torchvision script given the same wall time, scored on the same
+# test images; reports/bench-recipe.json + docs/benchmarks.md ("Recipe").
+# BENCH_RECIPE_ARGS="--folders digits" (or clipart, or a folder of yours); --quick: seconds.
+BENCH_RECIPE_ARGS ?=
+bench-recipe: venv
+	$(BIN)/python -m benchmarks.bench_recipe $(BENCH_RECIPE_ARGS)
 
 # For a GPU machine that has torch/lightning/onnx/onnxruntime but not this venv:
 # GPU_PYTHON=python3 make gpu-check  (carry data/raw, or have Debian's package)

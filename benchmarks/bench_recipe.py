@@ -1,0 +1,416 @@
+"""Benchmark: trainyard's defaults vs the old defaults vs a textbook script, on real folders.
+
+    python -m benchmarks.bench_recipe                    # make bench-recipe: digits + clipart
+    python -m benchmarks.bench_recipe --folders digits   # one of them
+    python -m benchmarks.bench_recipe --folders /my/photos --quick
+
+For each image folder (``benchmarks.recipe_folders`` builds ``digits`` and ``clipart``; a
+path is your own), three contenders, one after the other, each scored on the same test/
+images:
+
+1. **trainyard's defaults**: ``dvc exp run -S data.source=folder -S data.folder=DIR`` in a
+   fresh clone of this repository's committed files (the whole pipeline: fetch, prepare,
+   train with ``train.recipe: auto``, export, evaluate, the registry); wall time of that
+   command, test accuracy from reports/metrics.json (the ONNX model on the test split);
+2. **the old defaults**: the same with ``-S train.recipe=classic -S data.image_size=64`` (cnn,
+   batch 256, 10 epochs, lr 0.003, flips, 64 px), in its own clone;
+3. **a textbook script**: torchvision ``ImageFolder`` (PIL decodes every image every
+   epoch), RandomResizedCrop + flip at 64 px, resnet18 from scratch, AdamW + OneCycleLR,
+   ``DataLoader(num_workers=2)``, keeping the best val epoch's weights as PyTorch's
+   tutorial does, given the wall time of run 1: it times its first epoch, plans the epochs
+   that fit, and stops at the deadline whatever the plan said.
+
+A folder without train/val/test (clip art) is split here, per class and seeded (60/20/20,
+symlinks to the files), so that every contender sees the same three splits. ``--quick``
+keeps a few images per class and a budget of seconds: what the tests run.
+
+Prints one table per folder (accuracy, wall time, and both as ratios to trainyard's
+defaults) and writes reports/bench-recipe.json (+ docs/benchmarks.md "Recipe", not in
+quick mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from PIL import Image
+from torch import nn
+from torch.utils.data import DataLoader
+from torchvision import transforms as T
+from torchvision.datasets import ImageFolder
+from torchvision.models import resnet18
+
+from benchmarks.common import provenance, update_docs
+from benchmarks.recipe_folders import clipart_folder, digits_folder
+from trainyard.core.host import cpu_name
+from trainyard.data.walk import scan_folder
+
+DOCS_KEY = "recipe"
+FOLDERS = ("digits", "clipart")
+SPLITS = ("train", "val", "test")
+FRACTIONS = {"val": 0.2, "test": 0.2}  # the rest trains; digits' own split is 60/20/20 too
+CONTENDERS = ("trainyard defaults", "old defaults", "textbook script")
+CLASSIC_SETS = ("train.recipe=classic", "data.image_size=64")
+# --quick: images kept per class and split, the recipe's time budget, the textbook's seconds.
+QUICK = {"per_class": {"train": 6, "val": 2, "test": 3}, "budget_min": 0.1, "textbook_s": 10.0}
+# The textbook script's constants, as a tutorial would set them.
+TEXTBOOK = {"image_size": 64, "batch_size": 64, "lr": 1e-3, "num_workers": 2}
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+# --- the folders -------------------------------------------------------------------------
+
+
+def _link(target: Path, link: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(target.resolve(), link)
+
+
+def _by_class(root: Path, split: str | None) -> tuple[tuple[str, ...], list[list[Any]]]:
+    """The classes of ``root`` and, per class, its images in ``split`` (None: a pool), as
+    trainyard's own walk finds them (OS litter and non-images left out), sorted."""
+    scan = scan_folder(root)
+    groups: list[list[Any]] = [[] for _ in scan.classes]
+    for entry in sorted(scan.entries, key=lambda e: e.rel):
+        if entry.split == split:
+            groups[entry.label].append(entry)
+    return scan.classes, groups
+
+
+def _flat(rel: str) -> str:
+    """``<split>/<class>/a/b.png`` or ``<class>/a/b.png`` -> ``a__b.png``: the class
+    folder's nesting flattened into the name, one folder per class."""
+    parts = rel.split("/")
+    return "__".join(parts[2:] if parts[0] in SPLITS else parts[1:])
+
+
+def stratified_split(
+    pool: Path, out: Path, seed: int = 0, fractions: dict[str, float] = FRACTIONS
+) -> Path:
+    """``out/{train,val,test}/<class>/`` symlinks to the images of the class-per-folder
+    ``pool`` (nested subfolders allowed): per class, a seeded shuffle, then
+    round(n * fraction) images (at least 1) to val and to test and the rest, at least 1,
+    to train."""
+    if scan_folder(pool).layout != "flat":
+        raise SystemExit(f"{pool}: already split into train/val/test; use it as it is")
+    classes, groups = _by_class(pool, None)
+    rng = np.random.default_rng(seed)
+    for name, entries in zip(classes, groups, strict=True):
+        n = len(entries)
+        n_val, n_test = (max(1, round(n * fractions[s])) for s in ("val", "test"))
+        if n - n_val - n_test < 1:
+            raise SystemExit(f"{pool}: class {name!r} has {n} images; a split needs 3")
+        order = rng.permutation(n)
+        parts = {
+            "test": order[:n_test],
+            "val": order[n_test : n_test + n_val],
+            "train": order[n_test + n_val :],
+        }
+        for split, idx in parts.items():
+            for i in idx:
+                _link(entries[i].path, out / split / name / _flat(entries[i].rel))
+    return out
+
+
+def subsample(root: Path, out: Path, per_class: dict[str, int], seed: int = 0) -> Path:
+    """A seeded few images per class of each split of ``root`` (train/val/test), as
+    symlinks under ``out``: the quick mode's folder."""
+    rng = np.random.default_rng(seed)
+    for split in SPLITS:
+        classes, groups = _by_class(root, split)
+        for name, entries in zip(classes, groups, strict=True):
+            for i in sorted(rng.permutation(len(entries))[: per_class[split]]):
+                _link(entries[i].path, out / split / name / _flat(entries[i].rel))
+    return out
+
+
+def build_folder(name: str, work: Path, quick: bool, seed: int = 0) -> Path:
+    """The train/val/test folder every contender uses, for ``digits``, ``clipart`` or a path."""
+    if name == "digits":
+        root = digits_folder(work / "built", seed=seed)
+    elif name == "clipart":
+        root = clipart_folder(work / "built")
+    else:
+        root = Path(name).expanduser().resolve()
+        if not root.is_dir():
+            raise SystemExit(f"--folders: {name} is neither digits, clipart nor a folder")
+    label = Path(name).name
+    if scan_folder(root).layout == "flat":
+        root = stratified_split(root, work / "split" / label, seed)
+    if quick:
+        root = subsample(root, work / "quick" / label, QUICK["per_class"], seed)
+    return root
+
+
+# --- trainyard, through DVC --------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)  # the clone's own store
+    env.pop("PYTEST_CURRENT_TEST", None)  # pytest's marker turns on MLflow's test-only checks
+    return env
+
+
+def trainyard_run(source: Path, repo: Path, folder: Path, sets: list[str]) -> dict[str, Any]:
+    """``dvc exp run`` of the whole pipeline on ``folder`` in a clone of ``source``'s
+    committed files: its wall time, test accuracy and what the recipe chose."""
+    subprocess.run(["git", "clone", "-q", str(source), str(repo)], check=True)
+    cmd = ["dvc", "exp", "run", "-S", "data.source=folder", "-S", f"data.folder={folder}"]
+    for s in sets:
+        cmd += ["-S", s]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=repo, env=_env(), capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    (repo.parent / f"{repo.name}.log").write_text(out)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}) in {repo}:\n{out[-4000:]}")
+    metrics = json.loads((repo / "reports/metrics.json").read_text())
+    train = json.loads((repo / "models/train.json").read_text())
+    card = json.loads((repo / "data/prepared/card.json").read_text())
+    # The recipe's lines: "recipe auto: train.arch = cnn (recipe: why)"; the last of each.
+    chosen = {k: yaml.safe_load(v) for k, v in re.findall(r"train\.(\w+) = (\S+) \(", out)}
+    return {
+        "test_accuracy": round(float(metrics["test"]["accuracy"]), 4),
+        "wall_s": round(wall, 1),
+        "test_images": int(metrics["test"]["samples"]),
+        "train_images": int(card["counts"]["train"]["total"]),
+        "image_size": [card["height"], card["width"]],
+        "channels": card["channels"],
+        "fit_s": train.get("fit_time_s"),
+        "epochs_run": train.get("epochs_run"),
+        "best_val_acc": train.get("best_val_acc"),
+        "chosen": chosen,
+        "command": " ".join(cmd),
+    }
+
+
+# --- the textbook script ------------------------------------------------------------------
+
+
+def train_one_epoch(
+    model: nn.Module,
+    loader: DataLoader,
+    criterion: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    stop_at: float,
+) -> bool:
+    """One pass over ``loader``; False when the deadline ``stop_at`` cut it short."""
+    model.train()
+    for images, labels in loader:
+        if time.perf_counter() > stop_at:
+            return False
+        optimizer.zero_grad()
+        loss = criterion(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return True
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, loader: DataLoader) -> float:
+    model.eval()
+    correct = total = 0
+    for images, labels in loader:
+        correct += (model(images).argmax(1) == labels).sum().item()
+        total += len(labels)
+    return correct / max(total, 1)
+
+
+def textbook(folder: Path, budget_s: float, seed: int = 0) -> dict[str, Any]:
+    """The textbook torchvision script (module doc, contender 3), in ``budget_s`` seconds."""
+    start = time.perf_counter()
+    deadline = start + budget_s
+    torch.manual_seed(seed)
+    # Pillow refuses images over 179 MP (DecompressionBombError) and clip art has a 623 MP
+    # poster: this line is the answer every forum gives.
+    Image.MAX_IMAGE_PIXELS = None
+    size, batch = TEXTBOOK["image_size"], TEXTBOOK["batch_size"]
+    normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    train_tf = T.Compose(
+        [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), normalize]
+    )
+    eval_tf = T.Compose(
+        [T.Resize(round(size * 256 / 224)), T.CenterCrop(size), T.ToTensor(), normalize]
+    )
+    train_ds = ImageFolder(folder / "train", train_tf)
+    val_ds = ImageFolder(folder / "val", eval_tf)
+    test_ds = ImageFolder(folder / "test", eval_tf)
+    if not train_ds.classes == val_ds.classes == test_ds.classes:
+        raise SystemExit(f"{folder}: train, val and test must hold the same class folders")
+    workers = TEXTBOOK["num_workers"]
+    train_loader = DataLoader(train_ds, batch_size=batch, shuffle=True, num_workers=workers)
+    val_loader = DataLoader(val_ds, batch_size=batch, num_workers=workers)
+    test_loader = DataLoader(test_ds, batch_size=batch, num_workers=workers)
+
+    model = resnet18(weights=None, num_classes=len(train_ds.classes))
+    criterion = nn.CrossEntropyLoss()
+    # The first epoch runs at OneCycle's starting rate (max_lr / 25) and is timed; OneCycle
+    # then takes over from that same rate for the epochs that fit.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=TEXTBOOK["lr"] / 25)
+    t0 = time.perf_counter()
+    done = train_one_epoch(model, train_loader, criterion, optimizer, None, deadline)
+    t1 = time.perf_counter()
+    best_acc, best_weights = accuracy(model, val_loader), copy.deepcopy(model.state_dict())
+    epoch_s, val_s = time.perf_counter() - t0, time.perf_counter() - t1
+    # A cut epoch is still validated, then tested: both passes must fit before the deadline.
+    stop_at = deadline - val_s * (1 + len(test_ds) / max(len(val_ds), 1))
+    more = max(0, int((stop_at - time.perf_counter()) // epoch_s)) if done else 0
+    epochs = 1
+    if more:
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=TEXTBOOK["lr"], epochs=more, steps_per_epoch=len(train_loader)
+        )
+        for _ in range(more):
+            done = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, stop_at)
+            epochs += 1
+            val_acc = accuracy(model, val_loader)
+            if val_acc > best_acc:
+                best_acc, best_weights = val_acc, copy.deepcopy(model.state_dict())
+            if not done or time.perf_counter() + epoch_s > stop_at:
+                break
+    model.load_state_dict(best_weights)
+    test_acc = accuracy(model, test_loader)
+    return {
+        "test_accuracy": round(test_acc, 4),
+        "wall_s": round(time.perf_counter() - start, 1),
+        "budget_s": round(budget_s, 1),
+        "test_images": len(test_ds),
+        "train_images": len(train_ds),
+        "image_size": [size, size],
+        "epochs_run": epochs,
+        "epochs_planned": 1 + more,
+        "stopped_at_deadline": not done,
+        "first_epoch_s": round(epoch_s, 1),
+        "best_val_acc": round(best_acc, 4),
+    }
+
+
+# --- one folder, the table ---------------------------------------------------------------
+
+
+def measure(name: str, source: Path, work: Path, quick: bool, seed: int = 0) -> dict[str, Any]:
+    """The three contenders on one folder; each trainyard run in its own clone."""
+    folder = build_folder(name, work, quick, seed)
+    quick_sets = [f"train.time_budget_min={QUICK['budget_min']}"] if quick else []
+    label = Path(name).name
+    runs: dict[str, dict[str, Any]] = {}
+    print(f"[{label}] trainyard defaults ...", flush=True)
+    runs[CONTENDERS[0]] = trainyard_run(source, work / f"{label}-defaults", folder, quick_sets)
+    print(f"[{label}] old defaults ...", flush=True)
+    runs[CONTENDERS[1]] = trainyard_run(
+        source, work / f"{label}-classic", folder, [*CLASSIC_SETS, *quick_sets]
+    )
+    budget = QUICK["textbook_s"] if quick else runs[CONTENDERS[0]]["wall_s"]
+    print(f"[{label}] textbook script, {budget:.0f} s ...", flush=True)
+    runs[CONTENDERS[2]] = textbook(folder, budget, seed)
+    base = runs[CONTENDERS[0]]
+    base_acc = max(base["test_accuracy"], 1e-9)
+    for run in runs.values():
+        run["accuracy_vs_defaults"] = round(run["test_accuracy"] / base_acc, 3)
+        run["wall_vs_defaults"] = round(run["wall_s"] / base["wall_s"], 3)
+    counts = {split: sum(1 for p in (folder / split).rglob("*") if p.is_file()) for split in SPLITS}
+    for name, run in runs.items():
+        if run["test_images"] != counts["test"]:  # a format one contender cannot read
+            print(f"[{label}] {name} scored {run['test_images']} of {counts['test']} test files")
+    return {"folder": label, "path": str(folder), "files": counts, "runs": runs}
+
+
+def table(result: dict[str, Any]) -> str:
+    """One folder's contenders side by side (markdown)."""
+    f = result["files"]
+    lines = [
+        f"**{result['folder']}** ({f['train']:,} train / {f['val']:,} val / {f['test']:,} test"
+        " files)",
+        "",
+        "| contender | test accuracy | wall s | accuracy vs defaults | wall vs defaults"
+        " | train images read | test images | epochs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in result["runs"].items():
+        lines.append(
+            f"| {name} | {r['test_accuracy']:.4f} | {r['wall_s']:,.1f}"
+            f" | {r['accuracy_vs_defaults']:.2f}x | {r['wall_vs_defaults']:.2f}x"
+            f" | {r['train_images']:,} | {r['test_images']:,} | {r['epochs_run']} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The "Recipe" results block of docs/benchmarks.md."""
+    head = (
+        f"### Recipe: results ({doc['cpu']}, {doc['cores']} cores;"
+        f" {doc['provenance']['date']}, commit {doc['provenance']['commit']})"
+    )
+    return "\n\n".join([head, *(table(r) for r in doc["folders"])])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """``python -m benchmarks.bench_recipe``: measure, print, write the JSON (and docs)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_recipe", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--folders",
+        default=",".join(FOLDERS),
+        help="comma-separated: digits, clipart, or paths of your own class folders",
+    )
+    parser.add_argument("--quick", action="store_true", help="a few images, seconds of budget")
+    parser.add_argument("--repo", default=".", help="the git repository to clone")
+    parser.add_argument("--work", default=None, help="keep the clones and folders here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="reports/bench-recipe.json")
+    parser.add_argument(
+        "--docs", default=None, help="docs file to update ('' = none; default: none if --quick)"
+    )
+    args = parser.parse_args(argv)
+    docs = args.docs if args.docs is not None else ("" if args.quick else "docs/benchmarks.md")
+    names = [n.strip() for n in args.folders.split(",") if n.strip()]
+    doc: dict[str, Any] = {
+        "provenance": provenance("benchmarks.bench_recipe", argv),
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "quick": args.quick,
+        "textbook": TEXTBOOK,
+        "folders": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="trainyard-bench-recipe-") as tmp:
+        work = Path(args.work).resolve() if args.work else Path(tmp)
+        for name in names:
+            sub = work / Path(name).name
+            shutil.rmtree(sub, ignore_errors=True)  # a --work of an earlier run: ours to redo
+            sub.mkdir(parents=True)
+            result = measure(name, Path(args.repo).resolve(), sub, args.quick, args.seed)
+            doc["folders"].append(result)
+            print(table(result), "\n", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    if docs:
+        update_docs(Path(docs), DOCS_KEY, markdown(doc))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

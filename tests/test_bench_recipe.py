@@ -1,0 +1,158 @@
+"""The recipe benchmark: its split maker (stratified, seeded, one test set for every
+contender) and the quick mode end to end on a tiny folder: three contenders, each with
+numbers, scored on the same test images."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torchvision.datasets import ImageFolder
+
+from benchmarks.bench_recipe import CONTENDERS, FRACTIONS, SPLITS, stratified_split, subsample
+from trainyard.data.walk import scan_folder
+
+from conftest import PHOTO_CLASSES, REPO, draw_shape
+
+SIZES = {"big": 20, "mid": 7, "small": 3}
+
+
+def pool(root: Path, sizes: dict[str, int] = SIZES) -> Path:
+    """A flat class-per-folder pool; ``mid`` nests half its images a folder deeper, and a
+    text file and .DS_Store lie among the images."""
+    for name, n in sizes.items():
+        for i in range(n):
+            sub = root / name / ("deeper" if name == "mid" and i % 2 else "")
+            sub.mkdir(parents=True, exist_ok=True)
+            (sub / f"img_{i:02d}.png").write_bytes(b"png " + name.encode() + bytes([i]))
+    first = root / next(iter(sizes))
+    (first / "notes.txt").write_text("not an image\n")
+    (first / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    return root
+
+
+def shapes(root: Path, per_class: int) -> Path:
+    """Drawn shapes as PNG and JPEG files, formats every contender reads."""
+    rng = np.random.default_rng(0)
+    for name in PHOTO_CLASSES:
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            im = draw_shape(name, (int(rng.integers(40, 120)), int(rng.integers(40, 120))), rng)
+            im.save(root / name / f"{name}_{i:02d}.{'png' if i % 2 else 'jpg'}")
+    return root
+
+
+def files(root: Path, split: str) -> dict[str, set[str]]:
+    """class -> the real files its split's symlinks point at."""
+    out: dict[str, set[str]] = {}
+    for link in (root / split).rglob("*"):
+        if link.is_symlink():
+            out.setdefault(link.parent.name, set()).add(str(link.resolve()))
+    return out
+
+
+def test_split_is_stratified_complete_and_disjoint(tmp_path):
+    src = pool(tmp_path / "pool")
+    out = stratified_split(src, tmp_path / "split", seed=0)
+    by_split = {s: files(out, s) for s in SPLITS}
+    for name, n in SIZES.items():
+        want = {s: max(1, round(n * FRACTIONS[s])) for s in ("val", "test")}
+        want["train"] = n - want["val"] - want["test"]
+        got = {s: len(by_split[s][name]) for s in SPLITS}
+        assert got == want, name
+        every = set().union(*(by_split[s][name] for s in SPLITS))
+        assert len(every) == n  # disjoint, and each image of the class is in one split
+        assert every == {str(p.resolve()) for p in (src / name).rglob("*.png")}
+    # Nested images come out flattened into the class folder, names kept readable.
+    assert all(p.is_file() for p in (out / "train" / "mid").iterdir())
+    assert any("deeper__img_" in p.name for p in (out / "train" / "mid").iterdir())
+    assert not list(out.rglob("*.txt")) and not list(out.rglob(".DS_Store"))
+
+
+def test_split_is_seeded(tmp_path):
+    src = pool(tmp_path / "pool")
+    a = files(stratified_split(src, tmp_path / "a", seed=0), "test")
+    again = files(stratified_split(src, tmp_path / "again", seed=0), "test")
+    other = files(stratified_split(src, tmp_path / "other", seed=1), "test")
+    assert a == again
+    assert a["big"] != other["big"]
+
+
+def test_every_contender_reads_the_same_test_images(tmp_path):
+    """trainyard's folder walk (prepare) and torchvision's ImageFolder (the textbook
+    script) see one and the same test split, with the same classes."""
+    out = stratified_split(shapes(tmp_path / "pool", 8), tmp_path / "split", seed=0)
+    scan = scan_folder(out)
+    assert scan.layout == "splits"
+    test = [e for e in scan.entries if e.split == "test"]
+    ours = {(scan.classes[e.label], str(e.path.resolve())) for e in test}
+    textbook = ImageFolder(out / "test")
+    theirs = {(textbook.classes[y], str(Path(p).resolve())) for p, y in textbook.samples}
+    assert ours == theirs and len(ours) == 3 * round(8 * FRACTIONS["test"])
+    assert list(scan.classes) == textbook.classes
+
+
+def test_split_refuses_a_class_too_small_or_a_folder_already_split(tmp_path):
+    with pytest.raises(SystemExit, match="'tiny' has 2 images"):
+        stratified_split(pool(tmp_path / "p", {"ok": 5, "tiny": 2}), tmp_path / "s")
+    done = stratified_split(pool(tmp_path / "p2"), tmp_path / "s2")
+    with pytest.raises(SystemExit, match="already split"):
+        stratified_split(done, tmp_path / "s3")
+
+
+def test_subsample_keeps_a_few_per_class_in_each_split(tmp_path):
+    split = stratified_split(pool(tmp_path / "pool"), tmp_path / "split")
+    few = subsample(split, tmp_path / "few", {"train": 3, "val": 1, "test": 2})
+    for name in SIZES:
+        assert len(files(few, "train")[name]) == min(3, len(files(split, "train")[name]))
+        assert len(files(few, "val")[name]) == 1
+        assert len(files(few, "test")[name]) == min(2, len(files(split, "test")[name]))
+        assert files(few, "test")[name] <= files(split, "test")[name]
+
+
+@pytest.mark.slow
+def test_quick_benchmark_end_to_end(tmp_path):
+    """Two real `dvc exp run`s (in clones of the committed repository) and the textbook
+    script, on a tiny flat folder the benchmark splits itself."""
+    src = shapes(tmp_path / "photos", 10)
+    out = tmp_path / "bench-recipe.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "benchmarks.bench_recipe", "--quick"),
+            *("--folders", str(src), "--work", str(tmp_path / "work"), "--out", str(out)),
+        ],
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["quick"] and len(doc["folders"]) == 1
+    result = doc["folders"][0]
+    runs = result["runs"]
+    assert list(runs) == list(CONTENDERS)
+    for name, r in runs.items():
+        assert 0.0 <= r["test_accuracy"] <= 1.0, name
+        assert r["wall_s"] > 0 and r["epochs_run"] >= 1, name
+        # One test set for all: the split the benchmark made.
+        assert r["test_images"] == result["files"]["test"], name
+        row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[1]) == r["test_accuracy"] and float(cells[2]) == r["wall_s"]
+    defaults, classic, textbook = (runs[c] for c in CONTENDERS)
+    assert (defaults["accuracy_vs_defaults"], defaults["wall_vs_defaults"]) == (1.0, 1.0)
+    assert classic["wall_vs_defaults"] == round(classic["wall_s"] / defaults["wall_s"], 3)
+    # The recipe chose for the data (a batch near 32 steps an epoch); classic did not.
+    assert defaults["chosen"]["batch_size"] == 16 and classic["chosen"]["batch_size"] == 256
+    assert classic["image_size"] == [64, 64] and classic["chosen"]["max_epochs"] == 10
+    # The textbook script kept to its budget: the deadline cuts an epoch short, and the
+    # last validation and the test pass come after it.
+    assert textbook["wall_s"] <= textbook["budget_s"] + 15
+    assert textbook["train_images"] == result["files"]["train"]
