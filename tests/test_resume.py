@@ -4,6 +4,7 @@ with SIGKILL and SIGTERM in the train stage, then rerun (slow)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -114,28 +115,33 @@ def test_resume_never_starts_fresh(tmp_path, store):
 
 
 @pytest.mark.parametrize("ckpt", [b"PK\x03\x04 truncated", None])
-def test_corrupt_or_missing_checkpoint_starts_fresh(tmp_path, store, capsys, ckpt):
+def test_corrupt_or_missing_checkpoint_starts_fresh(tmp_path, store, caplog, ckpt):
     uri, client, exp = store
+    caplog.set_level(logging.INFO, logger="trainyard")
     run_id, _ = interrupted(tmp_path, "k1", uri, client, exp, ckpt=ckpt)
     res = prepare(tmp_path, "k1", "auto", uri, client, lead=True)
     res.release()
     assert not res.resuming
-    out = capsys.readouterr().out
+    said = {(r.levelname, r.getMessage()) for r in caplog.records}
     if ckpt is None:
-        assert "not resuming (no checkpoint yet)" in out
+        assert any(m.startswith("not resuming (no checkpoint yet)") for _, m in said), said
     else:
-        assert "WARNING last checkpoint" in out and "unreadable" in out
+        assert any(
+            level == "WARNING" and m.startswith("last checkpoint") and "unreadable" in m
+            for level, m in said
+        ), said
     assert client.get_run(run_id).info.status == "FAILED"  # never left RUNNING
 
 
-def test_a_live_training_keeps_its_folder(tmp_path, store, capsys):
+def test_a_live_training_keeps_its_folder(tmp_path, store, caplog):
     uri, client, exp = store
+    caplog.set_level(logging.INFO, logger="trainyard")
     first = prepare(tmp_path, "k1", "auto", uri, client, lead=True)
     first.write_state(client.create_run(exp).info.run_id, exp, uri)
     try:
         second = prepare(tmp_path, "k1", "auto", uri, client, lead=True)
         assert second.private and second.folder != first.folder and not second.resuming
-        assert "another training with the same params" in capsys.readouterr().out
+        assert "another training with the same params" in caplog.text
         # nor does a training with other params touch it
         prepare(tmp_path, "k2", "auto", uri, client, lead=True).release()
         assert (first.folder / STATE_FILE).is_file()
@@ -229,7 +235,7 @@ def kill_after_first_checkpoint(repo: Path, proc: subprocess.Popen, sig: int) ->
 
 def check_resumed(repo: Path, run_id: str, rerun: subprocess.CompletedProcess) -> None:
     out = rerun.stdout + rerun.stderr
-    assert "trainyard: resuming from epoch" in out, out[-3000:]
+    assert "[train] resuming from epoch" in out, out[-3000:]
     assert f"MLflow run {run_id}" in out
     assert TrainRecord.read(repo / TRAIN_RECORD).run_id == run_id
     client = client_of(repo)
@@ -277,7 +283,9 @@ def test_sigterm_in_train_marks_killed_then_rerun_resumes(repo, tmp_path):
     log = tmp_path / "terminated.log"
     proc = start_repro(repo, log)
     run_id = kill_after_first_checkpoint(repo, proc, signal.SIGTERM)
-    assert "interrupted by SIGTERM" in log.read_text()
+    assert "[train] WARNING interrupted by SIGTERM; the next `dvc repro` resumes it" in (
+        log.read_text()
+    )
     run = client_of(repo).get_run(run_id)
     assert run.info.status == "KILLED"
     assert run.data.tags[END_REASON_TAG].startswith("SIGTERM at epoch")
