@@ -35,6 +35,7 @@ CACHED = ("data/raw", "data/prepared", "models/best.ckpt", "models/model.onnx")
 # The small `cache: false` outs: committed to git beside dvc.lock.
 IN_GIT = (
     str(TRAIN_RECORD),
+    "models/history.csv",
     "models/model.onnx.sha256",
     str(EXPORT_RECORD),
     "reports/metrics.json",
@@ -42,6 +43,10 @@ IN_GIT = (
     str(REGISTRY_RECORD),
     "reports/predictions.csv",
     "reports/confusion_matrix.png",
+    "reports/confusion_matrix_normalized.png",
+    "reports/per_class.png",
+    "reports/mistakes.png",
+    "reports/learning_curves.png",
 )
 
 
