@@ -53,7 +53,7 @@ TRAINING_STACK = {
     "onnxscript",
     "matplotlib",
 }
-SERVING_STACK = {"bentoml", "onnxruntime", "numpy", "pillow", "pydantic", "pyyaml"}
+SERVING_STACK = {"bentoml", "onnxruntime", "numpy", "pillow", "pillow-heif", "pydantic", "pyyaml"}
 # Never imported by a shipped module: the bento's environment does not have them.
 TRAINING_IMPORTS = {
     "torch",

@@ -142,6 +142,16 @@ def test_sniff_knows_every_format_the_service_decodes(fmt):
     assert ctype == f"image/{fmt.lower()}" and ext in {f".{fmt.lower()}", ".jpg", ".tif"}
 
 
+def test_sniff_knows_the_phone_formats():
+    import trainyard.core.imaging  # noqa: F401  (registers pillow-heif's HEIF writer)
+
+    heic = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(heic, format="HEIF")
+    assert sniff(heic.getvalue()) == ("image/heic", ".heic")
+    assert sniff(image_bytes("AVIF")) == ("image/avif", ".avif")
+    assert sniff(b"\x00\x00\x00\x18ftypisom" + b"\x00" * 16) is None  # an MP4, not an image
+
+
 def test_batch_sends_repeated_images_fields_and_keeps_the_order(tmp_path):
     client, seen = mock_client(body=[ANSWER, {**ANSWER, "class_id": 0, "label": "Coat"}])
     path = tmp_path / "a.png"

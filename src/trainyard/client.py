@@ -255,6 +255,12 @@ def sniff(data: bytes) -> tuple[str, str] | None:
             return ctype, ext
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "image/webp", ".webp"
+    if data[4:8] == b"ftyp":  # ISO-BMFF: the brand says HEIC (phones) or AVIF
+        brand = data[8:12]
+        if brand in (b"avif", b"avis"):
+            return "image/avif", ".avif"
+        if brand in (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"):
+            return "image/heic", ".heic"
     return None
 
 
