@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import logging
 import os
 import signal
 import sqlite3
@@ -46,6 +47,10 @@ EXPORT_OUTS = ("models/model.onnx", "models/model.onnx.sha256", str(EXPORT_RECOR
 REPORTS = (
     "reports/predictions.csv",
     "reports/confusion_matrix.png",
+    "reports/confusion_matrix_normalized.png",
+    "reports/per_class.png",
+    "reports/mistakes.png",
+    "reports/learning_curves.png",
     "reports/classification_report.json",
     "reports/metrics.json",
 )
@@ -165,9 +170,10 @@ def test_ctrl_c_in_registration_leaves_no_version_without_alias(store, monkeypat
     assert set(versions) == {1, again["version"]} and aliases == {CHAMPION: again["version"]}
 
 
-def test_a_registration_cut_off_by_sigkill_is_removed_by_the_next(store, capsys):
+def test_a_registration_cut_off_by_sigkill_is_removed_by_the_next(store, caplog):
     import mlflow
 
+    caplog.set_level(logging.INFO, logger="trainyard")
     client, run_id, uri = store
     # What a SIGKILL inside mlflow.register_model leaves: our tags, no decision, no alias.
     tags = {"run_id": run_id, SHA_TAG: "a" * 64, "test_accuracy": "0.900000"}
@@ -175,7 +181,7 @@ def test_a_registration_cut_off_by_sigkill_is_removed_by_the_next(store, capsys)
     mlflow.register_model(uri, name, tags=tags)
     by_hand = mlflow.register_model(uri, name)  # someone's, from the UI: not ours to delete
     result = register(client, run_id, uri)
-    assert f"registry: deleted {name} v1: its registration was cut off" in capsys.readouterr().out
+    assert f"deleted {name} v1: its registration was cut off before the decision" in caplog.text
     versions, aliases = registry_state(client, name)
     assert set(versions) == {int(by_hand.version), result["version"]}
     assert aliases == {CHAMPION: result["version"]}
@@ -396,8 +402,11 @@ def check_registry_json(repo: Path) -> Registration:
 
 
 def check_rerun_finishes(repo: Path, stages: set[str]) -> str:
-    out = dvc(repo, "repro").stdout
-    assert ran(out) == stages, out
+    """The next `dvc repro` runs ``stages`` and leaves every output whole; its output (DVC's
+    on stdout, the stages' log lines on stderr)."""
+    proc = dvc(repo, "repro")
+    out = proc.stdout + proc.stderr
+    assert ran(proc.stdout) == stages, out
     assert whole_outputs(repo, EXPORT_OUTS + EVALUATE_OUTS) == set(EXPORT_OUTS + EVALUATE_OUTS)
     check_no_temp_files(repo)
     assert ran(dvc(repo, "repro").stdout) == set()  # and the next one runs nothing
@@ -427,7 +436,7 @@ def test_ctrl_c_in_export(repo, tmp_path):
     # 2. While the model is logged to the (reopened) train run.
     log = tmp_path / "export-mlflow.log"
     hit = repro_interrupted(
-        repo, log, in_log(log, "export: logging the ONNX model"), "MLflow logging"
+        repo, log, in_log(log, "[export] logging the ONNX model"), "MLflow logging"
     )
     check_failed(hit, "export")
     # The model passed parity and is whole, with its checksum; export.json comes last.
@@ -456,7 +465,7 @@ def test_ctrl_c_in_evaluate(repo, tmp_path):
     # 1. While ONNX Runtime runs the test set.
     log = tmp_path / "evaluate-inference.log"
     hit = repro_interrupted(
-        repo, log, in_log(log, "[evaluate] INFO ONNX Runtime on"), "the test-set inference"
+        repo, log, in_log(log, "[evaluate] ONNX Runtime on"), "the test-set inference"
     )
     check_failed(hit, "evaluate")
     assert whole_outputs(repo, EVALUATE_OUTS) == set()
@@ -468,9 +477,9 @@ def test_ctrl_c_in_evaluate(repo, tmp_path):
 
     # 2. While its metrics and reports are logged to the (reopened) train run.
     log = tmp_path / "evaluate-mlflow.log"
-    hit = repro_interrupted(repo, log, in_log(log, "evaluate: test accuracy"), "MLflow logging")
+    hit = repro_interrupted(repo, log, in_log(log, "[evaluate] test accuracy"), "MLflow logging")
     check_failed(hit, "evaluate")
-    assert "evaluate: registering" not in hit.log  # it stopped inside the logging
+    assert "[evaluate] registering" not in hit.log  # it stopped inside the logging
     assert whole_outputs(repo, EVALUATE_OUTS) == set(REPORTS)  # registry.json comes last
     check_no_temp_files(repo)
     assert lock_stages(repo) == lock
@@ -504,7 +513,7 @@ def test_ctrl_c_in_the_registry_step(repo, tmp_path):
         """Once evaluate says it registers: take the store's write lock and look. With v3
         made but its alias not moved, keep the lock: the stage's next registry write waits
         for it, so the SIGINT lands inside the registration, not after it."""
-        if not in_log(log, "evaluate: registering")():
+        if not in_log(log, "[evaluate] registering")():
             return False
         if not db:
             db.append(sqlite3.connect(repo / "mlflow.db", timeout=30, isolation_level=None))
@@ -536,7 +545,7 @@ def test_ctrl_c_in_the_registry_step(repo, tmp_path):
 
     hit = repro_interrupted(repo, log, half_registered, "v3 without its alias", release)
     check_failed(hit, "evaluate")
-    assert "export: parity ok" in hit.log  # export ran whole in this repro
+    assert "[export] parity ok" in hit.log  # export ran whole in this repro
     assert SHA_TAG in seen["tags"]  # interrupted between the version and its alias
 
     # The registration was undone (v3 gone, aliases as before) or, if the alias had just
