@@ -4,12 +4,14 @@ export, evaluate and the registry, then the service on the exported model.
 The folder has three classes of drawn shapes in mixed sizes, modes and formats, OS litter
 and three broken files; its path has a space in it. Everything downstream must take the
 contract (classes, channels, size, resize policy) from the dataset card, never from
-Fashion-MNIST.
+Fashion-MNIST. Training runs on the recipe's choices (train.recipe: auto), as a user's
+first run does; only its time budget is small, for speed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +24,9 @@ from conftest import PHOTO_CLASSES, copy_repo, dvc, make_photo_folder, set_param
 
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
-SIZE = 32
+SIZE = 32  # data.image_size: auto would take 64 here (4x the pixels a step)
+BUDGET_MIN = 0.2  # train.time_budget_min: the recipe plans about 12 s of epochs
+RECIPE_KEYS = ("arch", "batch_size", "lr", "augment", "max_epochs", "early_stopping_patience")
 
 
 def ran(output: str) -> set[str]:
@@ -39,8 +43,9 @@ def photos(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, photos) -> Path:
     repo = copy_repo(tmp_path_factory.mktemp("folder-pipeline") / "trainyard")
-    set_params(repo, train={"max_epochs": 4, "batch_size": 32}, mlflow={"system_metrics": False})
-    # What the README tells a user to type (with a smaller image size for speed).
+    set_params(repo, mlflow={"system_metrics": False})
+    # What the README tells a user to type, every train key left to the recipe (a short
+    # time budget and a smaller image size, for speed).
     out = dvc(
         repo,
         "exp",
@@ -52,6 +57,8 @@ def repo(tmp_path_factory, photos) -> Path:
         "-S",
         "data.on_bad_file=skip",
         "-S",
+        f"train.time_budget_min={BUDGET_MIN}",
+        "-S",
         f"data.image_size={SIZE}",
     )
     (repo / "first_run.log").write_text(out.stdout + out.stderr)
@@ -62,10 +69,29 @@ def card_of(repo: Path) -> dict:
     return json.loads((repo / "data/prepared/card.json").read_text())
 
 
+def recipe_lines(log: str) -> dict[str, str]:
+    """The train stage's recipe lines, by key: ``"<value> (<who>: <why>)"``; each key once."""
+    said: dict[str, str] = {}
+    for line in log.splitlines():
+        if line.startswith("[train] recipe auto: train."):
+            key, _, choice = line.removeprefix("[train] recipe auto: train.").partition(" = ")
+            assert key not in said, f"train.{key} said twice:\n{log[-3000:]}"
+            said[key] = choice
+    return said
+
+
+def train_run(repo: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
+    info = json.loads((repo / "models/train.json").read_text())
+    return client, client.get_run(info["run_id"])
+
+
 def test_every_stage_ran_and_the_card_describes_the_folder(repo, photos):
     log = (repo / "first_run.log").read_text()
     assert ran(log) == set(STAGES), log[-3000:]
-    assert "fetch: data.source is 'folder'; nothing to fetch" in log
+    assert "[fetch] data.source is 'folder'; nothing to fetch" in log
     card = card_of(repo)
     assert card["source"] == "folder" and card["classes"] == list(PHOTO_CLASSES)
     assert (card["channels"], card["height"], card["width"]) == (3, SIZE, SIZE)
@@ -78,6 +104,37 @@ def test_every_stage_ran_and_the_card_describes_the_folder(repo, photos):
     assert images.shape == (card["counts"]["train"]["total"], 3, SIZE, SIZE)
 
 
+def test_the_recipe_chose_every_train_key_and_said_why(repo, tmp_path):
+    said = recipe_lines((repo / "first_run.log").read_text())
+    assert tuple(said) == RECIPE_KEYS, said  # one line per choice, in the recipe's order
+    for key, choice in said.items():
+        assert re.fullmatch(r"\S+ \(recipe: .+\)", choice), (key, choice)
+    n_train = card_of(repo)["counts"]["train"]["total"]
+    # ~32 optimizer steps an epoch, but never under 16 images a step: a small folder gets 16.
+    steps = -(-n_train // 16)
+    why = f"{n_train} train images: {steps} optimizer steps an epoch"
+    assert said["batch_size"] == f"16 (recipe: {why})"
+    assert said["arch"].startswith(f"cnn (recipe: {SIZE}x{SIZE} images from scratch on cpu")
+    assert f"{BUDGET_MIN:g} min budget / " in said["max_epochs"]
+    # The run records the same choices: a tag each, the plan, and the resolved params.
+    client, run = train_run(repo)
+    for key, choice in said.items():
+        assert run.data.tags[f"recipe.{key}"] == choice, key
+    plan = json.loads(
+        Path(
+            client.download_artifacts(run.info.run_id, "config/recipe.json", str(tmp_path))
+        ).read_text()
+    )
+    assert (plan["recipe"], plan["finetune"]) == ("auto", False)
+    assert {k: c["by"] for k, c in plan["choices"].items()} == dict.fromkeys(RECIPE_KEYS, "recipe")
+    assert plan["choices"]["batch_size"]["value"] == 16
+    epochs = plan["choices"]["max_epochs"]["value"]
+    assert said["max_epochs"].startswith(f"{epochs} (recipe: ")
+    assert run.data.params["train.batch_size"] == "16"
+    assert run.data.params["train.max_epochs"] == str(epochs)
+    assert run.data.params["train.time_budget_min"] == str(BUDGET_MIN)
+
+
 def test_the_exported_model_carries_the_folder_contract_and_learned(repo):
     meta = {p.key: p.value for p in onnx.load(str(repo / "models/model.onnx")).metadata_props}
     contract = json.loads(meta["dataset_card"])
@@ -87,7 +144,7 @@ def test_the_exported_model_carries_the_folder_contract_and_learned(repo):
     assert json.loads(meta["classes"]) == list(PHOTO_CLASSES)
     assert json.loads(meta["input_shape"]) == [-1, 3, SIZE, SIZE]
     metrics = json.loads((repo / "reports/metrics.json").read_text())
-    # Shapes are easy: far above chance (1/3) after four short epochs.
+    # Shapes are easy: far above chance (1/3) after the recipe's short run.
     assert metrics["test"]["accuracy"] >= 0.7, metrics
     assert metrics["export"]["argmax_agreement"] == 1.0
     with open(repo / "reports/predictions.csv") as fh:
@@ -190,3 +247,20 @@ def test_adding_one_image_reruns_prepare_and_changes_the_data_version(repo, phot
     v2 = client.get_model_version(registry["model_name"], "2")
     assert v2.tags["data_version"] == after["data_version"]
     assert client.get_run(after["run_id"]).data.tags["data.dvc_md5"] == after["data_version"]
+
+
+def test_a_train_key_set_with_S_wins_over_the_recipe(repo):
+    # Last: it leaves export and evaluate out of date. A tiny budget: a few epochs.
+    out = dvc(
+        repo, "exp", "run", "-S", "train.batch_size=8", "-S", "train.time_budget_min=0.05", "train"
+    )
+    assert ran(out.stdout) == {"train"}, out.stdout[-3000:]
+    said = recipe_lines(out.stdout + out.stderr)
+    assert tuple(said) == RECIPE_KEYS, said
+    assert said["batch_size"] == "8 (params: set in params)"
+    for key in set(RECIPE_KEYS) - {"batch_size"}:  # the rest stay the recipe's
+        assert "(recipe: " in said[key], (key, said[key])
+    assert "0.05 min budget / " in said["max_epochs"]  # epochs planned for batch 8's steps
+    _, run = train_run(repo)
+    assert run.data.tags["recipe.batch_size"] == "8 (params: set in params)"
+    assert run.data.params["train.batch_size"] == "8"
