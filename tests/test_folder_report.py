@@ -134,10 +134,10 @@ def test_both_passes_report_progress_as_chunks_complete(tmp_path, caplog, monkey
     monkeypatch.setattr(folder_source, "PROGRESS_EVERY_S", 0.0)
     run(root, tmp_path / "out", caplog, val_fraction=0.2, test_fraction=0.2)
     lines = [r.getMessage() for r in caplog.records if r.name == "trainyard.progress"]
-    headers = [m for m in lines if m.startswith("prepare: reading headers: ")]
-    decoding = [m for m in lines if m.startswith("prepare: decoding: ")]
-    assert headers[0].startswith("prepare: reading headers: 5/24 files")
-    assert headers[-1].startswith("prepare: reading headers: 24/24 files (100%)")
+    headers = [m for m in lines if m.startswith("reading headers: ")]
+    decoding = [m for m in lines if m.startswith("decoding: ")]
+    assert headers[0].startswith("reading headers: 5/24 files")
+    assert headers[-1].startswith("reading headers: 24/24 files (100%)")
     assert len(headers) == 5  # 5, 10, 15, 20 as chunks complete, then the final line
-    assert decoding[0].startswith("prepare: decoding: 5/24 images")
-    assert decoding[-1].startswith("prepare: decoding: 24/24 images (100%)")
+    assert decoding[0].startswith("decoding: 5/24 images")
+    assert decoding[-1].startswith("decoding: 24/24 images (100%)")

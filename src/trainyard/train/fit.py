@@ -37,7 +37,7 @@ from trainyard.track.runs import (
 from trainyard.train.builder import build_trainer
 from trainyard.train.history import HISTORY_FILE, History
 from trainyard.train.perf import InputBoundMeter
-from trainyard.train.recipe import Plan, describe, load_plan, plan
+from trainyard.train.recipe import MIN_STEPS, Plan, describe, load_plan, plan
 from trainyard.train.resume import (
     RESUME_ROOT,
     AtomicCheckpointIO,
@@ -62,13 +62,10 @@ RECIPE_FILE = "recipe.json"  # the plan, beside the resumable checkpoint and in 
 HARD_STOP = 1.25  # a planned run stops at this multiple of train.time_budget_min
 
 
-MIN_STEPS = 200  # optimizer steps below which a run has little chance to fit anything
-
-
 def few_steps_warning(train_images: int, batch_size: int, max_epochs: int) -> str | None:
     """A warning naming the keys to change when the whole run is only a handful of
-    optimizer steps: the defaults suit Fashion-MNIST's 55k images (215 steps an epoch),
-    and a folder of a few hundred photos gets one or two steps an epoch from them."""
+    optimizer steps: batch 256 suits Fashion-MNIST's 55k images (215 steps an epoch), and
+    a folder of a few hundred photos gets one or two steps an epoch from it."""
     total = -(-train_images // batch_size) * max_epochs
     if total >= MIN_STEPS:
         return None
@@ -183,6 +180,14 @@ def train(
     # After the plan: its timing probe draws random numbers, the fit must not see them.
     L.seed_everything(params.seed, workers=True, verbose=False)
     dm = load_data(run_params, data_dir)
+    tp = run_params.train
+    # Epochs the recipe planned are the budget's (its own line says so); epochs set by hand
+    # that leave a run of a few steps get the keys to change.
+    n_train = dm.card.counts["train"]["total"]
+    if not recipe.planned_epochs and (
+        warning := few_steps_warning(n_train, tp.batch_size, tp.max_epochs)
+    ):
+        log.warning(warning)
     model = build_classifier(run_params, dm.card, recipe.finetune)
     tracked = open_tracking(params, run_params, root, uri, out_dir, dm.card, model, hw)
     if tracked.lead:
@@ -234,7 +239,7 @@ def resolve_hardware(tp: TrainParams) -> Hardware:
 
 
 def load_data(params: Params, data_dir: str | os.PathLike[str]) -> ImageDataModule:
-    """The prepared splits as a data module; says what they hold and warns of a tiny run."""
+    """The prepared splits as a data module; says what they hold."""
     tp = params.train
     dm = ImageDataModule(
         data_dir,
@@ -255,8 +260,6 @@ def load_data(params: Params, data_dir: str | os.PathLike[str]) -> ImageDataModu
         card.width,
         tp.arch,
     )
-    if warning := few_steps_warning(card.counts["train"]["total"], tp.batch_size, tp.max_epochs):
-        log.warning(warning)  # once: "[train] WARNING ..." (it was also printed: twice)
     return dm
 
 

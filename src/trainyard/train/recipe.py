@@ -66,6 +66,7 @@ MIN_BATCH, MAX_BATCH = 16, 256
 MAX_EPOCHS = 100
 MAX_STEPS = 5000  # optimizer steps: past this, more epochs rarely pay on one machine
 TARGET_STEPS = 2500  # without a time budget
+MIN_STEPS = 200  # a run of fewer optimizer steps rarely fits anything: the reason says so
 MIN_PATIENCE = 3
 FLIP_KEEPS = 0.7  # mirrored val images must keep this share of the nearest-mean accuracy
 LR = {"cnn": 3e-3, "resnet": 3e-3, "finetune": 1e-3}
@@ -280,6 +281,8 @@ def choose_epochs(
         why += f", capped at {cap} ({MAX_EPOCHS} epochs or {MAX_STEPS:,} steps)"
     elif fits < 1:
         why += "; the budget holds less than one epoch: raise train.time_budget_min"
+    if epochs * steps < MIN_STEPS:
+        why += f"; only {epochs * steps} optimizer steps: raise train.time_budget_min"
     return epochs, why
 
 

@@ -257,7 +257,7 @@ def _first_pass(
     paths = [str(e.path) for e in scan.entries]
     chunks = list(_chunks(n))
     calls = [(paths[s], max_pixels) for s in chunks]
-    with Progress(n, "prepare: reading headers", "files", PROGRESS_EVERY_S) as progress:
+    with Progress(n, "reading headers", "files", PROGRESS_EVERY_S) as progress:
         results = pool.map(_inspect, calls, progress, [s.stop - s.start for s in chunks])
     inspected = [r for chunk in results for r in chunk]
     keep = []
@@ -508,7 +508,7 @@ def prepare_folder(
         total = int((splits != "dropped").sum())
         with (
             open_prepared(out_dir) as writer,
-            Progress(total, "prepare: decoding", "images", PROGRESS_EVERY_S) as progress,
+            Progress(total, "decoding", "images", PROGRESS_EVERY_S) as progress,
         ):
             written = {
                 split: _write_split(
