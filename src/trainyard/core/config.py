@@ -113,7 +113,7 @@ class TrainParams(_Strict):
     max_epochs: Annotated[int, Field(ge=1, le=1000)] | Auto = "auto"
     batch_size: Annotated[int, Field(ge=1, le=65536)] | Auto = "auto"
     lr: Annotated[float, Field(gt=0, le=10)] | Auto = "auto"
-    weight_decay: float = Field(5e-4, ge=0, le=1)
+    weight_decay: float = Field(0.05, ge=0, le=1)
     label_smoothing: float = Field(0.1, ge=0, lt=1)
     augment: Literal["none", "shift", "flip"] | Auto = "auto"
     data_path: Literal["fast", "naive"] = "fast"

@@ -42,7 +42,7 @@ class Classifier(L.LightningModule):
         card: dict[str, Any] | Card,
         arch: str = "cnn",
         lr: float = 3e-3,
-        weight_decay: float = 5e-4,
+        weight_decay: float = 0.05,
         label_smoothing: float = 0.1,
         augment: str | bool = "flip",
         seed: int = 0,
