@@ -82,9 +82,13 @@ class OnnxModel:
 
 
 def load_onnx(
-    path: str | os.PathLike[str], device: Device = "auto", intra_op_threads: int = 0
+    path: str | os.PathLike[str],
+    device: Device = "auto",
+    intra_op_threads: int = 0,
+    say: bool = True,
 ) -> OnnxModel:
-    """Open ``path`` on the best allowed provider and say which one actually runs."""
+    """Open ``path`` on the best allowed provider and say which one actually runs
+    (``say=False``: a second opening of a model the stage already reported)."""
 
     path = Path(path)
     if not path.is_file():
@@ -99,6 +103,7 @@ def load_onnx(
     running = session.get_providers()[0]
     if running != providers[0]:
         raise ProviderError(f"{path}: asked ONNX Runtime for {providers[0]}, got {running}")
-    log.info("ONNX Runtime on %s for %s", running, path)
+    if say:
+        log.info("ONNX Runtime on %s for %s", running, path)
     meta = dict(session.get_modelmeta().custom_metadata_map)
     return OnnxModel(session, running, meta, session.get_inputs()[0].name)

@@ -6,6 +6,8 @@ beats the champion's by more than ``registry.promote_margin``; otherwise it is `
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -44,7 +46,8 @@ def log_onnx_model(onnx_path: str | os.PathLike[str], example: np.ndarray) -> st
     so a registry download can be checked against it.
     """
 
-    logits = load_onnx(onnx_path, device="cpu").run(example)
+    # The parity check just opened this file and said where it runs: quietly, this time.
+    logits = load_onnx(onnx_path, device="cpu", say=False).run(example)
     info = mlflow.onnx.log_model(
         onnx.load(str(onnx_path)),
         name="model",
@@ -147,7 +150,10 @@ def register_and_promote(
         # A Ctrl-C or SIGTERM waits for these four writes (milliseconds) and then stops
         # the stage: the registration is whole, and the rerun finds it registered.
         with signals_deferred():
-            version = mlflow.register_model(model_uri, name, tags=tags)
+            # MLflow prints "Successfully registered model ..." / "Created version ..." to
+            # stderr with no switch; the stage's own line says it once.
+            with contextlib.redirect_stderr(io.StringIO()):
+                version = mlflow.register_model(model_uri, name, tags=tags)
             client.set_model_version_tag(name, version.version, "decision_reason", reason)
             client.set_model_version_tag(name, version.version, "decision", alias)
             client.set_registered_model_alias(name, alias, version.version)
