@@ -260,9 +260,6 @@ def test_bar_on_a_terminal_periodic_lines_otherwise(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True, reason="until train.fit's print lines become log.info lines (the lead's part)"
-)
 def test_pipeline_log_says_each_fact_once_without_noise(fashion_dir, tmp_path):
     repo = small_pipeline_repo(tmp_path / "trainyard", fashion_dir)
     stages = {
