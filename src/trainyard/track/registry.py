@@ -39,6 +39,13 @@ CHAMPION, CHALLENGER = "champion", "challenger"
 ACCURACY_TAG, DATA_TAG, SHA_TAG = "test_accuracy", "data_version", "onnx_sha256"
 
 
+def _register_quietly(model_uri: str, name: str, tags: dict[str, str]) -> Any:
+    """``mlflow.register_model``, whose "Successfully registered model ..." / "Created
+    version ..." lines go to stderr with no switch: the stage's own line says it once."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        return mlflow.register_model(model_uri, name, tags=tags)
+
+
 def log_onnx_model(onnx_path: str | os.PathLike[str], example: np.ndarray) -> str:
     """Log ``onnx_path`` to the active run as an MLflow ONNX model; return its model URI.
 
@@ -150,10 +157,7 @@ def register_and_promote(
         # A Ctrl-C or SIGTERM waits for these four writes (milliseconds) and then stops
         # the stage: the registration is whole, and the rerun finds it registered.
         with signals_deferred():
-            # MLflow prints "Successfully registered model ..." / "Created version ..." to
-            # stderr with no switch; the stage's own line says it once.
-            with contextlib.redirect_stderr(io.StringIO()):
-                version = mlflow.register_model(model_uri, name, tags=tags)
+            version = _register_quietly(model_uri, name, tags)
             client.set_model_version_tag(name, version.version, "decision_reason", reason)
             client.set_model_version_tag(name, version.version, "decision", alias)
             client.set_registered_model_alias(name, alias, version.version)

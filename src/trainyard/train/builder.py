@@ -9,6 +9,7 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -16,7 +17,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_utilities.core import rank_zero
 
 from trainyard.train.progress import ProgressLog
-from trainyard.train.resume import RESUME_ROOT
+
+# Where train.resume keeps each training's resumable checkpoints (defined here, not there:
+# the benchmarks build trainers on machines without MLflow, which train.resume imports).
+RESUME_ROOT = Path(".cache") / "train-resume"
 
 # Lightning's INFO lines that advertise, or say what trainyard's own lines already say:
 # dropped where they are logged, by their text (a new Lightning line still shows).

@@ -40,10 +40,10 @@ from mlflow.entities import Param
 from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json, sha256_file
 from trainyard.track.runs import END_REASON_TAG, carry_end_reason, signals_handled
+from trainyard.train.builder import RESUME_ROOT
 
 log = logging.getLogger(__name__)
 
-RESUME_ROOT = Path(".cache") / "train-resume"
 LAST_CKPT = "last.ckpt"
 STATE_FILE = "state.json"
 # Train params that do not change what is learned: left out of the key.
