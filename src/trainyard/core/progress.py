@@ -15,8 +15,11 @@ from typing import TextIO
 log = logging.getLogger("trainyard.progress")
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``45s``, ``12m05s`` or ``2h03m``: an ETA readable at a glance."""
     seconds = max(0, round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
@@ -57,9 +60,9 @@ class Progress:
         pct = 100.0 * self.done / self.total if self.total else 100.0
         text = f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} ({pct:.0f}%), {rate:,.1f}/s"
         if 0 < self.done < self.total and rate > 0:
-            text += f", ETA {_duration((self.total - self.done) / rate)}"
+            text += f", ETA {duration((self.total - self.done) / rate)}"
         elif self.done >= self.total:
-            text += f", {_duration(elapsed)}"
+            text += f", {duration(elapsed)}"
         return text
 
     def update(self, n: int = 1) -> None:

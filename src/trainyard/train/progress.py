@@ -18,17 +18,11 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from torch.nn.parameter import UninitializedParameter
 
+from trainyard.core.progress import duration
+
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 30.0  # often enough to see a fit moving, rare enough to read the log
-
-
-def duration(seconds: float) -> str:
-    """``45s``, ``12m05s`` or ``2h03m``: an ETA readable at a glance."""
-    seconds = max(0, round(seconds))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def batch_len(batch: Any) -> int:
