@@ -175,11 +175,14 @@ def train(
     uri = resolve_tracking_uri(root)
     check_tracking_uri(uri)  # before any work: a dead server fails in seconds
     hw = resolve_hardware(params.train)
-    recipe = plan_training(params, data_dir, hw, root, uri, out_dir)
+    card = load_card(data_dir)
+    # From params as written (auto keys, not the plan): a rerun after a kill finds its run.
+    key = resume_key(params, card.data_sha256, uri, out_dir)
+    recipe = plan_training(params, card, data_dir, hw, Path(root) / RESUME_ROOT / key)
     run_params = recipe.apply(params)  # every auto train key resolved
     # After the plan: its timing probe draws random numbers, the fit must not see them.
     L.seed_everything(params.seed, workers=True, verbose=False)
-    dm = load_data(run_params, data_dir)
+    dm = load_data(run_params, data_dir, card)
     tp = run_params.train
     # Epochs the recipe planned are the budget's (its own line says so); epochs set by hand
     # that leave a run of a few steps get the keys to change.
@@ -189,7 +192,7 @@ def train(
     ):
         log.warning(warning)
     model = build_classifier(run_params, dm.card, recipe.finetune)
-    tracked = open_tracking(params, run_params, root, uri, out_dir, dm.card, model, hw)
+    tracked = open_tracking(run_params, key, root, uri, card, model, hw)
     if tracked.lead:
         recipe.save(tracked.resume.folder / RECIPE_FILE)
         log_run_inputs(tracked, dm, data_dir, params_file, recipe)
@@ -214,18 +217,17 @@ def train(
 
 def plan_training(
     params: Params,
+    card: Card,
     data_dir: str | os.PathLike[str],
     hw: Hardware,
-    root: str | os.PathLike[str],
-    uri: str,
-    out_dir: Path,
+    resume_folder: Path,
 ) -> Plan:
     """The recipe's plan for this data and hardware (trainyard.train.recipe), said once per
-    choice; an interrupted run of the same params resumes with the plan it made."""
-    card = load_card(data_dir)
-    key = resume_key(params, card.data_sha256, uri, out_dir)
-    saved = Path(root) / RESUME_ROOT / key / RECIPE_FILE
-    recipe = load_plan(saved, params) or plan(params, card, data_dir, hw.accelerator, hw.precision)
+    choice; an interrupted run of the same params (its ``resume_folder``) resumes with the
+    plan it made."""
+    recipe = load_plan(resume_folder / RECIPE_FILE, params) or plan(
+        params, card, data_dir, hw.accelerator, hw.precision
+    )
     for line in describe(recipe):
         log.info(line)
     return recipe
@@ -238,11 +240,15 @@ def resolve_hardware(tp: TrainParams) -> Hardware:
     return Hardware(accelerator, precision, device)
 
 
-def load_data(params: Params, data_dir: str | os.PathLike[str]) -> ImageDataModule:
-    """The prepared splits as a data module; says what they hold."""
+def load_data(
+    params: Params, data_dir: str | os.PathLike[str], card: Card | None = None
+) -> ImageDataModule:
+    """The prepared splits (described by ``card``, read from ``data_dir`` when not given)
+    as a data module; says what they hold."""
     tp = params.train
     dm = ImageDataModule(
         data_dir,
+        card=card,
         batch_size=tp.batch_size,
         eval_batch_size=params.evaluate.batch_size,
         seed=params.seed,
@@ -302,27 +308,25 @@ def lineage_tags(
 
 
 def open_tracking(
-    params: Params,
     run_params: Params,
+    key: str,
     root: str | os.PathLike[str],
     uri: str,
-    out_dir: Path,
     card: Card,
     model: Classifier,
     hw: Hardware,
 ) -> TrackedRun:
-    """The fit's MLflow run: an interrupted run of this very training, reopened, or a new
-    one with the params and the lineage tags. ``params`` as in params.yaml (``auto`` keys:
-    they identify a resumable run), ``run_params`` as resolved (what MLflow records)."""
+    """The fit's MLflow run: an interrupted run of this very training (``key``, from
+    ``resume_key``), reopened, or a new one with the params (``run_params``: as resolved,
+    what MLflow records) and the lineage tags."""
     dvc_md5 = dvc_data_version(root)
     tags = lineage_tags(root, card, model, hw, dvc_md5)
     lead = rank_zero_only.rank == 0
     # An interrupted run of these exact params, data and code resumes: same MLflow run.
     mlc = MlflowClient(tracking_uri=uri) if lead else None
-    key = resume_key(params, card.data_sha256, uri, out_dir)
-    resume = prepare_resume(root, key, params.train.resume, uri, mlc, lead=lead)
+    resume = prepare_resume(root, key, run_params.train.resume, uri, mlc, lead=lead)
     logger = MLFlowLogger(
-        experiment_name=params.mlflow.experiment,
+        experiment_name=run_params.mlflow.experiment,
         tracking_uri=uri,
         tags=tags,
         log_model=False,
