@@ -8,7 +8,8 @@ export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
-	bench-serve bench-prepare bench-resume bench-recipe soak doctor gpu-wheels clean
+	bench-serve bench-prepare bench-resume bench-recipe soak doctor gpu-wheels clean \
+	tune report exps
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
@@ -25,6 +26,9 @@ help:
 	@echo "make bench-resume - SIGKILL after epoch 2 of 4, rerun resumes: time saved vs an uninterrupted run"
 	@echo "make bench-recipe - trainyard's defaults vs the old defaults vs a textbook script, 2 real folders (~25 min)"
 	@echo "make doctor - this machine (CPU, RAM, GPUs, torch, ONNX Runtime, disk) and what trainyard will do on it"
+	@echo "make tune   - Optuna search over params.yaml tune.space (TUNE_ARGS=\"--trials 8\"), child runs in MLflow"
+	@echo "make report - reports/report.md: this workspace vs main (REPORT_ARGS=\"--baseline REV\")"
+	@echo "make exps   - dvc exp show with only the params that differ and the metrics"
 	@echo "make lint   - ruff check + format check"
 
 venv: $(VENV)/.installed
@@ -137,6 +141,23 @@ soak: venv
 DOCTOR_ARGS ?=
 doctor: venv
 	$(BIN)/trainyard doctor $(DOCTOR_ARGS)
+
+# Hyperparameter search (Optuna) over params.yaml's tune.space; each trial a child MLflow run.
+# TUNE_ARGS="--trials 8 -S data.limit=8000 -S train.time_budget_min=1"; rerun to continue.
+TUNE_ARGS ?=
+tune: venv data
+	$(BIN)/trainyard tune $(TUNE_ARGS)
+
+# reports/report.md: params changed, metric deltas, pictures side by side, registry decision,
+# against REPORT_ARGS="--baseline REV" (default main).
+REPORT_ARGS ?=
+report: venv
+	$(BIN)/trainyard report $(REPORT_ARGS)
+
+# dvc exp show with the columns people compare (params that differ, metrics).
+EXPS_ARGS ?=
+exps: venv
+	$(BIN)/trainyard exps $(EXPS_ARGS)
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -31,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "serve": {"core", "runtime"},
     "stages": {"core", "data", "model", "runtime", "track", "train", "export"},
     "doctor": {"core", "data", "model", "runtime", "track", "train", "export", "serve"},
+    "experiments": {"core", "data", "model", "runtime", "track", "train", "export", "stages"},
 }
 HEAVY = {"torch", "torchvision", "lightning", "mlflow", "dvc", "onnx", "matplotlib"}
 # The libraries each light layer must not import (onnxruntime is the runtime's own).

@@ -1,4 +1,4 @@
-"""The ``trainyard`` command: ``trainyard <command> ...`` (``trainyard doctor``)."""
+"""The ``trainyard`` command: ``trainyard <command> ...`` (doctor, tune, report, exps)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainyard.doctor import checks as doctor
+from trainyard.experiments import exps, report, tune
 
 # name -> (help, add_arguments(parser), run(args) -> exit code).
 COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace], int]]] = {
@@ -15,6 +16,21 @@ COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace]
         "check this machine and what trainyard will do on it",
         doctor.add_arguments,
         doctor.run,
+    ),
+    "tune": (
+        "hyperparameter search with Optuna over params.yaml's tune.space",
+        tune.add_arguments,
+        tune.run,
+    ),
+    "report": (
+        "reports/report.md: this workspace against a baseline revision (main)",
+        report.add_arguments,
+        report.run,
+    ),
+    "exps": (
+        "the DVC experiments table with only the columns people compare",
+        exps.add_arguments,
+        exps.run,
     ),
 }
 

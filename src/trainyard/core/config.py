@@ -129,6 +129,9 @@ class TrainParams(_Strict):
     early_stopping_patience: Annotated[int, Field(ge=1)] | Auto = "auto"
     deterministic: bool = False
     limit_train_batches: int | float | None = None
+    # Lightning's num_nodes: the same train command on every node (torchrun or SLURM sets
+    # MASTER_ADDR, MASTER_PORT, NODE_RANK); rank 0 owns the MLflow run and the outputs.
+    num_nodes: int = Field(1, ge=1, le=4096)
     resume: Literal["auto", "never"] = "auto"
     checkpoint_every_min: float = Field(10.0, ge=0, le=24 * 60)
 
@@ -155,7 +158,8 @@ class EvaluateParams(_Strict):
 
 
 class MlflowParams(_Strict):
-    experiment: str = Field("trainyard", min_length=1)
+    # auto: one experiment per dataset (fashion-mnist, or the folder's name)
+    experiment: str = Field("auto", min_length=1)
     system_metrics: bool = True
     system_metrics_interval_s: float = Field(5.0, ge=0.5, le=600)
 
@@ -220,6 +224,88 @@ class ServeParams(_Strict):
         return self
 
 
+class TuneRange(_Strict):
+    """A numeric range of one param: ints when both ends are ints, else floats."""
+
+    low: float
+    high: float
+    log: bool = False
+    step: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TuneRange:
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low:g}) must be below high ({self.high:g})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log: true needs low > 0 (got {self.low:g})")
+        if self.log and self.step is not None:
+            raise ValueError("log and step cannot both be set (Optuna samples one or the other)")
+        return self
+
+    @property
+    def is_int(self) -> bool:
+        return (
+            float(self.low).is_integer()
+            and float(self.high).is_integer()
+            and (self.step is None or float(self.step).is_integer())
+        )
+
+
+class TuneChoices(_Strict):
+    choices: list[Any] = Field(min_length=1)
+
+
+class TuneParams(_Strict):
+    """``trainyard tune``: an Optuna study over ``space`` (dotted params keys)."""
+
+    trials: int = Field(20, ge=1, le=100_000)
+    timeout_min: float | None = Field(None, gt=0, le=30 * 24 * 60)
+    study: str = Field("auto", min_length=1, pattern=r"^[\w.-]+$")
+    storage: str = Field("auto", min_length=1)
+    pruner: Literal["median", "none"] = "median"
+    pruner_warmup_epochs: int = Field(2, ge=0, le=1000)
+    space: dict[str, TuneRange | TuneChoices] = Field(
+        default_factory=lambda: {
+            "train.lr": TuneRange(low=0.0003, high=0.01, log=True),
+            "train.weight_decay": TuneRange(low=0.0001, high=0.1, log=True),
+            "train.batch_size": TuneChoices(choices=[32, 64, 128, 256]),
+            "train.label_smoothing": TuneRange(low=0.0, high=0.2),
+        }
+    )
+
+    @field_validator("space", mode="before")
+    @classmethod
+    def _entries(cls, v: Any) -> Any:
+        # Each entry is a range or a list of choices, told apart by its keys, and an error
+        # names the entry (a plain union would list both shapes' complaints).
+        if not isinstance(v, dict):
+            return v
+        known = Params().flat()
+        out: dict[str, TuneRange | TuneChoices] = {}
+        for key, entry in v.items():
+            if key not in known:
+                raise ValueError(
+                    f"{key!r} is not a params key the search can set (e.g. train.lr, "
+                    "train.batch_size; see params.yaml)"
+                )
+            if isinstance(entry, (TuneRange, TuneChoices)):
+                out[key] = entry
+                continue
+            if not isinstance(entry, dict):
+                raise ValueError(f"{key}: expected {{low, high}} or {{choices: [...]}}")
+            kind = TuneChoices if "choices" in entry else TuneRange
+            try:
+                out[key] = kind.model_validate(entry)
+            except ValidationError as err:
+                why = "; ".join(
+                    f"{'.'.join(map(str, e['loc'])) or 'entry'}: "
+                    + e["msg"].removeprefix("Value error, ")
+                    for e in err.errors()
+                )
+                raise ValueError(f"{key}: {why}") from None
+        return out
+
+
 class Params(_Strict):
     seed: int = Field(42, ge=0, le=2**32 - 1)
     data: DataParams = Field(default_factory=DataParams)
@@ -229,20 +315,31 @@ class Params(_Strict):
     mlflow: MlflowParams = Field(default_factory=MlflowParams)
     registry: RegistryParams = Field(default_factory=RegistryParams)
     serve: ServeParams = Field(default_factory=ServeParams)
+    tune: TuneParams = Field(default_factory=TuneParams)
+
+    def dataset_name(self) -> str:
+        """The data's short name: ``fashion-mnist``, or the image folder's own name."""
+        if self.data.source == "folder" and self.data.folder:
+            base = re.sub(r"[^\w.-]+", "-", Path(self.data.folder).expanduser().resolve().name)
+            return base.strip("-.") or "folder"
+        return self.data.source
+
+    def experiment_name(self) -> str:
+        """``mlflow.experiment``, or with ``auto`` one per dataset (``dataset_name``): a photo
+        model's runs do not sit among Fashion-MNIST's."""
+        return self.dataset_name() if self.mlflow.experiment == "auto" else self.mlflow.experiment
 
     def registry_model_name(self) -> str:
         """``registry.model_name``, or with ``auto`` one per dataset: fashion-mnist-classifier,
         or <folder name>-classifier; versions of one name must be comparable to compete."""
         if self.registry.model_name != "auto":
             return self.registry.model_name
-        if self.data.source == "folder" and self.data.folder:
-            base = re.sub(r"[^\w.-]+", "-", Path(self.data.folder).expanduser().resolve().name)
-            return f"{base.strip('-.') or 'folder'}-classifier"
-        return f"{self.data.source}-classifier"
+        return f"{self.dataset_name()}-classifier"
 
     def flat(self) -> dict[str, Any]:
-        """Dotted keys (``train.lr``) for MLflow params."""
-        return flatten(self.model_dump())
+        """Dotted keys (``train.lr``) for MLflow params; the search space (``tune``) shapes
+        no single training, and the study's parent run records it."""
+        return flatten(self.model_dump(exclude={"tune"}))
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -279,7 +376,7 @@ def _describe(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown key (typo? see params.yaml for the valid keys)"
         else:
-            msg = e["msg"]
+            msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own
         msgs, got = found.setdefault(key, ([], e.get("input", dict)))
         if msg not in msgs:
             msgs.append(msg)

@@ -501,7 +501,7 @@ def write_outputs(
     record = TrainRecord(
         run_id=logger.run_id,
         experiment_id=logger.experiment_id,
-        experiment=params.mlflow.experiment,
+        experiment=params.experiment_name(),
         best_val_acc=round(best_acc, 6),
         best_epoch=int(_ckpt_epoch(best_dest)),
         epochs_run=int(setup.trainer.current_epoch),

@@ -71,7 +71,7 @@ def resume_key(
         "data_sha256": data_sha256,
         "code": {name: _code_sha256(PACKAGE / name) for name in KEY_CODE},
         "tracking_uri": tracking_uri,
-        "experiment": params.mlflow.experiment,
+        "experiment": params.experiment_name(),
         "out": str(Path(out_dir).resolve()),
     }
     blob = json.dumps(ident, sort_keys=True, default=str).encode()
