@@ -174,4 +174,4 @@ ui: venv
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
 
 clean:
-	rm -rf data models reports mlruns mlflow.db .dvc/cache .dvc/tmp
+	rm -rf data models reports mlruns mlflow.db mlflow.db.lock optuna.db .dvc/cache .dvc/tmp

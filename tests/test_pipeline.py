@@ -172,7 +172,7 @@ def test_ddp_on_two_cpu_processes_logs_one_run(repo, tmp_path):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
-    exp = client.get_experiment_by_name("trainyard")
+    exp = client.get_experiment_by_name("fashion-mnist")
     before = len(client.search_runs([exp.experiment_id]))
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["train"].update(accelerator="cpu", devices=2, max_epochs=2, limit_train_batches=None)

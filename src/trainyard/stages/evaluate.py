@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from trainyard.export.evaluation import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.common import stage_main
 from trainyard.track.records import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.track.registry import register_and_promote
-from trainyard.track.runs import logging_into, open_run
+from trainyard.track.runs import DVC_EXP_NAME, in_temp_workspace, logging_into, open_run
 from trainyard.train.history import HISTORY_FILE, read_history
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
@@ -144,6 +145,7 @@ def register(
             exported.onnx_sha256,
             params.registry.promote_margin,
             contract=result["card"],
+            sweep=os.environ.get(DVC_EXP_NAME) if in_temp_workspace() else None,
         )
     )
     with logging_into(run_id, "evaluate"):

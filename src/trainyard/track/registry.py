@@ -2,6 +2,9 @@
 
 `champion` is the version to serve; a new version takes it only if its test accuracy
 beats the champion's by more than ``registry.promote_margin``; otherwise it is `challenger`.
+A sweep's models (DVC experiments run in a queue or ``--temp`` copy) are registered as
+challengers and never move `champion`: the runs of a sweep race each other, and choosing
+among them is a person's decision (docs/experiments.md, "Sweeps and the registry").
 """
 
 from __future__ import annotations
@@ -77,8 +80,18 @@ def current_alias(client: Any, name: str, alias: str) -> Any | None:
         raise
 
 
-def decide(test_acc: float, champion: Any | None, margin: float) -> tuple[str, str]:
-    """(alias, reason) for a new version with ``test_acc`` against the current champion."""
+def decide(
+    test_acc: float, champion: Any | None, margin: float, sweep: str | None = None
+) -> tuple[str, str]:
+    """(alias, reason) for a new version with ``test_acc`` against the current champion;
+    ``sweep``: the DVC experiment's name when it ran in a queue or ``--temp`` copy."""
+    if sweep:
+        against = "no champion yet" if champion is None else f"champion v{champion.version}"
+        return CHALLENGER, (
+            f"DVC experiment {sweep} ran in a sweep (queue or --temp): test accuracy "
+            f"{test_acc:.4f}, registered as challenger; a sweep never moves champion "
+            f"({against}). Promote the one you choose: alias champion in the MLflow UI"
+        )
     if champion is None:
         return CHAMPION, "first version with a test accuracy: becomes champion"
     try:
@@ -111,8 +124,10 @@ def register_and_promote(
     onnx_sha256: str,
     margin: float,
     contract: Any | None = None,
+    sweep: str | None = None,
 ) -> dict[str, Any]:
-    """Register a new version, then move `champion` or `challenger` to it.
+    """Register a new version, then move `champion` or `challenger` to it (only
+    `challenger` for a ``sweep``: the DVC experiment's name, tagged on the version).
 
     ``contract`` (the ONNX model's dataset card) puts the input contract on the version:
     source, class count and names, input shape and resize policy, so the registry UI shows
@@ -144,12 +159,14 @@ def register_and_promote(
             "input_shape": "x".join(str(d) for d in contract.input_shape),
             "resize": contract.resize,
         }
+    if sweep:
+        tags["dvc.exp_name"] = sweep
     done = _already_registered(client, name, run_id, tags)
     if done is not None:
         return done
     _remove_cut_off(client, name, run_id)
     champion = current_alias(client, name, CHAMPION)
-    alias, reason = decide(test_acc, champion, margin)
+    alias, reason = decide(test_acc, champion, margin, sweep)
     previous = int(champion.version) if champion is not None else None
     tags |= {"previous_champion": str(previous or "")}
     version = None

@@ -4,6 +4,7 @@ the train run reopened by the later stages."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import logging
 import os
@@ -67,12 +68,91 @@ def carry_end_reason(client: Any, run_id: str, tags: dict[str, str]) -> None:
         client.delete_tag(run_id, END_REASON_TAG)
 
 
+# Set by DVC for every stage command: DVC_ROOT is the repository, also when the stage runs
+# in a temporary copy of it (dvc exp run --queue / --temp, dvc queue start -j N, under
+# .dvc/tmp/exps/), which DVC deletes afterwards; the experiment's name and baseline commit.
+DVC_ROOT, DVC_EXP_NAME, DVC_EXP_BASELINE_REV = "DVC_ROOT", "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"
+STORE_FILE, ARTIFACTS_DIR = "mlflow.db", "mlruns"
+
+
+def store_root(root: str | os.PathLike[str] = ".") -> Path:
+    """The repository whose embedded store a stage writes to: ``DVC_ROOT`` when DVC runs
+    the stage (for a queued or ``--temp`` experiment, the repository, not the temporary
+    copy the stage runs in), else ``root``."""
+    dvc_root = os.environ.get(DVC_ROOT, "").strip()
+    if dvc_root and Path(dvc_root).is_dir():
+        return Path(dvc_root).resolve()
+    return Path(root).resolve()
+
+
+def in_temp_workspace(root: str | os.PathLike[str] = ".") -> bool:
+    """True when DVC runs this stage in a temporary copy of the repository (a queued or
+    ``--temp`` experiment): what it leaves in ``root`` is deleted after the experiment."""
+    return store_root(root) != Path(root).resolve()
+
+
+def dvc_experiment_tags(root: str | os.PathLike[str] = ".") -> dict[str, str]:
+    """Tags matching a run to its row of ``dvc exp show``: the experiment's name and
+    baseline commit, and where it ran (``workspace`` or ``temp``: queue, ``--temp``)."""
+    name = os.environ.get(DVC_EXP_NAME, "").strip()
+    if not name:
+        return {}
+    return {
+        "dvc.exp_name": name,
+        "dvc.baseline_rev": os.environ.get(DVC_EXP_BASELINE_REV, "").strip(),
+        "dvc.workspace": "temp" if in_temp_workspace(root) else "workspace",
+    }
+
+
 def resolve_tracking_uri(root: str | os.PathLike[str] = ".") -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else the embedded sqlite store ``<root>/mlflow.db``."""
+    """``MLFLOW_TRACKING_URI`` if set, else the embedded sqlite store of the repository
+    (``store_root``): ``<repo>/mlflow.db``, whichever copy of the workspace runs."""
     uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if uri:
         return uri
-    return f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
+    return f"sqlite:///{store_root(root) / STORE_FILE}"
+
+
+def ensure_experiment(uri: str, name: str) -> str:
+    """The id of experiment ``name``, created if missing; safe when several runs of a
+    sweep (``dvc queue start -j N``, tune workers) create it at once.
+
+    On the embedded store its artifacts go to ``<repo>/mlruns`` beside ``mlflow.db``:
+    MLflow's default is ``./mlruns`` of the process that creates the experiment, and for
+    a queued experiment that is the temporary copy DVC deletes.
+    """
+    with store_lock(uri):
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(name)
+        if found is not None:
+            return str(found.experiment_id)
+        location = None
+        if uri.startswith("sqlite:///"):
+            location = (Path(uri.removeprefix("sqlite:///")).parent / ARTIFACTS_DIR).as_uri()
+        try:
+            return str(client.create_experiment(name, artifact_location=location))
+        except MlflowException as err:  # another process (a server's client) was first
+            found = client.get_experiment_by_name(name)
+            if found is None:
+                raise TrackingError(f"MLflow experiment {name!r}: {err.message}") from None
+            return str(found.experiment_id)
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Exclusive among processes on this machine, for an embedded sqlite store: its first
+    use creates the tables (two queued experiments starting together both tried, and one
+    failed), and an experiment is looked up, then created. Other stores: no lock."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    lock_path = Path(uri.removeprefix("sqlite:///") + ".lock")
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _limit_http_retries() -> None:

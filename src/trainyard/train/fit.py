@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,12 @@ from trainyard.data.hardware import resolve_device
 from trainyard.model.classifier import Classifier
 from trainyard.track.records import TrainRecord
 from trainyard.track.runs import (
+    DVC_EXP_NAME,
     SystemMetrics,
     check_tracking_uri,
     dvc_data_version,
+    dvc_experiment_tags,
+    ensure_experiment,
     log_dataset_inputs,
     resolve_tracking_uri,
     run_tags,
@@ -151,6 +154,16 @@ class TrackedRun:
         return self.logger.run_id
 
 
+@dataclass(frozen=True)
+class RunExtras:
+    """What a caller above the train stage adds to a fit: ``trainyard tune`` names a trial's
+    run, tags it as a child of the study's run, and prunes it with Optuna's callback."""
+
+    run_name: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+    callbacks: tuple[L.Callback, ...] = ()
+
+
 @dataclass
 class FitSetup:
     """The trainer, and the callbacks whose results become the stage's outputs."""
@@ -166,6 +179,7 @@ def train(
     out_dir: str | os.PathLike[str],
     root: str | os.PathLike[str] = ".",
     params_file: str | os.PathLike[str] | None = None,
+    extras: RunExtras | None = None,
 ) -> TrainRecord | None:
     """Fit the model; write ``out_dir/best.ckpt`` and ``out_dir/train.json`` (run id).
 
@@ -192,14 +206,21 @@ def train(
     ):
         log.warning(warning)
     model = build_classifier(run_params, dm.card, recipe.finetune)
-    tracked = open_tracking(run_params, key, root, uri, card, model, hw)
+    extras = extras or RunExtras()
+    tracked = open_tracking(run_params, key, root, uri, card, model, hw, extras)
     if tracked.lead:
         recipe.save(tracked.resume.folder / RECIPE_FILE)
         log_run_inputs(tracked, dm, data_dir, params_file, recipe)
         tracked.resume.write_state(tracked.run_id, tracked.logger.experiment_id, uri)
     budget = params.train.time_budget_min if recipe.planned_epochs else None
     setup = build_fit(
-        run_params.train, hw, tracked, dm.card.counts["train"]["total"], out_dir, budget
+        run_params.train,
+        hw,
+        tracked,
+        dm.card.counts["train"]["total"],
+        out_dir,
+        budget,
+        extras.callbacks,
     )
     fit_s = run_fit(setup, model, dm, tracked, params.mlflow)
     if setup.trainer.global_rank != 0:
@@ -304,7 +325,16 @@ def lineage_tags(
         # Which weights the backbone started from, and their exact bytes.
         tags["pretrained.source"] = model.pretrained_info["source"]
         tags["pretrained.sha256"] = model.pretrained_info["sha256"]
-    return tags
+    return tags | dvc_experiment_tags(root)
+
+
+def run_name(params: Params, key: str) -> str:
+    """A name a person can tell apart in the MLflow UI: the DVC experiment's name when DVC
+    runs one, else dataset, architecture and the first characters of the resume key (the
+    hash of params, data and code). MLflow's own random names were all the same: the seed
+    is set before the run is created."""
+    exp = os.environ.get(DVC_EXP_NAME, "").strip()
+    return exp or f"{params.dataset_name()}-{params.train.arch}-{key[:6]}"
 
 
 def open_tracking(
@@ -315,18 +345,24 @@ def open_tracking(
     card: Card,
     model: Classifier,
     hw: Hardware,
+    extras: RunExtras,
 ) -> TrackedRun:
     """The fit's MLflow run: an interrupted run of this very training (``key``, from
     ``resume_key``), reopened, or a new one with the params (``run_params``: as resolved,
-    what MLflow records) and the lineage tags."""
+    what MLflow records), the lineage tags and a readable name, in the dataset's
+    experiment (``mlflow.experiment``)."""
     dvc_md5 = dvc_data_version(root)
-    tags = lineage_tags(root, card, model, hw, dvc_md5)
+    tags = lineage_tags(root, card, model, hw, dvc_md5) | extras.tags
     lead = rank_zero_only.rank == 0
     # An interrupted run of these exact params, data and code resumes: same MLflow run.
     mlc = MlflowClient(tracking_uri=uri) if lead else None
     resume = prepare_resume(root, key, run_params.train.resume, uri, mlc, lead=lead)
+    experiment = run_params.experiment_name()
+    if lead:  # before Lightning's logger, which would race another run creating it
+        ensure_experiment(uri, experiment)
     logger = MLFlowLogger(
-        experiment_name=run_params.mlflow.experiment,
+        experiment_name=experiment,
+        run_name=None if resume.run_id else (extras.run_name or run_name(run_params, key)),
         tracking_uri=uri,
         tags=tags,
         log_model=False,
@@ -406,6 +442,7 @@ def build_fit(
     train_images: int,
     out_dir: Path,
     budget_min: float | None = None,
+    extra_callbacks: tuple[L.Callback, ...] = (),
 ) -> FitSetup:
     """The trainer with trainyard's callbacks: checkpoints, early stopping, timing, meter,
     the per-epoch history; ``budget_min``: a hard stop at HARD_STOP times it (the recipe
@@ -427,6 +464,7 @@ def build_fit(
             History(out_dir / HISTORY_FILE),
             meter,
             *resume_callbacks,
+            *extra_callbacks,
         ],
         root=out_dir,
         verbose=True,
