@@ -187,6 +187,11 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
                 f"MLFLOW_TRACKING_URI={uri}: folder {db.parent} does not exist; create it or "
                 "unset MLFLOW_TRACKING_URI"
             )
+        # The store's first use creates (or upgrades) its tables: once, under the lock.
+        # Two queued experiments starting together both ran the migrations, and one failed
+        # ("table _alembic_tmp_tags already exists").
+        with store_lock(uri):
+            mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     elif uri.startswith("file:") or "://" not in uri:
         path = Path(uri.removeprefix("file://").removeprefix("file:"))
         if not path.parent.is_dir():

@@ -1,0 +1,130 @@
+"""A DVC sweep the DVC way: a grid queued with ``dvc exp run --queue -S 'k=a,b'``, run two at a
+time by ``dvc queue start -j 2``. Each experiment runs in a temporary copy under
+``.dvc/tmp/exps/`` that DVC deletes; the runs and registry versions must land in the
+repository's own MLflow store (the one ``make ui`` shows), named and tagged so a row of
+``dvc exp show`` and an MLflow run can be matched. Real DVC queue, real MLflow store."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from conftest import VENV_BIN, copy_repo, dvc, make_photo_folder, set_params, stage_env
+
+pytestmark = pytest.mark.slow
+
+LRS = ("0.002", "0.004")
+
+
+def wait_for_queue(repo: Path, timeout: float = 900) -> str:
+    """Poll ``dvc queue status`` until nothing is queued or running; its last output."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = dvc(repo, "queue", "status").stdout
+        if not any(word in status for word in ("Queued", "Running")):
+            return status
+        assert time.monotonic() < deadline, f"the queue did not finish:\n{status}"
+        time.sleep(3)
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> dict:
+    photos = tmp_path_factory.mktemp("photos") / "shapes"
+    make_photo_folder(photos, per_class=16, litter=False)
+    repo = copy_repo(tmp_path_factory.mktemp("sweep") / "trainyard")
+    set_params(
+        repo,
+        data={"source": "folder", "folder": str(photos), "image_size": 32},
+        train={"max_epochs": 2, "time_budget_min": None, "batch_size": 16},
+        mlflow={"system_metrics": False},
+    )
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_COMMITTER_NAME": "t"}
+    subprocess.run(["git", "commit", "-qam", "sweep params"], cwd=repo, check=True, env=stage_env())
+    dvc(repo, "exp", "run", "--queue", "-S", f"train.lr={','.join(LRS)}", **env)
+    t0 = time.monotonic()
+    dvc(repo, "queue", "start", "-j", "2")
+    status = wait_for_queue(repo)
+    shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
+    exps = {
+        exp["name"]: rev["data"]
+        for baseline in shown
+        for exp in baseline.get("experiments") or []
+        for rev in exp["revs"]
+    }
+    return {
+        "repo": repo,
+        "status": status,
+        "exps": exps,
+        "seconds": time.monotonic() - t0,
+    }
+
+
+def store(repo: Path) -> MlflowClient:
+    return MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+
+
+def test_both_queued_experiments_succeeded(swept):
+    assert swept["status"].count("Success") == 2, swept["status"]
+    assert len(swept["exps"]) == 2, swept["exps"].keys()
+    lrs = {data["params"]["params.yaml"]["data"]["train"]["lr"] for data in swept["exps"].values()}
+    assert lrs == {float(lr) for lr in LRS}
+
+
+def test_the_runs_are_in_the_repositorys_store_named_and_tagged(swept):
+    repo, names = swept["repo"], set(swept["exps"])
+    client = store(repo)
+    exp = client.get_experiment_by_name("shapes")  # mlflow.experiment: auto, the folder's name
+    assert exp is not None, [e.name for e in client.search_experiments()]
+    runs = client.search_runs([exp.experiment_id])
+    assert {r.data.tags.get("dvc.exp_name") for r in runs} == names
+    for r in runs:
+        assert r.info.status == "FINISHED", r.info
+        assert r.info.run_name == r.data.tags["dvc.exp_name"]
+        assert r.data.tags["dvc.workspace"] == "temp"
+        assert len(r.data.tags["dvc.baseline_rev"]) == 40
+        # The params DVC set for this row, in the run of the same name.
+        lr = swept["exps"][r.data.tags["dvc.exp_name"]]["params"]["params.yaml"]["data"]["train"]
+        assert float(r.data.params["train.lr"]) == lr["lr"]
+        assert "test/accuracy" in r.data.metrics  # evaluate logged into the same run
+    # The artifacts live beside the repository's store, not in the deleted temporary copy.
+    assert Path(exp.artifact_location.removeprefix("file://")) == repo / "mlruns"
+    for r in runs:
+        root = Path(r.info.artifact_uri.removeprefix("file://"))
+        assert (root / "data" / "card.json").is_file(), root
+    assert not list((repo / ".dvc" / "tmp").rglob("mlflow.db"))
+
+
+def test_a_sweep_registers_challengers_and_never_moves_champion(swept):
+    client = store(swept["repo"])
+    versions = client.search_model_versions("name = 'shapes-classifier'")
+    assert {v.tags.get("dvc.exp_name") for v in versions} == set(swept["exps"])
+    assert {v.tags["decision"] for v in versions} == {"challenger"}
+    assert all("never moves champion" in v.tags["decision_reason"] for v in versions)
+    model = client.get_registered_model("shapes-classifier")
+    assert "champion" not in model.aliases, model.aliases
+
+
+def test_trainyard_exps_shows_the_sweep_in_a_readable_table(swept):
+    repo = swept["repo"]
+    out = subprocess.run(
+        [str(VENV_BIN / "trainyard"), "exps", "--sort-by", "test.accuracy"],
+        cwd=repo,
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    lines = out.splitlines()
+    header = lines[0].split()
+    # The metric people compare and the one param that differs; no dependency hashes.
+    assert {"test.accuracy", "train.lr"} <= set(header), header
+    assert not any(h.startswith(("src/", "data/")) for h in header), header
+    assert len(header) < 12, header
+    assert max(len(line) for line in lines) < 160, out
+    for name in swept["exps"]:
+        assert any(line.split()[0] == name for line in lines[2:]), out
