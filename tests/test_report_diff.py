@@ -132,7 +132,7 @@ def test_report_against_the_baseline(clone: Path) -> None:
 
     assert f"`HEAD` `{head[:7]}`" in text
     assert f"HEAD `{head[:7]}` with uncommitted changes (DVC experiment `tidy-exp`)" in text
-    assert "`feedc0de` (" in text and ", 9 epochs)" in text
+    assert "| `feedc0de` in `" in text and "`, 9 epochs |" in text
     assert "Warning" not in text  # dvc.lock matches params.yaml: the outputs are its run's
 
     old_wd = base_params["train"]["weight_decay"]
