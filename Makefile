@@ -9,7 +9,7 @@ FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
 	bench-serve bench-prepare bench-resume bench-recipe soak doctor gpu-wheels clean \
-	tune report exps
+	tune report exps bench-sweep
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
@@ -25,6 +25,7 @@ help:
 	@echo "make bench-prepare - prepare on 20,000 generated JPEGs, 1 vs 2 workers: docs/benchmarks.md"
 	@echo "make bench-resume - SIGKILL after epoch 2 of 4, rerun resumes: time saved vs an uninterrupted run"
 	@echo "make bench-recipe - trainyard's defaults vs the old defaults vs a textbook script, 2 real folders (~25 min)"
+	@echo "make bench-sweep - a 4-experiment DVC queue, -j 1 vs -j 2 wall time (~8 min)"
 	@echo "make doctor - this machine (CPU, RAM, GPUs, torch, ONNX Runtime, disk) and what trainyard will do on it"
 	@echo "make tune   - Optuna search over params.yaml tune.space (TUNE_ARGS=\"--trials 8\"), child runs in MLflow"
 	@echo "make report - reports/report.md: this workspace vs main (REPORT_ARGS=\"--baseline REV\")"
@@ -84,6 +85,14 @@ bench-resume: venv
 BENCH_RECIPE_ARGS ?=
 bench-recipe: venv
 	$(BIN)/python -m benchmarks.bench_recipe $(BENCH_RECIPE_ARGS)
+
+# About 8 min on 2 cores, not part of `make test`: in two clones of the committed repo, 4 queued
+# experiments (train.lr grid, data.limit 8000, 1 epoch) run by `dvc queue start -j 1`, then -j 2;
+# wall times side by side, and the runs found in each repo's MLflow store;
+# reports/bench-sweep.json + docs/benchmarks.md ("Sweep"). BENCH_SWEEP_ARGS="--lrs 0.002,0.004".
+BENCH_SWEEP_ARGS ?=
+bench-sweep: venv data
+	$(BIN)/python -m benchmarks.bench_sweep $(BENCH_SWEEP_ARGS)
 
 # For a GPU machine that has torch/lightning/onnx/onnxruntime but not this venv:
 # GPU_PYTHON=python3 make gpu-check  (carry data/raw, or have Debian's package)
