@@ -176,3 +176,22 @@ def test_bytes_that_are_not_utf8_are_malformed_too(tmp_path):
     path.write_bytes(b"\xff\xfe{}")
     with pytest.raises(TrackingError, match=r"not a valid train\.json: not JSON"):
         TrainRecord.read(path)
+
+
+def test_atomic_outputs_get_an_ordinary_files_mode(tmp_path):
+    """mkstemp makes 0600 temp files: an output must instead get what open() would give
+    (0666 less the umask), or a teammate's server cannot read a report the stage wrote."""
+    import os
+
+    from trainyard.core.io import atomic_dir, atomic_file, atomic_write_text
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    written = atomic_write_text(tmp_path / "a.json", "{}")
+    with atomic_file(tmp_path / "b.bin") as tmp:
+        tmp.write_bytes(b"x")
+    with atomic_dir(tmp_path / "c") as tmp:
+        (tmp / "f").write_text("x")
+    assert written.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (tmp_path / "b.bin").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (tmp_path / "c").stat().st_mode & 0o777 == 0o777 & ~umask

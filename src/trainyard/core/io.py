@@ -12,6 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# mkstemp/mkdtemp create 0600/0700 (private temp files); an output is an ordinary file,
+# with the mode open() would give it: 0666/0777 less the umask (read once, at import).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+FILE_MODE, DIR_MODE = 0o666 & ~_UMASK, 0o777 & ~_UMASK
+
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temp file in the same folder and a rename."""
@@ -23,6 +29,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -50,6 +57,7 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -64,6 +72,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
+        os.chmod(tmp, DIR_MODE)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
