@@ -80,6 +80,14 @@ def quiet_lightning() -> None:
         message=rf"Checkpoint directory .*{re.escape(str(RESUME_ROOT))}.* exists and is not empty",
         category=UserWarning,
     )
+    # Under DDP the train/* and perf/* epoch metrics are rank 0's on purpose (the loss of
+    # its shard, as train.history says; throughput already times the world size), while
+    # val/* is synced: Lightning's advice to sync every epoch metric is no news.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"It is recommended to use `self\.log\('(train|perf)/.*sync_dist=True",
+        category=UserWarning,
+    )
     # Lightning's own use of a torch API that torch deprecated: nothing a user can change.
     warnings.filterwarnings(
         "ignore",
@@ -103,6 +111,7 @@ def build_trainer(
     *,
     accelerator: str = "cpu",
     devices: int | str = 1,
+    num_nodes: int = 1,
     precision: str = "32-true",
     callbacks: Sequence[Callback] = (),
     logger: Any = False,
@@ -114,6 +123,9 @@ def build_trainer(
     (``max_epochs``, ``max_steps``, ``deterministic``, ...).
 
     - ``accelerator`` takes Lightning's names or a torch device type (``"cuda"``).
+    - ``num_nodes`` (``train.num_nodes``): machines training together. Above 1 Lightning
+      picks DDP (gloo on CPU, NCCL on GPU) even at one device a node, and takes ranks and
+      the main address from torchrun, SLURM or MASTER_ADDR/NODE_RANK (train.nodes).
     - ``use_distributed_sampler=False``: trainyard's data paths shard by rank themselves
       (``datamodule.epoch_order``); Lightning's DistributedSampler would shard them twice.
     - Checkpointing is on exactly when a ``ModelCheckpoint`` is among ``callbacks`` (Lightning
@@ -133,6 +145,7 @@ def build_trainer(
     return L.Trainer(
         accelerator=accelerator_for(accelerator),
         devices=devices,
+        num_nodes=num_nodes,
         precision=precision,
         callbacks=callbacks,
         logger=logger,

@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
 from mlflow import MlflowClient
 
@@ -39,6 +41,7 @@ from trainyard.track.runs import (
 )
 from trainyard.train.builder import build_trainer
 from trainyard.train.history import HISTORY_FILE, History
+from trainyard.train.nodes import Nodes, ShareRun, join_nodes, resume_mode, what_trains
 from trainyard.train.perf import InputBoundMeter
 from trainyard.train.recipe import MIN_STEPS, Plan, describe, load_plan, plan
 from trainyard.train.resume import (
@@ -142,16 +145,22 @@ class TrackedRun:
     """The MLflow run a fit logs to, and the resume folder that goes with it."""
 
     uri: str
-    logger: MLFlowLogger
+    # Rank 0's creates the run; another node's rank logs nothing, and must not even open
+    # the store (MLflow's client creates an sqlite file's tables): Lightning's stand-in.
+    logger: MLFlowLogger | DummyLogger
     client: MlflowClient | None  # rank 0 only: resume bookkeeping, ending a killed run
     resume: Resume
     lead: bool  # rank 0, the one rank that owns the MLflow run (under DDP all run this)
     dvc_md5: str  # DVC's hash of data/prepared, "" when dvc.lock has none
+    peer_run_id: str | None = None  # on the other ranks: rank 0's run, once it is shared
 
     @property
-    def run_id(self) -> str:
-        """The MLflow run's id (Lightning's logger creates the run on first use)."""
-        return self.logger.run_id
+    def run_id(self) -> str | None:
+        """The MLflow run's id (Lightning's logger creates the run on first use); on
+        other ranks rank 0's, once known (across nodes before the fit, else at its start)."""
+        if isinstance(self.logger, MLFlowLogger) and self.logger.run_id:
+            return self.logger.run_id
+        return self.peer_run_id
 
 
 @dataclass(frozen=True)
@@ -187,31 +196,30 @@ def train(
     """
     out_dir = Path(out_dir)
     uri = resolve_tracking_uri(root)
-    check_tracking_uri(uri)  # before any work: a dead server fails in seconds
     hw = resolve_hardware(params.train)
+    # The launcher against train.num_nodes; across nodes the ranks join here, and rank 0
+    # checks the store and plans for all (agree_on_plan).
+    nodes = join_nodes(params.train, hw.accelerator)
+    if not nodes.joined:
+        check_tracking_uri(uri)  # before any work: a dead server fails in seconds
     card = load_card(data_dir)
     # From params as written (auto keys, not the plan): a rerun after a kill finds its run.
     key = resume_key(params, card.data_sha256, uri, out_dir)
-    recipe = plan_training(params, card, data_dir, hw, Path(root) / RESUME_ROOT / key)
+    folder = Path(root) / RESUME_ROOT / key
+    recipe = agree_on_plan(nodes, params, card, data_dir, hw, uri, folder)
     run_params = recipe.apply(params)  # every auto train key resolved
-    # After the plan: its timing probe draws random numbers, the fit must not see them.
-    L.seed_everything(params.seed, workers=True, verbose=False)
-    dm = load_data(run_params, data_dir, card)
-    tp = run_params.train
-    # Epochs the recipe planned are the budget's (its own line says so); epochs set by hand
-    # that leave a run of a few steps get the keys to change.
-    n_train = dm.card.counts["train"]["total"]
-    if not recipe.planned_epochs and (
-        warning := few_steps_warning(n_train, tp.batch_size, tp.max_epochs)
-    ):
-        log.warning(warning)
-    model = build_classifier(run_params, dm.card, recipe.finetune)
+    dm, model = nodes.together(lambda: data_and_model(run_params, data_dir, card, recipe))
     extras = extras or RunExtras()
-    tracked = open_tracking(run_params, key, root, uri, card, model, hw, extras)
-    if tracked.lead:
-        recipe.save(tracked.resume.folder / RECIPE_FILE)
-        log_run_inputs(tracked, dm, data_dir, params_file, recipe)
-        tracked.resume.write_state(tracked.run_id, tracked.logger.experiment_id, uri)
+
+    def start(resume_mode: str | None = None) -> TrackedRun:
+        tracked = open_tracking(run_params, key, root, uri, card, model, hw, extras, resume_mode)
+        if tracked.lead:
+            recipe.save(tracked.resume.folder / RECIPE_FILE)
+            log_run_inputs(tracked, dm, data_dir, params_file, recipe)
+            tracked.resume.write_state(tracked.run_id, tracked.logger.experiment_id, uri)
+        return tracked
+
+    tracked = join_run(nodes, start, folder, uri) if nodes.joined else start()
     budget = params.train.time_budget_min if recipe.planned_epochs else None
     setup = build_fit(
         run_params.train,
@@ -234,6 +242,71 @@ def train(
         uri,
     )
     return record
+
+
+def data_and_model(
+    params: Params, data_dir: str | os.PathLike[str], card: Card, recipe: Plan
+) -> tuple[ImageDataModule, Classifier]:
+    """The data module and the classifier of ``params`` (resolved by ``recipe``), seeded."""
+    # After the plan: its timing probe draws random numbers, the fit must not see them.
+    L.seed_everything(params.seed, workers=True, verbose=False)
+    dm = load_data(params, data_dir, card)
+    tp = params.train
+    # Epochs the recipe planned are the budget's (its own line says so); epochs set by hand
+    # that leave a run of a few steps get the keys to change.
+    n_train = dm.card.counts["train"]["total"]
+    if not recipe.planned_epochs and (
+        warning := few_steps_warning(n_train, tp.batch_size, tp.max_epochs)
+    ):
+        log.warning(warning)
+    return dm, build_classifier(params, dm.card, recipe.finetune)
+
+
+def agree_on_plan(
+    nodes: Nodes,
+    params: Params,
+    card: Card,
+    data_dir: str | os.PathLike[str],
+    hw: Hardware,
+    uri: str,
+    folder: Path,
+) -> Plan:
+    """The recipe's plan (plan_training). Across nodes rank 0 alone plans (after checking
+    the tracking store) and every rank trains its plan: ranks timing their own probes
+    planned different epochs, and DDP hangs when one rank stops before the others."""
+    if not nodes.joined:
+        return plan_training(params, card, data_dir, hw, folder)
+
+    def decide() -> Plan:
+        check_tracking_uri(uri)
+        return plan_training(params, card, data_dir, hw, folder)
+
+    recipe = nodes.from_lead(decide, what_trains(params, card, hw.accelerator, hw.precision))
+    if not nodes.lead:
+        for line in describe(recipe):  # what this rank trains: rank 0's choices
+            log.info("%s", line)
+    return recipe
+
+
+def join_run(
+    nodes: Nodes, start: Callable[[str | None], TrackedRun], folder: Path, uri: str
+) -> TrackedRun:
+    """Across nodes: rank 0 opens (or reopens) the MLflow run (``start``); every rank
+    learns its id and whether the fit resumes (from which checkpoint: ``resume_mode``)."""
+    mode = resume_mode(nodes, folder)
+    opened: list[TrackedRun] = []
+
+    def decide() -> tuple[str | None, str, str]:
+        opened.append(start(mode))
+        res = opened[0].resume
+        ckpt = "" if res.ckpt_path is None else str(res.ckpt_path.resolve())
+        return opened[0].run_id, str(res.folder.resolve()), ckpt
+
+    run_id, lead_folder, ckpt = nodes.from_lead(decide)
+    if opened:
+        return opened[0]
+    resume = Resume(Path(lead_folder), folder.name, ckpt_path=Path(ckpt) if ckpt else None)
+    return TrackedRun(uri, DummyLogger(), None, resume, False, "", peer_run_id=run_id)
 
 
 def plan_training(
@@ -346,17 +419,19 @@ def open_tracking(
     model: Classifier,
     hw: Hardware,
     extras: RunExtras,
+    resume_mode: str | None = None,
 ) -> TrackedRun:
     """The fit's MLflow run: an interrupted run of this very training (``key``, from
     ``resume_key``), reopened, or a new one with the params (``run_params``: as resolved,
     what MLflow records), the lineage tags and a readable name, in the dataset's
-    experiment (``mlflow.experiment``)."""
+    experiment (``mlflow.experiment``). ``resume_mode`` overrides ``train.resume``."""
     dvc_md5 = dvc_data_version(root)
     tags = lineage_tags(root, card, model, hw, dvc_md5) | extras.tags
     lead = rank_zero_only.rank == 0
     # An interrupted run of these exact params, data and code resumes: same MLflow run.
     mlc = MlflowClient(tracking_uri=uri) if lead else None
-    resume = prepare_resume(root, key, run_params.train.resume, uri, mlc, lead=lead)
+    mode = resume_mode or run_params.train.resume
+    resume = prepare_resume(root, key, mode, uri, mlc, lead=lead)
     experiment = run_params.experiment_name()
     if lead:  # before Lightning's logger, which would race another run creating it
         ensure_experiment(uri, experiment)
@@ -454,9 +529,11 @@ def build_fit(
     trainer = build_trainer(
         accelerator=hw.accelerator,
         devices=tp.devices,
+        num_nodes=tp.num_nodes,
         precision=hw.precision,
         logger=tracked.logger,
         callbacks=[
+            ShareRun(tracked),  # first: the others' setup may need the run's id
             checkpoint,
             early,
             LearningRateMonitor("step"),
