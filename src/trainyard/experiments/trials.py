@@ -1,0 +1,427 @@
+"""The trials of ``trainyard tune``: the worker loop, one trial's training, the data.
+
+A worker opens the study (and its MLflow parent run), then under the study's lock counts the
+trials and starts the next one, until the study holds ``--trials``. A trial samples the
+space, applies it over the base params, validates them, and trains on data prepared once per
+distinct data params by the fetch and prepare stages' own code (``.cache/tune/data-<hash>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import optuna
+import yaml
+from optuna.trial import Trial, TrialState
+from optuna_integration import PyTorchLightningPruningCallback
+
+from trainyard.core.card import CARD_FILE
+from trainyard.core.config import Params, parse_params
+from trainyard.core.errors import ParamsError, Terminated, TrainyardError
+from trainyard.experiments import best as best_mod
+from trainyard.experiments import study as st
+from trainyard.stages import fetch as fetch_stage
+from trainyard.stages import prepare as prepare_stage
+from trainyard.track.runs import check_tracking_uri, ensure_experiment, resolve_tracking_uri
+from trainyard.train.fit import RunExtras, train
+from trainyard.train.resume import ResumeCallback
+
+log = logging.getLogger("trainyard.experiments.tune")
+
+CACHE = Path(".cache/tune")  # prepared data per data params, each trial's outputs
+
+
+def set_key(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set dotted ``key`` in the params mapping ``raw``; ``tune.space.<params key>`` keeps
+    the params key (itself dotted) whole."""
+    if key.startswith("tune.space."):
+        parents, last = ["tune", "space"], key.removeprefix("tune.space.")
+    else:
+        *parents, last = key.split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parents[: i + 1])
+            raise ParamsError(f"-S {key}: {where} is a value, not a section of params")
+        node = child
+    node[last] = value
+
+
+@dataclass
+class Setup:
+    """What the command was asked: base params (file + -S), the study and its storage."""
+
+    raw: dict[str, Any]
+    base: Params
+    overrides: dict[str, Any]
+    url: str
+    root: Path = field(default_factory=Path.cwd)
+
+    @property
+    def study_name(self) -> str:
+        name = self.base.tune.study
+        return f"{self.base.experiment_name()}-tune" if name == "auto" else name
+
+    @property
+    def trials(self) -> int:
+        return self.base.tune.trials
+
+
+# ---------------------------------------------------------------- data
+
+
+def _folder_fingerprint(folder: str | None) -> list[Any]:
+    """Every file's path, size and mtime: an edited image folder is prepared again."""
+    if not folder:
+        return []
+    root = Path(folder).expanduser().resolve()
+    found = []
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = Path(dirpath) / name
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            found.append([str(path.relative_to(root)), stat.st_size, stat.st_mtime_ns])
+    return sorted(found)
+
+
+def data_key(params: Params) -> str:
+    """A hash of what the fetch and prepare stages read: seed, data.*, the folder's files."""
+    ident: dict[str, Any] = {"seed": params.seed, "data": params.data.model_dump(mode="json")}
+    if params.data.source == "folder":
+        ident["files"] = _folder_fingerprint(params.data.folder)
+    blob = json.dumps(ident, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def prepared_data(params: Params, root: Path) -> Path:
+    """``.cache/tune/data-<hash>/prepared`` for ``params``' data section, made by the fetch
+    and prepare stages' own code the first time (one worker at a time, the others wait
+    and reuse it)."""
+    folder = root / CACHE / f"data-{data_key(params)}"
+    prepared = folder / "prepared"
+    if (prepared / CARD_FILE).is_file():
+        return prepared
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (prepared / CARD_FILE).is_file():
+            log.info("preparing the data once for the study's trials: %s", folder)
+            raw = folder / "raw"
+            if not raw.is_dir():
+                fetch_stage.run(params, argparse.Namespace(out=str(raw)))
+            prepare_stage.run(params, argparse.Namespace(raw=str(raw), out=str(prepared)))
+    return prepared
+
+
+# ---------------------------------------------------------------- trials
+
+
+class TrialCallback(L.Callback):
+    """Records on the trial, as soon as the fit starts, its MLflow run (a worker killed
+    mid-trial leaves it for the next to end) and remembers the fit's resume folder and the
+    last validated epoch (what a pruned trial reached)."""
+
+    def __init__(self, trial: Trial) -> None:
+        self.trial = trial
+        self.resume_folder: Path | None = None
+        self.epoch, self.val_acc = -1, float("nan")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, ResumeCallback):
+                self.resume_folder = cb.resume.folder
+                self.trial.set_user_attr(st.RESUME_ATTR, str(self.resume_folder.resolve()))
+        run_id = getattr(trainer.logger, "run_id", None)
+        if run_id:  # last: a test (and a person) reads it as "the fit has started"
+            self.trial.set_user_attr(st.RUN_ATTR, run_id)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and "val/acc" in trainer.callback_metrics:
+            self.epoch = trainer.current_epoch
+            self.val_acc = float(trainer.callback_metrics["val/acc"])
+
+    def drop_resume_folder(self) -> None:
+        """A pruned or failed trial is never resumed (train.resume: never): its folder
+        would otherwise be settled, as an abandoned training, by the next trial's start."""
+        if self.resume_folder is not None:
+            shutil.rmtree(self.resume_folder, ignore_errors=True)
+
+
+def _short(values: dict[str, Any]) -> str:
+    return " ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()
+    )
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (a params error lists its keys on lines of their
+    own: ``invalid params in ...: train.batch_size: ...``)."""
+    text = str(err).strip() or type(err).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    out = lines[0] if lines else ""
+    for line in lines[1:]:
+        out += (" " if out.endswith(":") else "; ") + line
+    return out
+
+
+class Tuner:
+    """One worker of the study: opens it, runs trials until it has ``trials`` in all (or
+    the timeout), and says the best."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        base = setup.base
+        uri = resolve_tracking_uri(setup.root)
+        check_tracking_uri(uri)
+        self.tracking = st.Tracking(uri, base.experiment_name())
+        self.storage = st.open_storage(setup.url, st.StaleTrials(self.tracking))
+        self.lock = st.StudyLock.for_storage(setup.url, setup.study_name, setup.root)
+        self.started = time.monotonic()
+        self._data: dict[str, Path] = {}
+
+    def load(self, seed: int | None = None) -> optuna.Study:
+        tune = self.setup.base.tune
+        pruner: optuna.pruners.BasePruner = (
+            optuna.pruners.MedianPruner(n_warmup_steps=tune.pruner_warmup_epochs)
+            if tune.pruner == "median"
+            else optuna.pruners.NopPruner()
+        )
+        return optuna.create_study(
+            storage=self.storage,
+            study_name=self.setup.study_name,
+            direction="maximize",
+            load_if_exists=True,
+            sampler=optuna.samplers.TPESampler(seed=seed),
+            pruner=pruner,
+        )
+
+    def open(self) -> None:
+        """The study (created on first use), its MLflow parent run, dead workers' trials."""
+        base = self.setup.base
+        ensure_experiment(self.tracking.uri, self.tracking.experiment)
+        self.data_dir(base)  # a data problem stops the command before any trial
+        with self.lock:
+            study = self.load()
+            done = len(study.get_trials(deepcopy=False))
+            st.note_base_changes(study, base)
+            self.tracking.parent_id = st.open_parent(
+                self.tracking, study, base, self.setup.url, self.setup.root
+            )
+            st.fail_dead_workers(self.storage, study, self.tracking)
+        log.info(
+            "study %s (%s) in %s: %s; MLflow run %s in experiment %s",
+            study.study_name,
+            "continued" if done else "new",
+            st.redacted(self.setup.url),
+            f"{done} of {self.setup.trials} trials done" if done else f"{self.setup.trials} trials",
+            self.tracking.parent_id,
+            self.tracking.experiment,
+        )
+
+    def data_dir(self, params: Params) -> Path:
+        key = json.dumps([params.seed, params.data.model_dump(mode="json")], default=str)
+        if key not in self._data:
+            self._data[key] = prepared_data(params, self.setup.root)
+        return self._data[key]
+
+    def run_trials(self) -> None:
+        """Trials until the study holds ``trials`` (every state counts, a running one of
+        another worker too) or the timeout; the count and the new trial are decided under
+        the lock, so this machine's workers never overshoot."""
+        timeout = self.setup.base.tune.timeout_min
+        while True:
+            with self.lock:
+                study = self.load()
+                st.fail_dead_workers(self.storage, study, self.tracking)
+                done = len(study.get_trials(deepcopy=False))
+                if done >= self.setup.trials:
+                    return
+                if timeout is not None and time.monotonic() - self.started > timeout * 60:
+                    log.info("timeout (%g min) reached: no new trial", timeout)
+                    return
+                # Seeded by the trial's number: a rerun, or a second worker, draws anew
+                # instead of repeating the first worker's draws.
+                study = self.load(seed=(self.setup.base.seed + done) % 2**32)
+                self.tracking.client.update_run(self.tracking.parent_id, status="RUNNING")
+                study.optimize(self.objective, n_trials=1, catch=(Exception,), gc_after_trial=True)
+
+    def objective(self, trial: Trial) -> float:
+        self.lock.release()  # the trial exists: the next worker may count it
+        trial.set_user_attr(st.WORKER_ATTR, st.worker_id())
+        t0 = time.monotonic()
+        values = st.suggest(trial, self.setup.base.tune)
+        trial.set_user_attr("params", values)
+        n, total = trial.number, self.setup.trials
+        log.info("trial %d (%d/%d): %s", n, n + 1, total, _short(values))
+        callback = TrialCallback(trial)
+        try:
+            record = self.fit(trial, values, callback)
+        except optuna.TrialPruned:
+            callback.drop_resume_folder()
+            why = (
+                f"at epoch {callback.epoch + 1}: val/acc {callback.val_acc:.4f} below the "
+                "median of earlier trials"
+            )
+            self.tracking.end_trial(n, TrialState.PRUNED, f"pruned by Optuna {why}")
+            self.trial_ended(n, f"PRUNED {why}", t0)
+            raise
+        except (KeyboardInterrupt, SystemExit) as err:
+            raise self.interrupted(trial, err) from None
+        except Exception as err:
+            callback.drop_resume_folder()
+            msg = _one_line(err)
+            trial.set_user_attr(st.ERROR_ATTR, msg[:2000])
+            self.tracking.end_trial(n, TrialState.FAIL, f"{type(err).__name__}: {msg}")
+            exc = None if isinstance(err, TrainyardError) else err  # a bug: its traceback
+            self.trial_ended(n, f"FAILED: {msg}", t0, exc)
+            raise
+        trial.set_user_attr(st.RUN_ATTR, record.run_id)
+        self.tracking.end_trial(n, TrialState.COMPLETE)
+        self.trial_ended(
+            n, f"COMPLETE: val/acc {record.best_val_acc:.4f}", t0, value=record.best_val_acc
+        )
+        return record.best_val_acc
+
+    def fit(self, trial: Trial, values: dict[str, Any], callback: TrialCallback) -> Any:
+        """The trial's training: the base params with its values, validated as a whole."""
+        params, raw = self.trial_params(trial.number, values)
+        out = self.setup.root / CACHE / self.setup.study_name / f"trial-{trial.number}"
+        out.mkdir(parents=True, exist_ok=True)
+        params_file = out / "params.yaml"  # the trial's own params, in its run's config/
+        params_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+        name = self.setup.study_name
+        extras = RunExtras(
+            run_name=f"{name}-trial-{trial.number}",
+            tags={
+                "mlflow.parentRunId": self.tracking.parent_id,
+                st.STUDY_TAG: name,
+                st.TRIAL_TAG: str(trial.number),
+            },
+            callbacks=(callback, PyTorchLightningPruningCallback(trial, monitor="val/acc")),
+        )
+        record = train(params, self.data_dir(params), out, self.setup.root, params_file, extras)
+        assert record is not None  # one device: this process is rank 0
+        return record
+
+    def trial_params(self, number: int, values: dict[str, Any]) -> tuple[Params, dict[str, Any]]:
+        """The base params with the trial's values; trials start anew (train.resume: never)
+        and on one device, and log into the study's experiment whatever data they sample."""
+        raw = copy.deepcopy(self.setup.raw)
+        for key, value in values.items():
+            set_key(raw, key, value)
+        set_key(raw, "train.resume", "never")
+        if raw.get("train", {}).get("devices", "auto") == "auto":
+            set_key(raw, "train.devices", 1)
+        params = parse_params(raw, f"trial {number}'s params")
+        if params.experiment_name() != self.tracking.experiment:
+            set_key(raw, "mlflow.experiment", self.tracking.experiment)
+            params = parse_params(raw, f"trial {number}'s params")
+        return params, raw
+
+    def trial_ended(
+        self, number: int, what: str, t0: float, exc: BaseException | None = None, value: Any = None
+    ) -> None:
+        """The trial's end line, with the study's best so far (``value``: this trial's, not
+        yet told to the study), and the parent run's running best."""
+        client, parent = self.tracking.client, self.tracking.parent_id
+        best = ""
+        try:
+            done = self.load().get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            scores = [(float(t.value or 0.0), t.number) for t in done if t.number != number]
+            if value is not None:
+                client.log_metric(parent, "trial_val_acc", value, step=number)
+                scores.append((value, number))
+            if scores:
+                top, top_n = max(scores, key=lambda s: (s[0], -s[1]))
+                client.log_metric(parent, "best_val_acc", top, step=number)
+                best = f" (best so far: trial {top_n}, {top:.4f})"
+        except Exception as err:  # the parent's chart is not worth a trial
+            log.warning("could not log trial %d on the study's MLflow run: %s", number, err)
+        log.info(
+            "trial %d (%d/%d) %s in %.1fs%s",
+            number,
+            number + 1,
+            self.setup.trials,
+            what,
+            time.monotonic() - t0,
+            best,
+            exc_info=exc,
+        )
+
+    def interrupted(self, trial: Trial, err: BaseException) -> KeyboardInterrupt:
+        """Ctrl-C or SIGTERM in a trial: the trial FAILs (Optuna re-raises the interrupt),
+        its run is KILLED (train did that inside the fit), and the command stops."""
+        code = err.code if isinstance(err, SystemExit) else None
+        term = isinstance(err, Terminated) or code == 128 + signal.SIGTERM
+        what = "SIGTERM" if term else "Ctrl-C (SIGINT)"
+        with contextlib.suppress(Exception):  # the store may be what the signal cut into
+            trial.set_user_attr(st.ERROR_ATTR, f"interrupted by {what}")
+        self.tracking.end_trial(trial.number, TrialState.FAIL, f"{what} mid-trial", killed=True)
+        return Terminated() if term else KeyboardInterrupt()
+
+    def finish(self, interrupted: str | None = None) -> optuna.Study:
+        """End this worker: the parent run FINISHED (KILLED if ``interrupted``) unless
+        another worker still runs a trial, with the best trial as tags."""
+        study = self.load()
+        client, parent = self.tracking.client, self.tracking.parent_id
+        trials = study.get_trials(deepcopy=False)
+        count = {s: sum(t.state == s for t in trials) for s in TrialState}
+        log.info(
+            "study %s: %d trials (%d complete, %d pruned, %d failed, %d running)",
+            study.study_name,
+            len(trials),
+            count[TrialState.COMPLETE],
+            count[TrialState.PRUNED],
+            count[TrialState.FAIL],
+            count[TrialState.RUNNING],
+        )
+        top = best_trial(study)
+        if top is not None:
+            client.set_tag(parent, "best_trial", str(top.number))
+            client.log_metric(parent, "best_val_acc", float(top.value or 0.0), step=len(trials))
+            for key, value in trial_values(top).items():
+                client.set_tag(parent, f"best.{key}", best_mod.yaml_value(value)[:5000])
+        running = st.running_trials(study)
+        if running:
+            log.info(
+                "trial(s) %s still running in another worker: the study's MLflow run stays "
+                "RUNNING until that worker ends",
+                ", ".join(map(str, running)),
+            )
+        elif interrupted:
+            client.set_tag(parent, st.END_REASON_TAG, interrupted)
+            client.set_terminated(parent, "KILLED")
+        else:
+            client.set_terminated(parent, "FINISHED")
+        return study
+
+
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return max(done, key=lambda t: (t.value or 0.0, -t.number), default=None)
+
+
+def trial_values(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    """The trial's params as the params file takes them (a list choice as a list)."""
+    values = trial.user_attrs.get("params")
+    return values if isinstance(values, dict) else dict(trial.params)

@@ -1,0 +1,366 @@
+"""``trainyard tune``: real Optuna studies in sqlite storages, real MLflow sqlite stores, the
+real console script in subprocesses on a tiny image folder (36 drawn shapes at 16x16, two
+epochs a trial: a trial takes a second or two, a process start about ten).
+
+What a user relies on: a study of N trials is N child runs under one parent run and its best
+trial becomes a queued DVC experiment; a kill mid-trial and a rerun continue the same study
+and parent run with the killed trial failed and its run ended; a trial that fails does not
+stop the study; two workers on one sqlite study share it without overshooting or
+duplicating; a pruned trial is recorded as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from trainyard.core.errors import ParamsError
+from trainyard.experiments import best as best_mod
+from trainyard.experiments import study as st
+from trainyard.experiments import tune
+
+from conftest import REPO, VENV_BIN, copy_repo, dvc, make_photo_folder, stage_env
+
+TRAINYARD = str(VENV_BIN / "trainyard")
+STUDY = "photos-tune"  # auto: <MLflow experiment>-tune, the experiment is the folder's name
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tune-data") / "photos"
+    make_photo_folder(root, per_class=12, litter=False)
+    return root
+
+
+def base_args(photos: Path, epochs: int = 2) -> list[str]:
+    """-S overrides for a trial of a second or two."""
+    sets = {
+        "data.source": "folder",
+        "data.folder": str(photos),
+        "data.image_size": 16,
+        "train.arch": "cnn",
+        "train.max_epochs": epochs,
+        "train.time_budget_min": "null",
+        "mlflow.system_metrics": "false",
+    }
+    return [a for k, v in sets.items() for a in ("-S", f"{k}={v}")]
+
+
+def workdir(tmp_path: Path) -> Path:
+    """A folder with the repository's params.yaml: not a git or DVC repository."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    return tmp_path
+
+
+def env_for(cwd: Path) -> dict[str, str]:
+    return stage_env(MLFLOW_TRACKING_URI=f"sqlite:///{cwd}/mlflow.db")
+
+
+def start(cwd: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [TRAINYARD, "tune", *args],
+        cwd=cwd,
+        env=env_for(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run_tune(cwd: Path, *args: str, expect: int = 0) -> tuple[str, str]:
+    proc = start(cwd, *args)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == expect, f"exit {proc.returncode}\n{out}\n{err[-6000:]}"
+    assert "database is locked" not in err
+    return out, err
+
+
+def load_study(cwd: Path) -> optuna.Study:
+    return optuna.load_study(study_name=STUDY, storage=f"sqlite:///{cwd}/optuna.db")
+
+
+def study_runs(cwd: Path) -> tuple[mlflow.entities.Run, list[mlflow.entities.Run]]:
+    """The study's parent run and its child runs (by trial number)."""
+    client = mlflow.MlflowClient(f"sqlite:///{cwd}/mlflow.db")
+    exp = client.get_experiment_by_name("photos")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`optuna.study` = '{STUDY}'")
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1, [r.info.run_name for r in parents]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    return parents[0], sorted(children, key=lambda r: int(r.data.tags["optuna.trial"]))
+
+
+def all_runs(cwd: Path) -> list[mlflow.entities.Run]:
+    client = mlflow.MlflowClient(f"sqlite:///{cwd}/mlflow.db")
+    exps = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(exps)
+
+
+# ---------------------------------------------------------------- fast: the pieces
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        0.0011155792840695788,
+        1e-05,
+        2.5e-10,
+        1e16,
+        0.1,
+        3.0,
+        64,
+        True,
+        None,
+        "cnn",
+        "1e-05",
+        [32, 48],
+    ],
+)
+def test_override_values_read_back_exactly_by_pyyaml(value):
+    text = best_mod.yaml_value(value)
+    assert yaml.safe_load(text) == value and type(yaml.safe_load(text)) is type(value), text
+
+
+def test_overrides_apply_before_validation_and_a_bad_key_is_named(tmp_path):
+    cwd = workdir(tmp_path)
+    ns = argparse.Namespace(
+        params=str(cwd / "params.yaml"), trials=3, timeout=None, study=None, overrides=[]
+    )
+    ns.overrides = [
+        tune.parse_override("train.max_epochs=1"),
+        tune.parse_override("data.limit=8000"),
+    ]
+    setup = tune.load_setup(ns)
+    assert (setup.base.train.max_epochs, setup.base.data.limit, setup.trials) == (1, 8000, 3)
+    assert setup.study_name == "fashion-mnist-tune"
+    assert setup.overrides == {"train.max_epochs": 1, "data.limit": 8000}  # tune.* never kept
+    ns.overrides = [tune.parse_override("train.max_epoch=1")]
+    with pytest.raises(ParamsError, match=r"train\.max_epoch: unknown key"):
+        tune.load_setup(ns)
+    ns.overrides, ns.study = [], "no spaces allowed"
+    with pytest.raises(ParamsError, match=r"tune\.study"):
+        tune.load_setup(ns)
+    with pytest.raises(argparse.ArgumentTypeError):
+        tune.parse_override("train.lr")
+
+
+def test_a_dead_worker_is_told_from_a_live_one():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    gone = st.worker_id(int(proc.stdout))
+    assert st.worker_dead(gone.rsplit("/", 1)[0] + "/1")  # the pid is gone
+    assert not st.worker_dead(st.worker_id())  # this process
+    host, boot, pid, ticks = st.worker_id().split("/")
+    assert st.worker_dead(f"{host}/{boot}/{pid}/{int(ticks) + 1}")  # same pid, another process
+    assert not st.worker_dead(f"elsewhere/{boot}/{proc.stdout.strip()}/1")  # another machine's
+
+
+# ---------------------------------------------------------------- slow: real studies
+
+
+@pytest.mark.slow
+def test_a_study_is_child_runs_under_one_parent_and_its_best_is_queued_in_dvc(tmp_path, photos):
+    repo = copy_repo(tmp_path / "repo")
+    out, err = run_tune(repo, "--trials", "3", *base_args(photos))
+    study = load_study(repo)
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3, err[-4000:]
+    parent, children = study_runs(repo)
+    assert parent.info.run_name == STUDY and parent.info.status == "FINISHED"
+    assert study.user_attrs[st.PARENT_ATTR] == parent.info.run_id
+    assert [r.info.run_name for r in children] == [f"{STUDY}-trial-{n}" for n in range(3)]
+    for trial, run in zip(trials, children, strict=True):
+        assert run.info.status == "FINISHED" and run.data.tags["optuna.state"] == "COMPLETE"
+        assert trial.user_attrs[st.RUN_ATTR] == run.info.run_id
+        # the command's -S and the trial's sampled values are the run's params, exactly
+        assert run.data.params["train.max_epochs"] == "2"
+        assert run.data.params["data.image_size"] == "16"
+        assert run.data.params["train.resume"] == "never"
+        for key, value in trial.params.items():
+            assert run.data.params[key] == str(value), key
+    best = max(trials, key=lambda t: (t.value, -t.number))
+    assert parent.data.tags["best_trial"] == str(best.number)
+    assert parent.data.metrics["best_val_acc"] == pytest.approx(best.value)
+    # one [tune] line per trial's start and end
+    for n in range(3):
+        assert f"[tune] trial {n} ({n + 1}/3): train.lr=" in err
+        assert f"[tune] trial {n} ({n + 1}/3) COMPLETE: val/acc " in err
+    assert f"best trial {best.number} of study {STUDY}: val/acc {best.value:.4f}" in out
+    # the best as -S overrides, and queued as a DVC experiment with exactly those values
+    written = yaml.safe_load((repo / "reports/tune-best.yaml").read_text())
+    assert written["trial"] == best.number and written["params"] == best.params
+    assert "train.max_epochs=2" in written["overrides"]
+    name = f"{STUDY}-best-{best.number}"
+    assert f"queued DVC experiment {name}" in out, out
+    assert name in dvc(repo, "queue", "status").stdout
+    shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
+    queued = [
+        rev["data"]["params"]["params.yaml"]["data"]
+        for row in shown
+        for exp in row.get("experiments") or []
+        for rev in exp["revs"]
+        if rev.get("name") == name
+    ]
+    assert len(queued) == 1
+    assert queued[0]["train"]["lr"] == best.params["train.lr"]
+    assert queued[0]["train"]["max_epochs"] == 2
+    # A rerun with the same --trials: nothing left to run, nothing queued twice.
+    out2, err2 = run_tune(repo, "--trials", "3", *base_args(photos))
+    assert len(load_study(repo).get_trials()) == 3 and "trial 3" not in err2
+    assert f"DVC experiment {name} is already queued or run" in out2
+    assert study_runs(repo)[0].info.run_id == parent.info.run_id
+
+
+def trial_running(cwd: Path, number: int) -> bool:
+    """Trial ``number`` is RUNNING and its MLflow run exists (its fit has started)."""
+    db = cwd / "optuna.db"
+    if not db.exists():
+        return False
+    try:
+        trials = load_study(cwd).get_trials(deepcopy=False)
+    except KeyError:  # the study is not created yet
+        return False
+    return any(
+        t.number == number and t.state == TrialState.RUNNING and st.RUN_ATTR in t.user_attrs
+        for t in trials
+    )
+
+
+@pytest.mark.slow
+def test_killed_mid_trial_a_rerun_continues_the_study_and_ends_the_killed_run(tmp_path, photos):
+    cwd = workdir(tmp_path)
+    # 40 epochs, no early stop: a trial runs a few seconds, long enough to be caught
+    patience = ["-S", "train.early_stopping_patience=40"]
+    args = ["--trials", "3", "--no-queue", *base_args(photos, epochs=40), *patience]
+    proc = start(cwd, *args)
+    deadline = time.monotonic() + 300
+    while not trial_running(cwd, 1):
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, "trial 1 never started"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    parent_before = load_study(cwd).user_attrs[st.PARENT_ATTR]
+    killed_run = load_study(cwd).trials[1].user_attrs[st.RUN_ATTR]
+    assert (
+        mlflow.MlflowClient(f"sqlite:///{cwd}/mlflow.db").get_run(killed_run).info.status
+        == "RUNNING"
+    )
+
+    _out, err = run_tune(cwd, *args)
+    assert "trial 1: worker process" in err and "was killed mid-trial" in err, err[-4000:]
+    study = load_study(cwd)
+    assert [t.number for t in study.trials] == [0, 1, 2]
+    assert study.trials[1].state == TrialState.FAIL
+    assert "killed" in study.trials[1].user_attrs[st.ERROR_ATTR]
+    assert study.trials[0].state == TrialState.COMPLETE and study.trials[2].state.is_finished()
+    assert study.user_attrs[st.PARENT_ATTR] == parent_before
+    parent, children = study_runs(cwd)
+    assert parent.info.run_id == parent_before and parent.info.status == "FINISHED"
+    killed = next(r for r in children if r.info.run_id == killed_run)
+    assert killed.info.status == "KILLED" and killed.data.tags["optuna.state"] == "FAIL"
+    assert "killed mid-trial" in killed.data.tags["trainyard.end_reason"]
+    assert [r.info.status for r in all_runs(cwd) if r.info.status == "RUNNING"] == []
+
+
+@pytest.mark.slow
+def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, photos):
+    cwd = workdir(tmp_path)
+    # batch size 0 is no batch size: such a trial fails validation, the others train.
+    space = (
+        "tune.space={train.batch_size: {choices: [0, 16]}, "
+        "train.lr: {low: 0.001, high: 0.01, log: true}}"
+    )
+    # seed 1: the trials draw batch sizes 16, 0, 16 (a failure between two trainings)
+    args = [*base_args(photos), "-S", space, "-S", "seed=1"]
+    _out, err = run_tune(cwd, "--trials", "3", "--no-queue", *args)
+    trials = load_study(cwd).trials
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(trials) == 3 and failed and done, [(t.state, t.params) for t in trials]
+    assert max(t.number for t in trials) > min(t.number for t in failed)  # one ran after a failure
+    for t in failed:
+        assert t.params["train.batch_size"] == 0
+        assert "train.batch_size" in t.user_attrs[st.ERROR_ATTR]
+        assert f"[tune] trial {t.number} ({t.number + 1}/3) FAILED: invalid params" in err
+    assert all(t.params["train.batch_size"] == 16 for t in done)
+    _parent, children = study_runs(cwd)  # a trial that never trained has no run
+    assert [int(r.data.tags["optuna.trial"]) for r in children] == [t.number for t in done]
+
+
+@pytest.mark.slow
+def test_two_workers_share_one_sqlite_study(tmp_path, photos):
+    cwd = workdir(tmp_path)
+    args = ["--trials", "4", "--no-queue", *base_args(photos, epochs=6)]
+    procs = [start(cwd, *args) for _ in range(2)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (_out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+        assert "database is locked" not in err and "Traceback" not in err
+    trials = load_study(cwd).trials
+    assert sorted(t.number for t in trials) == [0, 1, 2, 3]
+    assert all(t.state.is_finished() and t.state != TrialState.FAIL for t in trials)
+    workers = {t.user_attrs[st.WORKER_ATTR] for t in trials}
+    assert len(workers) == 2, workers  # both took trials
+    parent, children = study_runs(cwd)  # one parent, each trial one child under it
+    assert sorted(int(r.data.tags["optuna.trial"]) for r in children) == [0, 1, 2, 3]
+    assert parent.info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_a_pruned_trial_is_recorded_pruned_and_its_run_killed(tmp_path, photos):
+    cwd = workdir(tmp_path)
+    # Five finished trials that scored 1.5 at every epoch (more than any accuracy): the
+    # median pruner, past its five startup trials, prunes the next one at its first epoch.
+    study = optuna.create_study(
+        study_name=STUDY, storage=f"sqlite:///{cwd}/optuna.db", direction="maximize"
+    )
+    for _ in range(5):
+        study.add_trial(
+            optuna.trial.create_trial(value=1.5, intermediate_values={e: 1.5 for e in range(3)})
+        )
+    _out, err = run_tune(
+        cwd,
+        "--trials",
+        "6",
+        "--no-queue",
+        *base_args(photos, epochs=3),
+        "-S",
+        "tune.pruner_warmup_epochs=0",
+    )
+    trial = load_study(cwd).trials[5]
+    assert trial.state == TrialState.PRUNED, err[-4000:]
+    assert list(trial.intermediate_values) == [0]
+    assert "[tune] trial 5 (6/6) PRUNED at epoch 1: val/acc" in err
+    _parent, children = study_runs(cwd)
+    (run,) = children
+    assert run.info.run_id == trial.user_attrs[st.RUN_ATTR]
+    assert run.data.tags["optuna.state"] == "PRUNED" and run.info.status == "KILLED"
+    assert run.data.tags["trainyard.end_reason"].startswith("pruned by Optuna at epoch 1")
+
+
+@pytest.mark.slow
+def test_a_bad_override_names_the_key(tmp_path):
+    cwd = workdir(tmp_path)
+    _out, err = run_tune(cwd, "-S", "train.lrr=0.1", expect=1)
+    assert "trainyard tune: error: invalid params" in err and "train.lrr: unknown key" in err
+    assert not (cwd / "optuna.db").exists()
+    _out, err = run_tune(cwd, "-S", "train.lr", expect=2)
+    assert "expected KEY=VALUE" in err
+    assert os.listdir(cwd) == ["params.yaml"]
