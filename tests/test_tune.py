@@ -24,6 +24,7 @@ from pathlib import Path
 import mlflow
 import optuna
 import pytest
+import sqlalchemy.exc
 import yaml
 from optuna.trial import TrialState
 
@@ -31,6 +32,7 @@ from trainyard.core.errors import ParamsError
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
 from trainyard.experiments import tune
+from trainyard.track.runs import ensure_experiment
 
 from conftest import REPO, VENV_BIN, copy_repo, dvc, make_photo_folder, stage_env
 
@@ -90,7 +92,12 @@ def run_tune(cwd: Path, *args: str, expect: int = 0) -> tuple[str, str]:
 
 
 def load_study(cwd: Path) -> optuna.Study:
-    return optuna.load_study(study_name=STUDY, storage=f"sqlite:///{cwd}/optuna.db")
+    """The study, read without creating the storage's tables (a poll while ``trainyard
+    tune`` creates them must not race it)."""
+    storage = optuna.storages.RDBStorage(
+        f"sqlite:///{cwd}/optuna.db", skip_compatibility_check=True, skip_table_creation=True
+    )
+    return optuna.load_study(study_name=STUDY, storage=storage)
 
 
 def study_runs(cwd: Path) -> tuple[mlflow.entities.Run, list[mlflow.entities.Run]]:
@@ -171,6 +178,36 @@ def test_a_dead_worker_is_told_from_a_live_one():
     assert not st.worker_dead(f"elsewhere/{boot}/{proc.stdout.strip()}/1")  # another machine's
 
 
+@pytest.mark.filterwarnings(
+    "ignore:Heartbeat of storage", "ignore::optuna.exceptions.ExperimentalWarning"
+)
+def test_a_silent_worker_trial_is_failed_and_its_run_killed(tmp_path):
+    """A worker on another machine (or one whose pid this machine cannot judge) that stops
+    beating: Optuna fails its trial at the next trial start, the callback ends its run."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    ensure_experiment(uri, "photos")
+    tracking = st.Tracking(uri, "photos")
+    client = tracking.client
+    exp = client.get_experiment_by_name("photos").experiment_id
+    tracking.parent_id = client.create_run(exp, run_name=STUDY).info.run_id
+    tags = {"mlflow.parentRunId": tracking.parent_id, "optuna.study": STUDY, "optuna.trial": "0"}
+    child = client.create_run(exp, tags=tags).info.run_id
+    storage = st.open_storage(
+        f"sqlite:///{tmp_path}/optuna.db", st.StaleTrials(tracking), heartbeat_s=1, grace_s=1
+    )
+    study = optuna.create_study(storage=storage, study_name=STUDY, direction="maximize")
+    storage.record_heartbeat(study.ask()._trial_id)
+    optuna.storages.fail_stale_trials(study)
+    assert study.trials[0].state == TrialState.RUNNING  # within its grace period
+    time.sleep(2.2)
+    optuna.storages.fail_stale_trials(study)
+    assert study.trials[0].state == TrialState.FAIL
+    run = client.get_run(child)
+    assert run.info.status == "KILLED" and run.data.tags["optuna.state"] == "FAIL"
+    assert "stopped sending heartbeats" in run.data.tags["trainyard.end_reason"]
+    assert client.get_run(tracking.parent_id).info.status == "RUNNING"  # the study's own
+
+
 # ---------------------------------------------------------------- slow: real studies
 
 
@@ -234,7 +271,7 @@ def trial_running(cwd: Path, number: int) -> bool:
         return False
     try:
         trials = load_study(cwd).get_trials(deepcopy=False)
-    except KeyError:  # the study is not created yet
+    except (KeyError, sqlalchemy.exc.OperationalError):  # no study, or no tables, yet
         return False
     return any(
         t.number == number and t.state == TrialState.RUNNING and st.RUN_ATTR in t.user_attrs
@@ -277,6 +314,31 @@ def test_killed_mid_trial_a_rerun_continues_the_study_and_ends_the_killed_run(tm
     assert killed.info.status == "KILLED" and killed.data.tags["optuna.state"] == "FAIL"
     assert "killed mid-trial" in killed.data.tags["trainyard.end_reason"]
     assert [r.info.status for r in all_runs(cwd) if r.info.status == "RUNNING"] == []
+
+
+@pytest.mark.slow
+def test_sigterm_mid_trial_fails_the_trial_and_ends_both_runs_killed(tmp_path, photos):
+    cwd = workdir(tmp_path)
+    patience = ["-S", "train.early_stopping_patience=200"]
+    proc = start(cwd, "--trials", "2", "--no-queue", *base_args(photos, epochs=200), *patience)
+    deadline = time.monotonic() + 300
+    while not trial_running(cwd, 0):
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, "trial 0 never started"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-4000:]
+    assert "trainyard tune: terminated (SIGTERM); `trainyard tune` again continues" in err
+    (trial,) = load_study(cwd).trials
+    assert trial.state == TrialState.FAIL
+    assert trial.user_attrs[st.ERROR_ATTR] == "interrupted by SIGTERM"
+    parent, (child,) = study_runs(cwd)
+    assert child.info.status == "KILLED" and child.data.tags["optuna.state"] == "FAIL"
+    assert child.data.tags["trainyard.end_reason"].startswith("SIGTERM at epoch")  # train's
+    assert parent.info.status == "KILLED"
+    assert parent.data.tags["trainyard.end_reason"] == "SIGTERM in trainyard tune"
+    assert not Path(trial.user_attrs[st.RESUME_ATTR]).exists()  # never resumed: removed
 
 
 @pytest.mark.slow
@@ -360,7 +422,4 @@ def test_a_bad_override_names_the_key(tmp_path):
     cwd = workdir(tmp_path)
     _out, err = run_tune(cwd, "-S", "train.lrr=0.1", expect=1)
     assert "trainyard tune: error: invalid params" in err and "train.lrr: unknown key" in err
-    assert not (cwd / "optuna.db").exists()
-    _out, err = run_tune(cwd, "-S", "train.lr", expect=2)
-    assert "expected KEY=VALUE" in err
-    assert os.listdir(cwd) == ["params.yaml"]
+    assert os.listdir(cwd) == ["params.yaml"]  # stopped before any store or study

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 import mlflow
 import optuna
 import sqlalchemy.engine
+import sqlalchemy.exc
 from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 from optuna.exceptions import ExperimentalWarning, UpdateFinishedTrialError
@@ -71,9 +73,11 @@ def redacted(url: str) -> str:
         return url
 
 
-def open_storage(url: str, on_stale: Any) -> optuna.storages.RDBStorage:
+def open_storage(
+    url: str, on_stale: Any, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S
+) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage with heartbeats; ``on_stale(study, trial)`` is called for each
-    trial failed because its worker stopped beating."""
+    trial failed because its worker stopped beating for ``grace_s``."""
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite:"):
         # Several workers write one file: wait for its lock up to a minute (sqlite's own
@@ -82,21 +86,30 @@ def open_storage(url: str, on_stale: Any) -> optuna.storages.RDBStorage:
         path = url.removeprefix("sqlite:///")
         if path and path != ":memory:" and not Path(path).parent.is_dir():
             raise StudyError(f"tune.storage {url}: folder {Path(path).parent} does not exist")
-    try:
-        with warnings.catch_warnings():  # heartbeats are "experimental" since Optuna 2.9
-            warnings.simplefilter("ignore", ExperimentalWarning)
-            return optuna.storages.RDBStorage(
-                url,
-                heartbeat_interval=HEARTBEAT_S,
-                grace_period=GRACE_S,
-                heartbeat_stale_trial_callback=on_stale,
-                **kwargs,
-            )
-    except Exception as err:  # a bad URL, a missing driver, a server that does not answer
-        raise StudyError(
-            f"tune.storage {redacted(url)}: cannot open the Optuna storage: "
-            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        ) from None
+    for attempt in (1, 2):
+        try:
+            with warnings.catch_warnings():  # heartbeats are "experimental" since Optuna 2.9
+                warnings.simplefilter("ignore", ExperimentalWarning)
+                return optuna.storages.RDBStorage(
+                    url,
+                    heartbeat_interval=heartbeat_s,
+                    grace_period=grace_s,
+                    heartbeat_stale_trial_callback=on_stale,
+                    **kwargs,
+                )
+        except sqlalchemy.exc.IntegrityError:
+            # A new storage's tables, created by two workers at once (this machine's
+            # workers open it under the StudyLock; another machine's may not): the other
+            # one's are there now.
+            if attempt == 2:
+                raise
+            time.sleep(1)
+        except Exception as err:  # a bad URL, a missing driver, a server that does not answer
+            raise StudyError(
+                f"tune.storage {redacted(url)}: cannot open the Optuna storage: "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            ) from None
+    raise AssertionError("unreachable")
 
 
 class StudyLock:
@@ -246,13 +259,21 @@ class Tracking:
         )
 
     def end_trial(
-        self, number: int, state: TrialState, reason: str | None = None, killed: bool = False
+        self,
+        number: int,
+        state: TrialState,
+        reason: str | None = None,
+        killed: bool = False,
+        overwrite: bool = True,
     ) -> None:
         """Tag trial ``number``'s child run with its Optuna state; a run not FINISHED by its
-        training ends with ``reason`` (tag trainyard.end_reason): KILLED when pruned or its
-        worker ``killed``, else FAILED. Never raises: the study goes on."""
+        training ends with ``reason`` (tag trainyard.end_reason; not over one already there
+        unless ``overwrite``): KILLED when pruned or its worker ``killed``, else FAILED.
+        Never raises: the study goes on."""
         try:
             for run in self.trial_runs(number):
+                if not overwrite and END_REASON_TAG in run.data.tags:
+                    reason = None
                 self._end(run, state, reason, killed)
         except Exception as err:
             log.warning("could not tag the MLflow run of trial %d: %s", number, err)
@@ -406,8 +427,8 @@ class StaleTrials:
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         reason = (
-            f"no heartbeat from its worker for {GRACE_S} s (killed, or its machine lost); "
-            f"failed by {worker_id()}"
+            "its worker stopped sending heartbeats (killed, or its machine lost); failed "
+            f"by {worker_id()}"
         )
         log.warning("trial %d: %s", trial.number, reason)
         drop_resume_folder(trial)

@@ -194,8 +194,9 @@ class Tuner:
         uri = resolve_tracking_uri(setup.root)
         check_tracking_uri(uri)
         self.tracking = st.Tracking(uri, base.experiment_name())
-        self.storage = st.open_storage(setup.url, st.StaleTrials(self.tracking))
         self.lock = st.StudyLock.for_storage(setup.url, setup.study_name, setup.root)
+        with self.lock:  # the first workers of a new storage would create its tables at once
+            self.storage = st.open_storage(setup.url, st.StaleTrials(self.tracking))
         self.started = time.monotonic()
         self._data: dict[str, Path] = {}
 
@@ -286,6 +287,7 @@ class Tuner:
             self.trial_ended(n, f"PRUNED {why}", t0)
             raise
         except (KeyboardInterrupt, SystemExit) as err:
+            callback.drop_resume_folder()
             raise self.interrupted(trial, err) from None
         except Exception as err:
             callback.drop_resume_folder()
@@ -376,7 +378,10 @@ class Tuner:
         what = "SIGTERM" if term else "Ctrl-C (SIGINT)"
         with contextlib.suppress(Exception):  # the store may be what the signal cut into
             trial.set_user_attr(st.ERROR_ATTR, f"interrupted by {what}")
-        self.tracking.end_trial(trial.number, TrialState.FAIL, f"{what} mid-trial", killed=True)
+        # train's own reason (signal, epoch, step) stays when the fit was what it cut short
+        self.tracking.end_trial(
+            trial.number, TrialState.FAIL, f"{what} mid-trial", killed=True, overwrite=False
+        )
         return Terminated() if term else KeyboardInterrupt()
 
     def finish(self, interrupted: str | None = None) -> optuna.Study:
