@@ -173,7 +173,7 @@ def test_ctrl_c_in_registration_leaves_no_version_without_alias(store, monkeypat
 def test_a_registration_cut_off_by_sigkill_is_removed_by_the_next(store, caplog):
     import mlflow
 
-    caplog.set_level(logging.INFO, logger="fashion-mnist")
+    caplog.set_level(logging.INFO, logger="trainyard")
     client, run_id, uri = store
     # What a SIGKILL inside mlflow.register_model leaves: our tags, no decision, no alias.
     tags = {"run_id": run_id, SHA_TAG: "a" * 64, "test_accuracy": "0.900000"}

@@ -117,7 +117,7 @@ def test_resume_never_starts_fresh(tmp_path, store):
 @pytest.mark.parametrize("ckpt", [b"PK\x03\x04 truncated", None])
 def test_corrupt_or_missing_checkpoint_starts_fresh(tmp_path, store, caplog, ckpt):
     uri, client, exp = store
-    caplog.set_level(logging.INFO, logger="fashion-mnist")
+    caplog.set_level(logging.INFO, logger="trainyard")
     run_id, _ = interrupted(tmp_path, "k1", uri, client, exp, ckpt=ckpt)
     res = prepare(tmp_path, "k1", "auto", uri, client, lead=True)
     res.release()
@@ -135,7 +135,7 @@ def test_corrupt_or_missing_checkpoint_starts_fresh(tmp_path, store, caplog, ckp
 
 def test_a_live_training_keeps_its_folder(tmp_path, store, caplog):
     uri, client, exp = store
-    caplog.set_level(logging.INFO, logger="fashion-mnist")
+    caplog.set_level(logging.INFO, logger="trainyard")
     first = prepare(tmp_path, "k1", "auto", uri, client, lead=True)
     first.write_state(client.create_run(exp).info.run_id, exp, uri)
     try:
