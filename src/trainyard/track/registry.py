@@ -143,24 +143,7 @@ def register_and_promote(
     MLflow's own register call) deletes them first.
     """
 
-    tags = {
-        ACCURACY_TAG: f"{test_acc:.6f}",
-        DATA_TAG: data_version,
-        SHA_TAG: onnx_sha256,
-        "run_id": run_id,
-    }
-    if contract is not None:
-        classes = json.dumps(list(contract.classes), ensure_ascii=False)
-        tags |= {
-            "dataset.source": contract.source,
-            "dataset.num_classes": str(contract.num_classes),
-            # MLflow caps a tag value at 5,000 characters; hundreds of long names exceed it.
-            "dataset.classes": classes if len(classes) <= 5000 else classes[:4990] + "...",
-            "input_shape": "x".join(str(d) for d in contract.input_shape),
-            "resize": contract.resize,
-        }
-    if sweep:
-        tags["dvc.exp_name"] = sweep
+    tags = version_tags(run_id, test_acc, data_version, onnx_sha256, contract, sweep)
     done = _already_registered(client, name, run_id, tags)
     if done is not None:
         return done
@@ -198,6 +181,37 @@ def register_and_promote(
         "source": model_uri,
         "already_registered": False,
     }
+
+
+def version_tags(
+    run_id: str,
+    test_acc: float,
+    data_version: str,
+    onnx_sha256: str,
+    contract: Any | None = None,
+    sweep: str | None = None,
+) -> dict[str, str]:
+    """The tags a new version is registered with: what it scored on which data, its bytes,
+    its run, the input contract, and the DVC experiment of a sweep."""
+    tags = {
+        ACCURACY_TAG: f"{test_acc:.6f}",
+        DATA_TAG: data_version,
+        SHA_TAG: onnx_sha256,
+        "run_id": run_id,
+    }
+    if contract is not None:
+        classes = json.dumps(list(contract.classes), ensure_ascii=False)
+        tags |= {
+            "dataset.source": contract.source,
+            "dataset.num_classes": str(contract.num_classes),
+            # MLflow caps a tag value at 5,000 characters; hundreds of long names exceed it.
+            "dataset.classes": classes if len(classes) <= 5000 else classes[:4990] + "...",
+            "input_shape": "x".join(str(d) for d in contract.input_shape),
+            "resize": contract.resize,
+        }
+    if sweep:
+        tags["dvc.exp_name"] = sweep
+    return tags
 
 
 def _versions_of_run(client: Any, name: str, run_id: str) -> list[Any]:

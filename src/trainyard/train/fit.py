@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
@@ -43,7 +42,8 @@ from trainyard.train.builder import build_trainer
 from trainyard.train.history import HISTORY_FILE, History
 from trainyard.train.nodes import Nodes, ShareRun, join_nodes, resume_mode, what_trains
 from trainyard.train.perf import InputBoundMeter
-from trainyard.train.recipe import MIN_STEPS, Plan, describe, load_plan, plan
+from trainyard.train.progress import EpochTimer
+from trainyard.train.recipe import Plan, describe, few_steps_warning, load_plan, plan
 from trainyard.train.resume import (
     RESUME_ROOT,
     AtomicCheckpointIO,
@@ -66,69 +66,6 @@ warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfe
 BEST_CKPT = "best.ckpt"
 RECIPE_FILE = "recipe.json"  # the plan, beside the resumable checkpoint and in the MLflow run
 HARD_STOP = 1.25  # a planned run stops at this multiple of train.time_budget_min
-
-
-def few_steps_warning(train_images: int, batch_size: int, max_epochs: int) -> str | None:
-    """A warning naming the keys to change when the whole run is only a handful of
-    optimizer steps: batch 256 suits Fashion-MNIST's 55k images (215 steps an epoch), and
-    a folder of a few hundred photos gets one or two steps an epoch from it."""
-    total = -(-train_images // batch_size) * max_epochs
-    if total >= MIN_STEPS:
-        return None
-    # The suggestion must itself reach MIN_STEPS: a smaller batch (not below 8), then as
-    # many epochs as that takes (the user may already run at batch 32 for 30 epochs).
-    batch = max(8, min(32, batch_size))
-    epochs = max(max_epochs, -(-MIN_STEPS // -(-train_images // batch)))
-    return (
-        f"only {total} optimizer steps in the whole run ({train_images} train images, "
-        f"train.batch_size {batch_size}, train.max_epochs {max_epochs}); a small dataset "
-        f"needs {MIN_STEPS} or more: e.g. -S train.batch_size={batch} "
-        f"-S train.max_epochs={epochs} -S train.early_stopping_patience={epochs} (a few "
-        "hundred images learn slowly and a small val split is noisy: let the schedule run out)"
-    )
-
-
-class EpochTimer(L.Callback):
-    """Logs epoch time and training throughput (img/s): the number that shows a fed GPU."""
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.t0, self.seen = time.perf_counter(), 0
-        self.t_train_end = self.t0
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # A fit resumed within an epoch (a timed checkpoint) skips on_train_epoch_start.
-        self.on_train_epoch_start(trainer, pl_module)
-
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        self.seen += int(batch[1].shape[0])
-        self.t_train_end = time.perf_counter()  # img/s counts training steps, not validation
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        dt = time.perf_counter() - self.t0
-        # Under DDP every rank trains an equal shard in lockstep: total = world_size x own.
-        rate = self.seen * trainer.world_size / max(self.t_train_end - self.t0, 1e-9)
-        pl_module.log("train/epoch_time_s", dt, on_epoch=True, rank_zero_only=True)
-        pl_module.log("train/img_per_s", rate, on_epoch=True, rank_zero_only=True)
-        if not trainer.is_global_zero:
-            return
-        m = trainer.callback_metrics
-        # One plain line per epoch: readable in `dvc repro` logs, where no progress bar draws.
-        log.info(
-            "epoch %d/%d train/loss %.4f val/acc %.4f %.1fs %s img/s",
-            trainer.current_epoch + 1,
-            trainer.max_epochs,
-            float(m.get("train/loss_epoch", float("nan"))),
-            float(m.get("val/acc", float("nan"))),
-            dt,
-            f"{rate:,.0f}",
-        )
 
 
 @dataclass(frozen=True)

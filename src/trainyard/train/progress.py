@@ -1,7 +1,7 @@
 """What a fit says as it goes, in log lines: the model's size once, a line every
 ``every_s`` seconds within an epoch when no progress bar draws, and why it stopped early.
 
-The per-epoch summary is train.fit's EpochTimer; this callback fills the time between
+The per-epoch summary is EpochTimer's line; ProgressLog fills the time between
 those lines: an epoch of a large folder on a CPU takes many minutes, and a log (CI,
 `dvc exp run --queue`, a file) showed nothing until it ended.
 """
@@ -114,3 +114,46 @@ class ProgressLog(L.Callback):
                 trainer.max_epochs,
                 why,
             )
+
+
+class EpochTimer(L.Callback):
+    """Logs epoch time and training throughput (img/s): the number that shows a fed GPU."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.t0, self.seen = time.perf_counter(), 0
+        self.t_train_end = self.t0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A fit resumed within an epoch (a timed checkpoint) skips on_train_epoch_start.
+        self.on_train_epoch_start(trainer, pl_module)
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self.seen += int(batch[1].shape[0])
+        self.t_train_end = time.perf_counter()  # img/s counts training steps, not validation
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        dt = time.perf_counter() - self.t0
+        # Under DDP every rank trains an equal shard in lockstep: total = world_size x own.
+        rate = self.seen * trainer.world_size / max(self.t_train_end - self.t0, 1e-9)
+        pl_module.log("train/epoch_time_s", dt, on_epoch=True, rank_zero_only=True)
+        pl_module.log("train/img_per_s", rate, on_epoch=True, rank_zero_only=True)
+        if not trainer.is_global_zero:
+            return
+        m = trainer.callback_metrics
+        # One plain line per epoch: readable in `dvc repro` logs, where no progress bar draws.
+        log.info(
+            "epoch %d/%d train/loss %.4f val/acc %.4f %.1fs %s img/s",
+            trainer.current_epoch + 1,
+            trainer.max_epochs,
+            float(m.get("train/loss_epoch", float("nan"))),
+            float(m.get("val/acc", float("nan"))),
+            dt,
+            f"{rate:,.0f}",
+        )

@@ -369,3 +369,23 @@ def describe(p: Plan) -> list[str]:
     """One line per choice, for the log."""
     head = f"recipe {p.train.recipe}" + (" (fine-tune)" if p.finetune else "")
     return [f"{head}: {c.line()}" for c in p.choices]
+
+
+def few_steps_warning(train_images: int, batch_size: int, max_epochs: int) -> str | None:
+    """A warning naming the keys to change when the whole run is only a handful of
+    optimizer steps: batch 256 suits Fashion-MNIST's 55k images (215 steps an epoch), and
+    a folder of a few hundred photos gets one or two steps an epoch from it."""
+    total = -(-train_images // batch_size) * max_epochs
+    if total >= MIN_STEPS:
+        return None
+    # The suggestion must itself reach MIN_STEPS: a smaller batch (not below 8), then as
+    # many epochs as that takes (the user may already run at batch 32 for 30 epochs).
+    batch = max(8, min(32, batch_size))
+    epochs = max(max_epochs, -(-MIN_STEPS // -(-train_images // batch)))
+    return (
+        f"only {total} optimizer steps in the whole run ({train_images} train images, "
+        f"train.batch_size {batch_size}, train.max_epochs {max_epochs}); a small dataset "
+        f"needs {MIN_STEPS} or more: e.g. -S train.batch_size={batch} "
+        f"-S train.max_epochs={epochs} -S train.early_stopping_patience={epochs} (a few "
+        "hundred images learn slowly and a small val split is noisy: let the schedule run out)"
+    )
