@@ -24,7 +24,6 @@ from pathlib import Path
 import mlflow
 import optuna
 import pytest
-import sqlalchemy.exc
 import yaml
 from optuna.trial import TrialState
 
@@ -92,11 +91,10 @@ def run_tune(cwd: Path, *args: str, expect: int = 0) -> tuple[str, str]:
 
 
 def load_study(cwd: Path) -> optuna.Study:
-    """The study, read without creating the storage's tables (a poll while ``trainyard
-    tune`` creates them must not race it)."""
-    storage = optuna.storages.RDBStorage(
-        f"sqlite:///{cwd}/optuna.db", skip_compatibility_check=True, skip_table_creation=True
-    )
+    """The study. Opening a storage writes to it the first time (tables, version rows):
+    under the workers' lock, as they do, so that a poll never races a starting worker."""
+    with st.StudyLock(cwd / "optuna.db.lock"):
+        storage = optuna.storages.RDBStorage(f"sqlite:///{cwd}/optuna.db")
     return optuna.load_study(study_name=STUDY, storage=storage)
 
 
@@ -271,7 +269,7 @@ def trial_running(cwd: Path, number: int) -> bool:
         return False
     try:
         trials = load_study(cwd).get_trials(deepcopy=False)
-    except (KeyError, sqlalchemy.exc.OperationalError):  # no study, or no tables, yet
+    except KeyError:  # no study yet
         return False
     return any(
         t.number == number and t.state == TrialState.RUNNING and st.RUN_ATTR in t.user_attrs

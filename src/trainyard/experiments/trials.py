@@ -269,13 +269,12 @@ class Tuner:
     def objective(self, trial: Trial) -> float:
         self.lock.release()  # the trial exists: the next worker may count it
         trial.set_user_attr(st.WORKER_ATTR, st.worker_id())
-        t0 = time.monotonic()
-        values = st.suggest(trial, self.setup.base.tune)
-        trial.set_user_attr("params", values)
-        n, total = trial.number, self.setup.trials
-        log.info("trial %d (%d/%d): %s", n, n + 1, total, _short(values))
+        t0, n = time.monotonic(), trial.number
         callback = TrialCallback(trial)
         try:
+            values = st.suggest(trial, self.setup.base.tune)
+            trial.set_user_attr("params", values)
+            log.info("trial %d (%d/%d): %s", n, n + 1, self.setup.trials, _short(values))
             record = self.fit(trial, values, callback)
         except optuna.TrialPruned:
             callback.drop_resume_folder()
