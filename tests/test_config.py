@@ -129,3 +129,25 @@ def test_few_steps_warning_names_the_keys_only_for_small_runs():
         )
         b, e = int(got["batch_size"]), int(got["max_epochs"].split()[0])
         assert few_steps_warning(images, b, e) is None, (images, batch, epochs, got)
+
+
+def test_a_tune_range_is_integers_only_when_written_as_integers():
+    space = parse_params(
+        {
+            "tune": {
+                "space": {
+                    "train.lr": {"low": 0.0, "high": 1.0},
+                    "data.limit": {"low": 100, "high": 900},
+                }
+            }
+        }
+    ).tune.space
+    assert not space["train.lr"].is_int
+    assert space["data.limit"].is_int
+    assert (
+        not parse_params(
+            {"tune": {"space": {"data.limit": {"low": 100, "high": 900, "step": 0.5}}}}
+        )
+        .tune.space["data.limit"]
+        .is_int
+    )

@@ -227,10 +227,11 @@ class ServeParams(_Strict):
 class TuneRange(_Strict):
     """A numeric range of one param: ints when both ends are ints, else floats."""
 
-    low: float
-    high: float
+    # int | float: an end written as 0.0 stays a float (a range of floats), 0 an int.
+    low: int | float
+    high: int | float
     log: bool = False
-    step: float | None = Field(None, gt=0)
+    step: int | float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _ordered(self) -> TuneRange:
@@ -244,11 +245,10 @@ class TuneRange(_Strict):
 
     @property
     def is_int(self) -> bool:
-        return (
-            float(self.low).is_integer()
-            and float(self.high).is_integer()
-            and (self.step is None or float(self.step).is_integer())
-        )
+        """Integers when both ends (and the step) are written as integers: 16..256, not
+        0.0..1.0."""
+        ends = (self.low, self.high) + (() if self.step is None else (self.step,))
+        return all(isinstance(v, int) and not isinstance(v, bool) for v in ends)
 
 
 class TuneChoices(_Strict):
