@@ -387,7 +387,8 @@ def test_two_workers_share_one_sqlite_study(tmp_path, photos):
 def test_a_pruned_trial_is_recorded_pruned_and_its_run_killed(tmp_path, photos):
     cwd = workdir(tmp_path)
     # Five finished trials that scored 1.5 at every epoch (more than any accuracy): the
-    # median pruner, past its five startup trials, prunes the next one at its first epoch.
+    # median pruner, past its start-up trials (3 for a 6-trial study), prunes the next one
+    # at its first epoch.
     study = optuna.create_study(
         study_name=STUDY, storage=f"sqlite:///{cwd}/optuna.db", direction="maximize"
     )
@@ -421,3 +422,11 @@ def test_a_bad_override_names_the_key(tmp_path):
     _out, err = run_tune(cwd, "-S", "train.lrr=0.1", expect=1)
     assert "trainyard tune: error: invalid params" in err and "train.lrr: unknown key" in err
     assert os.listdir(cwd) == ["params.yaml"]  # stopped before any store or study
+
+
+def test_a_short_study_leaves_random_search():
+    """TPE's start-up is a third of the study (3 to 10): an 8-trial study models the space
+    after 3 random trials instead of never (Optuna's default start-up is 10)."""
+    from trainyard.experiments.trials import startup_trials
+
+    assert [startup_trials(n) for n in (1, 8, 20, 100)] == [3, 3, 6, 10]
