@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.common import update_docs
+from benchmarks.common import publish
 from trainyard.core.host import cpu_name
 from trainyard.train.resume import LAST_CKPT, RESUME_ROOT
 
@@ -189,11 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = measure(
             Path(args.repo).resolve(), Path(work), args.epochs, args.kill_after, args.limit
         )
-    print(markdown(result))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    if args.docs:
-        update_docs(Path(args.docs), DOCS_KEY, markdown(result))
+    publish(result, markdown(result), args.out, args.docs, DOCS_KEY)
     return result
 
 

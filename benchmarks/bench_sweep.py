@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 from mlflow import MlflowClient
 
-from benchmarks.common import update_docs
+from benchmarks.common import publish
 from trainyard.core.host import cpu_name
 
 DOCS_KEY = "sweep"
@@ -160,11 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
     }
-    print(markdown(result))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    if args.docs:
-        update_docs(Path(args.docs), DOCS_KEY, markdown(result))
+    publish(result, markdown(result), args.out, args.docs, DOCS_KEY)
     return result
 
 

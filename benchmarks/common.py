@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 import sys
@@ -116,6 +117,16 @@ def update_docs(path: Path, key: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def publish(result: dict[str, Any], text: str, out: str, docs: str, key: str) -> None:
+    """A benchmark's ending: print its Markdown ``text``, write ``result`` as JSON to
+    ``out``, and replace its section ``key`` of ``docs`` ('' leaves the docs alone)."""
+    print(text)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    if docs:
+        update_docs(Path(docs), key, text)
 
 
 def bars(ax: Any, labels: list[str], series: dict[str, list[float]], xlabel: str) -> None:
