@@ -212,7 +212,8 @@ def header(root: Path, base: Baseline) -> str:
         work += f" (DVC experiment `{exp}`)"
     runs = [read_json(root, TRAIN_RECORD, rev) or {} for rev in (base.sha, None)]
     run_cells = [
-        f"`{r['run_id'][:8]}` in `{r.get('experiment', '?')}`, {r.get('epochs_run', '?')} epochs"
+        f"`{r['run_id'][:8]}` in `{r.get('experiment', '?')}`, {r.get('epochs_run', '?')} "
+        + ("epoch" if r.get("epochs_run") == 1 else "epochs")
         if r.get("run_id")
         else MISSING
         for r in runs
