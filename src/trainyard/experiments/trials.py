@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import fcntl
 import hashlib
 import json
 import logging
@@ -129,8 +128,7 @@ def prepared_data(params: Params, root: Path) -> Path:
     if (prepared / CARD_FILE).is_file():
         return prepared
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with st.StudyLock(folder.with_suffix(".lock")):
         if not (prepared / CARD_FILE).is_file():
             log.info("preparing the data once for the study's trials: %s", folder)
             raw = folder / "raw"
