@@ -4,6 +4,10 @@ fastai-style fine-tune of a local state-dict file."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +17,8 @@ import torch
 from trainyard.core.card import Card
 from trainyard.core.config import Params, parse_params
 from trainyard.data.store import open_prepared
-from trainyard.train import recipe
+from trainyard.train import recipe, speed
+from trainyard.train.fit import HARD_STOP, time_limit_min
 from trainyard.train.recipe import CLASSIC, Facts, choose_batch, choose_epochs, load_plan, plan
 
 
@@ -124,7 +129,7 @@ def test_every_auto_key_is_chosen_with_a_reason_and_the_users_keys_win(tmp_path:
     assert set(by) == set(recipe.KEYS)
     assert all(c.by == "recipe" and c.reason for c in p.choices)
     assert p.train.arch == "cnn" and p.train.batch_size == 16  # 300 images
-    assert isinstance(p.train.max_epochs, int) and "timed" in by["max_epochs"].reason
+    assert isinstance(p.train.max_epochs, int) and "nominal" in by["max_epochs"].reason
     assert p.planned_epochs
     assert all(getattr(p.train, k) != "auto" for k in recipe.KEYS)
 
@@ -215,4 +220,114 @@ def test_hub_cache_weights_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def test_probe_times_real_steps() -> None:
     facts = Facts(100, 20, 3, 1, 28, 28, "cpu", "32-true")
-    assert 0 < recipe.probe_step_s("cnn", facts, 16, "flip") < 5
+    assert 0 < speed.probe_step_s("cnn", facts, 16, "flip") < 5
+
+
+# --- train.plan: fixed: the plan is a function of params, data and the kind of device ------
+
+
+def _hog(seconds: float) -> list[subprocess.Popen]:
+    """One busy-looping process per core: the machine a teammate runs a build on."""
+    code = f"import time\nt = time.time() + {seconds}\nwhile time.time() < t: pass"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(os.cpu_count() or 2)]
+
+
+def test_the_fixed_plan_is_the_same_on_a_busy_machine(tmp_path: Path) -> None:
+    x, y = _rings(600)
+    card = _prepared(tmp_path / "d", x, y, *_rings(100, seed=1))
+    params = _params(time_budget_min=0.5)
+    quiet = plan(params, card, tmp_path / "d", "cpu", "32-true")
+    hogs = _hog(60)
+    try:
+        time.sleep(0.5)  # the hogs are running before the plan starts
+        busy = plan(params, card, tmp_path / "d", "cpu", "32-true")
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert busy.to_dict() == quiet.to_dict()
+    epochs = {c.key: c for c in quiet.choices}["max_epochs"]
+    assert epochs.by == "recipe" and "nominal for cnn on cpu, not timed" in epochs.reason
+    # the nominal price is the counted FLOPs over the reference CPU's rate, no clock
+    facts = Facts(600, 100, 2, 1, 16, 16, "cpu", "32-true")
+    flops = speed.forward_flops("cnn", 1, 2, 16, 16)
+    expected = speed.NOMINAL["cpu"]["step_s"] + 16 * flops / (speed.NOMINAL["cpu"]["cnn"] * 1e9)
+    assert speed.nominal_step_s("cnn", facts, 16) == pytest.approx(expected)
+
+
+def test_a_device_or_arch_without_a_nominal_speed_gets_the_step_budget() -> None:
+    tp = _params().train
+    gpu = Facts(50_000, 5_000, 10, 1, 28, 28, "gpu", "bf16-mixed", "Some Future GPU")
+    step_s, priced = recipe.price_step(tp, "cnn", gpu, 1024, "flip")
+    assert step_s is None and "no nominal speed of cnn on Some Future GPU" in priced
+    epochs, why = recipe.choose_epochs(tp, gpu, 1024, step_s, priced)
+    assert epochs == -(-recipe.TARGET_STEPS // -(-50_000 // 1024)) and "2,500" in why
+    h200 = Facts(55_000, 5_000, 10, 1, 28, 28, "gpu", "bf16-mixed", "NVIDIA H200")
+    assert recipe.price_step(tp, "cnn", h200, 4096, "flip")[0] is not None
+
+
+def test_the_gpu_batch_is_measured_up_a_ladder_and_stable() -> None:
+    def saturating(knee: int, noise: float = 0.0, seed: int = 0) -> speed.Measure:
+        rng = np.random.default_rng(seed)
+
+        def measure(batch: int) -> float:  # img/s rises until the GPU is full at `knee`
+            return 400_000 * min(batch, knee) / knee * (1 + noise * rng.uniform(-1, 1))
+
+        return measure
+
+    # Fashion-MNIST's 55,000: the cap is 4,096 (8 steps an epoch at least)
+    assert recipe.gpu_batch_cap(55_000) == 4096
+    batch, why = recipe.choose_gpu_batch(55_000, saturating(2048))
+    assert batch == 2048 and "4,096 gained +0%" in why and "256: " in why
+    # run after run, with 5% timing noise, the same GPU takes the same batch
+    picks = {recipe.choose_gpu_batch(55_000, saturating(2048, 0.05, s))[0] for s in range(20)}
+    assert picks == {2048}
+    # still paying at the data's cap: the cap
+    assert recipe.choose_gpu_batch(55_000, saturating(1 << 20))[0] == 4096
+
+    # out of memory at 2,048: the batch below it
+    def oom(batch: int) -> float:
+        if batch >= 2048:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return float(batch)
+
+    batch, why = recipe.choose_gpu_batch(55_000, oom)
+    assert batch == 1024 and "2,048 ran out of memory" in why
+    # a small folder: the CPU rule's batch is the start, the data the cap
+    assert recipe.choose_gpu_batch(700, saturating(1 << 20))[0] == 64
+
+
+def test_a_gpu_plan_fills_the_gpu_and_scales_the_lr(tmp_path: Path) -> None:
+    """The recipe given an H200's facts (no GPU here): the measured batch, the lr that
+    follows it, epochs from the H200's nominal speed, compile only when it pays."""
+    x, y = _rings(20_000, size=16)
+    card = _prepared(tmp_path / "d", x, y, *_rings(500, size=16, seed=1))
+    calls: list[int] = []
+
+    def measure(batch: int) -> float:
+        calls.append(batch)
+        return 300_000 * min(batch, 1024) / 1024
+
+    p = plan(_params(), card, tmp_path / "d", "gpu", "bf16-mixed", "NVIDIA H200", measure)
+    by = {c.key: c for c in p.choices}
+    assert calls == [256, 512, 1024, 2048] and p.train.batch_size == 1024
+    assert "the GPU's throughput" in by["batch_size"].reason
+    assert p.train.lr == pytest.approx(recipe.LR["cnn"] * 2, rel=1e-3)  # sqrt(1024/256)
+    assert "sqrt(1,024/256)" in by["lr"].reason
+    assert "nominal for cnn on NVIDIA H200" in by["max_epochs"].reason
+    assert p.train.compile is False and "would not pay" in by["compile"].reason
+    long_run, why = recipe.choose_compile(
+        Facts(1, 1, 2, 1, 8, 8, "gpu", "bf16-mixed", "NVIDIA H200"), 3600.0
+    )
+    assert long_run is True and "pays" in why
+    cpu = plan(_params(), card, tmp_path / "d", "cpu", "32-true")
+    assert cpu.train.compile is False and cpu.train.batch_size == 256  # the CPU rule, unchanged
+    assert cpu.train.lr == recipe.LR["cnn"]
+
+
+def test_the_hard_stop_is_the_budget_only_for_a_timed_plan() -> None:
+    assert time_limit_min(_params(plan="timed").train, planned_epochs=True) == 4 * HARD_STOP
+    assert time_limit_min(_params(plan="timed").train, planned_epochs=False) is None
+    assert time_limit_min(_params().train, planned_epochs=True) is None  # fixed: no stop
+    assert time_limit_min(_params(time_limit_min=7).train, planned_epochs=False) == 7
+    assert time_limit_min(_params(plan="timed", time_limit_min=None).train, True) is None

@@ -105,7 +105,12 @@ class TrainParams(_Strict):
     the hardware; a value the user sets always wins (trainyard.train.recipe)."""
 
     recipe: Literal["auto", "classic"] = "auto"
-    time_budget_min: float | None = Field(3.0, gt=0, le=7 * 24 * 60)
+    # fixed: epochs from the budget at the device kind's nominal speed (the same plan on a
+    # busy or a quiet machine); timed: from a timed probe of this machine (varies run to run)
+    plan: Literal["fixed", "timed"] = "fixed"
+    time_budget_min: float | None = Field(4.0, gt=0, le=7 * 24 * 60)
+    # A hard stop: auto = 1.25x the budget under plan timed, none under plan fixed
+    time_limit_min: Annotated[float, Field(gt=0, le=7 * 24 * 60)] | Auto | None = "auto"
     arch: Literal["cnn", "resnet", "resnet18", "mobilenet_v3_small", "efficientnet_b0"] | Auto = (
         "auto"
     )
@@ -120,7 +125,7 @@ class TrainParams(_Strict):
     device_resident: bool = True
     memory_budget: float = Field(0.5, gt=0, le=0.95)
     channels_last: bool = False
-    compile: bool = False
+    compile: bool | Auto = "auto"
     accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "auto"
     devices: int | Literal["auto"] = "auto"
     precision: Literal[

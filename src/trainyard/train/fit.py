@@ -65,7 +65,7 @@ warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfe
 
 BEST_CKPT = "best.ckpt"
 RECIPE_FILE = "recipe.json"  # the plan, beside the resumable checkpoint and in the MLflow run
-HARD_STOP = 1.25  # a planned run stops at this multiple of train.time_budget_min
+HARD_STOP = 1.25  # a timed plan's run stops at this multiple of train.time_budget_min
 
 
 @dataclass(frozen=True)
@@ -157,14 +157,13 @@ def train(
         return tracked
 
     tracked = join_run(nodes, start, folder, uri) if nodes.joined else start()
-    budget = params.train.time_budget_min if recipe.planned_epochs else None
     setup = build_fit(
         run_params.train,
         hw,
         tracked,
         dm.card.counts["train"]["total"],
         out_dir,
-        budget,
+        time_limit_min(params.train, recipe.planned_epochs),
         extras.callbacks,
     )
     fit_s = run_fit(setup, model, dm, tracked, params.mlflow)
@@ -257,11 +256,23 @@ def plan_training(
     choice; an interrupted run of the same params (its ``resume_folder``) resumes with the
     plan it made."""
     recipe = load_plan(resume_folder / RECIPE_FILE, params) or plan(
-        params, card, data_dir, hw.accelerator, hw.precision
+        params, card, data_dir, hw.accelerator, hw.precision, hw.device
     )
     for line in describe(recipe):
         log.info(line)
     return recipe
+
+
+def time_limit_min(tp: TrainParams, planned_epochs: bool) -> float | None:
+    """Minutes after which the fit stops, whatever epoch it is in (``train.time_limit_min``):
+    ``auto`` is HARD_STOP x the budget when the recipe timed this machine to plan the epochs
+    (a slower machine must not run far past it), and none under ``train.plan: fixed``,
+    whose epochs must not depend on how fast the machine is; a number; null = none."""
+    if tp.time_limit_min != "auto":
+        return tp.time_limit_min
+    if tp.plan == "timed" and planned_epochs and tp.time_budget_min is not None:
+        return tp.time_budget_min * HARD_STOP
+    return None
 
 
 def resolve_hardware(tp: TrainParams) -> Hardware:
@@ -453,12 +464,12 @@ def build_fit(
     tracked: TrackedRun,
     train_images: int,
     out_dir: Path,
-    budget_min: float | None = None,
+    limit_min: float | None = None,
     extra_callbacks: tuple[L.Callback, ...] = (),
 ) -> FitSetup:
     """The trainer with trainyard's callbacks: checkpoints, early stopping, timing, meter,
-    the per-epoch history; ``budget_min``: a hard stop at HARD_STOP times it (the recipe
-    planned the epochs to fit it; a slower machine must not run far past it)."""
+    the per-epoch history; ``limit_min``: a hard stop after that many minutes
+    (``time_limit_min``)."""
     checkpoint, resume_callbacks = checkpoint_callbacks(tp, tracked)
     early = EarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
     # Data wait / host->device copy / compute per step; the input-bound verdict at the end.
@@ -492,7 +503,7 @@ def build_fit(
         # per-step loss at least ~5 times an epoch, even on the small slices tests use
         log_every_n_steps=max(1, min(10, -(-train_images // tp.batch_size) // 5)),
         limit_train_batches=tp.limit_train_batches,
-        max_time=None if budget_min is None else timedelta(minutes=budget_min * HARD_STOP),
+        max_time=None if limit_min is None else timedelta(minutes=limit_min),
     )
     return FitSetup(trainer, checkpoint, meter)
 

@@ -5,21 +5,38 @@ a folder of a thousand photos got 4 optimizer steps an epoch from them, flipped 
 included. The recipe reads the data instead, the way Ultralytics derives its schedule from
 the dataset and fastai fixes it (``fine_tune``), and fills a time budget as AutoGluon does:
 
-- ``batch_size``: the power of two nearest to an epoch of ``STEPS_PER_EPOCH`` steps, within
-  16..256 (1,000 images -> 32; Fashion-MNIST's 55,000 -> 256).
+- ``batch_size``: on a CPU, the power of two nearest to an epoch of ``STEPS_PER_EPOCH``
+  steps, within 16..256 (1,000 images -> 32; Fashion-MNIST's 55,000 -> 256). On a GPU the
+  recipe measures instead of capping: training img/s of the real model, its data path
+  (uint8 gather + normalise + augment on the device) and precision at batches doubling
+  from that, stopping where doubling gains less than ``GPU_PAYS``, memory runs out, or an
+  epoch would keep fewer than ``GPU_MIN_STEPS`` steps (a coarse ladder with a margin: the
+  same GPU model takes the same batch run after run). A small cnn at batch 256 kept an
+  H200 11% busy.
 - ``arch``: ``resnet18`` fine-tuned when ImageNet weights are at hand (``train.pretrained``,
   or torch's hub cache); else ``cnn``, the net that measured best from scratch on
   these CPUs (docs/own-images.md), or ``resnet`` on a GPU with large images.
-- ``lr``: the OneCycle peak that measured best for the arch (AdamW); a fine-tune takes the
-  pretrained body at a tenth of it (fastai's discriminative rates).
+- ``lr``: the OneCycle peak that measured best for the arch (AdamW) at batch 256 or less,
+  times sqrt(batch / 256) above it (the square-root rule for Adam; OneCycle's first quarter
+  is the warm-up); a fine-tune takes the pretrained body at a tenth of it (fastai's
+  discriminative rates).
 - ``augment``: random shifts always; horizontal flips unless mirroring costs the data its
   classes: the validation images and their mirror images are classified by the train split's
   class means, and a drop below ``FLIP_KEEPS`` of the accuracy turns flips off (handwritten
   digits: 0.89 -> 0.30, off; Fashion-MNIST 0.63 -> 0.53 and clip art 0.27 -> 0.27, on).
-- ``max_epochs``: as many as the time budget holds, from a timed probe of a few real
-  optimizer steps (capped at ``MAX_EPOCHS`` and ``MAX_STEPS``); without a budget,
+- ``max_epochs``: as many as the time budget holds (capped at ``MAX_EPOCHS`` and
+  ``MAX_STEPS``). ``train.plan: fixed`` (the default) prices a step at the device kind's
+  nominal speed (``NOMINAL``: the forward FLOPs of the model, counted, over the FLOP/s this
+  arch trains at on the reference CPU or on that GPU model), so the plan is a function of
+  the params, the data and the kind of device, never of how busy the machine is: the same
+  commit trains the same epochs on a loaded laptop, a quiet CI box and a teammate's
+  machine, as ``dvc repro`` promises. A device or arch without a nominal figure gets
+  ``TARGET_STEPS`` optimizer steps. ``train.plan: timed`` times a few real steps of this
+  machine instead (the plan then varies with the load). Without a budget,
   ``TARGET_STEPS`` optimizer steps.
 - ``early_stopping_patience``: a fifth of the epochs, at least 3.
+- ``compile``: ``torch.compile`` on a GPU when the planned training is long enough to repay
+  its start-up (``COMPILE_PAYS_S``); never on a CPU, where it measured slower.
 
 ``train.recipe: classic`` gives every auto key its old fixed value instead. A key set in
 params.yaml is never changed: the recipe only fills ``auto``.
@@ -31,27 +48,39 @@ import json
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from trainyard.core.card import Card
 from trainyard.core.config import Params, TrainParams
 from trainyard.core.io import atomic_write_json
 from trainyard.data.datamodule import load_split
-from trainyard.model.augment import augment_batch
-from trainyard.model.networks import build_model
+from trainyard.train.speed import (
+    Facts,
+    Measure,
+    batch_ladder,
+    facts_from,
+    nominal_step_s,
+    probe_step_s,
+)
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
 # The keys the recipe fills, in the order it decides them.
-KEYS = ("arch", "batch_size", "lr", "augment", "max_epochs", "early_stopping_patience")
+KEYS = (
+    "arch",
+    "augment",
+    "batch_size",
+    "lr",
+    "max_epochs",
+    "early_stopping_patience",
+    "compile",
+)
 # train.recipe: classic -- the fixed defaults of trainyard <= 0.x (Fashion-MNIST's).
 CLASSIC: dict[str, Any] = {
     "arch": "cnn",
@@ -60,6 +89,7 @@ CLASSIC: dict[str, Any] = {
     "augment": "flip",
     "max_epochs": 10,
     "early_stopping_patience": 3,
+    "compile": False,
 }
 STEPS_PER_EPOCH = 32  # batch: the power of two nearest to an epoch of this many steps
 MIN_BATCH, MAX_BATCH = 16, 256
@@ -71,6 +101,13 @@ MIN_PATIENCE = 3
 FLIP_KEEPS = 0.7  # mirrored val images must keep this share of the nearest-mean accuracy
 LR = {"cnn": 3e-3, "resnet": 3e-3, "finetune": 1e-3}
 DEFAULT_LR = 2e-3  # torchvision backbones from scratch
+LR_BATCH = 256  # the batch the LR table measured at; larger batches scale by sqrt
+# On a GPU: the batch ladder (see the module doc).
+GPU_PAYS = 1.15  # a doubled batch must train this much faster (img/s) to be taken
+GPU_MIN_STEPS = 8  # an epoch keeps at least this many optimizer steps
+GPU_MAX_BATCH = 8192
+GPU_LADDER_STEPS = 5  # timed steps per rung (after one warm-up step)
+COMPILE_PAYS_S = 600.0  # torch.compile costs ~1 min up front: worth it past 10 min of steps
 # ImageNet weights torchvision saves in torch's hub cache (checkpoints/<file>).
 HUB_WEIGHTS = {"resnet18": "resnet18-f37072fd.pth"}
 FINETUNE_ARCH = "resnet18"
@@ -124,34 +161,6 @@ class Plan:
         atomic_write_json(path, self.to_dict())
 
 
-@dataclass(frozen=True)
-class Facts:
-    """What the recipe reads: the data (from the card) and the hardware."""
-
-    train_images: int
-    val_images: int
-    classes: int
-    channels: int
-    height: int
-    width: int
-    accelerator: str  # "cpu" | "gpu"
-    precision: str
-
-
-def facts_from(card: Card, accelerator: str, precision: str) -> Facts:
-    counts = card.counts
-    return Facts(
-        train_images=int(counts["train"]["total"]),
-        val_images=int(counts["val"]["total"]),
-        classes=card.num_classes,
-        channels=card.channels,
-        height=card.height,
-        width=card.width,
-        accelerator=accelerator,
-        precision=precision,
-    )
-
-
 def hub_weights(arch: str = FINETUNE_ARCH) -> Path | None:
     """ImageNet weights for ``arch`` in torch's hub cache (where torchvision downloads
     them), or None."""
@@ -169,6 +178,23 @@ def choose_batch(n_train: int) -> tuple[int, str]:
     return batch, f"{n_train:,} train images: {steps:,} optimizer steps an epoch"
 
 
+def gpu_batch_cap(n_train: int) -> int:
+    """The largest power of two that leaves an epoch ``GPU_MIN_STEPS`` steps (at most
+    ``GPU_MAX_BATCH``): the data's cap on the GPU's batch."""
+    fits = max(1, n_train // GPU_MIN_STEPS)
+    return min(GPU_MAX_BATCH, 2 ** int(math.log2(fits)))
+
+
+def choose_gpu_batch(n_train: int, measure: Measure) -> tuple[int, str]:
+    """The GPU's batch: the ladder of ``batch_ladder`` from the CPU rule's batch (or 256,
+    whichever is larger) up to the data's cap, each rung timed by ``measure``."""
+    cap = gpu_batch_cap(n_train)
+    start = min(cap, max(choose_batch(n_train)[0], LR_BATCH))
+    batch, why = batch_ladder(start, cap, measure, GPU_PAYS)
+    steps = -(-n_train // batch)
+    return batch, f"the GPU's throughput ({why}): {steps:,} optimizer steps an epoch"
+
+
 def choose_arch(facts: Facts, pretrained: str | None) -> tuple[str, str]:
     if pretrained:
         return FINETUNE_ARCH, f"fine-tunes the pretrained weights {pretrained}"
@@ -180,11 +206,20 @@ def choose_arch(facts: Facts, pretrained: str | None) -> tuple[str, str]:
     )
 
 
-def choose_lr(arch: str, finetune: bool) -> tuple[float, str]:
-    if finetune:
-        return LR["finetune"], "fine-tune peak (the pretrained body at a tenth of it)"
-    lr = LR.get(arch, DEFAULT_LR)
-    return lr, f"OneCycle peak that measured best for {arch} (AdamW)"
+def choose_lr(arch: str, finetune: bool, batch: int = LR_BATCH) -> tuple[float, str]:
+    base, why = (
+        (LR["finetune"], "fine-tune peak (the pretrained body at a tenth of it)")
+        if finetune
+        else (LR.get(arch, DEFAULT_LR), f"OneCycle peak that measured best for {arch} (AdamW)")
+    )
+    if batch <= LR_BATCH:
+        return base, why
+    # Adam's square-root rule; OneCycle's first quarter warms up to the peak.
+    lr = float(f"{base * math.sqrt(batch / LR_BATCH):.3g}")
+    return (
+        lr,
+        f"{why}: {base:g} at batch {LR_BATCH}, x sqrt({batch:,}/{LR_BATCH}) at batch {batch:,}",
+    )
 
 
 def mirror_keeps(data_dir: str | os.PathLike[str], limit: int = 10_000) -> tuple[float, float]:
@@ -224,36 +259,6 @@ def choose_augment(data_dir: str | os.PathLike[str]) -> tuple[str, str]:
     )
 
 
-def probe_step_s(
-    arch: str, facts: Facts, batch: int, augment: str, steps: int = 3, pretrained: str | None = None
-) -> float:
-    """Seconds per optimizer step of ``arch`` at ``batch``, timed on a few real steps with
-    random data on the training device and precision (after one warm-up step)."""
-    device = "cuda" if facts.accelerator == "gpu" else "cpu"
-    net = build_model(arch, facts.channels, facts.classes, (facts.height, facts.width))
-    net = net.to(device).train()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    x = torch.randn(batch, facts.channels, facts.height, facts.width, device=device)
-    y = torch.randint(0, facts.classes, (batch,), device=device)
-    dtype = torch.bfloat16 if "bf16" in facts.precision else None
-    times = []
-    for i in range(steps + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        xb = augment_batch(x, flip=augment == "flip") if augment != "none" else x
-        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-            loss = F.cross_entropy(net(xb), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def epoch_seconds(step_s: float, facts: Facts, batch: int) -> float:
     """One epoch: the train steps, plus validation (a forward pass costs about a third of a
     training step per image) and a little per-epoch overhead (checkpoint, logging)."""
@@ -262,20 +267,39 @@ def epoch_seconds(step_s: float, facts: Facts, batch: int) -> float:
     return steps * step_s + val + 0.5
 
 
+def price_step(
+    tp: TrainParams, arch: str, facts: Facts, batch: int, augment: str
+) -> tuple[float | None, str]:
+    """(seconds a step, how it was priced) for the epochs' budget: nominal under
+    ``train.plan: fixed``, timed on this machine under ``timed``; None without a figure."""
+    if tp.time_budget_min is None:
+        return None, "no time budget"
+    if tp.plan == "timed":
+        return probe_step_s(arch, facts, batch, augment), "timed on this machine"
+    step_s = nominal_step_s(arch, facts, batch)
+    if step_s is None:
+        return (
+            None,
+            f"no nominal speed of {arch} on {facts.device} (train.plan: timed measures one)",
+        )
+    return step_s, f"nominal for {arch} on {facts.device}, not timed"
+
+
 def choose_epochs(
-    tp: TrainParams, facts: Facts, batch: int, step_s: float | None
+    tp: TrainParams, facts: Facts, batch: int, step_s: float | None, priced: str = "timed"
 ) -> tuple[int, str]:
     steps = -(-facts.train_images // batch)
     cap = max(1, min(MAX_EPOCHS, MAX_STEPS // steps))
     if tp.time_budget_min is None or step_s is None:
         epochs = max(1, min(cap, -(-TARGET_STEPS // steps)))
-        return epochs, f"about {TARGET_STEPS:,} optimizer steps (no time budget)"
+        why = "no time budget" if tp.time_budget_min is None else priced
+        return epochs, f"about {TARGET_STEPS:,} optimizer steps ({why})"
     epoch_s = epoch_seconds(step_s, facts, batch)
     fits = int(tp.time_budget_min * 60 // epoch_s)
     epochs = max(1, min(cap, fits))
     why = (
         f"{tp.time_budget_min:g} min budget / {epoch_s:.1f} s an epoch "
-        f"({step_s * 1000:.0f} ms a step, timed)"
+        f"({step_s * 1000:.1f} ms a step, {priced})"
     )
     if fits > cap:
         why += f", capped at {cap} ({MAX_EPOCHS} epochs or {MAX_STEPS:,} steps)"
@@ -284,6 +308,19 @@ def choose_epochs(
     if epochs * steps < MIN_STEPS:
         why += f"; only {epochs * steps} optimizer steps: raise train.time_budget_min"
     return epochs, why
+
+
+def choose_compile(facts: Facts, planned_s: float | None) -> tuple[bool, str]:
+    """torch.compile only on a GPU and only when the planned steps repay its start-up."""
+    if facts.accelerator != "gpu":
+        return False, "a CPU: compiled steps measured no faster here, and cost a minute"
+    if planned_s is None or planned_s < COMPILE_PAYS_S:
+        about = "unknown" if planned_s is None else f"{planned_s:.0f} s"
+        return False, (
+            f"the planned steps ({about}) are under {COMPILE_PAYS_S:.0f} s: "
+            "compiling (~1 min) would not pay"
+        )
+    return True, f"about {planned_s:.0f} s of steps planned: compiling (~1 min) pays"
 
 
 def _given(tp: TrainParams, key: str) -> Any:
@@ -297,10 +334,18 @@ def plan(
     data_dir: str | os.PathLike[str],
     accelerator: str,
     precision: str,
+    device: str | None = None,
+    measure: Measure | None = None,
 ) -> Plan:
-    """Resolve every ``auto`` train key (see the module doc); the user's keys win."""
+    """Resolve every ``auto`` train key (see the module doc); the user's keys win.
+
+    ``device``: the GPU's name (default: torch's name of GPU 0 when ``accelerator`` is
+    gpu); ``measure``: batch -> img/s for the GPU's ladder (default: real timed steps).
+    """
     tp = params.train
-    facts = facts_from(card, accelerator, precision)
+    if device is None:
+        device = torch.cuda.get_device_name(0) if accelerator == "gpu" else "cpu"
+    facts = facts_from(card, accelerator, precision, device)
     chosen: dict[str, Choice] = {}
 
     def decide(key: str, make: Any) -> Any:
@@ -322,22 +367,28 @@ def plan(
     finetune = bool(pretrained) and arch == FINETUNE_ARCH
     if not finetune:
         pretrained = tp.pretrained
-    batch = decide("batch_size", lambda: choose_batch(facts.train_images))
-    decide("lr", lambda: choose_lr(arch, finetune))
     augment = decide("augment", lambda: choose_augment(data_dir))
-    epochs = decide(
-        "max_epochs",
-        lambda: choose_epochs(
-            tp,
-            facts,
-            batch,
-            probe_step_s(arch, facts, batch, augment) if tp.time_budget_min else None,
-        ),
-    )
+
+    def batch_choice() -> tuple[int, str]:
+        if facts.accelerator != "gpu":
+            return choose_batch(facts.train_images)
+        timed = measure or (lambda b: b / probe_step_s(arch, facts, b, augment, GPU_LADDER_STEPS))
+        return choose_gpu_batch(facts.train_images, timed)
+
+    batch = decide("batch_size", batch_choice)
+    decide("lr", lambda: choose_lr(arch, finetune, batch))
+    step_s, priced = None, "not priced"
+    if _given(tp, "max_epochs") is None and tp.recipe == "auto":
+        step_s, priced = price_step(tp, arch, facts, batch, augment)
+    epochs = decide("max_epochs", lambda: choose_epochs(tp, facts, batch, step_s, priced))
+    # compile's estimate needs no clock: the nominal price when the epochs were not priced
+    step_s = step_s if step_s is not None else nominal_step_s(arch, facts, batch)
     decide(
         "early_stopping_patience",
         lambda: (max(MIN_PATIENCE, round(epochs / 5)), f"a fifth of {epochs} epochs, at least 3"),
     )
+    planned_s = None if step_s is None else epochs * epoch_seconds(step_s, facts, batch)
+    decide("compile", lambda: choose_compile(facts, planned_s))
     values = {k: chosen[k].value for k in KEYS}
     train = tp.model_copy(update={**values, "pretrained": pretrained})
     return Plan(train, tuple(chosen[k] for k in KEYS), finetune)
@@ -349,10 +400,9 @@ def load_plan(path: Path, params: Params) -> Plan | None:
     try:
         saved = json.loads(path.read_text())
         found = saved["choices"]
+        # Every key: a plan saved by an older trainyard (no compile) is planned anew.
         choices = tuple(
-            Choice(k, found[k]["value"], found[k]["by"], found[k]["reason"])
-            for k in KEYS
-            if k in found
+            Choice(k, found[k]["value"], found[k]["by"], found[k]["reason"]) for k in KEYS
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
