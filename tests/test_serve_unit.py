@@ -533,6 +533,7 @@ def test_metadata_describes_the_model_and_its_contract(client, tiny):
     assert meta["input"]["normalization"] == {"scale": 255.0, "mean": [0.5], "std": [0.25]}
     assert meta["source"]["mlflow_run_id"] == RUN_ID
     assert meta["provider"] == "CPUExecutionProvider" and meta["batching"]["enabled"] is False
+    assert meta["io_binding"] is False  # binding only on CUDA (tests/test_io_binding.py)
 
 
 def test_adaptive_batching_gives_the_same_answers(batched_client, tiny):

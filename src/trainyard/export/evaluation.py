@@ -3,7 +3,9 @@
 The model's dataset card (its ONNX metadata) says what the input is and how to normalise
 it, and names the classes: evaluate re-derives none of it. The test set may be far larger
 than memory as float (a 15 GB uint8 memmap is 60 GB as float32), so pixels are normalised
-one batch at a time and only the argmax of each batch is kept.
+one batch at a time and only the argmax of each batch is kept. On CUDA each batch goes
+through ``OnnxModel.run``'s IO binding: it crosses the bus once, and only its logits
+(batch x classes, a few KB) come back for the argmax and softmax.
 """
 
 from __future__ import annotations
@@ -175,9 +177,9 @@ def evaluate_onnx(
     """Run the ONNX model on uint8 images ``[N, C, H, W]`` with integer labels ``[N]``.
 
     ``images`` may be a read-only memmap of any size: it is read and normalised one batch
-    at a time. Returns ``{"metrics": {..., "samples", "provider"}, "predictions": int64
-    [N], "confidence": float32 [N] (softmax probability of the prediction), "classes": the
-    card's class names, "card"}``.
+    at a time. Returns ``{"metrics": {..., "samples", "provider", "io_binding"},
+    "predictions": int64 [N], "confidence": float32 [N] (softmax probability of the
+    prediction), "classes": the card's class names, "card"}``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -207,6 +209,7 @@ def evaluate_onnx(
     metrics = classification_metrics(labels.astype(np.int64), preds, classes)
     metrics["samples"] = int(labels.shape[0])
     metrics["provider"] = model.provider
+    metrics["io_binding"] = model.io_binding  # bound on the device (CUDA) or plain run
     return {
         "metrics": metrics,
         "predictions": preds,

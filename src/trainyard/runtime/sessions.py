@@ -3,6 +3,11 @@
 Shared by export (parity), evaluate and the serving layer. CUDA is asked for only when a
 GPU and the CUDA provider are both there: onnxruntime-gpu logs a loud error and falls back
 to CPU when asked for CUDA without a GPU, which is exactly the silent fallback we refuse.
+
+On CUDA a session runs through IO binding (``run_bound``): a plain ``session.run`` takes
+host arrays and returns host arrays, so every call pays its own copies and synchronisations
+around the kernels; bound, the input crosses the bus once, the outputs are allocated on the
+device by ORT's arena, and the caller decides whether (and when) they come back.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import ctypes
 import json
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -58,22 +64,73 @@ def choose_providers(device: Device = "auto") -> list[str]:
     return [CPU]
 
 
+def binding_device(providers: Sequence[str]) -> str | None:
+    """Where a session running on ``providers`` (``session.get_providers()``: the one that
+    runs first) binds its inputs and outputs: 'cuda' on CUDA, None (plain ``session.run``)
+    otherwise. On the CPU binding gains nothing: ``run`` already reads the numpy input in
+    place, and its outputs are host arrays either way."""
+    return "cuda" if providers and providers[0] == CUDA else None
+
+
+def run_bound(
+    session: Any,
+    feeds: Mapping[str, np.ndarray | ort.OrtValue],
+    device: str,
+    device_id: int = 0,
+) -> Any:
+    """Run ``session`` once through IO binding on ``device`` ('cuda', or 'cpu' for tests);
+    returns the ``IOBinding``: ``.get_outputs()`` leaves the outputs on the device,
+    ``.copy_outputs_to_cpu()`` brings them back as numpy arrays.
+
+    A numpy feed is copied to the device once; an ``OrtValue`` already there is bound as
+    is (no copy). Outputs are bound by device only, so ORT allocates them from its arena
+    at the shape the batch gives: reusing a buffer per shape would save only that arena
+    lookup, and a buffer shared between the service's concurrent inferences would need a
+    lock. One binding per call keeps concurrent calls independent. ORT synchronises the
+    provider's stream at the end of a run (RunOptions left at their default), so the
+    outputs are complete when this returns.
+    """
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if not isinstance(value, ort.OrtValue):
+            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), device, device_id)
+        binding.bind_ortvalue_input(name, value)
+    for out in session.get_outputs():
+        binding.bind_output(out.name, device, device_id)
+    session.run_with_iobinding(binding)
+    return binding
+
+
 @dataclass
 class OnnxModel:
-    """An ONNX Runtime session plus the model's own metadata (classes, normalisation...)."""
+    """An ONNX Runtime session plus the model's own metadata (classes, normalisation...).
+
+    ``bind_device`` ('cuda', from ``binding_device``): ``run`` goes through IO binding
+    there; None: plain ``session.run``."""
 
     session: Any
     provider: str
     metadata: dict[str, str]
     input_name: str
+    bind_device: str | None = None
 
     @property
     def classes(self) -> list[str]:
         return json.loads(self.metadata["classes"])
 
+    @property
+    def io_binding(self) -> bool:
+        """Whether ``run`` binds inputs and outputs on the device (reported beside the provider)."""
+        return self.bind_device is not None
+
     def run(self, x: np.ndarray) -> np.ndarray:
-        """Logits for a normalised float32 batch [B,1,H,W]."""
-        return self.session.run(None, {self.input_name: np.ascontiguousarray(x, np.float32)})[0]
+        """Logits for a normalised float32 batch [B,C,H,W], as a host array: bound, the
+        batch goes to the device once and only the logits (B x classes) come back."""
+        x = np.ascontiguousarray(x, np.float32)
+        if self.bind_device is not None:
+            binding = run_bound(self.session, {self.input_name: x}, self.bind_device)
+            return binding.copy_outputs_to_cpu()[0]
+        return self.session.run(None, {self.input_name: x})[0]
 
     def predict_logits(self, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
         return np.concatenate(
@@ -103,7 +160,8 @@ def load_onnx(
     running = session.get_providers()[0]
     if running != providers[0]:
         raise ProviderError(f"{path}: asked ONNX Runtime for {providers[0]}, got {running}")
+    bind = binding_device(session.get_providers())
     if say:
-        log.info("ONNX Runtime on %s for %s", running, path)
+        log.info("ONNX Runtime on %s (IO binding %s) for %s", running, bind is not None, path)
     meta = dict(session.get_modelmeta().custom_metadata_map)
-    return OnnxModel(session, running, meta, session.get_inputs()[0].name)
+    return OnnxModel(session, running, meta, session.get_inputs()[0].name, bind)

@@ -393,7 +393,7 @@ def _schemas(inp: Mapping[str, Any], classes: list[str]) -> Doc:
 def _metadata_schema() -> Doc:
     obj = {"type": "object"}
     keys = ("model", "classes", "dataset_card", "input", "endpoints", "source")
-    keys += ("provider", "device", "threads", "batching")
+    keys += ("provider", "io_binding", "device", "threads", "batching")
     return {
         "type": "object",
         "required": list(keys),
@@ -417,6 +417,10 @@ def _metadata_schema() -> Doc:
             "endpoints": obj,
             "source": obj,
             "provider": {"type": "string"},
+            "io_binding": {
+                "type": "boolean",
+                "description": "Whether inputs and outputs are bound on the device (CUDA).",
+            },
             "device": {"type": "string"},
             "threads": obj,
             "batching": obj,

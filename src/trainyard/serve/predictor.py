@@ -86,7 +86,8 @@ class Predictor:
         return (
             f"trainyard: serving {self.model_path} (sha256 {self.sha256}, "
             f"{len(self.classes)} classes, input {image_shape_text(self.card)}, resize "
-            f"{self.card.resize}) on {self.model.provider}; params {params_file}; "
+            f"{self.card.resize}) on {self.model.provider}"
+            f"{' with IO binding' if self.model.io_binding else ''}; params {params_file}; "
             f"{p.model_threads()} ONNX Runtime thread(s), {p.concurrent_inferences()} "
             f"inference(s) at once; batching {batching}"
         )
@@ -301,6 +302,8 @@ class Predictor:
             },
             "source": self.provenance,
             "provider": self.model.provider,
+            # True on CUDA: each call binds its batch on the device, only logits come back.
+            "io_binding": self.model.io_binding,
             "device": p.device,
             "threads": {
                 "onnxruntime_intra_op": p.model_threads(),
