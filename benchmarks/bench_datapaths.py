@@ -23,8 +23,9 @@ Why a small model on the CPU: on a GPU the network's step is cheap and the input
 is left; a CPU network of the same size is not, so the CPU stand-in is the default CNN's
 layout at a quarter of its width (``tiny``, ``width=8``), and the targets are its ratios.
 The default CNN (``cnn``) runs too: with its CPU compute per image above the decode cost,
-the paths come much closer together. On a GPU only ``cnn`` runs, at ``gpu_batch_size``,
-and the rows are sampled for GPU utilisation (NVML).
+the paths come much closer together. On a GPU only ``cnn`` runs, with the config's
+``gpu_*`` settings (batch, steps, repeats), and the rows are sampled for GPU utilisation
+(NVML).
 """
 
 from __future__ import annotations
@@ -311,6 +312,15 @@ def folder_ratios(
     return ratios, targets
 
 
+def device_config(cfg: dict[str, Any], gpu: bool) -> dict[str, Any]:
+    """The folder settings for this device: on a GPU each ``gpu_<key>`` replaces ``<key>``
+    (the real CNN at a GPU-sized batch, fewer steps and repeats: the textbook rows decode
+    every JPEG on the CPU, and `make gpu-check` must stay within its minutes)."""
+    if not gpu:
+        return cfg
+    return cfg | {k.removeprefix("gpu_"): v for k, v in cfg.items() if k.startswith("gpu_")}
+
+
 def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     """The image-folder comparison: prepare's figures, then rows (a)-(d) for each model."""
     import torch
@@ -320,10 +330,9 @@ def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[s
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = device == "cuda"
-    # On a GPU the real CNN at a GPU-sized batch: the GPU makes its step cheap already.
-    cfg = (cfg | {"batch_size": cfg["gpu_batch_size"]}) if gpu else cfg
+    cfg = device_config(cfg, gpu)
     size, bs = cfg["image_size"], cfg["batch_size"]
-    names = cfg["gpu_folder_models"] if gpu else cfg["folder_models"]
+    names = cfg["folder_models"]
     w = cores()
     photos, made, work = folder_photos(cfg, log)
     work.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +14,7 @@ import numpy as np
 
 from benchmarks.common import classifier
 from benchmarks.timing import StepWindow, Timer
+from trainyard.train.gpu_busy import NvmlSampler  # the one NVML sampler, training's too
 
 
 def plain_loop_throughput(
@@ -26,12 +25,16 @@ def plain_loop_throughput(
     steps: int,
     warmup: int,
     loader: str = "textbook",
+    precision: str = "32-true",
 ) -> float:
     """img/s of a hand-written PyTorch loop: same model, optimiser, augmentation, batch.
 
     ``loader="textbook"``: the usual per-sample Dataset + DataLoader(shuffle=True) with the
     batch copied to the device each step; ``"tensor"``: the same in-memory batches the
-    fast path uses, so the difference to Lightning is framework overhead alone.
+    fast path uses, so the difference to Lightning is framework overhead alone;
+    ``"device"``: those batches gathered from splits already on the device, as the fast
+    path's device-resident placement does on a GPU (the like-for-like baseline there).
+    ``precision``: ``bf16-mixed`` runs the step under bf16 autocast, as Lightning's does.
     """
     import torch
     import torch.nn.functional as F
@@ -45,6 +48,8 @@ def plain_loop_throughput(
     images, labels = data["arrays"]["train"]
     x_all = torch.from_numpy(np.ascontiguousarray(images))
     y_all = torch.from_numpy(labels.astype(np.int64))
+    if loader == "device":
+        x_all, y_all = x_all.to(device), y_all.to(device)
     if loader == "textbook":
         batches = DataLoader(
             PerSampleDataset(x_all, y_all),
@@ -62,6 +67,7 @@ def plain_loop_throughput(
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=5e-4)
     gen = torch.Generator(device=device).manual_seed(0)
     timer = Timer(device)
+    bf16 = precision.startswith("bf16")
     done = 0
     while True:
         for xb, yb in batches:
@@ -69,7 +75,8 @@ def plain_loop_throughput(
                 timer.start()
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             x = augment_batch(normalize(xb, mean, std), gen)
-            loss = F.cross_entropy(model(x), yb, label_smoothing=0.1)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(model(x), yb, label_smoothing=0.1)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -114,43 +121,6 @@ def lightning_throughput(
     )
     trainer.fit(model, datamodule=dm)
     return window.img_per_s
-
-
-class NvmlSampler:
-    """GPU utilisation (%) sampled every ``period`` s by NVML while ``active``."""
-
-    def __init__(self, period: float = 0.02) -> None:
-        import pynvml  # nvidia-ml-py
-
-        pynvml.nvmlInit()
-        self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        self.period, self.samples, self.active = period, [], False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.active:
-                rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
-                self.samples.append(int(rates.gpu))
-            time.sleep(self.period)
-
-    def window(self, on: bool) -> None:
-        """Sample while ``on``."""
-        self.active = on
-
-    def close(self) -> dict[str, Any]:
-        """Stop sampling: the number of samples, their mean and median %."""
-        self._stop.set()
-        self._thread.join()
-        s = self.samples
-        return {
-            "samples": len(s),
-            "mean_pct": statistics.fmean(s) if s else None,
-            "median_pct": statistics.median(s) if s else None,
-        }
 
 
 def round_robin(
@@ -293,18 +263,29 @@ class TargetClock(L.Callback):
     """Seconds of training steps per epoch (evaluation excluded), the test accuracy after
     each epoch, and a stop once it reaches ``target``."""
 
-    def __init__(self, device: str, target: float, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        device: str,
+        target: float,
+        log: Callable[[str], None],
+        on_window: Callable[[bool], None] | None = None,
+    ) -> None:
         self.timer = Timer(device)  # accumulates the training part of every epoch
+        self.on_window = on_window  # e.g. the NVML sampler: open over training steps only
         self.target, self._log = target, log  # not .log: Lightning sets that to the module's
         self.history: list[dict[str, Any]] = []
         self.reached: dict[str, Any] | None = None
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.timer.start()
+        if self.on_window:
+            self.on_window(True)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         if trainer.is_last_batch:
             self.timer.stop()
+            if self.on_window:
+                self.on_window(False)
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.sanity_checking:

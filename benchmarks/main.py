@@ -17,12 +17,17 @@ Measures (warm-up excluded, medians of repeats, ratios printed beside absolutes)
 3. inference latency/throughput at batch 1, 64, 1024: torch eager vs ONNX Runtime, on
    CPU and, where present, CUDA (benchmarks/bench_inference.py);
 4. with --time-to-target (on by --gpu-check): the `fast` preset's seconds to 93% test
-   accuracy (benchmarks/bench_training.py).
+   accuracy (benchmarks/bench_training.py);
+5. with --default-plan (on by --gpu-check): what a user gets, the recipe's plan for
+   params.yaml on this GPU (its measured batch), trainyard vs a plain loop at that batch,
+   GPU busy % and seconds to the CPU default's test accuracy, against the CPU default
+   plan on this machine's cores (benchmarks/bench_default_plan.py).
 
 The parent process imports only torch, lightning, numpy, Pillow, onnx, onnxruntime (and
 matplotlib, yaml): this must run on a bare GPU machine with no mlflow, dvc, bentoml or
-pydantic. (The folder rows run prepare in a child process, which needs pydantic; without it
-they are skipped with the reason.)
+pydantic. (The folder rows run prepare in a child process, which needs pydantic, from
+`make gpu-wheels`; without it they are skipped with the reason.) tests/test_gpu_bare.py
+runs ``--gpu-check --quick`` with every other installed package hidden, children included.
 """
 
 from __future__ import annotations
@@ -64,8 +69,14 @@ FULL = {
         "steps": 60,  # ~2 epochs of the 4,000 images: the textbook rows restart their workers
         "repeats": 5,
         "folder_models": ["tiny", "cnn"],
+        # On a GPU (make gpu-check, within its 6 minutes): one model, ~1.5 epochs of the
+        # 4,000 images per fit, median of 3. About a minute on 16 cores, most of it the
+        # textbook rows decoding JPEGs (0 workers: ~1,500 img/s on one core).
         "gpu_folder_models": ["cnn"],
         "gpu_batch_size": 512,
+        "gpu_warmup": 2,
+        "gpu_steps": 10,
+        "gpu_repeats": 3,
     },
 }
 QUICK = {
@@ -129,6 +140,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="your own class-per-folder images instead of the generated JPEGs (read as they "
         "are: ImageFolder stops at a broken file, prepare with data.on_bad_file's default)",
     )
+    parser.add_argument(
+        "--default-plan",
+        action="store_true",
+        help="also the recipe's default plan: its batch, loop cost, GPU busy, time to the CPU "
+        "default's accuracy (on by --gpu-check)",
+    )
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--skip-folder", action="store_true")
     parser.add_argument("--skip-inference", action="store_true")
@@ -178,7 +195,29 @@ def run_parts(
         else:
             out["time_to_target"] = None
             log("bench: no CUDA GPU here: time-to-target skipped (it is a GPU figure)")
+    if args.gpu_check or args.default_plan:
+        out["default_plan"] = default_plan_rows(data, cfg, args.quick, log)
     return out
+
+
+def default_plan_rows(
+    data: dict[str, Any], cfg: dict[str, Any], quick: bool, log: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """What a user gets (benchmarks/bench_default_plan.py): on a GPU, or anywhere with
+    --quick (1 epoch: the code path); skipped with the reason otherwise."""
+    import importlib.util
+
+    import torch
+
+    if not (torch.cuda.is_available() or quick):
+        log("bench: no CUDA GPU here: the default plan's rows skipped (they are GPU figures)")
+        return None
+    if importlib.util.find_spec("pydantic") is None:  # params are validated by pydantic
+        log("bench: no pydantic (make gpu-wheels): the default plan's rows skipped")
+        return {"skipped": "no pydantic: carry make gpu-wheels' .whl"}
+    from benchmarks.bench_default_plan import default_plan_benchmark
+
+    return default_plan_benchmark(data, cfg | ({"plan_epochs": 1} if quick else {}), log)
 
 
 def write_outputs(

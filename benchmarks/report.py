@@ -63,6 +63,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {ratio} | {r['torch_img_per_s']:,.0f} | {ort_ips} |"
             )
         lines.append("")
+    lines += default_plan_markdown(result.get("default_plan"))
     ttt = result.get("time_to_target")
     if ttt:
         reached = ttt["reached"]
@@ -113,3 +114,37 @@ def chart(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def default_plan_markdown(dp: dict[str, Any] | None) -> list[str]:
+    """The default plan's rows (benchmarks/bench_default_plan.py) as Markdown lines."""
+    if not dp or "plan" not in dp:
+        return [f"**Default plan**: {dp['skipped']}", ""] if dp else []
+    choices = dp["plan"]["choices"]
+    loop, run, cpu = dp["loop"], dp["to_target"], dp["cpu_default"]
+    busy = run["gpu_busy"]
+    busy_text = f"{busy['mean_pct']:.0f}%" if busy.get("mean_pct") is not None else "n/a"
+    reached = run["reached"]
+    ratio = dp.get("gpu_over_cpu_time_to_target")
+    plan = ", ".join(f"{k} {choices[k]['value']}" for k in ("arch", "batch_size", "lr"))
+    return [
+        f"**Default plan** (params.yaml's recipe on {dp['plan']['device']}, "
+        f"{dp['plan']['precision']}: {plan}, {choices['max_epochs']['value']} epochs)",
+        "",
+        "| figure | value |",
+        "|---|---:|",
+        f"| trainyard / plain loop, same batches, batch {loop['batch_size']:,} "
+        f"| {loop['trainyard_over_plain']:.2f}x ({loop['trainyard_img_per_s']:,} vs "
+        f"{loop['plain_loop_img_per_s']:,} img/s) |",
+        f"| training img/s over the plan's steps | {run['img_per_s'] or 0:,} |",
+        f"| GPU busy over the training steps (NVML) | {busy_text} |",
+        f"| seconds of training to {dp['target']:.4f} test accuracy "
+        f"| {reached['train_s'] if reached else 'not reached'} "
+        f"({run['epochs_run']} epochs run) |",
+        f"| CPU default ({cpu['arch']}, batch {cpu['batch_size']}, {cpu['max_epochs']} epochs) "
+        f"on {cpu['cores']} threads | {cpu['train_s']} s ({cpu['img_per_s']:,} img/s) |",
+        f"| GPU vs CPU, time to that accuracy | {f'{ratio:.0f}x' if ratio else 'n/a'} |",
+        "",
+        f"Target {dp['target']:.4f}: {dp['target_from']}.",
+        "",
+    ]

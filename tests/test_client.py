@@ -143,7 +143,9 @@ def test_sniff_knows_every_format_the_service_decodes(fmt):
 
 
 def test_sniff_knows_the_phone_formats():
-    import trainyard.core.imaging  # noqa: F401  (registers pillow-heif's HEIF writer)
+    from trainyard.core.imaging import ensure_format
+
+    assert ensure_format("HEIF")  # registers pillow-heif's HEIF writer
 
     heic = io.BytesIO()
     Image.new("RGB", (16, 16), (200, 10, 10)).save(heic, format="HEIF")

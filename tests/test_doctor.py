@@ -4,6 +4,7 @@ too little RAM, broken CUDA, datasets larger than memory)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ from trainyard.data.sources import prepare_source
 from trainyard.doctor.checks import main as doctor_main
 from trainyard.doctor.collect import collect
 from trainyard.doctor.dataset import collect_dataset
-from trainyard.doctor.machine import PROBE_MODEL
+from trainyard.doctor.machine import PROBE_MODEL, probe, probe_provider
 from trainyard.doctor.render import emit, render_table
 from trainyard.doctor.verdicts import KEYS, report, verdicts
 
@@ -183,6 +184,67 @@ def test_probe_model_is_a_valid_identity_model():
     )
     rebuilt = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)], ir_version=8)
     assert rebuilt.SerializeToString() == PROBE_MODEL
+
+
+# ----------------------------------------------------------------- provider probes
+
+# What onnxruntime-gpu prints without the TensorRT libraries (its Python print()), before
+# the session falls back to the CPU.
+EP_ERROR = (
+    b"*************** EP Error ***************\n"
+    b"EP Error ... Please install TensorRT libraries (libnvinfer.so.10) when using "
+    b"['TensorrtExecutionProvider', 'CPUExecutionProvider']\n"
+    b"Falling back to ['CPUExecutionProvider'] and retrying.\n"
+    b"****************************************\n"
+)
+
+
+def test_what_a_probe_prints_natively_is_its_reason_not_stdout(capfd):
+    def attempt() -> list[str]:
+        os.write(1, EP_ERROR)  # fd 1, under Python's sys.stdout, as native code writes
+        ctypes.CDLL(None).printf(b"buffered by C's stdio\n")  # flushed into the capture
+        print("and through Python's print()")
+        return ["CPUExecutionProvider"]  # the session fell back
+
+    result = probe("TensorrtExecutionProvider", attempt)
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    assert result["loads"] is False
+    assert result["why"].startswith("EP Error") and "libnvinfer.so.10" in result["why"]
+    said = "\n".join(result["said"])
+    assert "Falling back" in said and "buffered by C" in said and "print()" in said
+    # the descriptors are back: what is written now reaches stdout
+    os.write(1, b"after\n")
+    assert capfd.readouterr().out == "after\n"
+
+
+def test_a_probe_that_raises_restores_stdout_and_prefers_ort_s_error_log(capfd):
+    log = b"\x1b[1;31m2026-01-01 [E:onnxruntime:Default, bridge.cc:1 Get()] libcudnn missing\n"
+
+    def logs_then_falls_back() -> list[str]:
+        os.write(2, EP_ERROR + log)  # the C++ log line says more than the EP Error banner
+        return ["CPUExecutionProvider"]
+
+    def raises() -> list[str]:
+        os.write(1, b"half a line")
+        raise RuntimeError("session failed\nsecond line")
+
+    assert probe("CUDAExecutionProvider", logs_then_falls_back)["why"] == "libcudnn missing"
+    result = probe("CUDAExecutionProvider", raises)
+    assert result == {"loads": False, "why": "session failed", "said": ["half a line"]}
+    print("after", flush=True)
+    assert capfd.readouterr() == ("after\n", "")
+
+
+def test_tensorrt_probe_of_a_gpu_build_without_tensorrt_prints_nothing(capfd):
+    ort = pytest.importorskip("onnxruntime")
+    if "TensorrtExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("this onnxruntime build has no TensorRT provider to fail loading")
+    result = probe_provider(ort, "TensorrtExecutionProvider")
+    out, _ = capfd.readouterr()
+    assert out == ""  # ORT's EP Error block went into the probe, not before a JSON document
+    if not result["loads"]:  # a machine with TensorRT installed loads it
+        assert result["why"] and result["said"]
 
 
 # ----------------------------------------------------------------- crafted machines

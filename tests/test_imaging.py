@@ -15,6 +15,7 @@ from trainyard.core.imaging import (
     DEFAULT_MAX_IMAGE_PIXELS,
     IMAGE_EXTENSIONS,
     IMAGE_FORMATS,
+    ensure_format,
     image_to_pixels,
     read_header,
 )
@@ -23,6 +24,8 @@ RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
 
 
 def encode(im: Image.Image, fmt: str, **kw) -> bytes:
+    # pillow-heif (a dependency here) writes HEIC once registered, as imaging does lazily.
+    assert fmt != "HEIF" or ensure_format("HEIF"), "pillow-heif is not installed"
     buf = io.BytesIO()
     im.save(buf, fmt, **kw)
     return buf.getvalue()

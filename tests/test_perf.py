@@ -1,5 +1,7 @@
 """The input-bound verdict: its thresholds and fixes, and two real short CPU trainings: per-
-sample JPEG decoding from a folder is input-bound, the fast path over prepared arrays is not."""
+sample JPEG decoding from a folder is input-bound, the fast path over prepared arrays is not.
+How busy the GPU was (NVML): "GPU underfed" from the figure, and the figure's absence on a
+CPU or without NVML; measured for real on a GPU."""
 
 from __future__ import annotations
 
@@ -10,15 +12,20 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from trainyard.core.card import Card
 from trainyard.data.datamodule import TensorBatches
 from trainyard.model.classifier import Classifier
-from trainyard.track.records import InputBound
+from trainyard.track.records import GpuBusy, InputBound
+from trainyard.train import gpu_busy
 from trainyard.train.builder import build_trainer
-from trainyard.train.perf import InputBoundMeter, StepTotals, level_of, verdict
+from trainyard.train.gpu_busy import GpuBusyMeter, NvmlSampler, busy_figures, gpu_busy_of
+from trainyard.train.perf import LEVELS, InputBoundMeter, StepTotals, level_of, verdict
+
+from conftest import has_cuda
 
 # ------------------------------------------------------------------ verdict (pure)
 
@@ -234,3 +241,99 @@ def test_data_path_and_placement_come_from_trainyards_datamodule(tmp_path, one_t
     if r["level"] != "not input-bound":
         assert "train.data_path: fast" in r["fix"]
     assert "transfer_batch_to_device" not in vars(dm)
+
+
+# ------------------------------------------------------------------ GPU busy (NVML)
+
+
+@pytest.mark.parametrize("busy", [11.0, 59.9])
+def test_a_gpu_that_keeps_up_with_its_data_but_idles_is_underfed(busy):
+    v = verdict(
+        0.01,
+        data_path="fast",
+        device="cuda",
+        placement="device",
+        gpu_busy_pct=busy,
+        precision="32-true",
+    )
+    assert v["level"] == "GPU underfed"
+    assert f"the GPU was busy {busy:.0f}% of the training steps" in v["why"]
+    assert v["fix"].startswith("the GPU waits on the host between steps, not on the data")
+    assert "train.batch_size" in v["fix"] and "train.precision: bf16-mixed" in v["fix"]
+    assert "train.compile" in v["fix"]
+    assert "device_resident" not in v["fix"]  # already there: not a lever
+
+
+def test_the_underfed_levers_are_the_ones_not_pulled_yet():
+    ram = verdict(0.0, device="cuda", placement="ram", gpu_busy_pct=30, precision="bf16-mixed")
+    assert ram["level"] == "GPU underfed"
+    assert "train.device_resident: true" in ram["fix"] and "bf16" not in ram["fix"]
+
+
+def test_a_busy_gpu_or_an_input_bound_one_is_not_underfed():
+    busy = verdict(0.01, data_path="fast", device="cuda", placement="device", gpu_busy_pct=85)
+    assert busy["level"] == "not input-bound" and "busy 85%" in busy["why"]
+    assert busy["fix"].startswith("none on the input side")
+    # Waiting for data is the first thing to fix, however idle the GPU.
+    fed = verdict(0.4, data_path="naive", device="cuda", placement="ram", gpu_busy_pct=20)
+    assert fed["level"] == "input-bound" and "train.data_path: fast" in fed["fix"]
+    assert "busy 20%" in fed["why"]
+    assert "GPU underfed" in LEVELS
+
+
+def test_without_a_busy_figure_the_verdict_is_unchanged():
+    args = {"data_path": "fast", "device": "cpu", "placement": "ram"}
+    assert verdict(0.01, **args, gpu_busy_pct=None) == verdict(0.01, **args)
+    assert "busy" not in verdict(0.01, **args)["why"]
+
+
+def test_nvml_sampler_without_a_gpu_or_its_package_says_why(monkeypatch):
+    if has_cuda():
+        pytest.skip("a GPU here: NVML works")
+    with pytest.raises(Exception, match=r"(?i)nvml|driver|library|shared"):
+        NvmlSampler()  # nvidia-ml-py is installed; the driver's library is not
+    monkeypatch.setattr(gpu_busy, "pynvml", None)  # a bare image without nvidia-ml-py
+    with pytest.raises(RuntimeError, match="nvidia-ml-py is not installed"):
+        NvmlSampler()
+    assert busy_figures([]) == {"samples": 0, "mean_pct": None, "median_pct": None}
+    assert busy_figures([10, 20, 60]) == {"samples": 3, "mean_pct": 30.0, "median_pct": 20}
+
+
+def test_on_a_cpu_the_busy_figure_is_none_and_why(tmp_path, one_thread):
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.integers(0, 256, size=(64, 3, 16, 16), dtype=np.uint8))
+    y = torch.from_numpy(rng.integers(0, 4, size=64).astype(np.int64))
+    busy, meter = GpuBusyMeter(), InputBoundMeter(data_path="fast")
+    logger = CSVLogger(tmp_path)
+    trainer = build_trainer(max_epochs=1, root=tmp_path, callbacks=[busy, meter], logger=logger)
+    trainer.fit(Classifier(card=card(3, 16)), DataLoader(TensorBatches(x, y, 8, True), None))
+    assert busy.result == {
+        "mean_pct": None,
+        "median_pct": None,
+        "samples": 0,
+        "device": None,
+        "reason": "no CUDA device",
+    }
+    assert gpu_busy_of(trainer) == busy.result and busy.sampler is None
+    assert GpuBusy.model_validate(busy.result).reason == "no CUDA device"  # train.json's
+    assert "busy" not in meter.result["why"] and meter.result["level"] != "GPU underfed"
+    assert "perf/gpu_busy_pct" not in (Path(logger.log_dir) / "metrics.csv").read_text()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_training_steps_busy_figure_is_measured(tmp_path):
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.integers(0, 256, size=(8192, 3, 32, 32), dtype=np.uint8)).cuda()
+    y = torch.from_numpy(rng.integers(0, 4, size=8192).astype(np.int64)).cuda()
+    busy, meter = GpuBusyMeter(period_s=0.005), InputBoundMeter(data_path="fast")
+    logger = CSVLogger(tmp_path)
+    trainer = build_trainer(
+        accelerator="cuda", max_epochs=2, root=tmp_path, callbacks=[busy, meter], logger=logger
+    )
+    trainer.fit(Classifier(card=card(3, 32)), DataLoader(TensorBatches(x, y, 256, True), None))
+    r = busy.result
+    assert r["reason"] is None and r["samples"] > 0 and 0 <= r["mean_pct"] <= 100, r
+    assert r["device"] and len(busy.epochs) == 2
+    assert f"the GPU was busy {r['mean_pct']:.0f}%" in meter.result["why"]
+    assert meter.result["level"] in LEVELS
+    assert "perf/gpu_busy_pct" in (Path(logger.log_dir) / "metrics.csv").read_text()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +15,14 @@ from PIL import Image, features
 from test_serve_unit import CARD, client_for, write_tiny_model
 
 from trainyard.core.config import DataParams
-from trainyard.core.errors import DataError
-from trainyard.core.imaging import IMAGE_EXTENSIONS, IMAGE_FORMATS, image_to_pixels, read_header
+from trainyard.core.errors import DataError, InputError
+from trainyard.core.imaging import (
+    IMAGE_EXTENSIONS,
+    IMAGE_FORMATS,
+    ensure_format,
+    image_to_pixels,
+    read_header,
+)
 from trainyard.data.sources import prepare_source as prepare
 from trainyard.runtime.inputs import decode_image, normalize, softmax
 from trainyard.serve.openapi import IMAGE_TYPES
@@ -23,6 +31,8 @@ PHONE = {".heic": "HEIF", ".heif": "HEIF", ".hif": "HEIF", ".avif": "AVIF"}
 
 
 def encode(im: Image.Image, fmt: str, **kw) -> bytes:
+    # pillow-heif (a dependency here) writes HEIC once registered, as imaging does lazily.
+    assert fmt != "HEIF" or ensure_format("HEIF"), "pillow-heif is not installed"
     buf = io.BytesIO()
     im.save(buf, fmt, **kw)
     return buf.getvalue()
@@ -135,6 +145,75 @@ def test_a_heic_that_is_not_an_image_is_a_bad_file_named_with_why(tmp_path):
     assert "dogs/half.avif: " in message and ("truncated" in message or "not an image" in message)
 
 
+def test_a_fresh_process_registers_pillow_heif_at_its_first_heic(tmp_path):
+    (tmp_path / "photo.heic").write_bytes(encode(Image.fromarray(scene(48, 40)), "HEIF"))
+    code = (
+        "import sys\n"
+        "from trainyard.core.imaging import image_to_pixels\n"
+        "assert 'pillow_heif' not in sys.modules  # not imported by imaging itself\n"
+        "data = open(sys.argv[1], 'rb').read()\n"
+        "print(image_to_pixels(data, channels=3, height=40, width=48).shape)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "photo.heic")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "(3, 40, 48)"
+
+
+# ----------------------------------------------------------------------------- plugin missing
+
+
+@pytest.fixture
+def without_phone_readers(monkeypatch) -> dict[str, bytes]:
+    """This process as where pillow-heif is not installed and Pillow has no AVIF (a bare
+    GPU machine's image): a HEIC and an AVIF file, written before the readers go."""
+    photos = {
+        "HEIF": encode(Image.fromarray(scene(48, 40)), "HEIF", quality=90),
+        "AVIF": encode(Image.fromarray(scene(48, 40)), "AVIF", quality=90),
+    }
+    monkeypatch.setitem(sys.modules, "pillow_heif", None)  # its import now fails
+    for fmt in photos:
+        monkeypatch.delitem(Image.OPEN, fmt)
+    return photos
+
+
+def test_a_phone_format_without_its_reader_is_a_415_naming_the_package(without_phone_readers):
+    want = {"HEIF": "pillow-heif package", "AVIF": "Pillow >= 11.3 built with AVIF"}
+    for fmt, data in without_phone_readers.items():
+        with pytest.raises(InputError) as info:
+            image_to_pixels(data, channels=3, height=40, width=48, field="photo.heic")
+        assert info.value.status == 415
+        assert str(info.value).startswith("photo.heic: ") and want[fmt] in str(info.value)
+        assert "pip install" in str(info.value)
+    # every other format still reads
+    png = encode(Image.fromarray(scene(48, 40)), "PNG")
+    assert image_to_pixels(png, channels=3, height=40, width=48).shape == (3, 40, 48)
+
+
+def test_prepare_names_the_missing_package_per_file(tmp_path, without_phone_readers):
+    root = tmp_path / "photos"
+    for c, name in enumerate(("cats", "dogs")):
+        (root / name).mkdir(parents=True)
+        for i in range(4):
+            img = Image.fromarray(scene(48, 40, shift=40 * c + i))
+            (root / name / f"img_{i}.png").write_bytes(encode(img, "PNG"))
+    (root / "cats" / "IMG_0001.HEIC").write_bytes(without_phone_readers["HEIF"])
+    params = DataParams(source="folder", folder=str(root), image_size=32, workers=1)
+    with pytest.raises(DataError) as info:
+        prepare("unused", tmp_path / "out", params, seed=0)
+    message = str(info.value)
+    assert "1 bad file(s)" in message
+    assert "cats/IMG_0001.HEIC: HEIC/HEIF images need the pillow-heif package" in message
+    # data.on_bad_file: skip leaves it out and prepares the rest
+    skip = params.model_copy(update={"on_bad_file": "skip"})
+    card = prepare("unused", tmp_path / "out", skip, seed=0)
+    assert sum(c["total"] for c in card.counts.values()) == 8
+
+
 # ----------------------------------------------------------------------------- the service
 
 
@@ -160,3 +239,14 @@ def test_the_service_decodes_heic_and_avif_like_prepare(tiny):
         # and as a multipart file, whatever its declared type
         files = {"image": ("IMG_0001.HEIC", photos["image/heic"], "application/octet-stream")}
         assert client.post("/classify", files=files).status_code == 200
+
+
+def test_the_service_answers_415_for_heic_without_pillow_heif(tiny, without_phone_readers):
+    for client in client_for(tiny, batching=False):
+        resp = client.post(
+            "/classify",
+            content=without_phone_readers["HEIF"],
+            headers={"content-type": "image/heic"},
+        )
+        assert resp.status_code == 415, resp.text
+        assert "pillow-heif" in resp.json()["error"] and resp.json()["field"] == "image"

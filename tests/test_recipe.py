@@ -18,7 +18,7 @@ from trainyard.core.card import Card
 from trainyard.core.config import Params, parse_params
 from trainyard.data.store import open_prepared
 from trainyard.train import recipe, speed
-from trainyard.train.fit import HARD_STOP, time_limit_min
+from trainyard.train.builder import HARD_STOP, time_limit_min
 from trainyard.train.recipe import CLASSIC, Facts, choose_batch, choose_epochs, load_plan, plan
 
 
@@ -331,3 +331,45 @@ def test_the_hard_stop_is_the_budget_only_for_a_timed_plan() -> None:
     assert time_limit_min(_params().train, planned_epochs=True) is None  # fixed: no stop
     assert time_limit_min(_params(time_limit_min=7).train, planned_epochs=False) == 7
     assert time_limit_min(_params(plan="timed", time_limit_min=None).train, True) is None
+
+
+def test_a_fit_cut_by_the_time_limit_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real fit: the time limit stops it mid-plan, and stop_reason says so (train.json's
+    stopped_by, the MLflow tag, a warning); a fit that runs its epochs says max_epochs."""
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import Callback
+
+    from trainyard.data.datamodule import ImageDataModule
+    from trainyard.model.classifier import Classifier
+    from trainyard.train.builder import build_trainer, stop_reason
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        split: (rng.integers(0, 256, (n, 1, 8, 8), dtype=np.uint8), rng.integers(0, 2, n))
+        for split, n in (("train", 64), ("val", 16), ("test", 16))
+    }
+    card = _card(2, 1, 8)
+
+    class Slow(Callback):  # each step takes 0.2 s: a 1 s limit ends a 50-epoch plan early
+        def on_train_batch_end(self, *args: object) -> None:
+            time.sleep(0.2)
+
+    def fit(max_epochs: int, max_time: timedelta | None, slow: bool) -> str:
+        dm = ImageDataModule(arrays=arrays, card=card, batch_size=32, eval_batch_size=16)
+        trainer = build_trainer(
+            max_epochs=max_epochs,
+            max_time=max_time,
+            root=tmp_path,
+            callbacks=[Slow()] if slow else [],
+        )
+        trainer.fit(Classifier(card=card.contract(), arch="cnn"), datamodule=dm)
+        return stop_reason(trainer)
+
+    with caplog.at_level("WARNING", logger="trainyard"):
+        cut = fit(50, timedelta(seconds=1), slow=True)
+    assert cut.startswith("time limit: train.time_limit_min (0.0167 min)") and "of the 50" in cut
+    assert any("this model is not the plan's" in m for m in caplog.messages)
+    assert fit(2, timedelta(minutes=5), slow=False) == "max_epochs"

@@ -13,11 +13,13 @@ from trainyard.track.records import (
     REGISTRY_RECORD,
     TRAIN_RECORD,
     ExportRecord,
+    GpuBusy,
     InputBound,
     Registration,
     RegistryRecord,
     TrainRecord,
 )
+from trainyard.train.gpu_busy import unavailable
 from trainyard.train.perf import verdict
 
 from conftest import REPO
@@ -56,6 +58,20 @@ TRAIN = {
     "precision": "bf16-mixed",
     "run_id": "dc92b45b8f6c40cdabceafa61e29f6e3",
 }
+GPU_BUSY = {
+    "device": "NVIDIA H200",
+    "mean_pct": 87.5,
+    "median_pct": 91.0,
+    "reason": None,
+    "samples": 412,
+}
+NO_GPU = {
+    "device": None,
+    "mean_pct": None,
+    "median_pct": None,
+    "reason": "no CUDA device",
+    "samples": 0,
+}
 EXPORT = {
     "argmax_agreement": 1.0,
     "max_abs_diff": 2.1457672119140625e-06,
@@ -81,6 +97,8 @@ REGISTERED = {
 CASES = [
     (TrainRecord, TRAIN),
     (TrainRecord, TRAIN | {"input_bound": None}),
+    (TrainRecord, TRAIN | {"gpu_busy": GPU_BUSY}),
+    (TrainRecord, TRAIN | {"gpu_busy": NO_GPU}),
     (ExportRecord, EXPORT),
     (RegistryRecord, REGISTERED),
     (RegistryRecord, REGISTERED | {"previous_champion": 1, "already_registered": True}),
@@ -103,6 +121,12 @@ def test_the_typed_fields():
     train = TrainRecord.from_json(TRAIN)
     assert (train.run_id, train.best_epoch, train.checkpoint) == (TRAIN["run_id"], 9, "best.ckpt")
     assert isinstance(train.input_bound, InputBound) and train.input_bound.steps == 2147
+    assert train.gpu_busy is None  # a record from before the figure: none, and not written
+    assert "gpu_busy" not in train.to_json()
+    busy = TrainRecord.from_json(TRAIN | {"gpu_busy": GPU_BUSY}).gpu_busy
+    assert isinstance(busy, GpuBusy) and (busy.mean_pct, busy.samples) == (87.5, 412)
+    cpu = TrainRecord.from_json(TRAIN | {"gpu_busy": NO_GPU}).gpu_busy
+    assert cpu is not None and cpu.mean_pct is None and cpu.reason == "no CUDA device"
     registry = RegistryRecord.from_json(REGISTERED)
     assert isinstance(registry.registration, Registration)
     assert (registry.registration.version, registry.registration.alias) == (1, "champion")
@@ -132,6 +156,11 @@ def test_the_committed_files_read_and_write_back_unchanged(tmp_path, cls):
     committed = REPO / cls.FILE
     record = cls.read(committed)
     assert record.write(tmp_path / "again.json").read_text() == committed.read_text()
+
+
+def test_the_gpu_busy_meters_result_fits_the_record():
+    assert set(unavailable("no CUDA device")) == set(GpuBusy.model_fields)
+    assert GpuBusy.model_validate(unavailable("no CUDA device")).reason == "no CUDA device"
 
 
 def test_the_meters_verdict_fits_the_record():

@@ -42,16 +42,28 @@ def epoch_order(
     world_size: int = 1,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Sample order for one epoch: a ``seed + epoch`` permutation, this rank's equal share.
+    """Sample order for one epoch: a ``seed + epoch`` permutation, this rank's equal share,
+    on ``device`` (the data's: every batch's index is then a slice of it, already there).
 
-    Both data paths use it, so they visit the same samples in the same order.
+    Drawn on the host, so both data paths, and a CPU and a GPU run, visit the same samples
+    in the same order; it crosses to the device once an epoch (``host_to_device``).
     """
     if shuffle:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
     else:
         order = torch.arange(n)
     per_rank = n // world_size
-    return order[rank::world_size][:per_rank].to(device)
+    return host_to_device(order[rank::world_size][:per_rank], device)
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for it: to a GPU, pinned and queued on
+    the stream (a copy from pageable memory makes the host wait until the GPU has run
+    everything queued before it: a synchronisation); elsewhere a plain ``to``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 class TensorBatches(IterableDataset):

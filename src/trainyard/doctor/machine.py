@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import os
+import re
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ from trainyard.core.errors import TrainyardError
 from trainyard.core.host import available_ram, cpu_has_bf16, cpu_name
 from trainyard.doctor.base import CPU_EP, CUDA_EP, TRT_EP, safely
 
+# The colour codes of ONNX Runtime's terminal log: not part of what it said.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # A one-node ONNX model (Identity on float[1], opset 13, IR 8): what a provider must run to
 # count as loading. Built once with onnx.helper (tests check it still is); embedded because
 # importing onnx costs a second.
@@ -267,42 +271,61 @@ def collect_gpus(torch_facts: dict[str, Any]) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- ONNX Runtime
 
 
+def _flush_c_stdio() -> None:
+    """Flush C's stdio buffers (C++ iostreams write through them): what native code printed
+    lands in the capture, not on the terminal after it."""
+    # No libc to ask (not Linux/macOS): nothing of C's is buffered then.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)
+
+
 @contextlib.contextmanager
-def _captured_stderr() -> Iterator[list[str]]:
-    """Capture what C++ code writes to fd 2 (ONNX Runtime's provider errors) as lines."""
+def captured_output() -> Iterator[list[str]]:
+    """Everything written to stdout and stderr inside the block, by Python or by native
+    code on file descriptors 1 and 2, as lines; none of it reaches the terminal (nor the
+    ``--json`` document). ONNX Runtime says why a provider failed both ways: its C++ log
+    on fd 2, its Python ``EP Error ... Falling back to ['CPUExecutionProvider']`` block
+    with print(). The descriptors are restored also when the block raises."""
     lines: list[str] = []
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    _flush_c_stdio()  # what was printed before stays out of the capture
+    saved = [os.dup(1), os.dup(2)]
+    text = io.StringIO()
     with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
         try:
-            yield lines
+            os.dup2(tmp.fileno(), 1)
+            os.dup2(tmp.fileno(), 2)
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield lines
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+            _flush_c_stdio()
+            for fd, dup in zip((1, 2), saved, strict=True):
+                os.dup2(dup, fd)
+                os.close(dup)
             tmp.seek(0)
-            lines.extend(tmp.read().decode(errors="replace").splitlines())
+            said = _ANSI.sub("", text.getvalue() + tmp.read().decode(errors="replace"))
+            lines.extend(line.strip() for line in said.splitlines() if line.strip())
 
 
 def _ort_reason(lines: list[str]) -> str:
-    """The most telling line of ONNX Runtime's log, without its timestamp prefix."""
-    errors = [line for line in lines if "[E:" in line or "Error" in line or "error" in line]
-    line = (errors or lines or [""])[0]
+    """The most telling line of what ONNX Runtime said: its own error log line (without the
+    timestamp prefix), else its EP Error line; the banner and retry notice are left out."""
+    said = [line for line in lines if line.strip("* ") not in ("", "EP Error")]
+    logged = [line for line in said if "[E:" in line]
+    errors = [line for line in said if "error" in line.lower()]
+    line = (logged or errors or said or [""])[0]
     return line.split("] ", 1)[-1].strip()[:400]
 
 
-def probe_provider(ort: Any, provider: str) -> dict[str, Any]:
-    """Whether ``provider`` loads and runs the probe model, and if not, ONNX Runtime's why."""
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    providers = [provider] if provider == CPU_EP else [provider, CPU_EP]
+def probe(provider: str, attempt: Callable[[], list[str]]) -> dict[str, Any]:
+    """Whether ``provider`` runs: ``attempt`` makes a session and returns the providers it
+    got, with all it prints captured (``captured_output``); when ``provider`` is not among
+    them, ONNX Runtime's own words are the reason, and everything it said is kept."""
     t0 = time.perf_counter()
-    with _captured_stderr() as lines:
+    with captured_output() as lines:
         try:
-            session = ort.InferenceSession(PROBE_MODEL, sess_options=opts, providers=providers)
-            running = session.get_providers()
-            session.run(None, {"x": np.zeros(1, np.float32)})
+            running = attempt()
         except Exception as err:
             running, failure = [], str(err).strip().splitlines()[0][:400]
         else:
@@ -311,7 +334,24 @@ def probe_provider(ort: Any, provider: str) -> dict[str, Any]:
     if provider in running:
         return {"loads": True, "why": f"a session on it ran the probe model in {ms:.0f} ms"}
     why = failure or _ort_reason(lines) or f"ONNX Runtime fell back to {running[:1]}"
-    return {"loads": False, "why": why}
+    out: dict[str, Any] = {"loads": False, "why": why}
+    if lines:
+        out["said"] = [line[:400] for line in lines[:20]]
+    return out
+
+
+def probe_provider(ort: Any, provider: str) -> dict[str, Any]:
+    """Whether ``provider`` loads and runs the probe model, and if not, ONNX Runtime's why."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    providers = [provider] if provider == CPU_EP else [provider, CPU_EP]
+
+    def attempt() -> list[str]:
+        session = ort.InferenceSession(PROBE_MODEL, sess_options=opts, providers=providers)
+        session.run(None, {"x": np.zeros(1, np.float32)})
+        return list(session.get_providers())
+
+    return probe(provider, attempt)
 
 
 def collect_onnxruntime(params: Params, driver_gpus: int) -> dict[str, Any]:

@@ -23,7 +23,12 @@ def normalize(
     def per_channel(v: float | Sequence[float] | torch.Tensor) -> torch.Tensor | float:
         if isinstance(v, int | float):
             return float(v)
-        return torch.as_tensor(v, dtype=torch.float32, device=x.device).reshape(1, -1, 1, 1)
+        if isinstance(v, torch.Tensor):  # a module's buffer: already on the device
+            return v.to(device=x.device, dtype=torch.float32).reshape(1, -1, 1, 1)
+        # Filled on the device: a host list would cross with a blocking copy (the host
+        # waits for the GPU) at every call, i.e. every step of a loop.
+        values = [torch.full((), float(c), dtype=torch.float32, device=x.device) for c in v]
+        return torch.stack(values).reshape(1, -1, 1, 1)
 
     return (x - per_channel(mean)) / per_channel(std)
 

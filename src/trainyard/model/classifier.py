@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning as L
@@ -13,6 +14,8 @@ from trainyard.model.augment import augment_batch, normalize
 from trainyard.model.networks import build_model
 
 AUGMENT_MODES = ("none", "shift", "flip")
+# Kept per-step losses are logged at least this often, even within a long epoch.
+STEP_LOSS_EVERY_S = 30.0
 
 
 def augment_mode(augment: str | bool) -> str:
@@ -78,6 +81,8 @@ class Classifier(L.LightningModule):
         if channels_last:  # NHWC: what cuDNN's tensor-core convolutions want
             self.net = self.net.to(memory_format=torch.channels_last)
         self._aug_gen: torch.Generator | None = None
+        self._step_losses: list[tuple[int, torch.Tensor]] = []
+        self._step_losses_since = 0.0
 
     def configure_model(self) -> None:
         # nn.Module.compile() compiles in place: state_dict keys (and export) are unchanged.
@@ -110,30 +115,67 @@ class Classifier(L.LightningModule):
         logits = self(x)
         loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
         acc = (logits.argmax(1) == y).float().mean()
-        on_step = stage == "train"
-        # Under DDP each rank sees its own shard: epoch metrics of val/test (what checkpoints
-        # and early stopping watch) are averaged over ranks; per-step train loss is not
-        # (a sync every step would cost more than it tells).
-        sync = stage != "train"
-        self.log(
-            f"{stage}/loss",
-            loss,
-            on_step=on_step,
-            on_epoch=True,
-            prog_bar=True,
-            batch_size=y.shape[0],
-            sync_dist=sync,
-        )
-        self.log(
-            f"{stage}/acc",
-            acc,
-            on_step=False,
-            on_epoch=True,
-            prog_bar=True,
-            batch_size=y.shape[0],
-            sync_dist=sync,
-        )
+        n = y.shape[0]
+        if stage == "train":
+            # No value leaves the device during an epoch: on a GPU a read-back (.item(),
+            # which Lightning does for every on_step or progress-bar value it logs or draws)
+            # waits for every queued kernel, and the GPU idles while Python launches the
+            # next step. Epoch means accumulate on the device (read once, at epoch end);
+            # the per-step loss is kept there and logged in bulk (keep_step_loss). Rank 0's
+            # shard under DDP, not synced: syncing would cost a collective per metric.
+            self.log(
+                "train/loss_epoch", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=n
+            )
+            self.log("train/acc", acc, on_step=False, on_epoch=True, prog_bar=True, batch_size=n)
+            self.keep_step_loss(loss)
+            return loss
+        # Under DDP each rank sees its own shard: val/test epoch metrics (what checkpoints
+        # and early stopping watch) are averaged over ranks.
+        for name, value in (("loss", loss), ("acc", acc)):
+            self.log(
+                f"{stage}/{name}", value, on_epoch=True, prog_bar=True, batch_size=n, sync_dist=True
+            )
         return loss
+
+    def keep_step_loss(self, loss: torch.Tensor) -> None:
+        """Keep this step's loss (every ``log_every_n_steps``-th step, the steps Lightning
+        would log) on the device, for ``train/loss_step``; logged by ``log_step_losses``
+        at the epoch's end, at a checkpoint, or when the oldest kept is STEP_LOSS_EVERY_S
+        old (a long epoch still shows its curve as it goes): one read-back for all."""
+        trainer = self._trainer
+        if trainer is None or not trainer.loggers or not trainer.is_global_zero:
+            return  # nothing to log to (rank 0 logs)
+        if not trainer.log_every_n_steps:
+            return
+        step = self.global_step  # optimizer steps before this one: Lightning's x for it
+        if (step + 1) % trainer.log_every_n_steps:
+            return
+        if not self._step_losses:
+            self._step_losses_since = time.monotonic()
+        self._step_losses.append((step, loss.detach()))
+        if time.monotonic() - self._step_losses_since >= STEP_LOSS_EVERY_S:
+            self.log_step_losses()
+
+    def log_step_losses(self) -> None:
+        """Log the kept per-step losses as ``train/loss_step`` to the trainer's loggers."""
+        if not self._step_losses:
+            return
+        steps = [step for step, _ in self._step_losses]
+        values = torch.stack([v.float() for _, v in self._step_losses]).tolist()
+        self._step_losses = []
+        for logger in self.loggers:
+            for step, value in zip(steps, values, strict=True):
+                logger.log_metrics({"train/loss_step": value}, step=step)
+
+    def on_train_epoch_end(self) -> None:
+        self.log_step_losses()
+
+    def on_train_end(self) -> None:
+        self.log_step_losses()  # an epoch cut short (max_steps, max_time)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A fit resumed from this checkpoint redoes the steps after it, not these.
+        self.log_step_losses()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")

@@ -97,6 +97,18 @@ class InputBound(_Frozen):
     device: str
 
 
+class GpuBusy(_Frozen):
+    """How busy the GPU kept over the training steps (``train.gpu_busy.GpuBusyMeter``):
+    NVML utilisation, its mean and median %, or None with the ``reason`` (``no CUDA
+    device``, NVML unavailable)."""
+
+    mean_pct: float | None
+    median_pct: float | None
+    samples: int
+    device: str | None  # the GPU's name
+    reason: str | None  # why there is no figure; None when there is one
+
+
 class TrainRecord(Record):
     """What train made: the MLflow run, the best checkpoint and how the fit went."""
 
@@ -118,6 +130,18 @@ class TrainRecord(Record):
     data_placement: str
     fit_time_s: float
     input_bound: InputBound | None  # None: no step was measured
+    # None only in a record written before trainyard measured it (and written back without)
+    gpu_busy: GpuBusy | None = None
+    # why the fit ended: max_epochs, early stopping, or the time limit (train.time_limit_min)
+    stopped_by: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written to disk (an older record's keys stay as they were)."""
+        raw = super().to_json()
+        for key in ("gpu_busy", "stopped_by"):
+            if raw[key] is None:
+                del raw[key]
+        return raw
 
 
 class ExportRecord(Record):

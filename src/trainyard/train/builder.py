@@ -10,17 +10,23 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint, Timer
 from lightning_utilities.core import rank_zero
 
 from trainyard.train.progress import ProgressLog
 
+if TYPE_CHECKING:
+    from trainyard.core.config import TrainParams
+
+log = logging.getLogger(__name__)
+
 # Where train.resume keeps each training's resumable checkpoints (defined here, not there:
 # the benchmarks build trainers on machines without MLflow, which train.resume imports).
 RESUME_ROOT = Path(".cache") / "train-resume"
+HARD_STOP = 1.25  # a timed plan's run stops at this multiple of train.time_budget_min
 
 # Lightning's INFO lines that advertise, or say what trainyard's own lines already say:
 # dropped where they are logged, by their text (a new Lightning line still shows).
@@ -161,3 +167,35 @@ def build_trainer(
 def _stderr_is_terminal() -> bool:
     isatty = getattr(sys.stderr, "isatty", None)
     return bool(isatty and isatty())
+
+
+def time_limit_min(tp: TrainParams, planned_epochs: bool) -> float | None:
+    """Minutes after which the fit stops, whatever epoch it is in (``train.time_limit_min``):
+    ``auto`` is HARD_STOP x the budget when the recipe timed this machine to plan the epochs
+    (a slower machine must not run far past it), and none under ``train.plan: fixed``,
+    whose epochs must not depend on how fast the machine is; a number; null = none."""
+    if tp.time_limit_min != "auto":
+        return tp.time_limit_min
+    if tp.plan == "timed" and planned_epochs and tp.time_budget_min is not None:
+        return tp.time_budget_min * HARD_STOP
+    return None
+
+
+def stop_reason(trainer: L.Trainer) -> str:
+    """Why the fit ended: ``time limit ...`` (train.time_limit_min cut it short: said
+    loudly, the model is not the one the plan promised), ``early stopping`` or
+    ``max_epochs``."""
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    left = timer.time_remaining("train") if timer is not None else None
+    if left is not None and left <= 0 and trainer.current_epoch < (trainer.max_epochs or 0):
+        limit = (timer.time_elapsed("train") + left) / 60  # the Timer's duration
+        why = (
+            f"time limit: train.time_limit_min ({limit:.3g} min) stopped the fit after epoch "
+            f"{trainer.current_epoch} of the {trainer.max_epochs} planned"
+        )
+        log.warning("%s; this model is not the plan's: raise or unset train.time_limit_min", why)
+        return why
+    early = trainer.early_stopping_callback
+    if isinstance(early, EarlyStopping) and early.stopped_epoch > 0:
+        return f"early stopping after epoch {trainer.current_epoch}"
+    return "max_epochs"

@@ -38,7 +38,8 @@ from trainyard.track.runs import (
     resolve_tracking_uri,
     run_tags,
 )
-from trainyard.train.builder import build_trainer
+from trainyard.train.builder import build_trainer, stop_reason, time_limit_min
+from trainyard.train.gpu_busy import GpuBusyMeter, gpu_busy_of
 from trainyard.train.history import HISTORY_FILE, History
 from trainyard.train.nodes import Nodes, ShareRun, join_nodes, resume_mode, what_trains
 from trainyard.train.perf import InputBoundMeter
@@ -65,7 +66,6 @@ warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfe
 
 BEST_CKPT = "best.ckpt"
 RECIPE_FILE = "recipe.json"  # the plan, beside the resumable checkpoint and in the MLflow run
-HARD_STOP = 1.25  # a timed plan's run stops at this multiple of train.time_budget_min
 
 
 @dataclass(frozen=True)
@@ -261,18 +261,6 @@ def plan_training(
     for line in describe(recipe):
         log.info(line)
     return recipe
-
-
-def time_limit_min(tp: TrainParams, planned_epochs: bool) -> float | None:
-    """Minutes after which the fit stops, whatever epoch it is in (``train.time_limit_min``):
-    ``auto`` is HARD_STOP x the budget when the recipe timed this machine to plan the epochs
-    (a slower machine must not run far past it), and none under ``train.plan: fixed``,
-    whose epochs must not depend on how fast the machine is; a number; null = none."""
-    if tp.time_limit_min != "auto":
-        return tp.time_limit_min
-    if tp.plan == "timed" and planned_epochs and tp.time_budget_min is not None:
-        return tp.time_budget_min * HARD_STOP
-    return None
 
 
 def resolve_hardware(tp: TrainParams) -> Hardware:
@@ -486,6 +474,7 @@ def build_fit(
             early,
             LearningRateMonitor("step"),
             EpochTimer(),
+            GpuBusyMeter(),  # NVML utilisation over the training steps
             History(out_dir / HISTORY_FILE),
             meter,
             *resume_callbacks,
@@ -560,6 +549,8 @@ def write_outputs(
     logger.experiment.log_artifact(logger.run_id, str(best_dest), "checkpoints")
     best_acc = float(checkpoint.best_model_score)
     logger.experiment.log_metric(logger.run_id, "train/fit_time_s", fit_s)
+    stopped_by = stop_reason(setup.trainer)
+    logger.experiment.set_tag(logger.run_id, "train.stopped_by", stopped_by)
     card = dm.card
     record = TrainRecord(
         run_id=logger.run_id,
@@ -578,6 +569,8 @@ def write_outputs(
         fit_time_s=round(fit_s, 2),
         # perf.py: level, data_wait_fraction, why, fix, ms per step (also MLflow tag perf.verdict)
         input_bound=setup.meter.result,
+        gpu_busy=gpu_busy_of(setup.trainer),  # train.gpu_busy: mean %, or None and why
+        stopped_by=stopped_by,
     )
     record.write(TrainRecord.path_in(out_dir))
     return record

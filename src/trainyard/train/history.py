@@ -109,7 +109,7 @@ class History(L.Callback):
         self._restored: list[Row] | None = None
         self._loss_sum: torch.Tensor | None = None
         self._seen = 0
-        self._lr: float | None = None
+        self._lr: float | torch.Tensor | None = None
         self._t0 = time.perf_counter()
 
     # -- resume: the rows travel in the checkpoint as plain lists (weights_only loads them)
@@ -146,7 +146,10 @@ class History(L.Callback):
         # schedulers before on_train_batch_end, so lr would already be the next step's (the
         # next epoch's, for an epoch-interval scheduler).
         if trainer.optimizers and trainer.optimizers[0].param_groups:
-            self._lr = float(trainer.optimizers[0].param_groups[0]["lr"])
+            lr = trainer.optimizers[0].param_groups[0]["lr"]
+            # A tensor lr (a capturable or compiled optimizer's) is read at the row, once
+            # an epoch: float() here would wait for the GPU every step.
+            self._lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
 
     def on_train_batch_end(
         self,
@@ -180,7 +183,7 @@ class History(L.Callback):
             TRAIN_LOSS: train_loss,
             VAL_LOSS: _metric(metrics, "val/loss"),
             VAL_ACC: _metric(metrics, "val/acc"),
-            LR: self._lr,
+            LR: None if self._lr is None else float(self._lr),
             EPOCH_TIME: round(time.perf_counter() - self._t0, 3),
         }
         # Validation more than once an epoch (val_check_interval < 1): the latest counts.

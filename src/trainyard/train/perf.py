@@ -19,7 +19,11 @@ are left out of the verdict. Per epoch the meter logs ``perf/data_wait_fraction`
 ``perf/data_wait_ms``, ``perf/h2d_ms``, ``perf/compute_ms`` and ``perf/step_ms`` (means
 per step); at the end of training it gives one verdict (``verdict``), with
 TensorFlow's profiler thresholds: >= 20% of the step waiting for input is input-bound,
-5-20% moderately input-bound, < 5% not, and the fix in trainyard's own knobs.
+5-20% moderately input-bound, < 5% not, and the fix in trainyard's own knobs. On a GPU
+that kept up with its data but was busy less than ``UNDERFED`` % of the training steps
+(``train.gpu_busy.GpuBusyMeter``'s NVML figure) the verdict is "GPU underfed": it waits on
+the host between steps (launch overhead, small steps), and the levers are the step's size
+and cost, not the input.
 """
 
 from __future__ import annotations
@@ -35,12 +39,15 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
 
+from trainyard.train.gpu_busy import GpuBusyMeter
+
 log = logging.getLogger(__name__)
 
 INPUT_BOUND = 0.20  # >= this fraction of the step waiting for the batch: input-bound
 MODERATE = 0.05  # >= this: moderately input-bound; below: not input-bound
 WARMUP_STEPS = 3  # first steps of the fit left out of the verdict
-LEVELS = ("input-bound", "moderately input-bound", "not input-bound")
+UNDERFED = 60.0  # GPU busy below this % with the data keeping up: "GPU underfed"
+LEVELS = ("input-bound", "moderately input-bound", "GPU underfed", "not input-bound")
 
 
 def level_of(data_wait_fraction: float) -> str:
@@ -100,6 +107,22 @@ def _fix(
     )
 
 
+def _underfed_fix(placement: str | None, precision: str | None) -> str:
+    """The levers of a GPU that waits on the host: more work per step, cheaper steps."""
+    levers = [
+        "raise train.batch_size (the same per-step launch overhead buys more images; on a "
+        "GPU the recipe's batch is measured)"
+    ]
+    if placement != "device":
+        levers.append(
+            "keep the splits on the GPU (train.device_resident: true, train.memory_budget)"
+        )
+    if precision is None or not precision.startswith("bf16"):
+        levers.append("train.precision: bf16-mixed")
+    levers.append("train.compile (fewer, fused kernels a step)")
+    return "the GPU waits on the host between steps, not on the data: " + "; ".join(levers)
+
+
 def verdict(
     data_wait_fraction: float,
     *,
@@ -111,12 +134,16 @@ def verdict(
     workers: int | None = None,
     step_ms: float | None = None,
     steps: int | None = None,
+    gpu_busy_pct: float | None = None,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """{level, data_wait_fraction, h2d_fraction, why, fix} from the measured fractions.
 
     ``data_path``: ``fast`` | ``naive`` (trainyard's data module) or None (any other
     loader); ``device``: ``cuda`` | ``cpu``; ``placement``: ``device`` | ``ram`` |
-    ``mmap`` (``datamodule.choose_placement``); ``workers``: the DataLoader's num_workers.
+    ``mmap`` (``datamodule.choose_placement``); ``workers``: the DataLoader's num_workers;
+    ``gpu_busy_pct``: NVML's mean utilisation over the training steps (None: not
+    measured, e.g. on a CPU); ``precision``: Lightning's (for the underfed GPU's levers).
     """
     frac = max(0.0, min(1.0, float(data_wait_fraction)))
     level = level_of(frac)
@@ -129,7 +156,11 @@ def verdict(
     why = f"{frac:.0%}{per_step} waits for the next batch{over} ({where})"
     if h2d_fraction >= MODERATE:
         why += f"; the host->device copy takes {h2d_fraction:.0%}"
-    if level == "not input-bound":
+    if gpu_busy_pct is not None:
+        why += f"; the GPU was busy {gpu_busy_pct:.0f}% of the training steps"
+    if level == "not input-bound" and gpu_busy_pct is not None and gpu_busy_pct < UNDERFED:
+        level, fix = "GPU underfed", _underfed_fix(placement, precision)
+    elif level == "not input-bound":
         if device == "cuda" and h2d_fraction >= MODERATE and placement in ("ram", "mmap"):
             fix = (
                 "the input keeps up, but the per-batch copy is not free: "
@@ -424,6 +455,7 @@ class InputBoundMeter(L.Callback):
         workers = getattr(trainer.train_dataloader, "num_workers", None)
         device = pl_module.device.type
         means = totals.means()
+        busy = next((c for c in trainer.callbacks if isinstance(c, GpuBusyMeter)), None)
         result = verdict(
             means["data_wait_fraction"],
             h2d_fraction=totals.fraction(totals.h2d_ms),
@@ -434,6 +466,8 @@ class InputBoundMeter(L.Callback):
             workers=workers,
             step_ms=means["step_ms"],
             steps=totals.steps,
+            gpu_busy_pct=None if busy is None else busy.figures()["mean_pct"],
+            precision=str(trainer.precision),
         )
         result.update(
             data_wait_ms=round(means["data_wait_ms"], 3),

@@ -1,0 +1,220 @@
+"""How busy the GPU was while it trained: NVML utilisation, sampled on a thread.
+
+NVML's "GPU utilisation" is the share of its last sample period (1/6 s to 1 s, by GPU) in
+which any kernel ran: a GPU waiting on the host between steps (Python launch overhead, a
+host read-back, a small batch) reads low even when no data wait shows. ``NvmlSampler``
+reads it every ``period`` seconds while its window is open; ``GpuBusyMeter`` (a Lightning
+callback) opens the window over the training steps only (validation, checkpoints and epoch
+ends are left out) and gives the fit's mean to train.json, the MLflow run and the
+input-bound verdict. The benchmarks time their windows with the same sampler.
+
+On a machine without a CUDA device, or without NVML (no nvidia-ml-py, no driver, a MIG
+slice, which has no utilisation counter), the figure is None with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import threading
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import MLFlowLogger
+
+try:  # nvidia-ml-py: a dependency, but a bare GPU image may lack it; the reason says so
+    import pynvml
+except ImportError:  # pragma: no cover - installed with trainyard
+    pynvml = None
+
+log = logging.getLogger(__name__)
+
+TRAIN_PERIOD_S = 0.05  # 20 reads a second: enough for a mean, nothing against the loop
+NO_CUDA = "no CUDA device"
+
+
+def nvml_index(device: torch.device | int | None) -> int:
+    """NVML's index of a torch CUDA device: NVML ignores CUDA_VISIBLE_DEVICES, torch's
+    ``cuda:0`` may be NVML's third GPU."""
+    index = 0 if device is None else device if isinstance(device, int) else device.index or 0
+    try:
+        return int(torch.cuda._get_nvml_device_index(index))
+    except Exception:  # a private helper: without it, the visible order is NVML's
+        return index
+
+
+class NvmlSampler:
+    """GPU utilisation (%) of one GPU, read every ``period`` s by NVML while ``active``.
+
+    ``samples``: the readings so far (a caller may replace the list between windows).
+    Raises at construction where NVML cannot read utilisation (no nvidia-ml-py, no driver,
+    a MIG slice): the caller reports the reason instead of a figure.
+    """
+
+    def __init__(self, period: float = 0.02, device: torch.device | int | None = None) -> None:
+        if pynvml is None:
+            raise RuntimeError("nvidia-ml-py is not installed")
+        pynvml.nvmlInit()
+        try:
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(device))
+            name = pynvml.nvmlDeviceGetName(self._handle)
+            self.name = name.decode() if isinstance(name, bytes) else str(name)
+            pynvml.nvmlDeviceGetUtilizationRates(self._handle)  # MIG: NotSupported, now
+        except Exception:
+            pynvml.nvmlShutdown()
+            raise
+        self.period, self.active = period, False
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.active:
+                # A transient NVML error: one reading fewer, not a dead thread.
+                with contextlib.suppress(Exception):
+                    rates = pynvml.nvmlDeviceGetUtilizationRates(self._handle)
+                    self.samples.append(int(rates.gpu))
+            self._stop.wait(self.period)
+
+    def window(self, on: bool) -> None:
+        """Sample while ``on``."""
+        self.active = on
+
+    def close(self) -> dict[str, Any]:
+        """Stop sampling: the number of samples, their mean and median %."""
+        self._stop.set()
+        self._thread.join()
+        pynvml.nvmlShutdown()
+        return busy_figures(self.samples)
+
+
+def busy_figures(samples: list[int]) -> dict[str, Any]:
+    """``{samples, mean_pct, median_pct}`` of utilisation readings (None where none)."""
+    return {
+        "samples": len(samples),
+        "mean_pct": statistics.fmean(samples) if samples else None,
+        "median_pct": statistics.median(samples) if samples else None,
+    }
+
+
+def unavailable(reason: str) -> dict[str, Any]:
+    """The figure where there is none, and why (train.json's ``gpu_busy``)."""
+    return {"mean_pct": None, "median_pct": None, "samples": 0, "device": None, "reason": reason}
+
+
+class GpuBusyMeter(L.Callback):
+    """NVML utilisation over the training steps: ``perf/gpu_busy_pct`` per epoch (the mean
+    of its steps' readings) and over the fit, and ``self.result`` for train.json:
+    ``{mean_pct, median_pct, samples, device, reason}`` (``reason`` set when no figure).
+
+    The window opens at each training batch and closes at validation and at the epoch's
+    end: the figure is how busy the training steps kept the GPU. Each rank samples its own
+    GPU; rank 0 logs. Costs the loop nothing: the reads run on their own thread, and no
+    tensor is read back.
+    """
+
+    def __init__(self, period_s: float = TRAIN_PERIOD_S) -> None:
+        self.period_s = period_s
+        self.sampler: NvmlSampler | None = None
+        self.result: dict[str, Any] = unavailable("not run")
+        self.epochs: list[dict[str, Any]] = []
+        self._epoch_from = 0
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epochs, self.sampler = [], None
+        device = pl_module.device
+        if device.type != "cuda":
+            self.result = unavailable(NO_CUDA)
+            return
+        try:
+            self.sampler = NvmlSampler(self.period_s, device)
+        except Exception as err:  # no NVML here: the fit goes on, the record says why
+            self.result = unavailable(f"NVML unavailable: {err}")
+            log.info("GPU busy: not measured (%s)", self.result["reason"])
+            return
+        self.result = unavailable("no training step ran") | {"device": self.sampler.name}
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.sampler is not None:
+            self._epoch_from = len(self.sampler.samples)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.sampler is not None and not self.sampler.active:
+            self.sampler.window(True)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.sampler is not None:
+            self.sampler.window(False)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.sampler is None:
+            return
+        self.sampler.window(False)
+        epoch = busy_figures(self.sampler.samples[self._epoch_from :])
+        if epoch["mean_pct"] is None:
+            return
+        self.epochs.append({"epoch": trainer.current_epoch, **epoch})
+        pl_module.log("perf/gpu_busy_pct", epoch["mean_pct"], on_epoch=True, rank_zero_only=True)
+
+    def figures(self) -> dict[str, Any]:
+        """The fit's figure so far: ``self.result``'s keys (the input-bound verdict reads
+        it at the end of training, whichever callback ends first)."""
+        if self.sampler is None:
+            return dict(self.result)
+        figures = busy_figures(self.sampler.samples)
+        if figures["mean_pct"] is None:
+            return dict(self.result)
+        return {
+            "mean_pct": round(figures["mean_pct"], 1),
+            "median_pct": round(figures["median_pct"], 1),
+            "samples": figures["samples"],
+            "device": self.sampler.name,
+            "reason": None,
+        }
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.sampler is not None:
+            self.result = self.figures()
+            self._close()
+        if not trainer.is_global_zero:
+            return
+        pct = self.result["mean_pct"]
+        if pct is None:
+            self._tag(trainer, self.result["reason"])
+            return
+        log.info(
+            "GPU busy %.0f%% of the training steps (%s, %d NVML samples)",
+            pct,
+            self.result["device"],
+            self.result["samples"],
+        )
+        for logger in trainer.loggers:  # the fit's figure, after the epochs' own
+            logger.log_metrics({"perf/gpu_busy_pct": pct}, step=trainer.global_step)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._close()  # a fit that raised: the thread still stops
+
+    def _close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
+
+    @staticmethod
+    def _tag(trainer: L.Trainer, reason: str) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger) and logger.run_id is not None:
+                logger.experiment.set_tag(logger.run_id, "perf.gpu_busy", reason)
+
+
+def gpu_busy_of(trainer: L.Trainer) -> dict[str, Any] | None:
+    """The ``GpuBusyMeter`` result of a trainer's fit; None when it had no such meter."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, GpuBusyMeter):
+            return dict(callback.result)
+    return None
