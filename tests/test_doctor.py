@@ -79,6 +79,11 @@ def test_console_script_json_describes_this_machine(doctor_json):
     assert doc["placement"]["where"] in ("device", "ram", "mmap")
     assert "GiB" in doc["placement"]["why"]  # choose_placement's own reason
     assert doc["precision"]["precision"] and doc["precision"]["why"]
+    # the batch the recipe will take, named before training (a GPU measures its ladder)
+    assert "batch" in checks and doc["batch"]["by"] == "recipe"
+    if not has_cuda():  # the repo's Fashion-MNIST params on a CPU: the data's rule
+        assert doc["batch"]["batch_size"] == 256, doc["batch"]
+        assert doc["batch"]["verdict"] == "train at batch 256 (recipe)"
     # "Runs in seconds": generous for a loaded 2-core CI box (about 6 s here).
     assert seconds < 60, seconds
 

@@ -373,3 +373,24 @@ def test_a_fit_cut_by_the_time_limit_says_so(
     assert cut.startswith("time limit: train.time_limit_min (0.0167 min)") and "of the 50" in cut
     assert any("this model is not the plan's" in m for m in caplog.messages)
     assert fit(2, timedelta(minutes=5), slow=False) == "max_epochs"
+
+
+def test_the_doctors_forecast_is_the_batch_the_plan_takes(tmp_path: Path) -> None:
+    """forecast_batch (the doctor's batch line) agrees with plan(), on a CPU and given a
+    GPU's facts and measurements; a batch set in params is named as such."""
+    x, y = _rings(20_000, size=16)
+    card = _prepared(tmp_path / "d", x, y, *_rings(500, size=16, seed=1))
+
+    def measure(batch: int) -> float:
+        return 300_000 * min(batch, 1024) / 1024
+
+    for accelerator, device in (("cpu", "cpu"), ("gpu", "NVIDIA H200")):
+        facts = Facts(20_000, 500, 2, 1, 16, 16, accelerator, "bf16-mixed", device)
+        batch, by, why = recipe.forecast_batch(_params().train, facts, measure)
+        p = plan(
+            _params(max_epochs=2), card, tmp_path / "d", accelerator, "bf16-mixed", device, measure
+        )
+        assert (batch, by) == (p.train.batch_size, "recipe")
+        assert why.endswith({c.key: c for c in p.choices}["batch_size"].reason)
+    gpu = Facts(20_000, 500, 2, 1, 16, 16, "gpu", "bf16-mixed", "NVIDIA H200")
+    assert recipe.forecast_batch(_params(batch_size=96).train, gpu, measure)[:2] == (96, "params")

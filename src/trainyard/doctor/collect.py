@@ -34,6 +34,34 @@ def collect_precision(params: Params) -> dict[str, Any]:
     return {**out, "accelerator": accelerator, "precision": precision, "device": device}
 
 
+def collect_batch(
+    params: Params, dataset: dict[str, Any], precision: dict[str, Any]
+) -> dict[str, Any]:
+    """The batch training will take (the recipe's ``forecast_batch``); on a GPU its
+    ladder is measured now, as the train stage will."""
+    if precision.get("error") or not precision.get("accelerator"):
+        return {"error": f"no training device: {precision.get('error') or 'unknown'}"}
+    if dataset.get("error"):
+        return {"error": f"no dataset size: {dataset['error']}"}
+    # probe: train.recipe imports Lightning (seconds), which may be the broken install
+    from trainyard.train.recipe import forecast_batch
+    from trainyard.train.speed import Facts
+
+    facts = Facts(
+        train_images=dataset["splits"]["train"]["images"],
+        val_images=dataset["splits"]["val"]["images"],
+        classes=10,  # not known before prepare; only the head's width, nothing to the batch
+        channels=dataset["channels"],
+        height=dataset["height"],
+        width=dataset["width"],
+        accelerator=precision["accelerator"],
+        precision=precision["precision"],
+        device=precision["device"],
+    )
+    batch, by, why = forecast_batch(params.train, facts)
+    return {"batch_size": batch, "by": by, "why": why, "error": None}
+
+
 def _load_params(path: Path, missing_ok: bool) -> tuple[Params, dict[str, Any]]:
     """The params at ``path`` and the facts about them; the defaults when the file is
     missing (``missing_ok``: none was named) or invalid, and the facts say so."""
@@ -72,6 +100,8 @@ def collect(
         torch_facts["gpu_error"] = f"{type(err).__name__}: {err}"
         gpus = []
     tp = params.train
+    dataset = safely(collect_dataset, params, root, data_dir)
+    precision = safely(collect_precision, params)
     return {
         "params": params_facts,
         "cpu": safely(collect_cpu),
@@ -80,7 +110,7 @@ def collect(
         "torch": torch_facts,
         "onnxruntime": safely(collect_onnxruntime, params, driver_gpus),
         "disk": safely(lambda: {"places": collect_disk(root, data_dir)}).get("places", []),
-        "dataset": safely(collect_dataset, params, root, data_dir),
+        "dataset": dataset,
         "train": {
             "accelerator": tp.accelerator,
             "devices": tp.devices,
@@ -89,7 +119,8 @@ def collect(
             "data_path": tp.data_path,
             "memory_budget": tp.memory_budget,
         },
-        "precision": safely(collect_precision, params),
+        "precision": precision,
+        "batch": safely(collect_batch, params, dataset, precision),
         "data_dir": str(data_dir),
         "collect_s": round(time.perf_counter() - t0, 2),
     }

@@ -392,6 +392,17 @@ def _precision_verdict(facts: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _batch_verdict(facts: dict[str, Any]) -> dict[str, Any]:
+    b = facts.get("batch") or {}
+    if b.get("error") or not b.get("batch_size"):
+        return make_verdict(
+            "batch", WARN, "the batch the recipe will take is unknown", str(b.get("error"))
+        )
+    return make_verdict(
+        "batch", OK, f"train at batch {b['batch_size']:,} ({b['by']})", str(b["why"])
+    )
+
+
 def _params_verdict(facts: dict[str, Any]) -> dict[str, Any] | None:
     p = facts.get("params") or {}
     if p.get("loaded"):
@@ -426,6 +437,7 @@ def verdicts(facts: dict[str, Any]) -> list[dict[str, Any]]:
         _dataset_verdict(facts),
         placement(facts),
         _precision_verdict(facts),
+        _batch_verdict(facts),
     ]
     return [v for v in out if v is not None]
 
@@ -441,6 +453,7 @@ KEYS = (
     "dataset",
     "placement",
     "precision",
+    "batch",
     "verdicts",
     "ok",
 )
@@ -456,6 +469,7 @@ def report(facts: dict[str, Any]) -> dict[str, Any]:
     doc["ram_vs_gpu"] = by_check["RAM vs GPU"]
     doc["placement"] = by_check["placement"]
     doc["precision"] = {**(facts.get("precision") or {}), **by_check["precision"]}
+    doc["batch"] = {**(facts.get("batch") or {}), **by_check["batch"]}
     doc["verdicts"] = found
     doc["ok"] = not any(v["level"] == ERROR for v in found)
     doc.update({k: v for k, v in facts.items() if k not in doc})

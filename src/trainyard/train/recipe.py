@@ -394,6 +394,27 @@ def plan(
     return Plan(train, tuple(chosen[k] for k in KEYS), finetune)
 
 
+def forecast_batch(
+    tp: TrainParams, facts: Facts, measure: Measure | None = None
+) -> tuple[int, str, str]:
+    """(batch, who chose it, why) before any data is prepared: what ``plan`` will take
+    for ``facts`` (the doctor's forecast). On a GPU the ladder runs for real (a few
+    seconds), with flips as the augmentation (the data decides them; their cost is the
+    same)."""
+    if _given(tp, "batch_size") is not None:
+        return int(tp.batch_size), "params", "set in params"
+    if tp.recipe == "classic":
+        return CLASSIC["batch_size"], "classic", "train.recipe: classic"
+    if facts.accelerator != "gpu":
+        batch, why = choose_batch(facts.train_images)
+        return batch, "recipe", why
+    pretrained = tp.pretrained or (str(hub_weights() or "") or None)
+    arch = _given(tp, "arch") or choose_arch(facts, pretrained)[0]
+    timed = measure or (lambda b: b / probe_step_s(arch, facts, b, "flip", GPU_LADDER_STEPS))
+    batch, why = choose_gpu_batch(facts.train_images, timed)
+    return batch, "recipe", f"{arch}: {why}"
+
+
 def load_plan(path: Path, params: Params) -> Plan | None:
     """The plan saved beside an interrupted run's checkpoint (a resumed fit keeps the
     epochs it planned, whatever a new timing probe would say), or None."""
