@@ -26,7 +26,6 @@ import lightning as L
 import yaml
 
 from benchmarks.bench_training import TargetClock, lightning_throughput, plain_loop_throughput
-from benchmarks.common import classifier
 
 METRICS = Path("reports/metrics.json")  # make run's test accuracy (the CPU default, committed)
 FALLBACK_TARGET = 0.92
@@ -68,6 +67,7 @@ def train_to_target(
     """The plan's training (its arch, batch, lr, augment, epochs) until test accuracy reaches
     ``target``; seconds of training steps, img/s and GPU busy % over those steps."""
     from trainyard.data.datamodule import ImageDataModule
+    from trainyard.model.classifier import classifier_for
     from trainyard.train.builder import build_trainer
     from trainyard.train.gpu_busy import NvmlSampler
 
@@ -77,16 +77,7 @@ def train_to_target(
     dm = ImageDataModule(
         arrays=arrays, card=data["card"], batch_size=tp.batch_size, eval_batch_size=4096, seed=0
     )  # type: ignore[arg-type]
-    model = classifier(
-        tp.arch,
-        data["card"],
-        lr=tp.lr,
-        weight_decay=tp.weight_decay,
-        label_smoothing=tp.label_smoothing,
-        augment=tp.augment,
-        channels_last=tp.channels_last,
-        compile=tp.compile,
-    )
+    model = classifier_for(tp, data["card"])
     sampler = None
     busy: dict[str, Any]
     if device == "cuda":

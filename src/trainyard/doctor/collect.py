@@ -43,9 +43,11 @@ def collect_batch(
         return {"error": f"no training device: {precision.get('error') or 'unknown'}"}
     if dataset.get("error"):
         return {"error": f"no dataset size: {dataset['error']}"}
-    # probe: train.recipe imports Lightning (seconds), which may be the broken install
-    from trainyard.train.recipe import forecast_batch
-    from trainyard.train.speed import Facts
+    try:  # probe: train.recipe imports Lightning, which may be the broken install
+        from trainyard.train.recipe import forecast_batch
+        from trainyard.train.speed import Facts
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
 
     facts = Facts(
         train_images=dataset["splits"]["train"]["images"],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from trainyard.core.card import Card
 from trainyard.model.augment import augment_batch, normalize
 from trainyard.model.networks import build_model
+
+if TYPE_CHECKING:
+    from trainyard.core.config import TrainParams
 
 AUGMENT_MODES = ("none", "shift", "flip")
 # Kept per-step losses are logged at least this often, even within a long epoch.
@@ -219,3 +222,25 @@ class Classifier(L.LightningModule):
             pct_start=0.25,
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def classifier_for(
+    tp: TrainParams, card: Card, seed: int = 0, finetune: bool = False
+) -> Classifier:
+    """The classifier ``train.*`` describes (resolved: no ``auto`` left) for the data
+    ``card`` describes: what the train stage fits and the benchmarks time. ``finetune``:
+    the pretrained body is frozen for the first epoch, then trains at a tenth of the
+    head's rate."""
+    return Classifier(
+        card=card.contract(),
+        arch=tp.arch,
+        lr=tp.lr,
+        weight_decay=tp.weight_decay,
+        label_smoothing=tp.label_smoothing,
+        augment=tp.augment,
+        channels_last=tp.channels_last,
+        compile=tp.compile,
+        seed=seed,
+        pretrained=tp.pretrained,
+        finetune=finetune,
+    )

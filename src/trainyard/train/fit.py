@@ -25,7 +25,7 @@ from trainyard.core.config import MlflowParams, Params, TrainParams
 from trainyard.core.io import atomic_file, sha256_file
 from trainyard.data.datamodule import ImageDataModule
 from trainyard.data.hardware import resolve_device
-from trainyard.model.classifier import Classifier
+from trainyard.model.classifier import Classifier, classifier_for
 from trainyard.track.records import TrainRecord
 from trainyard.track.runs import (
     DVC_EXP_NAME,
@@ -195,7 +195,7 @@ def data_and_model(
         warning := few_steps_warning(n_train, tp.batch_size, tp.max_epochs)
     ):
         log.warning(warning)
-    return dm, build_classifier(params, dm.card, recipe.finetune)
+    return dm, classifier_for(params.train, dm.card, params.seed, recipe.finetune)
 
 
 def agree_on_plan(
@@ -297,26 +297,6 @@ def load_data(
         tp.arch,
     )
     return dm
-
-
-def build_classifier(params: Params, card: Card, finetune: bool = False) -> Classifier:
-    """The classifier ``train.*`` describes (resolved: no ``auto`` left), for the data
-    ``card`` describes; ``finetune``: the pretrained body is frozen for the first epoch
-    and then trains at a tenth of the head's rate."""
-    tp = params.train
-    return Classifier(
-        card=card.contract(),
-        arch=tp.arch,
-        lr=tp.lr,
-        weight_decay=tp.weight_decay,
-        label_smoothing=tp.label_smoothing,
-        augment=tp.augment,
-        channels_last=tp.channels_last,
-        compile=tp.compile,
-        seed=params.seed,
-        pretrained=tp.pretrained,
-        finetune=finetune,
-    )
 
 
 def lineage_tags(
