@@ -162,6 +162,7 @@ def load_onnx(
         raise ProviderError(f"{path}: asked ONNX Runtime for {providers[0]}, got {running}")
     bind = binding_device(session.get_providers())
     if say:
-        log.info("ONNX Runtime on %s (IO binding %s) for %s", running, bind is not None, path)
+        bound = " with IO binding" if bind is not None else ""
+        log.info("ONNX Runtime on %s%s for %s", running, bound, path)
     meta = dict(session.get_modelmeta().custom_metadata_map)
     return OnnxModel(session, running, meta, session.get_inputs()[0].name, bind)
