@@ -26,7 +26,15 @@ pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 SIZE = 32  # data.image_size: auto would take 64 here (4x the pixels a step)
 BUDGET_MIN = 0.2  # train.time_budget_min: the recipe plans about 12 s of epochs
-RECIPE_KEYS = ("arch", "batch_size", "lr", "augment", "max_epochs", "early_stopping_patience")
+RECIPE_KEYS = (
+    "arch",
+    "augment",
+    "batch_size",
+    "lr",
+    "max_epochs",
+    "early_stopping_patience",
+    "compile",
+)
 
 
 def ran(output: str) -> set[str]:
