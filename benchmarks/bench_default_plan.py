@@ -52,13 +52,11 @@ def write_prepared(data: dict[str, Any], out: Path) -> Any:
         return w.finish(data["card"])
 
 
-def recipe_plan(data_dir: Path, card: Any, accelerator: str, precision: str, device: str) -> Any:
-    """The recipe's plan for params.yaml's train section on this device."""
+def repo_params() -> Any:
+    """params.yaml as the pipeline reads it (validated)."""
     from trainyard.core.config import parse_params
-    from trainyard.train.recipe import plan
 
-    params = parse_params(yaml.safe_load(Path("params.yaml").read_text()))
-    return plan(params, card, data_dir, accelerator, precision, device)
+    return parse_params(yaml.safe_load(Path("params.yaml").read_text()))
 
 
 def train_to_target(
@@ -117,7 +115,7 @@ def default_plan_benchmark(
     same code on the CPU plan, with 1 epoch."""
     import torch
 
-    from trainyard.train.recipe import describe
+    from trainyard.train.recipe import describe, plan
 
     target, target_from = cpu_default_accuracy()
     gpu = torch.cuda.is_available()
@@ -128,8 +126,9 @@ def default_plan_benchmark(
         card = write_prepared(data, prepared)
         precision = "bf16-mixed" if gpu and torch.cuda.is_bf16_supported() else "32-true"
         name = torch.cuda.get_device_name(0) if gpu else "cpu"
-        gpu_plan = recipe_plan(prepared, card, "gpu" if gpu else "cpu", precision, name)
-        cpu_plan = recipe_plan(prepared, card, "cpu", "32-true", "cpu")
+        params = repo_params()
+        gpu_plan = plan(params, card, prepared, "gpu" if gpu else "cpu", precision, name)
+        cpu_plan = plan(params, card, prepared, "cpu", "32-true", "cpu")
     for line in describe(gpu_plan):
         log(f"bench: {device} plan: {line}")
     tp = gpu_plan.train

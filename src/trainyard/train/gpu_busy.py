@@ -212,9 +212,12 @@ class GpuBusyMeter(L.Callback):
                 logger.experiment.set_tag(logger.run_id, "perf.gpu_busy", reason)
 
 
+def meter_of(trainer: L.Trainer) -> GpuBusyMeter | None:
+    """A trainer's ``GpuBusyMeter``, or None when it has none."""
+    return next((c for c in trainer.callbacks if isinstance(c, GpuBusyMeter)), None)
+
+
 def gpu_busy_of(trainer: L.Trainer) -> dict[str, Any] | None:
     """The ``GpuBusyMeter`` result of a trainer's fit; None when it had no such meter."""
-    for callback in trainer.callbacks:
-        if isinstance(callback, GpuBusyMeter):
-            return dict(callback.result)
-    return None
+    meter = meter_of(trainer)
+    return None if meter is None else dict(meter.result)

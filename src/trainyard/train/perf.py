@@ -39,7 +39,7 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
 
-from trainyard.train.gpu_busy import GpuBusyMeter
+from trainyard.train.gpu_busy import meter_of
 
 log = logging.getLogger(__name__)
 
@@ -455,7 +455,7 @@ class InputBoundMeter(L.Callback):
         workers = getattr(trainer.train_dataloader, "num_workers", None)
         device = pl_module.device.type
         means = totals.means()
-        busy = next((c for c in trainer.callbacks if isinstance(c, GpuBusyMeter)), None)
+        busy = meter_of(trainer)
         result = verdict(
             means["data_wait_fraction"],
             h2d_fraction=totals.fraction(totals.h2d_ms),

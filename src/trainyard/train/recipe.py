@@ -195,6 +195,17 @@ def choose_gpu_batch(n_train: int, measure: Measure) -> tuple[int, str]:
     return batch, f"the GPU's throughput ({why}): {steps:,} optimizer steps an epoch"
 
 
+def choose_device_batch(
+    facts: Facts, arch: str, augment: str, measure: Measure | None = None
+) -> tuple[int, str]:
+    """The batch for this device: the data's rule on a CPU; on a GPU the ladder, each rung
+    timed by ``measure`` (default: real steps of ``arch`` with ``augment``)."""
+    if facts.accelerator != "gpu":
+        return choose_batch(facts.train_images)
+    timed = measure or (lambda b: b / probe_step_s(arch, facts, b, augment, GPU_LADDER_STEPS))
+    return choose_gpu_batch(facts.train_images, timed)
+
+
 def choose_arch(facts: Facts, pretrained: str | None) -> tuple[str, str]:
     if pretrained:
         return FINETUNE_ARCH, f"fine-tunes the pretrained weights {pretrained}"
@@ -368,14 +379,7 @@ def plan(
     if not finetune:
         pretrained = tp.pretrained
     augment = decide("augment", lambda: choose_augment(data_dir))
-
-    def batch_choice() -> tuple[int, str]:
-        if facts.accelerator != "gpu":
-            return choose_batch(facts.train_images)
-        timed = measure or (lambda b: b / probe_step_s(arch, facts, b, augment, GPU_LADDER_STEPS))
-        return choose_gpu_batch(facts.train_images, timed)
-
-    batch = decide("batch_size", batch_choice)
+    batch = decide("batch_size", lambda: choose_device_batch(facts, arch, augment, measure))
     decide("lr", lambda: choose_lr(arch, finetune, batch))
     step_s, priced = None, "not priced"
     if _given(tp, "max_epochs") is None and tp.recipe == "auto":
@@ -405,14 +409,10 @@ def forecast_batch(
         return int(tp.batch_size), "params", "set in params"
     if tp.recipe == "classic":
         return CLASSIC["batch_size"], "classic", "train.recipe: classic"
-    if facts.accelerator != "gpu":
-        batch, why = choose_batch(facts.train_images)
-        return batch, "recipe", why
     pretrained = tp.pretrained or (str(hub_weights() or "") or None)
     arch = _given(tp, "arch") or choose_arch(facts, pretrained)[0]
-    timed = measure or (lambda b: b / probe_step_s(arch, facts, b, "flip", GPU_LADDER_STEPS))
-    batch, why = choose_gpu_batch(facts.train_images, timed)
-    return batch, "recipe", f"{arch}: {why}"
+    batch, why = choose_device_batch(facts, arch, "flip", measure)
+    return batch, "recipe", f"{arch}: {why}" if facts.accelerator == "gpu" else why
 
 
 def load_plan(path: Path, params: Params) -> Plan | None:

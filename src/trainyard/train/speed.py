@@ -155,7 +155,7 @@ def batch_ladder(start: int, cap: int, measure: Measure, pays: float) -> tuple[i
     while batch * 2 <= cap:
         try:
             higher = measure(batch * 2)
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
             if not is_out_of_memory(e):
                 raise
             if torch.cuda.is_available():
