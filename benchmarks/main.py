@@ -48,7 +48,7 @@ from benchmarks.common import (
     provenance,
     update_docs,
 )
-from benchmarks.report import chart, markdown
+from benchmarks.training_figures import chart, markdown
 
 FULL = {
     "arch": "cnn",
