@@ -244,11 +244,11 @@ def _time_phases(
     phases: dict[str, float], calls: dict[str, int], pool_workers: list[int], before: list[int]
 ) -> None:
     """Timers around prepare's phases, patched where prepare looks them up: the two passes'
-    pool maps (``folder._Pool``), the statistics (``store.channel_stats``, the name
+    pool maps (``image_files.FilePool``), the statistics (``store.channel_stats``, the name
     ``PreparedWriter.finish`` calls) and the hash (``PreparedWriter.digest``)."""
     # Imported here, in the child: the parent process stays free of pydantic.
+    from trainyard.data import image_files as src
     from trainyard.data import store
-    from trainyard.data.sources import folder as src
 
     def timed(fn: Any, key: str) -> Any:
         def wrapper(*a: Any, **kw: Any) -> Any:
@@ -261,18 +261,18 @@ def _time_phases(
 
         return wrapper
 
-    pool_init, pool_map = src._Pool.__init__, src._Pool.map
+    pool_init, pool_map = src.FilePool.__init__, src.FilePool.map
 
     def init(self: Any, workers: int) -> None:
         pool_workers.append(workers)
         pool_init(self, workers)
 
     def map_(self: Any, fn: Any, args: list[Any], *rest: Any) -> list[Any]:
-        key = "header_pass_s" if fn is src._inspect else "decode_pass_s"
+        key = "header_pass_s" if fn is src.inspect_files else "decode_pass_s"
         return timed(pool_map, key)(self, fn, args, *rest)
 
-    src._Pool.__init__ = init  # type: ignore[method-assign]
-    src._Pool.map = map_  # type: ignore[method-assign]
+    src.FilePool.__init__ = init  # type: ignore[method-assign]
+    src.FilePool.map = map_  # type: ignore[method-assign]
     stats = timed(store.channel_stats, "stats_s")
 
     def channel_stats(images: Any) -> Any:

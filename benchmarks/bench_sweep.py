@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from mlflow import MlflowClient
 
 from benchmarks.common import publish
 from trainyard.core.host import cpu_name
+from trainyard.track.runs import count_runs
 
 DOCS_KEY = "sweep"
 
@@ -87,18 +87,15 @@ def sweep(repo: Path, lrs: list[str], jobs: int) -> dict[str, Any]:
         for rev in exp["revs"]
         if rev.get("data") and rev["data"].get("metrics")
     }
-    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
-    runs = client.search_runs(
-        [e.experiment_id for e in client.search_experiments()],
-        "tags.`dvc.workspace` = 'temp'",
-    )
+    # The runs of experiments that ran in DVC's temporary copies, in the clone's own store.
+    runs = count_runs(f"sqlite:///{repo / 'mlflow.db'}", "tags.`dvc.workspace` = 'temp'")
     return {
         "jobs": jobs,
         "seconds": round(seconds, 1),
         "succeeded": status.count("Success"),
         "failed": status.count("Failed"),
         "test_accuracy": {k: round(v, 4) for k, v in accuracy.items()},
-        "runs_in_store": len(runs),
+        "runs_in_store": runs,
     }
 
 

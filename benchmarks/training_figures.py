@@ -1,4 +1,4 @@
-"""The training benchmark's markdown section and chart (docs/benchmarks.md), from its JSON result."""
+"""The training benchmark's docs section and chart, from its JSON result."""
 
 from __future__ import annotations
 

@@ -62,6 +62,9 @@ def test_unknown_top_level_key_is_named():
         ("train", "precision", "8-bit", r"train\.precision"),
         ("data", "limit", 5, r"data\.limit: .*greater than or equal to 20"),
         ("data", "mirrors", ["ftp://x"], r"data\.mirrors: .*http"),
+        ("data", "source", "parquet", r"data\.source: .*'folder' or 'csv'"),
+        ("data", "csv_image_column", "", r"data\.csv_image_column: .*at least 1 character"),
+        ("data", "csv_max_download_bytes", 10, r"data\.csv_max_download_bytes: .*1024"),
         ("export", "max_abs_diff", 0, r"export\.max_abs_diff"),
     ],
 )
@@ -77,6 +80,19 @@ def test_val_size_must_fit_in_limit():
     raw["data"].update(limit=1000, val_size=1000)
     with pytest.raises(ParamsError, match=r"data: .*val_size \(1000\) must be smaller"):
         parse_params(raw)
+
+
+def test_csv_columns_must_differ():
+    raw = repo_params()
+    raw["data"].update(csv_label_column="image")
+    with pytest.raises(ParamsError, match=r"data: .*must be different columns"):
+        parse_params(raw)
+
+
+def test_a_csv_datasets_name_is_its_folder_and_file(tmp_path):
+    params = parse_params({"data": {"source": "csv", "csv": str(tmp_path / "flowers/labels.csv")}})
+    assert params.dataset_name() == "flowers-labels"
+    assert params.registry_model_name() == "flowers-labels-classifier"
 
 
 def test_a_stalled_body_times_out_before_the_request():

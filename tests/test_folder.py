@@ -17,9 +17,10 @@ from PIL import Image
 from trainyard.core.card import SPLITS, Card, load_card
 from trainyard.core.config import DataParams
 from trainyard.core.errors import DataError
-from trainyard.data.sources import folder as folder_source
+from trainyard.data import image_files
+from trainyard.data.image_files import assign_splits, find_duplicates
 from trainyard.data.sources import prepare_source as prepare
-from trainyard.data.sources.folder import assign_splits, find_duplicates, scan_folder
+from trainyard.data.walk import scan_folder
 from trainyard.runtime.inputs import decode_image
 
 from conftest import make_photo_folder
@@ -623,8 +624,8 @@ def test_process_pool_gives_identical_data(tmp_path, monkeypatch):
             started.append(max_workers)
             super().__init__(max_workers, *args, **kw)
 
-    monkeypatch.setattr(folder_source, "ProcessPoolExecutor", Recording)
-    monkeypatch.setattr(folder_source, "_CHUNK", 4)  # several chunks from a small tree
+    monkeypatch.setattr(image_files, "ProcessPoolExecutor", Recording)
+    monkeypatch.setattr(image_files, "CHUNK", 4)  # several chunks from a small tree
     one = run(tmp_path / "photos", tmp_path / "one", on_bad_file="skip", workers=1)
     assert started == []
     two = run(tmp_path / "photos", tmp_path / "two", on_bad_file="skip", workers=2)

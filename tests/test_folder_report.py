@@ -11,11 +11,11 @@ import pytest
 from PIL import Image
 
 from trainyard.core.config import DataParams, parse_params
-from trainyard.data.sources import folder as folder_source
+from trainyard.data import image_files
+from trainyard.data.image_files import AUTO_SIZE_MAX, AUTO_SIZE_MIN, auto_image_size
 from trainyard.data.sources import prepare_source as prepare
-from trainyard.data.sources.folder import AUTO_SIZE_MAX, AUTO_SIZE_MIN, auto_image_size
 from trainyard.data.walk import scan_folder
-from trainyard.doctor.dataset import expected_folder
+from trainyard.doctor.dataset import expected_dataset
 
 
 def tree(root: Path, counts: dict[str, int], size: tuple[int, int] = (48, 40)) -> None:
@@ -102,7 +102,7 @@ def test_the_doctor_sizes_an_auto_folder_at_its_largest_choice(tmp_path):
     tree(root, {"a": 10, "b": 10})
     params = parse_params({"data": {"source": "folder", "folder": str(root)}})
     assert params.data.image_size == "auto"
-    facts = expected_folder(params, tmp_path)
+    facts = expected_dataset(params, tmp_path)
     assert (facts["height"], facts["width"]) == (AUTO_SIZE_MAX, AUTO_SIZE_MAX)
     assert "auto" in facts["note"]
 
@@ -130,8 +130,8 @@ def test_both_passes_report_progress_as_chunks_complete(tmp_path, caplog, monkey
     root = tmp_path / "photos"
     tree(root, {"a": 12, "b": 12})
     # Small chunks and a line at every update: what a large folder shows every 10 s.
-    monkeypatch.setattr(folder_source, "_CHUNK", 5)
-    monkeypatch.setattr(folder_source, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(image_files, "CHUNK", 5)
+    monkeypatch.setattr(image_files, "PROGRESS_EVERY_S", 0.0)
     run(root, tmp_path / "out", caplog, val_fraction=0.2, test_fraction=0.2)
     lines = [r.getMessage() for r in caplog.records if r.name == "trainyard.progress"]
     headers = [m for m in lines if m.startswith("reading headers: ")]

@@ -1,15 +1,22 @@
 """The import rule (docs/architecture.md): a layer imports only the layers below it.
 
 Read from the source with ast, every import included (those under TYPE_CHECKING too: a type
-from a higher layer is still a dependency on it). A light layer (core, runtime, serve) also
-never imports a heavy library, so the service and its bento stay free of torch, Lightning,
-MLflow and DVC; and no module hides an import inside a function body except a probe (an
-import inside ``try`` that handles its failure, as the doctor does to report a broken build).
+from a higher layer is still a dependency on it; ``importlib.import_module`` and
+``__import__`` calls as well). A light layer (core, runtime, serve) also never imports a
+heavy library, so the service and its bento stay free of torch, Lightning, MLflow and DVC;
+and no module hides an import inside a function body except a probe (an import inside
+``try`` that handles its failure, as the doctor does to report a broken build).
+
+Each outside library lives behind one place: MLflow in track/, DVC's Python API in
+experiments/dvc_repo.py, Optuna in experiments/study.py. ``serving/`` (the thin BentoML entry)
+and ``benchmarks/`` are read too, with their own rules, and nothing imports BentoML's private
+``bentoml._internal``.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +26,8 @@ from conftest import REPO
 PACKAGE = REPO / "src" / "trainyard"
 
 # layer -> the layers it may import (its own always allowed). Top-level modules (the
-# ``trainyard`` command, presets) may import anything; every layer may read __version__.
+# ``trainyard`` command, presets, the client) may import anything and no layer imports
+# them; every layer may read __version__.
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "data": {"core"},
@@ -33,7 +41,20 @@ ALLOWED: dict[str, set[str]] = {
     "doctor": {"core", "data", "model", "runtime", "track", "train", "export", "serve"},
     "experiments": {"core", "data", "model", "runtime", "track", "train", "export", "stages"},
 }
-HEAVY = {"torch", "torchvision", "lightning", "mlflow", "dvc", "onnx", "matplotlib"}
+HEAVY = {
+    "torch",
+    "torchvision",
+    "torchmetrics",
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "mlflow",
+    "dvc",
+    "optuna",
+    "optuna_integration",
+    "onnx",
+    "matplotlib",
+}
 # The libraries each light layer must not import (onnxruntime is the runtime's own).
 FORBIDDEN: dict[str, set[str]] = {
     "core": HEAVY | {"onnxruntime", "bentoml", "starlette"},
@@ -42,37 +63,171 @@ FORBIDDEN: dict[str, set[str]] = {
     "data": {"mlflow", "dvc", "onnx", "onnxruntime", "bentoml"},
     "model": {"mlflow", "dvc", "onnxruntime", "bentoml"},
 }
+# Each outside library behind one place: the folder ("x/") or module of src/trainyard that
+# alone imports it. Everything else, benchmarks and serving included, calls its functions.
+HOMES = {
+    "mlflow": "track/",
+    "dvc": "experiments/dvc_repo.py",
+    "optuna": "experiments/study.py",
+    "optuna_integration": "experiments/study.py",
+}
+# serving/ (the bento's entry) may import these layers; trainyard.track only as a probe.
+SERVING_LAYERS = {"core", "runtime", "serve"}
 
 
-def layer_of(path: Path) -> str | None:
-    rel = path.relative_to(PACKAGE)
+def layer_of(path: Path, package: Path = PACKAGE) -> str | None:
+    rel = path.relative_to(package)
     return rel.parts[0] if len(rel.parts) > 1 else None
 
 
-def _imported(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
-    if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names]
-    if node.level:  # relative: resolve against the module's package
-        parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-        return [".".join(parts + ([node.module] if node.module else []))]
-    return [node.module or ""]
+def _area(path: Path, repo: Path) -> str:
+    """Which rules apply: the library's, serving's or the benchmarks'."""
+    rel = path.relative_to(repo)
+    if rel.parts[:2] == ("src", "trainyard"):
+        return "library"
+    if rel.parts[0] in ("serving", "benchmarks"):
+        return rel.parts[0]
+    raise ValueError(f"{rel}: not a module the import rule reads")
+
+
+def _package(path: Path, repo: Path) -> str:
+    rel = path.relative_to(repo / "src" if _area(path, repo) == "library" else repo)
+    return ".".join(rel.with_suffix("").parts[:-1])
+
+
+def _resolve(name: str, level: int, package: str) -> str:
+    """A relative name (``level`` leading dots) as an absolute one, from ``package``."""
+    if not level:
+        return name
+    parts = package.split(".")[: len(package.split(".")) - level + 1]
+    return ".".join(parts + ([name] if name else []))
+
+
+def _from_names(node: ast.ImportFrom, package: str) -> list[str]:
+    # `from trainyard import train` and `from .. import track` name the layer in the alias:
+    # a one-part base is read with each alias (trainyard.train, bentoml._internal).
+    base = _resolve(node.module or "", node.level, package)
+    if "." in base:
+        return [base]
+    return [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
+
+
+def _call_name(node: ast.Call, package: str, loaders: set[str]) -> str | None:
+    """The module a dynamic import call loads: "" when it is computed at run time, None
+    when ``node`` is not such a call. ``loaders``: the names import_module is bound to."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name not in loaders:
+        return None
+    arg = node.args[0] if node.args else None
+    if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
+        return ""
+    level = len(arg.value) - len(arg.value.lstrip("."))
+    anchor = node.args[1] if len(node.args) > 1 else None
+    anchor = anchor or next((k.value for k in node.keywords if k.arg == "package"), None)
+    if level and isinstance(anchor, ast.Constant) and isinstance(anchor.value, str):
+        package = anchor.value
+    return _resolve(arg.value[level:], level, package)
+
+
+def imports(tree: ast.AST, package: str) -> Iterator[tuple[ast.AST, str]]:
+    """(node, absolute module name) of every import statement and dynamic import call;
+    the name is "" for a call whose module is computed at run time."""
+    loaders = {"import_module", "__import__"} | {
+        alias.asname
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "importlib"
+        for alias in node.names
+        if alias.name == "import_module" and alias.asname
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield from ((node, name) for name in _from_names(node, package))
+        elif isinstance(node, ast.Call):
+            name = _call_name(node, package, loaders)
+            if name is not None:
+                yield node, name
+
+
+def _enclosing_try(node: ast.AST, parents: dict[int, ast.AST]) -> Iterator[ast.Try]:
+    while id(node) in parents:
+        parent = parents[id(node)]
+        if isinstance(parent, ast.Try) and node in parent.body and parent.handlers:
+            yield parent
+        node = parent
 
 
 def _is_probe(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
     """An import inside ``try:`` whose handler catches its failure (a deliberate probe)."""
-    while id(node) in parents:
-        parent = parents[id(node)]
-        if isinstance(parent, ast.Try) and node in parent.body and parent.handlers:
-            return True
-        node = parent
+    return next(_enclosing_try(node, parents), None) is not None
+
+
+def _catches_import_error(node: ast.AST, parents: dict[int, ast.AST]) -> bool:
+    """Inside a ``try:`` with an ``except ImportError`` (or ModuleNotFoundError) handler."""
+    wanted = {"ImportError", "ModuleNotFoundError"}
+    for try_node in _enclosing_try(node, parents):
+        for handler in try_node.handlers:
+            kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+            if any(getattr(k, "id", None) in wanted for k in kinds):
+                return True
     return False
 
 
-def violations(path: Path, source: str | None = None) -> list[str]:
-    """What in ``path`` breaks the import rule, as readable lines (empty: none)."""
-    layer = layer_of(path)
-    rel = path.relative_to(PACKAGE.parent)
-    package = ".".join(rel.with_suffix("").parts[:-1])
+def _library_rules(where: str, name: str, layer: str | None, hidden: bool) -> Iterator[str]:
+    parts = name.split(".")
+    if hidden and (parts[0] == "trainyard" or parts[0] in HEAVY):
+        yield f"{where} is imported inside a function; import it at the top"
+    if parts[0] in ("benchmarks", "serving"):
+        yield f"{where}: the library never imports {parts[0]} (not in the wheel)"
+    if layer is None:
+        return
+    if parts[0] == "trainyard" and len(parts) > 1:
+        target = parts[1]
+        if target == "__version__" or target == layer or target in ALLOWED[layer]:
+            return
+        if target in ALLOWED:
+            yield f"{where}: layer {layer!r} may not import layer {target!r}"
+        else:  # cli, presets, client: the top sits above every layer
+            yield f"{where}: layer {layer!r} may not import trainyard.{target} (top level)"
+    elif parts[0] in FORBIDDEN.get(layer, set()) and parts[0] not in HOMES:
+        yield f"{where}: layer {layer!r} may not import {parts[0]}"
+
+
+def _serving_rules(where: str, name: str, probe: bool) -> Iterator[str]:
+    parts = name.split(".")
+    if parts[0] in HEAVY - set(HOMES):
+        yield f"{where}: serving/ may not import {parts[0]} (the bento ships none of it)"
+    if parts[0] == "benchmarks":
+        yield f"{where}: serving/ never imports the benchmarks (not in the bento)"
+    if parts[0] != "trainyard" or len(parts) < 2 or parts[1] in SERVING_LAYERS:
+        return
+    if parts[1] == "track" and probe:
+        return
+    if parts[1] == "track":
+        yield f"{where}: serving/ imports trainyard.track only in a try/except ImportError probe"
+    elif parts[1] != "__version__":
+        yield f"{where}: serving/ may import trainyard.{'/'.join(sorted(SERVING_LAYERS))} only"
+
+
+def _home_rule(where: str, name: str, rel: str | None) -> Iterator[str]:
+    """``rel``: the module's path in src/trainyard (None outside the library)."""
+    top = name.split(".")[0]
+    home = HOMES.get(top)
+    if home is None or rel == home or (home.endswith("/") and (rel or "").startswith(home)):
+        return
+    yield f"{where}: {top} is imported only in src/trainyard/{home}; call its functions"
+
+
+def violations(path: Path, source: str | None = None, repo: Path = REPO) -> list[str]:
+    """What in ``path`` (a module of ``repo``'s src/trainyard, serving/ or benchmarks/)
+    breaks the import rule, as readable lines (empty: none)."""
+    area, package = _area(path, repo), _package(path, repo)
+    library = repo / "src" / "trainyard"
+    layer = layer_of(path, library) if area == "library" else None
+    in_library = library.as_posix() + "/"
+    rel = path.as_posix().removeprefix(in_library) if area == "library" else None
     tree = ast.parse(source if source is not None else path.read_text(), str(path))
     parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     in_function = {
@@ -82,31 +237,24 @@ def violations(path: Path, source: str | None = None) -> list[str]:
         for n in ast.walk(fn)
     }
     found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+    for node, name in imports(tree, package):
+        where = f"{path.relative_to(repo)}:{node.lineno}: {name or '(computed)'}"
+        if not name:
+            found.append(f"{where}: a module name computed at run time; import it by name")
             continue
-        for name in _imported(node, package):
-            parts = name.split(".")
-            where = f"{rel}:{node.lineno}: {name}"
+        if name.split(".")[:2] == ["bentoml", "_internal"]:
+            found.append(f"{where}: BentoML's private API; use its public one")
+        found += _home_rule(where, name, rel)
+        if area == "serving":
+            found += _serving_rules(where, name, _catches_import_error(node, parents))
+        elif area == "library":
             hidden = id(node) in in_function and not _is_probe(node, parents)
-            if hidden and (parts[0] == "trainyard" or parts[0] in HEAVY):
-                found.append(f"{where} is imported inside a function; import it at the top")
-            if parts[0] == "benchmarks":
-                found.append(
-                    f"{where}: the library never imports the benchmarks (not in the wheel)"
-                )
-            if layer is None:
-                continue
-            if parts[0] == "trainyard" and len(parts) > 1:
-                target = parts[1]
-                if target in ALLOWED and target != layer and target not in ALLOWED[layer]:
-                    found.append(f"{where}: layer {layer!r} may not import layer {target!r}")
-            elif parts[0] in FORBIDDEN.get(layer, set()):
-                found.append(f"{where}: layer {layer!r} may not import {parts[0]}")
+            found += _library_rules(where, name, layer, hidden)
     return found
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
+OUTSIDE = sorted((REPO / "serving").rglob("*.py")) + sorted((REPO / "benchmarks").rglob("*.py"))
 
 
 def test_every_module_is_in_a_known_layer_or_one_of_few_at_the_top():
@@ -115,31 +263,142 @@ def test_every_module_is_in_a_known_layer_or_one_of_few_at_the_top():
     assert len(layers) >= 5
     loose = [p.name for p in MODULES if layer_of(p) is None]
     assert len(loose) <= 6, loose
+    assert any(p.name == "service.py" for p in OUTSIDE) and len(OUTSIDE) > 5
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+@pytest.mark.parametrize(
+    "path", MODULES + OUTSIDE, ids=lambda p: str(p.relative_to(REPO)).removeprefix("src/")
+)
 def test_imports_go_down_the_layers(path):
     assert violations(path) == []
 
 
-@pytest.mark.parametrize(
-    ("where", "source", "expected"),
-    [
-        ("core/x.py", "from trainyard.data.arrays import row_blocks\n", "may not import layer"),
-        ("serve/x.py", "import torch\n", "may not import torch"),
-        ("runtime/x.py", "from mlflow import MlflowClient\n", "may not import mlflow"),
-        ("data/x.py", "from ..track import runs\n", "may not import layer 'track'"),
-        ("train/x.py", "def f():\n    import torch\n", "inside a function"),
-        ("export/x.py", "def f():\n    from trainyard.core import io\n", "inside a function"),
-        ("doctor/x.py", "import benchmarks.common\n", "never imports the benchmarks"),
-    ],
-)
-def test_the_checker_finds_each_kind_of_break(where, source, expected):
-    """The checker itself: a rule that found nothing would pass by finding nothing."""
-    found = violations(PACKAGE / where, source)
-    assert len(found) == 1 and expected in found[0], found
+def _check(tmp_path: Path, where: str, source: str) -> list[str]:
+    """``source`` written as the module ``where`` of a repository in ``tmp_path``."""
+    path = tmp_path / where
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    return violations(path, repo=tmp_path)
 
 
-def test_a_probe_inside_try_is_allowed():
-    source = "def f():\n    try:\n        import torch\n    except ImportError:\n        return\n"
-    assert violations(PACKAGE / "doctor" / "x.py", source) == []
+# One case per kind of break: a checker that found nothing would pass by finding nothing.
+CAUGHT = [
+    # the layers
+    ("src/trainyard/core/x.py", "from trainyard.data.arrays import row_blocks\n", "layer 'data'"),
+    ("src/trainyard/data/x.py", "from ..track import runs\n", "may not import layer 'track'"),
+    ("src/trainyard/data/x.py", "from trainyard import train\n", "may not import layer 'train'"),
+    ("src/trainyard/data/x.py", "from .. import track\n", "may not import layer 'track'"),
+    ("src/trainyard/model/x.py", "import trainyard.train.fit\n", "may not import layer 'train'"),
+    ("src/trainyard/stages/x.py", "from trainyard import cli\n", "trainyard.cli (top level)"),
+    ("src/trainyard/serve/x.py", "from trainyard.presets import x\n", "trainyard.presets"),
+    ("src/trainyard/doctor/x.py", "from ..client import Client\n", "trainyard.client"),
+    # heavy libraries in a light layer
+    ("src/trainyard/serve/x.py", "import torch\n", "may not import torch"),
+    ("src/trainyard/serve/x.py", "import pytorch_lightning\n", "may not import pytorch_lightning"),
+    ("src/trainyard/serve/x.py", "from torchmetrics import Accuracy\n", "import torchmetrics"),
+    ("src/trainyard/core/x.py", "import lightning_fabric\n", "may not import lightning_fabric"),
+    ("src/trainyard/runtime/x.py", "import torchmetrics\n", "may not import torchmetrics"),
+    ("src/trainyard/core/x.py", "from torch import nn\n", "may not import torch"),
+    # dynamic imports
+    ("src/trainyard/serve/x.py", "import importlib\nimportlib.import_module('torch')\n", "torch"),
+    ("src/trainyard/runtime/x.py", "__import__('torchvision')\n", "import torchvision"),
+    ("src/trainyard/core/x.py", "from importlib import import_module as m\nm('onnx')\n", "onnx"),
+    (
+        "src/trainyard/data/x.py",
+        "import importlib\nimportlib.import_module('..train', 'trainyard.data')\n",
+        "layer 'train'",
+    ),
+    (
+        "src/trainyard/model/x.py",
+        "import importlib\nname = 'torch'\nimportlib.import_module(name)\n",
+        "computed at run time",
+    ),
+    # imports at the top
+    ("src/trainyard/train/x.py", "def f():\n    import torch\n", "inside a function"),
+    (
+        "src/trainyard/export/x.py",
+        "def f():\n    from trainyard.core import io\n",
+        "inside a function",
+    ),
+    (
+        "src/trainyard/train/x.py",
+        "def f():\n    import importlib\n    importlib.import_module('trainyard.data')\n",
+        "inside a function",
+    ),
+    # the library never reaches outside it
+    ("src/trainyard/doctor/x.py", "import benchmarks.common\n", "never imports benchmarks"),
+    ("src/trainyard/cli.py", "from serving.service import Classifier\n", "never imports serving"),
+    # each outside library behind one place
+    (
+        "src/trainyard/train/x.py",
+        "from mlflow import MlflowClient\n",
+        "only in src/trainyard/track/",
+    ),
+    ("src/trainyard/stages/x.py", "import mlflow\n", "only in src/trainyard/track/"),
+    ("src/trainyard/experiments/report.py", "import dvc.api\n", "experiments/dvc_repo.py"),
+    ("src/trainyard/experiments/trials.py", "import optuna\n", "experiments/study.py"),
+    ("src/trainyard/experiments/tune.py", "from optuna_integration import X\n", "study.py"),
+    ("src/trainyard/serve/x.py", "import optuna\n", "experiments/study.py"),
+    ("benchmarks/bench_x.py", "from mlflow import MlflowClient\n", "only in src/trainyard/track/"),
+    ("benchmarks/bench_x.py", "import dvc.api\n", "experiments/dvc_repo.py"),
+    ("benchmarks/bench_x.py", "def f():\n    import optuna\n", "experiments/study.py"),
+    # BentoML's public API only
+    ("src/trainyard/serve/x.py", "from bentoml._internal.marshal import dispatcher\n", "private"),
+    ("serving/service.py", "from bentoml import _internal\n", "BentoML's private API"),
+    ("benchmarks/bench_x.py", "import bentoml._internal.server\n", "BentoML's private API"),
+    # serving/: the thin entry
+    ("serving/service.py", "import torch\n", "serving/ may not import torch"),
+    ("serving/service.py", "from lightning import Trainer\n", "serving/ may not import lightning"),
+    ("serving/service.py", "import onnx\n", "serving/ may not import onnx"),
+    (
+        "serving/service.py",
+        "from trainyard.train import fit\n",
+        "trainyard.core/runtime/serve only",
+    ),
+    ("serving/service.py", "from trainyard import presets\n", "trainyard.core/runtime/serve only"),
+    ("serving/service.py", "from trainyard.track.registry import f\n", "ImportError probe"),
+    (
+        "serving/service.py",
+        "try:\n    import trainyard.track\nexcept ValueError:\n    pass\n",
+        "ImportError probe",
+    ),
+    ("serving/service.py", "import benchmarks.soak\n", "never imports the benchmarks"),
+]
+
+
+def _case_id(case: tuple[str, ...]) -> str:
+    return f"{case[0]}: {case[1].strip().splitlines()[-1].strip()}"
+
+
+@pytest.mark.parametrize(("where", "source", "expected"), CAUGHT, ids=map(_case_id, CAUGHT))
+def test_the_checker_finds_each_kind_of_break(tmp_path, where, source, expected):
+    found = _check(tmp_path, where, source)
+    assert len(found) == 1, found
+    assert expected is None or expected in found[0], found
+
+
+ALLOWED_CASES = [
+    (
+        "src/trainyard/doctor/x.py",
+        "def f():\n    try:\n        import torch\n    except ImportError:\n        return\n",
+    ),
+    ("src/trainyard/serve/x.py", "from trainyard import __version__\nfrom . import guard\n"),
+    ("src/trainyard/track/x.py", "import mlflow\nfrom mlflow.entities import Param\n"),
+    ("src/trainyard/experiments/dvc_repo.py", "import dvc.api\nfrom dvc.repo import Repo\n"),
+    ("src/trainyard/experiments/study.py", "import optuna\nfrom optuna_integration import X\n"),
+    ("src/trainyard/cli.py", "from trainyard.experiments import tune\nimport importlib\n"),
+    ("serving/service.py", "import bentoml\nfrom trainyard.serve.app import build_app\n"),
+    (
+        "serving/service.py",
+        "def f():\n    try:\n        from trainyard.track.registry import g\n"
+        "    except ImportError:\n        return\n",
+    ),
+    ("benchmarks/bench_x.py", "import torch\nfrom trainyard.track.runs import count_runs\n"),
+    ("benchmarks/bench_x.py", "def f():\n    from trainyard.train.builder import build_trainer\n"),
+]
+
+
+@pytest.mark.parametrize(("where", "source"), ALLOWED_CASES, ids=map(_case_id, ALLOWED_CASES))
+def test_what_the_rule_allows_is_not_flagged(tmp_path, where, source):
+    """Probes, each library in its home, serving's track probe, the benchmarks' lazy imports."""
+    assert _check(tmp_path, where, source) == []

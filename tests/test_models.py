@@ -3,12 +3,15 @@ augmentation, and the Classifier's checkpoint contract (the dataset card)."""
 
 from __future__ import annotations
 
+import typing
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from trainyard.core.card import Card, normalize_pixels
+from trainyard.core.config import TrainParams
 from trainyard.core.errors import ParamsError
 from trainyard.model.augment import augment_batch, normalize
 from trainyard.model.classifier import Classifier
@@ -95,6 +98,14 @@ def test_unknown_arch():
     for name in ("cnn", "resnet", "resnet18", "mobilenet_v3_small", "efficientnet_b0"):
         assert repr(name) in str(err.value)
     assert set(ARCH_NAMES) >= {"cnn", "resnet", "resnet18"}
+
+
+def test_params_accept_exactly_the_defined_archs():
+    # A defined arch params refuse is dead code; a name params accept that is not defined
+    # fails only at train time. TrainParams.arch lists them by hand (core imports no model).
+    accepted = typing.get_args(TrainParams.model_fields["arch"].annotation)
+    names = {v for member in accepted for v in typing.get_args(member)} - {"auto"}
+    assert names == set(ARCH_NAMES)
 
 
 def test_own_archs_refuse_pretrained_weights():

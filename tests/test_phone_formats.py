@@ -25,7 +25,7 @@ from trainyard.core.imaging import (
 )
 from trainyard.data.sources import prepare_source as prepare
 from trainyard.runtime.inputs import decode_image, normalize, softmax
-from trainyard.serve.openapi import IMAGE_TYPES
+from trainyard.serve.api import IMAGE_TYPES
 
 PHONE = {".heic": "HEIF", ".heif": "HEIF", ".hif": "HEIF", ".avif": "AVIF"}
 

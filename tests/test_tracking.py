@@ -1,13 +1,21 @@
-"""Tracking store checks: a dead server fails fast with its URI named."""
+"""Tracking store checks: a dead server fails fast with its URI named; experiments are
+tagged so MLflow's UI opens them as model training."""
 
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
 from trainyard.core.errors import TrackingError
-from trainyard.track.runs import check_tracking_uri, resolve_tracking_uri
+from trainyard.track.runs import (
+    EXPERIMENT_KIND_TAG,
+    MODEL_TRAINING,
+    check_tracking_uri,
+    ensure_experiment,
+    resolve_tracking_uri,
+)
 
 
 def _dead_port() -> int:
@@ -51,3 +59,39 @@ def test_a_run_shorter_than_one_sampling_interval_still_gets_system_metrics(tmp_
         time.sleep(0.3)
     metrics = client.get_run(run.info.run_id).data.metrics
     assert "system/cpu_utilization_percentage" in metrics, sorted(metrics)
+
+
+def test_experiments_open_as_model_training_in_the_mlflow_ui(tmp_path):
+    """MLflow 3's UI opens an experiment with no ``mlflow.experimentKind`` in its GenAI view
+    (traces); trainyard's are tagged as model training, those made before it or by hand
+    get the tag the next time trainyard uses them, and a kind chosen in the UI stays."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+
+    def kind(name: str) -> str | None:
+        return client.get_experiment_by_name(name).tags.get("mlflow.experimentKind")
+
+    made = ensure_experiment(uri, "new")
+    assert kind("new") == "custom_model_development"
+    assert ensure_experiment(uri, "new") == made  # found again, not made twice
+    client.create_experiment("older")  # as plain MLflow (or trainyard before) made it
+    assert kind("older") is None
+    ensure_experiment(uri, "older")
+    assert kind("older") == "custom_model_development"
+    chosen = client.create_experiment("chosen")
+    client.set_experiment_tag(chosen, "mlflow.experimentKind", "genai_development")
+    ensure_experiment(uri, "chosen")
+    assert kind("chosen") == "genai_development"
+
+
+def test_the_experiment_kind_is_the_one_the_installed_mlflow_ui_knows():
+    """The tag's key and value as MLflow's own UI bundle spells them: an MLflow release that
+    renames either fails here, not silently in the UI."""
+    import mlflow
+
+    bundle = Path(mlflow.__file__).parent / "server" / "js" / "build" / "static" / "js"
+    text = "".join(p.read_text(errors="ignore") for p in bundle.glob("main.*.js"))
+    assert f'"{EXPERIMENT_KIND_TAG}"' in text
+    assert f'CUSTOM_MODEL_DEVELOPMENT="{MODEL_TRAINING}"' in text

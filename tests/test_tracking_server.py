@@ -97,6 +97,9 @@ def test_run_is_on_the_server_with_system_metrics_and_dataset(server, repo):
     }
     names = {a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")}
     assert names == {"checkpoints/best.ckpt"}
+    # MLflow's UI opens the experiment on its training runs, not the GenAI view
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_model_version_and_champion_alias_on_the_server(server, repo):

@@ -32,6 +32,7 @@ from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
 from trainyard.experiments import tune
 from trainyard.track.runs import ensure_experiment
+from trainyard.track.study_runs import StudyRuns
 
 from conftest import REPO, VENV_BIN, copy_repo, dvc, make_photo_folder, stage_env
 
@@ -184,14 +185,15 @@ def test_a_silent_worker_trial_is_failed_and_its_run_killed(tmp_path):
     beating: Optuna fails its trial at the next trial start, the callback ends its run."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     ensure_experiment(uri, "photos")
-    tracking = st.Tracking(uri, "photos")
-    client = tracking.client
+    runs = StudyRuns(uri, "photos")
+    client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("photos").experiment_id
-    tracking.parent_id = client.create_run(exp, run_name=STUDY).info.run_id
-    tags = {"mlflow.parentRunId": tracking.parent_id, "optuna.study": STUDY, "optuna.trial": "0"}
+    runs.parent_id = client.create_run(exp, run_name=STUDY).info.run_id
+    tags = {"mlflow.parentRunId": runs.parent_id, "optuna.study": STUDY, "optuna.trial": "0"}
+    assert runs.trial_tags(STUDY, 0) == tags  # what a trial's training is tagged with
     child = client.create_run(exp, tags=tags).info.run_id
     storage = st.open_storage(
-        f"sqlite:///{tmp_path}/optuna.db", st.StaleTrials(tracking), heartbeat_s=1, grace_s=1
+        f"sqlite:///{tmp_path}/optuna.db", st.StaleTrials(runs), heartbeat_s=1, grace_s=1
     )
     study = optuna.create_study(storage=storage, study_name=STUDY, direction="maximize")
     storage.record_heartbeat(study.ask()._trial_id)
@@ -203,7 +205,7 @@ def test_a_silent_worker_trial_is_failed_and_its_run_killed(tmp_path):
     run = client.get_run(child)
     assert run.info.status == "KILLED" and run.data.tags["optuna.state"] == "FAIL"
     assert "stopped sending heartbeats" in run.data.tags["trainyard.end_reason"]
-    assert client.get_run(tracking.parent_id).info.status == "RUNNING"  # the study's own
+    assert client.get_run(runs.parent_id).info.status == "RUNNING"  # the study's own
 
 
 # ---------------------------------------------------------------- slow: real studies
@@ -232,6 +234,9 @@ def test_a_study_is_child_runs_under_one_parent_and_its_best_is_queued_in_dvc(tm
     best = max(trials, key=lambda t: (t.value, -t.number))
     assert parent.data.tags["best_trial"] == str(best.number)
     assert parent.data.metrics["best_val_acc"] == pytest.approx(best.value)
+    # MLflow's UI opens the study's experiment on its training runs, not the GenAI view
+    exp = mlflow.MlflowClient(f"sqlite:///{repo}/mlflow.db").get_experiment_by_name("photos")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     # one [tune] line per trial's start and end
     for n in range(3):
         assert f"[tune] trial {n} ({n + 1}/3): train.lr=" in err
@@ -427,6 +432,4 @@ def test_a_bad_override_names_the_key(tmp_path):
 def test_a_short_study_leaves_random_search():
     """TPE's start-up is a third of the study (3 to 10): an 8-trial study models the space
     after 3 random trials instead of never (Optuna's default start-up is 10)."""
-    from trainyard.experiments.trials import startup_trials
-
-    assert [startup_trials(n) for n in (1, 8, 20, 100)] == [3, 3, 6, 10]
+    assert [st.startup_trials(n) for n in (1, 8, 20, 100)] == [3, 3, 6, 10]

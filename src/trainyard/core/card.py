@@ -42,7 +42,7 @@ class Card:
     with ``channels``, ``height``, ``width``, ``resize`` and ``fill``.
     """
 
-    source: str  # "fashion-mnist" | "folder"
+    source: str  # the data.source that prepared it: "fashion-mnist", "folder", "csv", ...
     classes: tuple[str, ...]
     channels: int
     height: int

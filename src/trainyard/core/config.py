@@ -28,10 +28,17 @@ class _Strict(BaseModel):
 
 
 class DataParams(_Strict):
-    source: Literal["fashion-mnist", "folder"] = "fashion-mnist"
+    source: Literal["fashion-mnist", "folder", "csv"] = "fashion-mnist"
     folder: str | None = "examples/shapes"  # a bundled 3-class sample
+    # csv source: a CSV of image paths (relative to it) or URLs, labels and splits. Never
+    # null: it is a DVC dep of prepare, which must exist whatever the source.
+    csv: str = Field("examples/shapes.csv", min_length=1)
+    csv_image_column: str = Field("image", min_length=1)
+    csv_label_column: str = Field("label", min_length=1)
+    csv_split_column: str | None = Field("split", min_length=1)
+    csv_max_download_bytes: int = Field(50_000_000, ge=1024, le=2**31)
     on_bad_file: Literal["error", "skip"] = "error"
-    # folder source
+    # folder and csv sources
     image_size: (
         Annotated[int, Field(ge=8, le=1024)]
         | tuple[Annotated[int, Field(ge=8, le=1024)], Annotated[int, Field(ge=8, le=1024)]]
@@ -85,11 +92,17 @@ class DataParams(_Strict):
                 "source is 'folder' but data.folder is not set; set it to your "
                 "class-per-subfolder image tree (dvc exp run -S data.folder=/path/to/photos)"
             )
+        columns = [self.csv_image_column, self.csv_label_column, self.csv_split_column]
+        if len(set(columns)) < len(columns):
+            raise ValueError(
+                "csv_image_column, csv_label_column and csv_split_column must be different "
+                f"columns (got {columns})"
+            )
         return self
 
     @property
     def size_hw(self) -> tuple[int, int] | None:
-        """(height, width) of prepared folder images; None for ``auto`` (prepare picks it
+        """(height, width) of prepared folder or csv images; None for ``auto`` (prepare picks it
         from the images' own sizes)."""
         s = self.image_size
         if s == "auto":
@@ -111,9 +124,19 @@ class TrainParams(_Strict):
     time_budget_min: float | None = Field(4.0, gt=0, le=7 * 24 * 60)
     # A hard stop: auto = 1.25x the budget under plan timed, none under plan fixed
     time_limit_min: Annotated[float, Field(gt=0, le=7 * 24 * 60)] | Auto | None = "auto"
-    arch: Literal["cnn", "resnet", "resnet18", "mobilenet_v3_small", "efficientnet_b0"] | Auto = (
-        "auto"
-    )
+    # trainyard.model.networks.ARCH_NAMES (tests/test_models.py holds the two equal)
+    arch: (
+        Literal[
+            "cnn",
+            "resnet",
+            "resnet18",
+            "resnet50",
+            "mobilenet_v3_small",
+            "mobilenet_v3_large",
+            "efficientnet_b0",
+        ]
+        | Auto
+    ) = "auto"
     pretrained: str | None = None
     max_epochs: Annotated[int, Field(ge=1, le=1000)] | Auto = "auto"
     batch_size: Annotated[int, Field(ge=1, le=65536)] | Auto = "auto"
@@ -323,10 +346,16 @@ class Params(_Strict):
     tune: TuneParams = Field(default_factory=TuneParams)
 
     def dataset_name(self) -> str:
-        """The data's short name: ``fashion-mnist``, or the image folder's own name."""
+        """The data's short name: ``fashion-mnist``, the image folder's own name, or the
+        CSV's folder and name (``flowers/labels.csv``: ``flowers-labels``, so two datasets'
+        ``labels.csv`` do not share an experiment or a registered model)."""
         if self.data.source == "folder" and self.data.folder:
             base = re.sub(r"[^\w.-]+", "-", Path(self.data.folder).expanduser().resolve().name)
             return base.strip("-.") or "folder"
+        if self.data.source == "csv":
+            path = Path(self.data.csv).expanduser().resolve()
+            base = re.sub(r"[^\w.-]+", "-", f"{path.parent.name}-{path.stem}")
+            return base.strip("-.") or "csv"
         return self.data.source
 
     def experiment_name(self) -> str:

@@ -9,13 +9,28 @@ import contextlib
 import hashlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from trainyard.core.card import CARD_FILE, SPLITS, Card
 from trainyard.core.io import atomic_dir, atomic_write_text
-from trainyard.data.arrays import LABEL_DTYPE, channel_stats, class_counts
+from trainyard.data.arrays import LABEL_DTYPE, channel_stats, class_counts, row_blocks
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a source's prepare will write, told before it runs (``trainyard doctor`` sizes
+    the dataset from it): images per split, their (C, H, W), and which figures prepare will
+    match exactly (a prepared card that differs there is stale)."""
+
+    counts: dict[str, int]  # images per split
+    shape: tuple[int, int, int]  # (C, H, W); where prepare decides, the larger case
+    note: str  # how the figures were found, for the doctor's line
+    counts_known: bool = False  # exactly what prepare writes (else an estimate)
+    channels_known: bool = False
+    size_known: bool = False
 
 
 class PreparedWriter:
@@ -36,6 +51,31 @@ class PreparedWriter:
         return np.lib.format.open_memmap(
             self.images_path(split), mode="w+", dtype=np.uint8, shape=(n, *shape)
         )
+
+    def keep_rows(self, split: str, keep: list[bool]) -> None:
+        """Rewrite ``split``'s images with only the rows ``keep`` marks (an image source
+        drops the rows of files that failed to decode). Streamed: plain reads in blocks,
+        appends, so memory stays bounded."""
+        path = self.images_path(split)
+        mask = np.asarray(keep, dtype=bool)
+        tmp = self.tmp / f".{split}_images.compact.npy"
+        first = np.load(path, mmap_mode="r")
+        shape = (int(mask.sum()), *first.shape[1:])
+        del first
+        with open(tmp, "wb") as out:
+            np.lib.format.write_array_header_1_0(
+                out,
+                {
+                    "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+                    "fortran_order": False,
+                    "shape": shape,
+                },
+            )
+            start = 0
+            for block in row_blocks(path):
+                out.write(np.ascontiguousarray(block[mask[start : start + len(block)]]).data)
+                start += len(block)
+        os.replace(tmp, path)
 
     def write_images(self, split: str, images: np.ndarray) -> None:
         np.save(self.images_path(split), np.ascontiguousarray(images, dtype=np.uint8))

@@ -29,6 +29,7 @@ from pathlib import Path
 from trainyard.core.card import SPLITS
 from trainyard.core.errors import DataError
 from trainyard.core.imaging import IMAGE_EXTENSIONS
+from trainyard.data.image_files import ImageFile
 
 # Compared lower-cased: __MACOSX from a zip made on a Mac, Thumbs.db/desktop.ini from Windows.
 LITTER = frozenset({"thumbs.db", "desktop.ini", "__macosx", "$recycle.bin", "icon\r"})
@@ -56,22 +57,12 @@ def extension(path: Path) -> str:
 
 
 @dataclass
-class Entry:
-    """One image file found in the tree."""
-
-    path: Path
-    rel: str  # path relative to the root, '/'-separated: what the card and errors show
-    label: int
-    split: str | None  # from the layout, or None when this source splits
-
-
-@dataclass
 class Scan:
     """What a walk of the tree found: classes, layout, image entries and problems."""
 
     classes: tuple[str, ...]
     layout: str  # "flat" | "splits"
-    entries: list[Entry]
+    entries: list[ImageFile]
     bad: list[tuple[str, str]]  # (rel, reason): unreadable entries found while walking
     ignored: int  # files passed over: not images, or images trainyard cannot read
     # extension -> count, of the ignored files that are not images / image formats left out
@@ -231,7 +222,7 @@ def scan_folder(root: str | os.PathLike[str]) -> Scan:
     bad: list[tuple[str, str]] = []
     other: Counter[str] = Counter()
     unreadable: Counter[str] = Counter()
-    entries: list[Entry] = []
+    entries: list[ImageFile] = []
     for split, groups in per_split.items():
         for name, dirs in groups.items():
             found = 0
@@ -243,7 +234,7 @@ def scan_folder(root: str | os.PathLike[str]) -> Scan:
                         # image the user may expect in the dataset: counted apart
                         (unreadable if ext in UNREADABLE_IMAGES else other)[ext] += 1
                         continue
-                    entries.append(Entry(path, rel_path(path, root), index[name], split))
+                    entries.append(ImageFile(path, rel_path(path, root), index[name], split))
                     found += 1
             if found == 0:
                 where = f"{split}/{name}" if split else name

@@ -4,8 +4,9 @@ Offline, for a pull-request comment (``gh pr comment --body-file reports/report.
 params that changed and the metrics with their deltas (DVC's own ``params diff`` and
 ``metrics diff``), the evaluate stage's pictures of both sides next to each other, and the
 registry's decision. The baseline's files are read from git and the DVC cache with
-``dvc.api.open``; the pictures are copied into ``reports/report/`` beside the report, so the
-Markdown links are relative and the folder can be attached or committed as it is.
+``dvc.api.open`` (DVC's API is trainyard.experiments.dvc_repo's); the pictures are copied
+into ``reports/report/`` beside the report, so the Markdown links are relative and the
+folder can be attached or committed as it is.
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import dvc.api
 import yaml
-from dvc.exceptions import DvcException, PathMissingError
-from dvc.repo import Repo
 
 from trainyard.core.errors import TrainyardError
 from trainyard.core.io import atomic_dir, atomic_write_text
+from trainyard.experiments.dvc_repo import diffs_against, read_at_revision
 from trainyard.track.records import REGISTRY_RECORD, TRAIN_RECORD
 
 DEFAULT_OUT = Path("reports/report.md")
@@ -90,9 +89,7 @@ def write_report(cwd: Path, baseline: str | None, out: Path | None) -> Path:
     base = resolve_baseline(root, baseline)
     out = root / DEFAULT_OUT if out is None else (cwd / out)
     pictures = pictures_folder(out)
-    with Repo(str(root)) as repo:
-        params = repo.params.diff(a_rev=base.sha)
-        metrics = repo.metrics.diff(a_rev=base.sha, all=True)
+    params, metrics = diffs_against(root, base.sha)
     with atomic_dir(pictures) as tmp:
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the pictures from a web server, others
         cells = copy_pictures(root, base, tmp, pictures.name)
@@ -183,13 +180,7 @@ def read_side(root: Path, path: Path, rev: str | None) -> bytes | None:
     None when it is not there."""
     if rev is None:
         return (root / path).read_bytes() if (root / path).is_file() else None
-    try:
-        with dvc.api.open(str(path), rev=rev, mode="rb", repo=str(root)) as fh:
-            return fh.read()
-    except PathMissingError:
-        return None
-    except DvcException as err:
-        raise TrainyardError(f"{path} at {rev[:7]}: cannot be read ({err})") from err
+    return read_at_revision(root, path, rev)
 
 
 def read_json(root: Path, path: Path, rev: str | None) -> dict[str, Any] | None:

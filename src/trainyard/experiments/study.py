@@ -1,12 +1,13 @@
-"""The Optuna study behind ``trainyard tune`` and its MLflow runs.
+"""Optuna behind ``trainyard tune``: the one module that imports it (tests/test_layers.py).
 
 - storage: Optuna's RDB storage with heartbeats (a worker that dies mid-trial has its trial
   failed by the next worker), sqlite beside mlflow.db by default;
 - a lock file shared by this machine's workers of one study: the trial count and the
   MLflow parent run are decided by one worker at a time;
-- the study's MLflow parent run (created once, reopened by every later worker) and the
-  ending of a trial's child run (its Optuna state as a tag, pruned and killed trials with
-  the reason).
+- the study (TPE sampler, median pruner), a trial's sampled values, its pruning callback,
+  and what the trials module reads of a study (counts, the best trial);
+- which MLflow run is the study's (a study user attr) and the trials failed for a dead
+  worker; the runs themselves are trainyard.track.study_runs.
 """
 
 from __future__ import annotations
@@ -19,23 +20,22 @@ import shutil
 import socket
 import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import mlflow
+import lightning as L
 import optuna
 import sqlalchemy.engine
 import sqlalchemy.exc
-from mlflow.entities import Param
-from mlflow.exceptions import MlflowException
 from optuna.exceptions import ExperimentalWarning, UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, Trial, TrialState
+from optuna_integration import PyTorchLightningPruningCallback
 
-from trainyard import __version__
 from trainyard.core.config import Params, TuneChoices, TuneParams
 from trainyard.core.errors import TrainyardError
-from trainyard.track.runs import END_REASON_TAG, carry_end_reason, git_state, store_root
+from trainyard.track.runs import store_root
+from trainyard.track.study_runs import StudyRuns
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,10 @@ BASE_ATTR, SPACE_ATTR = "base_params", "space"
 # Trial user attrs
 RUN_ATTR, ERROR_ATTR, WORKER_ATTR = "mlflow_run_id", "error", "worker"
 RESUME_ATTR = "resume_folder"  # the fit's checkpoints (.cache/train-resume/<key>)
-STATE_TAG, STUDY_TAG, TRIAL_TAG = "optuna.state", "optuna.study", "optuna.trial"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+# Optuna's types (with Trial, FrozenTrial above) and its pruned signal, for the modules that
+# hold them without importing Optuna.
+Study, TrialPruned = optuna.Study, optuna.TrialPruned
 
 
 class StudyError(TrainyardError):
@@ -223,79 +225,97 @@ def suggest(trial: Trial, tune: TuneParams) -> dict[str, Any]:
     return values
 
 
-# ---------------------------------------------------------------- MLflow runs
+# ---------------------------------------------------------------- the study
 
 
-def _experiment_id(client: mlflow.MlflowClient, name: str) -> str:
-    found = client.get_experiment_by_name(name)
-    if found is None:
-        raise StudyError(f"MLflow experiment {name!r} is missing from the tracking store")
-    return str(found.experiment_id)
+def startup_trials(trials: int) -> int:
+    """Random trials before TPE models the space, and completed trials before the median
+    pruner judges: Optuna's 10 and 5 suit long studies, but an 8-trial study would never
+    leave random search. A third of the study, 3 to 10."""
+    return max(3, min(10, trials // 3))
 
 
-@dataclass
-class Tracking:
-    """Where the study's runs go: the store, the experiment, the parent run."""
-
-    uri: str
-    experiment: str
-    parent_id: str = ""
-
-    @property
-    def client(self) -> mlflow.MlflowClient:
-        return mlflow.MlflowClient(tracking_uri=self.uri)
-
-    def trial_runs(self, number: int) -> list[Any]:
-        """The child runs of trial ``number`` (one; more only if a store was reused)."""
-        if not self.parent_id:
-            return []
-        client = self.client
-        return client.search_runs(
-            [_experiment_id(client, self.experiment)],
-            filter_string=(
-                f"tags.`mlflow.parentRunId` = '{self.parent_id}' "
-                f"and tags.`{TRIAL_TAG}` = '{number}'"
-            ),
+def load_study(
+    storage: optuna.storages.RDBStorage, name: str, tune: TuneParams, seed: int | None = None
+) -> optuna.Study:
+    """The study ``name`` (created on first use): maximize val/acc, TPE sampler seeded by
+    ``seed``, the median pruner or none (``tune.pruner``)."""
+    startup = startup_trials(tune.trials)
+    pruner: optuna.pruners.BasePruner = (
+        optuna.pruners.MedianPruner(
+            n_startup_trials=startup, n_warmup_steps=tune.pruner_warmup_epochs
         )
+        if tune.pruner == "median"
+        else optuna.pruners.NopPruner()
+    )
+    return optuna.create_study(
+        storage=storage,
+        study_name=name,
+        direction="maximize",
+        load_if_exists=True,
+        sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup),
+        pruner=pruner,
+    )
 
-    def end_trial(
-        self,
-        number: int,
-        state: TrialState,
-        reason: str | None = None,
-        killed: bool = False,
-        overwrite: bool = True,
-    ) -> None:
-        """Tag trial ``number``'s child run with its Optuna state; a run not FINISHED by its
-        training ends with ``reason`` (tag trainyard.end_reason; not over one already there
-        unless ``overwrite``): KILLED when pruned or its worker ``killed``, else FAILED.
-        Never raises: the study goes on."""
-        try:
-            for run in self.trial_runs(number):
-                if not overwrite and END_REASON_TAG in run.data.tags:
-                    reason = None
-                self._end(run, state, reason, killed)
-        except Exception as err:
-            log.warning("could not tag the MLflow run of trial %d: %s", number, err)
 
-    def _end(self, run: Any, state: TrialState, reason: str | None, killed: bool) -> None:
-        client, run_id = self.client, run.info.run_id
-        client.set_tag(run_id, STATE_TAG, state.name)
-        # A failed trial's run is FAILED even if its fit had finished (the trial failed
-        # after it); a pruned one already ended by its fit (FAILED, Lightning's word for an
-        # exception) is KILLED: stopped on purpose.
-        if state == TrialState.COMPLETE or (
-            state == TrialState.PRUNED and run.info.status == "FINISHED"
-        ):
-            return
-        status = "FAILED" if state == TrialState.FAIL and not killed else "KILLED"
-        if reason:
-            client.set_tag(run_id, END_REASON_TAG, reason[:5000])
-        client.set_terminated(run_id, status)
+def run_one_trial(study: optuna.Study, objective: Callable[[Trial], float]) -> None:
+    """One new trial of ``objective``; its exception fails the trial, not the worker."""
+    study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=True)
+
+
+def pruning_callback(trial: Trial) -> L.Callback:
+    """Lightning's callback that reports val/acc to Optuna and prunes the trial."""
+    return PyTorchLightningPruningCallback(trial, monitor="val/acc")
+
+
+def trial_counts(study: optuna.Study) -> dict[str, int]:
+    """The study's trials by state name (COMPLETE, PRUNED, FAIL, RUNNING, ...) and ``all``."""
+    trials = study.get_trials(deepcopy=False)
+    return {"all": len(trials)} | {s.name: sum(t.state == s for t in trials) for s in TrialState}
+
+
+def completed_scores(study: optuna.Study) -> list[tuple[float, int]]:
+    """(val/acc, trial number) of each completed trial."""
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return [(float(t.value or 0.0), t.number) for t in done]
+
+
+def best_trial(study: optuna.Study) -> FrozenTrial | None:
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return max(done, key=lambda t: (t.value or 0.0, -t.number), default=None)
+
+
+def trial_values(trial: FrozenTrial) -> dict[str, Any]:
+    """The trial's params as the params file takes them (a list choice as a list)."""
+    values = trial.user_attrs.get("params")
+    return values if isinstance(values, dict) else dict(trial.params)
+
+
+def _not_trial_failed(record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    return not (
+        record.name.startswith("optuna") and text.startswith("Trial ") and " failed" in text
+    )
+
+
+def quiet_optuna() -> None:
+    """Optuna's lines through the command's log, warnings only; its "Trial N failed"
+    warnings (one with a traceback) are left out: the trial's own end line says why, with
+    the traceback when the error is a bug."""
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # On the handler: a logger's filter does not see its children's records (Optuna logs
+    # from optuna.study._optimize).
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_not_trial_failed)
+
+
+# ---------------------------------------------------------------- the study's MLflow run
 
 
 def open_parent(
-    tracking: Tracking,
+    runs: StudyRuns,
     study: optuna.Study,
     base: Params,
     url: str,
@@ -303,62 +323,27 @@ def open_parent(
 ) -> str:
     """The study's MLflow run: the one its user attrs name (set RUNNING again), or a new one
     in the study's experiment. Call under the StudyLock: two first workers make one."""
-    client = tracking.client
     attrs = study.user_attrs
-    run_id = attrs.get(PARENT_ATTR) if attrs.get(URI_ATTR) == tracking.uri else None
-    if run_id and _live(client, run_id):
-        carry_end_reason(client, run_id, client.get_run(run_id).data.tags)
-        client.update_run(run_id, status="RUNNING")
-        _log_base_params(client, run_id, base)
+    space = space_dict(base.tune)
+    run_id = attrs.get(PARENT_ATTR) if attrs.get(URI_ATTR) == runs.uri else None
+    if run_id and runs.reopen_parent(run_id, base, space):
         return run_id
     if attrs.get(PARENT_ATTR):
         log.warning(
             "the study's MLflow run %s is not in %s (another store, or deleted): a new one",
             attrs[PARENT_ATTR],
-            tracking.uri,
+            runs.uri,
         )
-    git = git_state(root)
-    tags = {
-        STUDY_TAG: study.study_name,
+    optuna_tags = {
         "optuna.storage": redacted(url),
         "optuna.direction": "maximize",
         "optuna.sampler": "TPESampler",
         "optuna.pruner": base.tune.pruner,
-        "mlflow.source.git.commit": git["git_commit"],
-        "git.commit": git["git_commit"],
-        "git.dirty": git["git_dirty"],
-        "host": socket.gethostname(),
-        "trainyard": __version__,
     }
-    exp_id = _experiment_id(client, tracking.experiment)
-    run_id = client.create_run(exp_id, run_name=study.study_name, tags=tags).info.run_id
-    _log_base_params(client, run_id, base)
+    run_id = runs.create_parent(study.study_name, optuna_tags, base, space, root)
     study.set_user_attr(PARENT_ATTR, run_id)
-    study.set_user_attr(URI_ATTR, tracking.uri)
+    study.set_user_attr(URI_ATTR, runs.uri)
     return run_id
-
-
-def _live(client: mlflow.MlflowClient, run_id: str) -> bool:
-    try:
-        return client.get_run(run_id).info.lifecycle_stage != "deleted"
-    except MlflowException:
-        return False
-
-
-def _log_base_params(client: mlflow.MlflowClient, run_id: str, base: Params) -> None:
-    """The base params as the parent's params (MLflow params never change: a rerun on other
-    base params logs the new keys only, and names the changed ones in a tag) and the search
-    space as ``tune/space.json``."""
-    have = client.get_run(run_id).data.params
-    flat = {k: str(v)[:250] for k, v in base.flat().items()}
-    new = [Param(k, v) for k, v in flat.items() if k not in have]
-    for i in range(0, len(new), 100):
-        client.log_batch(run_id, params=new[i : i + 100])
-    changed = sorted(k for k, v in flat.items() if k in have and have[k] != v)
-    if changed:
-        client.set_tag(run_id, "trainyard.params_changed_on_rerun", ", ".join(changed)[:5000])
-    client.log_dict(run_id, space_dict(base.tune), "tune/space.json")
-    client.set_tag(run_id, "optuna.trials_target", str(base.tune.trials))
 
 
 def space_dict(tune: TuneParams) -> dict[str, Any]:
@@ -389,7 +374,7 @@ def note_base_changes(study: optuna.Study, base: Params) -> None:
 
 
 def fail_dead_workers(
-    storage: optuna.storages.RDBStorage, study: optuna.Study, tracking: Tracking
+    storage: optuna.storages.RDBStorage, study: optuna.Study, runs: StudyRuns
 ) -> None:
     """Fail the RUNNING trials whose worker on this machine is gone (a SIGKILL), at once:
     the heartbeat's grace period covers other machines; and end their child runs KILLED."""
@@ -406,7 +391,7 @@ def fail_dead_workers(
             continue  # another worker was first
         log.warning("trial %d: %s", trial.number, reason)
         drop_resume_folder(trial)
-        tracking.end_trial(trial.number, TrialState.FAIL, reason, killed=True)
+        runs.end_trial(trial.number, TrialState.FAIL.name, reason, killed=True)
 
 
 def drop_resume_folder(trial: FrozenTrial) -> None:
@@ -422,8 +407,8 @@ class StaleTrials:
     """Optuna's heartbeat callback: a trial whose worker stopped beating was failed; end
     its child run KILLED with the reason."""
 
-    def __init__(self, tracking: Tracking) -> None:
-        self.tracking = tracking
+    def __init__(self, runs: StudyRuns) -> None:
+        self.runs = runs
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         reason = (
@@ -432,7 +417,7 @@ class StaleTrials:
         )
         log.warning("trial %d: %s", trial.number, reason)
         drop_resume_folder(trial)
-        self.tracking.end_trial(trial.number, TrialState.FAIL, reason, killed=True)
+        self.runs.end_trial(trial.number, TrialState.FAIL.name, reason, killed=True)
 
 
 def running_trials(study: optuna.Study) -> list[int]:

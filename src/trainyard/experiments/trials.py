@@ -23,19 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import optuna
 import yaml
-from optuna.trial import Trial, TrialState
-from optuna_integration import PyTorchLightningPruningCallback
 
 from trainyard.core.card import CARD_FILE
 from trainyard.core.config import Params, parse_params
 from trainyard.core.errors import ParamsError, Terminated, TrainyardError
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
+from trainyard.experiments.study import Study, Trial, TrialPruned
 from trainyard.stages import fetch as fetch_stage
 from trainyard.stages import prepare as prepare_stage
 from trainyard.track.runs import check_tracking_uri, ensure_experiment, resolve_tracking_uri
+from trainyard.track.study_runs import StudyRuns
 from trainyard.train.fit import RunExtras, train
 from trainyard.train.resume import ResumeCallback
 
@@ -61,13 +60,6 @@ def set_key(raw: dict[str, Any], key: str, value: Any) -> None:
             raise ParamsError(f"-S {key}: {where} is a value, not a section of params")
         node = child
     node[last] = value
-
-
-def startup_trials(trials: int) -> int:
-    """Random trials before TPE models the space, and completed trials before the median
-    pruner judges: Optuna's 10 and 5 suit long studies, but an 8-trial study would never
-    leave random search. A third of the study, 3 to 10."""
-    return max(3, min(10, trials // 3))
 
 
 @dataclass
@@ -198,53 +190,37 @@ class Tuner:
         base = setup.base
         uri = resolve_tracking_uri(setup.root)
         check_tracking_uri(uri)
-        self.tracking = st.Tracking(uri, base.experiment_name())
+        self.runs = StudyRuns(uri, base.experiment_name())
         self.lock = st.StudyLock.for_storage(setup.url, setup.study_name, setup.root)
         with self.lock:  # the first workers of a new storage would create its tables at once
-            self.storage = st.open_storage(setup.url, st.StaleTrials(self.tracking))
+            self.storage = st.open_storage(setup.url, st.StaleTrials(self.runs))
         self.started = time.monotonic()
         self._data: dict[str, Path] = {}
 
-    def load(self, seed: int | None = None) -> optuna.Study:
-        tune = self.setup.base.tune
-        startup = startup_trials(tune.trials)
-        pruner: optuna.pruners.BasePruner = (
-            optuna.pruners.MedianPruner(
-                n_startup_trials=startup, n_warmup_steps=tune.pruner_warmup_epochs
-            )
-            if tune.pruner == "median"
-            else optuna.pruners.NopPruner()
-        )
-        return optuna.create_study(
-            storage=self.storage,
-            study_name=self.setup.study_name,
-            direction="maximize",
-            load_if_exists=True,
-            sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup),
-            pruner=pruner,
-        )
+    def load(self, seed: int | None = None) -> Study:
+        return st.load_study(self.storage, self.setup.study_name, self.setup.base.tune, seed)
 
     def open(self) -> None:
         """The study (created on first use), its MLflow parent run, dead workers' trials."""
         base = self.setup.base
-        ensure_experiment(self.tracking.uri, self.tracking.experiment)
+        ensure_experiment(self.runs.uri, self.runs.experiment)
         self.data_dir(base)  # a data problem stops the command before any trial
         with self.lock:
             study = self.load()
-            done = len(study.get_trials(deepcopy=False))
+            done = st.trial_counts(study)["all"]
             st.note_base_changes(study, base)
-            self.tracking.parent_id = st.open_parent(
-                self.tracking, study, base, self.setup.url, self.setup.root
+            self.runs.parent_id = st.open_parent(
+                self.runs, study, base, self.setup.url, self.setup.root
             )
-            st.fail_dead_workers(self.storage, study, self.tracking)
+            st.fail_dead_workers(self.storage, study, self.runs)
         log.info(
             "study %s (%s) in %s: %s; MLflow run %s in experiment %s",
             study.study_name,
             "continued" if done else "new",
             st.redacted(self.setup.url),
             f"{done} of {self.setup.trials} trials done" if done else f"{self.setup.trials} trials",
-            self.tracking.parent_id,
-            self.tracking.experiment,
+            self.runs.parent_id,
+            self.runs.experiment,
         )
 
     def data_dir(self, params: Params) -> Path:
@@ -261,8 +237,8 @@ class Tuner:
         while True:
             with self.lock:
                 study = self.load()
-                st.fail_dead_workers(self.storage, study, self.tracking)
-                done = len(study.get_trials(deepcopy=False))
+                st.fail_dead_workers(self.storage, study, self.runs)
+                done = st.trial_counts(study)["all"]
                 if done >= self.setup.trials:
                     return
                 if timeout is not None and time.monotonic() - self.started > timeout * 60:
@@ -271,8 +247,8 @@ class Tuner:
                 # Seeded by the trial's number: a rerun, or a second worker, draws anew
                 # instead of repeating the first worker's draws.
                 study = self.load(seed=(self.setup.base.seed + done) % 2**32)
-                self.tracking.client.update_run(self.tracking.parent_id, status="RUNNING")
-                study.optimize(self.objective, n_trials=1, catch=(Exception,), gc_after_trial=True)
+                self.runs.mark_parent_running()
+                st.run_one_trial(study, self.objective)
 
     def objective(self, trial: Trial) -> float:
         self.lock.release()  # the trial exists: the next worker may count it
@@ -284,13 +260,13 @@ class Tuner:
             trial.set_user_attr("params", values)
             log.info("trial %d (%d/%d): %s", n, n + 1, self.setup.trials, _short(values))
             record = self.fit(trial, values, callback)
-        except optuna.TrialPruned:
+        except TrialPruned:
             callback.drop_resume_folder()
             why = (
                 f"at epoch {callback.epoch + 1}: val/acc {callback.val_acc:.4f} below the "
                 "median of earlier trials"
             )
-            self.tracking.end_trial(n, TrialState.PRUNED, f"pruned by Optuna {why}")
+            self.runs.end_trial(n, "PRUNED", f"pruned by Optuna {why}")
             self.trial_ended(n, f"PRUNED {why}", t0)
             raise
         except (KeyboardInterrupt, SystemExit) as err:
@@ -300,12 +276,12 @@ class Tuner:
             callback.drop_resume_folder()
             msg = _one_line(err)
             trial.set_user_attr(st.ERROR_ATTR, msg[:2000])
-            self.tracking.end_trial(n, TrialState.FAIL, f"{type(err).__name__}: {msg}")
+            self.runs.end_trial(n, "FAIL", f"{type(err).__name__}: {msg}")
             exc = None if isinstance(err, TrainyardError) else err  # a bug: its traceback
             self.trial_ended(n, f"FAILED: {msg}", t0, exc)
             raise
         trial.set_user_attr(st.RUN_ATTR, record.run_id)
-        self.tracking.end_trial(n, TrialState.COMPLETE)
+        self.runs.end_trial(n, "COMPLETE")
         self.trial_ended(
             n, f"COMPLETE: val/acc {record.best_val_acc:.4f}", t0, value=record.best_val_acc
         )
@@ -321,12 +297,8 @@ class Tuner:
         name = self.setup.study_name
         extras = RunExtras(
             run_name=f"{name}-trial-{trial.number}",
-            tags={
-                "mlflow.parentRunId": self.tracking.parent_id,
-                st.STUDY_TAG: name,
-                st.TRIAL_TAG: str(trial.number),
-            },
-            callbacks=(callback, PyTorchLightningPruningCallback(trial, monitor="val/acc")),
+            tags=self.runs.trial_tags(name, trial.number),
+            callbacks=(callback, st.pruning_callback(trial)),
         )
         record = train(params, self.data_dir(params), out, self.setup.root, params_file, extras)
         assert record is not None  # one device: this process is rank 0
@@ -342,8 +314,8 @@ class Tuner:
         if raw.get("train", {}).get("devices", "auto") == "auto":
             set_key(raw, "train.devices", 1)
         params = parse_params(raw, f"trial {number}'s params")
-        if params.experiment_name() != self.tracking.experiment:
-            set_key(raw, "mlflow.experiment", self.tracking.experiment)
+        if params.experiment_name() != self.runs.experiment:
+            set_key(raw, "mlflow.experiment", self.runs.experiment)
             params = parse_params(raw, f"trial {number}'s params")
         return params, raw
 
@@ -352,17 +324,14 @@ class Tuner:
     ) -> None:
         """The trial's end line, with the study's best so far (``value``: this trial's, not
         yet told to the study), and the parent run's running best."""
-        client, parent = self.tracking.client, self.tracking.parent_id
         best = ""
         try:
-            done = self.load().get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            scores = [(float(t.value or 0.0), t.number) for t in done if t.number != number]
+            scores = [s for s in st.completed_scores(self.load()) if s[1] != number]
             if value is not None:
-                client.log_metric(parent, "trial_val_acc", value, step=number)
                 scores.append((value, number))
             if scores:
                 top, top_n = max(scores, key=lambda s: (s[0], -s[1]))
-                client.log_metric(parent, "best_val_acc", top, step=number)
+                self.runs.log_trial_score(number, value, (top, top_n))
                 best = f" (best so far: trial {top_n}, {top:.4f})"
         except Exception as err:  # the parent's chart is not worth a trial
             log.warning("could not log trial %d on the study's MLflow run: %s", number, err)
@@ -386,33 +355,28 @@ class Tuner:
         with contextlib.suppress(Exception):  # the store may be what the signal cut into
             trial.set_user_attr(st.ERROR_ATTR, f"interrupted by {what}")
         # train's own reason (signal, epoch, step) stays when the fit was what it cut short
-        self.tracking.end_trial(
-            trial.number, TrialState.FAIL, f"{what} mid-trial", killed=True, overwrite=False
-        )
+        self.runs.end_trial(trial.number, "FAIL", f"{what} mid-trial", killed=True, overwrite=False)
         return Terminated() if term else KeyboardInterrupt()
 
-    def finish(self, interrupted: str | None = None) -> optuna.Study:
+    def finish(self, interrupted: str | None = None) -> Study:
         """End this worker: the parent run FINISHED (KILLED if ``interrupted``) unless
         another worker still runs a trial, with the best trial as tags."""
         study = self.load()
-        client, parent = self.tracking.client, self.tracking.parent_id
-        trials = study.get_trials(deepcopy=False)
-        count = {s: sum(t.state == s for t in trials) for s in TrialState}
+        count = st.trial_counts(study)
         log.info(
             "study %s: %d trials (%d complete, %d pruned, %d failed, %d running)",
             study.study_name,
-            len(trials),
-            count[TrialState.COMPLETE],
-            count[TrialState.PRUNED],
-            count[TrialState.FAIL],
-            count[TrialState.RUNNING],
+            count["all"],
+            count["COMPLETE"],
+            count["PRUNED"],
+            count["FAIL"],
+            count["RUNNING"],
         )
-        top = best_trial(study)
+        top = st.best_trial(study)
+        best = None
         if top is not None:
-            client.set_tag(parent, "best_trial", str(top.number))
-            client.log_metric(parent, "best_val_acc", float(top.value or 0.0), step=len(trials))
-            for key, value in trial_values(top).items():
-                client.set_tag(parent, f"best.{key}", best_mod.yaml_value(value)[:5000])
+            values = {k: best_mod.yaml_value(v) for k, v in st.trial_values(top).items()}
+            best = (top.number, float(top.value or 0.0), values)
         running = st.running_trials(study)
         if running:
             log.info(
@@ -420,20 +384,5 @@ class Tuner:
                 "RUNNING until that worker ends",
                 ", ".join(map(str, running)),
             )
-        elif interrupted:
-            client.set_tag(parent, st.END_REASON_TAG, interrupted)
-            client.set_terminated(parent, "KILLED")
-        else:
-            client.set_terminated(parent, "FINISHED")
+        self.runs.finish_parent(best, count["all"], bool(running), interrupted)
         return study
-
-
-def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    return max(done, key=lambda t: (t.value or 0.0, -t.number), default=None)
-
-
-def trial_values(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
-    """The trial's params as the params file takes them (a list choice as a list)."""
-    values = trial.user_attrs.get("params")
-    return values if isinstance(values, dict) else dict(trial.params)

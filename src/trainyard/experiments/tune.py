@@ -6,9 +6,9 @@ median pruner, and recorded as a child MLflow run of the study's run. The study 
 Optuna RDB storage: running the command again continues it up to ``--trials`` in all, also
 after a kill, and several workers (processes, machines) may run one study at once. At the
 end the best trial is printed, written as -S overrides and queued as a DVC experiment.
-The worker and its trials: trainyard.experiments.trials; the study's storage and MLflow
-runs: trainyard.experiments.study; the best trial as a DVC experiment:
-trainyard.experiments.best.
+The worker and its trials: trainyard.experiments.trials; Optuna (the storage, the study,
+a trial's plumbing): trainyard.experiments.study; the study's MLflow runs:
+trainyard.track.study_runs; the best trial as a DVC experiment: trainyard.experiments.best.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import optuna
 import yaml
 
 from trainyard.core.config import DEFAULT_PARAMS, parse_params
 from trainyard.core.errors import ParamsError, Terminated, TrainyardError
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
-from trainyard.experiments.trials import Setup, Tuner, best_trial, set_key, trial_values
+from trainyard.experiments.study import Study, best_trial, quiet_optuna, trial_values
+from trainyard.experiments.trials import Setup, Tuner, set_key
 from trainyard.stages.common import configure_logging
 from trainyard.track.runs import release_interrupted_store
 
@@ -136,7 +136,7 @@ def load_setup(args: argparse.Namespace) -> Setup:
 # ---------------------------------------------------------------- the command
 
 
-def report_best(tuner: Tuner, study: optuna.Study, queue: bool) -> bool:
+def report_best(tuner: Tuner, study: Study, queue: bool) -> bool:
     """Print the best trial, write it as -S overrides, queue it as a DVC experiment;
     False when no trial completed."""
     top = best_trial(study)
@@ -155,7 +155,7 @@ def report_best(tuner: Tuner, study: optuna.Study, queue: bool) -> bool:
     print(f"best trial {top.number} of study {study.study_name}: val/acc {best.value:.4f}")
     for key, value in best.params.items():
         print(f"  {key} = {best_mod.yaml_value(value)}")
-    runs = f"MLflow run {tuner.tracking.parent_id}, experiment {tuner.tracking.experiment}"
+    runs = f"MLflow run {tuner.runs.parent_id}, experiment {tuner.runs.experiment}"
     print(f"  ({runs}, child run {top.user_attrs.get(st.RUN_ATTR, '?')})")
     path = best.write(setup.root)
     print(f"written {path.relative_to(setup.root)} (the -S overrides of the best trial)")
@@ -167,26 +167,6 @@ def report_best(tuner: Tuner, study: optuna.Study, queue: bool) -> bool:
             return True
     print(f"run it as a pipeline experiment: {best.command()}")
     return True
-
-
-def _not_trial_failed(record: logging.LogRecord) -> bool:
-    text = record.getMessage()
-    return not (
-        record.name.startswith("optuna") and text.startswith("Trial ") and " failed" in text
-    )
-
-
-def quiet_optuna() -> None:
-    """Optuna's lines through the command's log, warnings only; its "Trial N failed"
-    warnings (one with a traceback) are left out: the trial's own end line says why, with
-    the traceback when the error is a bug."""
-    optuna.logging.disable_default_handler()
-    optuna.logging.enable_propagation()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    # On the handler: a logger's filter does not see its children's records (Optuna logs
-    # from optuna.study._optimize).
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_not_trial_failed)
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -212,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as err:
         term = isinstance(err, Terminated)
         what = "SIGTERM" if term else "Ctrl-C (SIGINT)"
-        if tuner is not None and tuner.tracking.parent_id:
+        if tuner is not None and tuner.runs.parent_id:
             tuner.lock.release()
             release_interrupted_store(err)
             try:

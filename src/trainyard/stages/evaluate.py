@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import mlflow
 import numpy as np
 
 from trainyard.core.config import Params
@@ -16,7 +15,14 @@ from trainyard.export.evaluation import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.common import stage_main
 from trainyard.track.records import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.track.registry import register_and_promote
-from trainyard.track.runs import DVC_EXP_NAME, in_temp_workspace, logging_into, open_run
+from trainyard.track.runs import (
+    DVC_EXP_NAME,
+    in_temp_workspace,
+    log_to_open_run,
+    logging_into,
+    open_run,
+    tracking_client,
+)
 from trainyard.train.history import HISTORY_FILE, read_history
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
@@ -107,18 +113,19 @@ def log_evaluation(run_id: str, result: dict[str, Any], paths: dict[str, Path]) 
             m["provider"],
             run_id,
         )
-        mlflow.log_metrics({"test/accuracy": m["accuracy"], "test/macro_f1": m["macro_f1"]})
+        log_to_open_run(metrics={"test/accuracy": m["accuracy"], "test/macro_f1": m["macro_f1"]})
         # Class names may hold '/', spaces or any letter: keys are index + a safe spelling.
         classes = result["classes"]
-        mlflow.log_metrics(
-            {
+        log_to_open_run(
+            metrics={
                 metric_key("test/f1", i, c, len(classes)): m["per_class"][c]["f1"]
                 for i, c in enumerate(classes)
-            }
+            },
+            artifacts={
+                path: REPORT_ARTIFACTS if path.suffix == ".png" else EVALUATION_ARTIFACTS
+                for path in paths.values()
+            },
         )
-        for path in paths.values():
-            folder = REPORT_ARTIFACTS if path.suffix == ".png" else EVALUATION_ARTIFACTS
-            mlflow.log_artifact(str(path), folder)
 
 
 def register(
@@ -136,7 +143,7 @@ def register(
     log.info("registering the model in %s", name)
     reg = Registration(
         **register_and_promote(
-            mlflow.MlflowClient(),
+            tracking_client(),  # the store open_run pointed MLflow at
             name,
             exported.mlflow_model_uri,
             run_id,
@@ -149,8 +156,8 @@ def register(
         )
     )
     with logging_into(run_id, "evaluate"):
-        mlflow.set_tags(
-            {
+        log_to_open_run(
+            tags={
                 "registry.model": reg.model_name,
                 "registry.version": str(reg.version),
                 "registry.alias": reg.alias,

@@ -4,15 +4,13 @@ import argparse
 import logging
 from pathlib import Path
 
-import mlflow
-
 from trainyard.core.config import Params
 from trainyard.data.datamodule import load_split
 from trainyard.export.onnx_export import export_and_verify, normalized_example
 from trainyard.stages.common import stage_main
 from trainyard.track.records import EXPORT_RECORD, ExportRecord, TrainRecord
 from trainyard.track.registry import log_onnx_model
-from trainyard.track.runs import logging_into, open_run
+from trainyard.track.runs import log_to_open_run, logging_into, open_run
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
 # INFO lines the stage shows (stages.common.configure_logging).
@@ -52,13 +50,13 @@ def run(params: Params, args: argparse.Namespace) -> None:
     with logging_into(run_id, "export"):
         # Logging the model takes seconds: say so, and where it goes.
         log.info("logging the ONNX model to MLflow run %s", run_id)
-        mlflow.log_metrics(
-            {
+        log_to_open_run(
+            metrics={
                 "export/max_abs_diff": report["max_abs_diff"],
                 "export/argmax_agreement": report["argmax_agreement"],
-            }
+            },
+            tags={"onnx.sha256": report["onnx_sha256"]},
         )
-        mlflow.set_tag("onnx.sha256", report["onnx_sha256"])
         model_uri = log_onnx_model(onnx_path, example)
     ExportRecord(**report, mlflow_model_uri=model_uri).write(args.report)
 

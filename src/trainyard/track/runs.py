@@ -15,16 +15,14 @@ import subprocess
 import traceback
 import urllib.error
 import urllib.request
-import warnings
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import mlflow
-import mlflow.data
 import yaml
-from mlflow.entities import DatasetInput, InputTag
+from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -113,9 +111,16 @@ def resolve_tracking_uri(root: str | os.PathLike[str] = ".") -> str:
     return f"sqlite:///{store_root(root) / STORE_FILE}"
 
 
+# MLflow 3's UI opens an experiment without this tag in its GenAI view (traces, "Detect
+# issues"); this value (the UI's CUSTOM_MODEL_DEVELOPMENT) opens it on its training runs.
+EXPERIMENT_KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+KIND = {EXPERIMENT_KIND_TAG: MODEL_TRAINING}
+
+
 def ensure_experiment(uri: str, name: str) -> str:
     """The id of experiment ``name``, created if missing; safe when several runs of a
-    sweep (``dvc queue start -j N``, tune workers) create it at once.
+    sweep (``dvc queue start -j N``, tune workers) create it at once. It is tagged as
+    model training (``mlflow.experimentKind``), an existing one too if it has no kind yet.
 
     On the embedded store its artifacts go to ``<repo>/mlruns`` beside ``mlflow.db``:
     MLflow's default is ``./mlruns`` of the process that creates the experiment, and for
@@ -125,17 +130,25 @@ def ensure_experiment(uri: str, name: str) -> str:
         client = mlflow.MlflowClient(tracking_uri=uri)
         found = client.get_experiment_by_name(name)
         if found is not None:
-            return str(found.experiment_id)
+            return _kind_set(client, found)
         location = None
         if uri.startswith("sqlite:///"):
             location = (Path(uri.removeprefix("sqlite:///")).parent / ARTIFACTS_DIR).as_uri()
         try:
-            return str(client.create_experiment(name, artifact_location=location))
+            return str(client.create_experiment(name, artifact_location=location, tags=KIND))
         except MlflowException as err:  # another process (a server's client) was first
             found = client.get_experiment_by_name(name)
             if found is None:
                 raise TrackingError(f"MLflow experiment {name!r}: {err.message}") from None
-            return str(found.experiment_id)
+            return _kind_set(client, found)
+
+
+def _kind_set(client: mlflow.MlflowClient, experiment: Any) -> str:
+    """An experiment made before trainyard tagged its kind (or by hand) gets the tag now;
+    a kind someone chose in the UI stays. Returns the experiment's id."""
+    if EXPERIMENT_KIND_TAG not in experiment.tags:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+    return str(experiment.experiment_id)
 
 
 @contextlib.contextmanager
@@ -275,6 +288,49 @@ def logging_into(run_id: str, stage: str) -> Iterator[None]:
     mlflow.end_run("FINISHED")
 
 
+def log_to_open_run(
+    metrics: dict[str, float] | None = None,
+    tags: dict[str, str] | None = None,
+    artifacts: dict[Path, str] | None = None,
+) -> None:
+    """Into the run ``logging_into`` holds open: ``metrics``, ``tags``, and each file of
+    ``artifacts`` into its artifact folder (path -> folder)."""
+    if metrics:
+        mlflow.log_metrics(metrics)
+    if tags:
+        mlflow.set_tags(tags)
+    for path, folder in (artifacts or {}).items():
+        mlflow.log_artifact(str(path), folder)
+
+
+# The client type, for the layers that hold one (train, experiments) without importing MLflow.
+TrackingClient = mlflow.MlflowClient
+
+
+def tracking_client(uri: str | None = None) -> TrackingClient:
+    """An MLflow client of the store ``uri``; with none, the one ``open_run`` pointed
+    MLflow at (``MLFLOW_TRACKING_URI`` or MLflow's default before that)."""
+    return mlflow.MlflowClient(tracking_uri=uri)
+
+
+def log_new_params(client: TrackingClient, run_id: str, flat: dict[str, Any]) -> list[str]:
+    """Log the params ``run_id`` does not have yet (values cut to MLflow's 250 characters);
+    MLflow params never change, so return the keys it has with another value."""
+    have = client.get_run(run_id).data.params
+    values = {k: str(v)[:250] for k, v in flat.items()}
+    new = [Param(k, v) for k, v in values.items() if k not in have]
+    for i in range(0, len(new), 100):
+        client.log_batch(run_id, params=new[i : i + 100])
+    return sorted(k for k, v in values.items() if k in have and have[k] != v)
+
+
+def count_runs(uri: str, filter_string: str = "") -> int:
+    """How many runs of every experiment in the store ``uri`` match ``filter_string``."""
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return len(client.search_runs(experiments, filter_string)) if experiments else 0
+
+
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -405,34 +461,3 @@ class SystemMetrics:
                 self.monitor.mlflow_logger.flush()
         except Exception as err:  # a tracking hiccup must not fail a finished training
             log.warning("could not log the last system metrics sample: %s", err)
-
-
-def log_dataset_inputs(
-    client: Any,
-    run_id: str,
-    splits: dict[str, tuple[Any, Any]],
-    digest: str,
-    source: str,
-    name: str = "dataset",
-) -> None:
-    """Record the splits as MLflow dataset inputs (name, digest, source, schema)."""
-
-    inputs = []
-    for split, (images, labels) in splits.items():
-        with warnings.catch_warnings():
-            # "source can be interpreted in multiple ways": both candidates are the same class.
-            warnings.simplefilter("ignore", UserWarning)
-            dataset = mlflow.data.from_numpy(
-                images,
-                targets=labels,
-                source=source,
-                name=f"{name}-{split}",
-                digest=f"{digest[:16]}-{split}",
-            )
-        context = {"train": "training", "val": "validation"}.get(split, split)
-        inputs.append(
-            DatasetInput(
-                dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]
-            )
-        )
-    client.log_inputs(run_id, datasets=inputs)

@@ -18,9 +18,8 @@ from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, Mode
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
-from mlflow import MlflowClient
 
-from trainyard.core.card import CARD_FILE, Card, load_card
+from trainyard.core.card import Card, load_card
 from trainyard.core.config import MlflowParams, Params, TrainParams
 from trainyard.core.io import atomic_file, sha256_file
 from trainyard.data.datamodule import ImageDataModule
@@ -30,14 +29,16 @@ from trainyard.track.records import TrainRecord
 from trainyard.track.runs import (
     DVC_EXP_NAME,
     SystemMetrics,
+    TrackingClient,
     check_tracking_uri,
     dvc_data_version,
     dvc_experiment_tags,
     ensure_experiment,
-    log_dataset_inputs,
     resolve_tracking_uri,
     run_tags,
+    tracking_client,
 )
+from trainyard.track.train_run import log_fit_inputs, log_fit_outputs, reopen_run
 from trainyard.train.builder import build_trainer, stop_reason, time_limit_min
 from trainyard.train.gpu_busy import GpuBusyMeter, gpu_busy_of
 from trainyard.train.history import HISTORY_FILE, History
@@ -52,7 +53,6 @@ from trainyard.train.resume import (
     ResumeCallback,
     end_killed,
     interruptions,
-    reopen_run,
     resume_key,
 )
 from trainyard.train.resume import prepare as prepare_resume
@@ -85,7 +85,7 @@ class TrackedRun:
     # Rank 0's creates the run; another node's rank logs nothing, and must not even open
     # the store (MLflow's client creates an sqlite file's tables): Lightning's stand-in.
     logger: MLFlowLogger | DummyLogger
-    client: MlflowClient | None  # rank 0 only: resume bookkeeping, ending a killed run
+    client: TrackingClient | None  # rank 0 only: resume bookkeeping, ending a killed run
     resume: Resume
     lead: bool  # rank 0, the one rank that owns the MLflow run (under DDP all run this)
     dvc_md5: str  # DVC's hash of data/prepared, "" when dvc.lock has none
@@ -345,7 +345,7 @@ def open_tracking(
     tags = lineage_tags(root, card, model, hw, dvc_md5) | extras.tags
     lead = rank_zero_only.rank == 0
     # An interrupted run of these exact params, data and code resumes: same MLflow run.
-    mlc = MlflowClient(tracking_uri=uri) if lead else None
+    mlc = tracking_client(uri) if lead else None
     mode = resume_mode or run_params.train.resume
     resume = prepare_resume(root, key, mode, uri, mlc, lead=lead)
     experiment = run_params.experiment_name()
@@ -375,25 +375,17 @@ def log_run_inputs(
 ) -> None:
     """What the run learns from (rank 0 only): the splits as datasets, params and card,
     and the recipe's choices (tags ``recipe.<key>`` and ``config/recipe.json``)."""
-    card = dm.card
-    client, run_id = tracked.logger.experiment, tracked.run_id
     splits = {split: dm.split_arrays(split) for split in ("train", "val")}
-    log_dataset_inputs(
-        client,
-        run_id,
+    log_fit_inputs(
+        tracked.logger.experiment,
+        tracked.run_id,
         splits,
-        card.data_sha256,
-        source=str(Path(data_dir).resolve()),
-        name=card.source,
+        dm.card,
+        data_dir,
+        params_file,
+        recipe.tags(),
+        recipe.to_dict(),
     )
-    if params_file is not None:
-        client.log_artifact(run_id, str(params_file), "config")
-    # The card (classes, normalisation, counts, every skipped file and why) beside the run.
-    client.log_artifact(run_id, str(Path(data_dir) / CARD_FILE), "data")
-    client.log_metric(run_id, "data/skipped_files", len(card.skipped))
-    for key, value in recipe.tags().items():
-        client.set_tag(run_id, key, value)
-    client.log_dict(run_id, recipe.to_dict(), "config/recipe.json")
 
 
 def checkpoint_callbacks(
@@ -526,11 +518,9 @@ def write_outputs(
     with atomic_file(best_dest) as tmp:
         shutil.copyfile(Path(checkpoint.best_model_path), tmp)
     ckpt_sha = sha256_file(best_dest)
-    logger.experiment.log_artifact(logger.run_id, str(best_dest), "checkpoints")
     best_acc = float(checkpoint.best_model_score)
-    logger.experiment.log_metric(logger.run_id, "train/fit_time_s", fit_s)
     stopped_by = stop_reason(setup.trainer)
-    logger.experiment.set_tag(logger.run_id, "train.stopped_by", stopped_by)
+    log_fit_outputs(logger.experiment, logger.run_id, best_dest, fit_s, stopped_by)
     card = dm.card
     record = TrainRecord(
         run_id=logger.run_id,

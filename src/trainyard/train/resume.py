@@ -35,11 +35,11 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from mlflow.entities import Param
 
 from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json, sha256_file
-from trainyard.track.runs import END_REASON_TAG, carry_end_reason, signals_handled
+from trainyard.track.runs import signals_handled
+from trainyard.track.train_run import end_interrupted_run, run_status
 from trainyard.train.builder import RESUME_ROOT
 
 log = logging.getLogger(__name__)
@@ -182,19 +182,6 @@ def _read_state(folder: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) and state.get("run_id") else None
 
 
-def _end_run(client: Any, run_id: str, status: str, reason: str) -> None:
-    """Mark an interrupted run ``status`` (FAILED/KILLED) with why; never raises."""
-    try:
-        run = client.get_run(run_id)
-        if run.info.lifecycle_stage == "deleted" or run.info.status == "FINISHED":
-            return
-        client.set_tag(run_id, END_REASON_TAG, reason)
-        client.set_terminated(run_id, status)
-        log.info("MLflow run %s marked %s: %s", run_id, status, reason)
-    except Exception as err:  # a run missing from this store, a store hiccup
-        log.warning("could not mark MLflow run %s %s: %s", run_id, status, err)
-
-
 def prepare(
     root: str | os.PathLike[str], key: str, mode: str, uri: str, client: Any, lead: bool
 ) -> Resume:
@@ -224,7 +211,7 @@ def prepare(
     if state is not None and state.get("key") == key:
         run_id = state["run_id"]
         problem = checkpoint_problem(folder / LAST_CKPT)
-        status = _run_status(client, run_id)
+        status = run_status(client, run_id)
         if mode == "never":
             problem = "train.resume is never"
         elif status is None:
@@ -238,7 +225,7 @@ def prepare(
         else:
             log.info("not resuming (%s); starting fresh", problem)
         if status is not None:
-            _end_run(client, run_id, "FAILED", f"interrupted; not resumed: {problem}")
+            end_interrupted_run(client, run_id, "FAILED", f"interrupted; not resumed: {problem}")
     _wipe(folder)
     return _export(res)
 
@@ -248,32 +235,6 @@ def _export(res: Resume) -> Resume:
     os.environ["TRAINYARD_RESUME_DIR"] = str(res.folder)
     os.environ["TRAINYARD_RESUME_CKPT"] = str(res.ckpt_path or "")
     return res
-
-
-def reopen_run(client: Any, run_id: str, flat_params: dict[str, Any]) -> None:
-    """Set an interrupted run back to RUNNING; log only params it does not have yet (MLflow
-    params are immutable: a changed one that is not part of the key is noted in a tag)."""
-
-    run = client.get_run(run_id)
-    have = run.data.params
-    new = [Param(k, str(v)[:250]) for k, v in flat_params.items() if k not in have]
-    changed = sorted(k for k, v in flat_params.items() if k in have and have[k] != str(v)[:250])
-    for i in range(0, len(new), 100):
-        client.log_batch(run_id, params=new[i : i + 100])
-    resumes = int(run.data.tags.get("trainyard.resumes", "0")) + 1
-    client.set_tag(run_id, "trainyard.resumes", str(resumes))
-    if changed:
-        client.set_tag(run_id, "trainyard.params_changed_on_resume", ", ".join(changed)[:5000])
-    carry_end_reason(client, run_id, run.data.tags)
-    client.update_run(run_id, status="RUNNING")
-
-
-def _run_status(client: Any, run_id: str) -> str | None:
-    try:
-        run = client.get_run(run_id)
-    except Exception:
-        return None
-    return None if run.info.lifecycle_stage == "deleted" else run.info.status
 
 
 def _wipe(folder: Path) -> None:
@@ -304,7 +265,7 @@ def _settle_others(base: Path, key: str, uri: str, client: Any) -> None:
         if lock is None:
             continue  # a live training owns it
         try:
-            _end_run(
+            end_interrupted_run(
                 client,
                 state["run_id"],
                 "FAILED",
@@ -423,7 +384,7 @@ def end_killed(resume: Resume, client: Any, run_id: str, trainer: L.Trainer) -> 
         then = f"the next `dvc repro` resumes it from {ckpt}"
     else:
         then = "no checkpoint yet: the next start begins anew"
-    _end_run(
+    end_interrupted_run(
         client,
         run_id,
         "KILLED",

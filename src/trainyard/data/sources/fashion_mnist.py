@@ -17,7 +17,7 @@ import numpy as np
 from trainyard.core.card import SPLITS, Card
 from trainyard.data.arrays import split_train_val
 from trainyard.data.idx import check_images, check_labels, read_idx
-from trainyard.data.store import open_prepared
+from trainyard.data.store import Expected, open_prepared
 
 if TYPE_CHECKING:
     from trainyard.core.config import DataParams
@@ -153,3 +153,23 @@ def prepare_fashion_mnist(
             writer.write_images(split, images[:, None, :, :])  # [N,H,W] -> [N,1,H,W]
             writer.write_labels(split, labels)
         return writer.finish(card)
+
+
+def describe_fashion_mnist(params: DataParams, _root: Path) -> Expected:
+    """Fashion-MNIST's size before prepare: the 60,000-image train file (or data.limit)
+    less data.val_size for train, data.val_size for val, the 10,000-image test file."""
+    pool = params.limit or RAW_BY_NAME["train-images-idx3-ubyte.gz"].count
+    test = RAW_BY_NAME["t10k-images-idx3-ubyte.gz"].count
+    val = params.val_size
+    note = (
+        f"expected: {pool:,} train-file images ({pool - val:,} train + {val:,} val, "
+        f"data.val_size) and {test:,} test, 1x{IMAGE_SIZE}x{IMAGE_SIZE}; nothing prepared yet"
+    )
+    return Expected(
+        counts={"train": pool - val, "val": val, "test": test},
+        shape=(1, IMAGE_SIZE, IMAGE_SIZE),
+        note=note,
+        counts_known=True,
+        channels_known=True,
+        size_known=True,
+    )

@@ -1,0 +1,568 @@
+"""What every source made of image files shares: a list of files -> the prepared format.
+
+A source (``sources.folder``, ``sources.csv_list``) finds its files, their classes and any
+splits they come with, and hands them over as an ``ImageSet``; ``prepare_image_set`` does
+the rest, the same way for all of them:
+
+- **inspect** (``inspect_files``): read each file once, its sha256 and its header (format,
+  size, grayscale or not), which decides the channels, the image size (``data.image_size:
+  auto``: ``auto_image_size``), the splits and the duplicates before any pixel is decoded;
+- **split** (``assign_splits``, ``find_duplicates``): the source's own splits where given,
+  else a seeded stratified draw (``data.val_fraction``, ``data.test_fraction``);
+- **decode** (``decode_files``, with ``decode_spec``): each image through
+  ``trainyard.core.imaging.image_to_pixels`` (the service's decoder) straight into its row of
+  a memory-mapped array;
+- **write** (``write_split``, ``image_set_card``): the splits and the dataset card;
+- **bad files** (``check_bad_files``): a file that cannot be read or decoded stops prepare
+  with a list of every one (``data.on_bad_file: error``), or is left out and recorded in the
+  card (``skip``).
+
+Both passes run in a process pool (``FilePool``, ``data.workers``), so neither holds more
+than a few images per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from trainyard.core.card import SPLITS, Card
+from trainyard.core.errors import DataError, InputError
+from trainyard.core.imaging import image_to_pixels, read_header
+from trainyard.core.progress import Progress
+from trainyard.data.store import PreparedWriter, open_prepared
+
+if TYPE_CHECKING:
+    from trainyard.core.config import DataParams
+
+log = logging.getLogger(__name__)
+
+CHUNK = 64  # files per pool task: big enough to amortise the hop, small for balance
+MAX_LISTED = 50  # bad files spelled out in an error message (all are in the log)
+PROGRESS_EVERY_S = 10.0  # off a terminal: a progress INFO line this often, per pass
+
+# The service's aspect-ratio limit (serve.max_aspect_ratio) guards untrusted uploads; a
+# user's own long panorama or receipt is training data (the pad canvas stays bounded).
+TRAINING_ASPECT = math.inf
+# The user's own images are held to data.max_image_pixels (memory), not the service's limit.
+LIMIT_KEY = "data.max_image_pixels"
+# data.image_size: auto = the median shorter side of the images, clamped to this range: 8x8
+# digit scans train at 32 (the smallest size every architecture takes), photos at 64 (CPU
+# training stays fast; set image_size yourself for more detail).
+AUTO_SIZE_MIN = 32
+AUTO_SIZE_MAX = 64
+# Class balance warnings (train split): largest/smallest above this ratio, or fewer images.
+IMBALANCE_RATIO = 10
+TINY_CLASS = 10
+
+
+@dataclass
+class ImageFile:
+    """One image of a source."""
+
+    path: Path  # the local file to read
+    rel: str  # what the card and errors show: a path relative to the source, a CSV row
+    label: int  # index into the source's classes
+    split: str | None  # the source's own split, or None when prepare splits
+
+
+@dataclass
+class ImageSet:
+    """What a source found, ready for ``prepare_image_set``."""
+
+    source: str  # the card's ``source``
+    key: str  # the params key errors name (``data.folder``, ``data.csv``)
+    where: Path  # the folder or file, as error messages show it
+    classes: tuple[str, ...]
+    files: list[ImageFile]
+    bad: list[tuple[str, str]] = field(default_factory=list)  # (rel, reason) found early
+    ignored: int = 0  # files passed over (not images): the card's ``ignored``
+    extra: dict[str, Any] = field(default_factory=dict)  # the source's facts for the card
+
+
+# ------------------------------------------------------------------ pool work (both passes)
+
+
+Inspected = tuple[str, bool, int, int, str | None]  # sha256, grayscale, width, height, problem
+
+
+def inspect_files(paths: Sequence[str], max_pixels: int) -> list[Inspected]:
+    """(sha256, grayscale, width, height, problem) per file: pass 1, in a worker."""
+    out: list[Inspected] = []
+    for p in paths:
+        try:
+            with open(p, "rb") as fh:
+                data = fh.read()
+        except OSError as err:
+            out.append(("", False, 0, 0, f"unreadable ({err.strerror or err})"))
+            continue
+        digest = hashlib.sha256(data).hexdigest()
+        try:
+            header = read_header(
+                data,
+                max_pixels=max_pixels,
+                field="file",
+                max_aspect_ratio=TRAINING_ASPECT,
+                limit_key=LIMIT_KEY,
+            )
+        except InputError as err:
+            out.append((digest, False, 0, 0, str(err).removeprefix("file: ")))
+            continue
+        out.append((digest, header.grayscale, header.width, header.height, None))
+    return out
+
+
+def decode_files(
+    array_path: str, slots: Sequence[int], paths: Sequence[str], spec: dict[str, Any]
+) -> list[tuple[int, str]]:
+    """Decode ``paths`` into rows ``slots`` of the memory-mapped array (``spec``:
+    ``decode_spec``): pass 2, in a worker. Returns (slot, problem) for the files that failed."""
+
+    images = np.load(array_path, mmap_mode="r+")
+    failed = []
+    for slot, p in zip(slots, paths, strict=True):
+        try:
+            with open(p, "rb") as fh:
+                data = fh.read()
+            images[slot] = image_to_pixels(data, field="file", limit_key=LIMIT_KEY, **spec)
+        except InputError as err:
+            failed.append((slot, str(err).removeprefix("file: ")))
+        except OSError as err:
+            failed.append((slot, f"unreadable ({err.strerror or err})"))
+    images.flush()
+    del images
+    return failed
+
+
+def _chunks(n: int) -> Iterator[slice]:
+    for start in range(0, n, CHUNK):
+        yield slice(start, min(start + CHUNK, n))
+
+
+class FilePool:
+    """A process pool of ``workers``, or the calling process when 1 (tests, tiny sets)."""
+
+    def __init__(self, workers: int) -> None:
+        self.executor = ProcessPoolExecutor(workers) if workers > 1 else None
+
+    def map(
+        self,
+        fn: Any,
+        calls: list[tuple[Any, ...]],
+        progress: Progress | None = None,
+        sizes: list[int] | None = None,
+    ) -> list[Any]:
+        """``fn(*call)`` for every call, in order; ``progress`` advances by the call's
+        ``sizes`` entry as each one completes (a large set shows it is alive)."""
+        step = sizes or [0] * len(calls)
+        if self.executor is None:
+            out = []
+            for args, n in zip(calls, step, strict=True):
+                out.append(fn(*args))
+                if progress is not None:
+                    progress.update(n)
+            return out
+        futures = {self.executor.submit(fn, *args): n for args, n in zip(calls, step, strict=True)}
+        for done in as_completed(futures):
+            done.result()  # the first failure stops the stage here
+            if progress is not None:
+                progress.update(futures[done])
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(cancel_futures=True)
+
+
+def worker_count(params: DataParams) -> int:
+    """``data.workers``: ``auto`` = one per core this process may use."""
+    if params.workers == "auto":
+        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    return int(params.workers)
+
+
+# ------------------------------------------------------------------ splitting
+
+
+def assign_splits(
+    labels: np.ndarray,
+    given: list[str | None],
+    classes: tuple[str, ...],
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+    *,
+    key: str = "data",
+) -> np.ndarray:
+    """Split name per item: the source's own where given, else a seeded stratified draw.
+
+    Items without a given split, and train items when the source gives no val or test, are
+    split per class: ``round(n * fraction)`` (at least 1) to val and test each, the rest to
+    train. A class too small for that is a DataError naming it (and ``key``).
+    """
+    out = np.array([g or "train" for g in given], dtype=object)
+    has = set(given)
+    carve = [s for s, f in (("val", val_fraction), ("test", test_fraction)) if s not in has and f]
+    if not carve:
+        return out
+    rng = np.random.default_rng(seed)
+    pool = np.flatnonzero(out == "train")
+    fractions = {"val": val_fraction, "test": test_fraction}
+    for c, name in enumerate(classes):
+        members = pool[labels[pool] == c]
+        n = members.shape[0]
+        take = {s: max(1, round(n * fractions[s])) for s in carve}
+        if n - sum(take.values()) < 1:
+            need = sum(take.values()) + 1
+            raise DataError(
+                f"{key}: class {name!r} has {n} image(s), too few for the stratified "
+                f"split (val_fraction {val_fraction}, test_fraction {test_fraction} need at "
+                f"least {need}: one per split); add images to it or give your own "
+                "train/val/test splits"
+            )
+        order = rng.permutation(members)
+        start = 0
+        for s in carve:
+            out[order[start : start + take[s]]] = s
+            start += take[s]
+    return out
+
+
+def find_duplicates(hashes: list[str], splits: np.ndarray) -> dict[str, list[int]]:
+    """Exact duplicates (same file bytes) across splits: leakage from train into val/test,
+    and from val into test. Returns {"val": [idx...], "test": [idx...]} of the copies."""
+    train = {h for h, s in zip(hashes, splits, strict=True) if s == "train"}
+    val = {h for h, s in zip(hashes, splits, strict=True) if s == "val"}
+    out: dict[str, list[int]] = {"val": [], "test": []}
+    for i, (h, s) in enumerate(zip(hashes, splits, strict=True)):
+        if s == "val" and h in train:
+            out["val"].append(i)
+        elif s == "test" and (h in train or h in val):
+            out["test"].append(i)
+    return out
+
+
+def split_files(
+    files: list[ImageFile],
+    hashes: list[str],
+    classes: tuple[str, ...],
+    params: DataParams,
+    seed: int,
+    key: str,
+) -> tuple[np.ndarray, np.ndarray, dict[str, list[int]]]:
+    """Labels, the split of each file (``dropped`` for removed duplicates) and the
+    duplicates across splits, which are logged as leakage."""
+    labels = np.array([f.label for f in files], dtype=np.int64)
+    splits = assign_splits(
+        labels,
+        [f.split for f in files],
+        classes,
+        params.val_fraction,
+        params.test_fraction,
+        seed,
+        key=key,
+    )
+    dups = find_duplicates(hashes, splits)
+    n_dups = len(dups["val"]) + len(dups["test"])
+    if n_dups:
+        log.warning(
+            "%d exact duplicate image(s) across splits (%d in val, %d in test, copies of "
+            "train or val images): leakage%s",
+            n_dups,
+            len(dups["val"]),
+            len(dups["test"]),
+            "; removed (data.dedupe)" if params.dedupe else "; set data.dedupe: true to drop them",
+        )
+    if params.dedupe and n_dups:
+        drop = set(dups["val"]) | set(dups["test"])
+        splits[sorted(drop)] = "dropped"
+    return labels, splits, dups
+
+
+def check_balance(classes: tuple[str, ...], labels: np.ndarray, splits: np.ndarray) -> None:
+    """WARNING for classes with few train images and for a large imbalance between
+    classes: both make accuracy misleading, and the user can fix them by adding images."""
+    counts = np.bincount(labels[splits == "train"], minlength=len(classes))
+    tiny = [f"{classes[c]} ({counts[c]})" for c in np.flatnonzero(counts < TINY_CLASS)]
+    if tiny:
+        log.warning(
+            "%d class(es) with fewer than %d train images: %s; the model can hardly learn "
+            "them (and their val/test accuracy is noise); add images to them",
+            len(tiny),
+            TINY_CLASS,
+            ", ".join(tiny[:20]) + (f" ... and {len(tiny) - 20} more" if len(tiny) > 20 else ""),
+        )
+    big, small = int(counts.argmax()), int(counts.argmin())
+    if counts[small] and counts[big] > IMBALANCE_RATIO * counts[small]:
+        log.warning(
+            "class imbalance: %s has %d train images, %s only %d (%.0fx, over %dx); "
+            "accuracy favours the large classes: add images to the small ones or remove "
+            "some from the large",
+            classes[big],
+            counts[big],
+            classes[small],
+            counts[small],
+            counts[big] / counts[small],
+            IMBALANCE_RATIO,
+        )
+
+
+def estimated_counts(given: Mapping[str | None, int], params: DataParams) -> dict[str, int]:
+    """Images per split before prepare runs (the doctor's estimate): ``given`` counts the
+    images by the source's own split (None: none given). As ``assign_splits`` does, a val
+    or test split the source does not give is carved out of the train pool by its fraction."""
+    counts = {s: int(given.get(s, 0)) for s in SPLITS}
+    pool = counts["train"] + int(given.get(None, 0))
+    carved = {
+        s: round(pool * f)
+        for s, f in (("val", params.val_fraction), ("test", params.test_fraction))
+        if s not in given
+    }
+    return counts | carved | {"train": pool - sum(carved.values())}
+
+
+# ------------------------------------------------------------------ size and decoding
+
+
+def auto_image_size(shorter_sides: Sequence[int]) -> tuple[int, str]:
+    """``data.image_size: auto``: the images' median shorter side, clamped to
+    ``AUTO_SIZE_MIN``..``AUTO_SIZE_MAX``; returns (size, the reason, for the log)."""
+    if not shorter_sides:
+        return AUTO_SIZE_MAX, "no readable images"
+    median = int(statistics.median(shorter_sides))
+    size = min(AUTO_SIZE_MAX, max(AUTO_SIZE_MIN, median))
+    how = "" if size == median else f", clamped to {AUTO_SIZE_MIN}..{AUTO_SIZE_MAX}"
+    return size, f"the median shorter side of {len(shorter_sides):,} images is {median} px{how}"
+
+
+def choose_image_size(params: DataParams, shorter_sides: Sequence[int]) -> tuple[int, int]:
+    """(height, width) of the prepared images: data.image_size, or chosen (auto) and logged."""
+    if params.size_hw is not None:
+        return params.size_hw
+    size, reason = auto_image_size(shorter_sides)
+    log.info("data.image_size auto: %dx%d (%s); set data.image_size to choose", size, size, reason)
+    return size, size
+
+
+def decode_spec(
+    params: DataParams, channels: int, max_pixels: int, size: tuple[int, int]
+) -> dict[str, Any]:
+    """The ``image_to_pixels`` arguments every image of this dataset is decoded with: the
+    card's channels, size and resize policy (the service decodes uploads the same way)."""
+    height, width = size
+    return {
+        "channels": channels,
+        "height": height,
+        "width": width,
+        "resize": params.resize,
+        "fill": 0,
+        "interpolation": "bilinear",
+        "max_pixels": max_pixels,
+        "max_aspect_ratio": TRAINING_ASPECT,
+    }
+
+
+# ------------------------------------------------------------------ writing
+
+
+def _first_pass(
+    files: list[ImageFile], pool: FilePool, max_pixels: int, bad: list[tuple[str, str]]
+) -> tuple[list[ImageFile], list[str], bool, list[int]]:
+    """Pass 1: read every file once. Returns the readable files, their sha256, whether all
+    of them are grayscale and their shorter sides; the unreadable ones go to ``bad``."""
+    n = len(files)
+    paths = [str(f.path) for f in files]
+    chunks = list(_chunks(n))
+    calls = [(paths[s], max_pixels) for s in chunks]
+    with Progress(n, "reading headers", "files", PROGRESS_EVERY_S) as progress:
+        results = pool.map(inspect_files, calls, progress, [s.stop - s.start for s in chunks])
+    inspected = [r for chunk in results for r in chunk]
+    keep = []
+    for i, (item, found) in enumerate(zip(files, inspected, strict=True)):
+        if found[4] is None:
+            keep.append(i)
+        else:
+            bad.append((item.rel, found[4]))
+    kept = [files[i] for i in keep]
+    hashes = [inspected[i][0] for i in keep]
+    gray = all(inspected[i][1] for i in keep)
+    shorter = [min(inspected[i][2], inspected[i][3]) for i in keep]
+    return kept, hashes, gray, shorter
+
+
+def write_split(
+    writer: PreparedWriter,
+    pool: FilePool,
+    split: str,
+    files: list[ImageFile],
+    splits: np.ndarray,
+    labels: np.ndarray,
+    spec: dict[str, Any],
+    bad: list[tuple[str, str]],
+    progress: Progress,
+    key: str = "data",
+) -> list[int]:
+    """Pass 2 for one split: decode its images into their array, drop the rows of files
+    that fail (they go to ``bad``), write its labels. Returns the indices written."""
+    members = [i for i in range(len(files)) if splits[i] == split]
+    if not members:
+        raise DataError(
+            f"{key}: the {split} split would be empty; raise data.{split}_fraction above 0 "
+            f"or give the source its own {split} images"
+        )
+    writer.allocate(split, len(members), (spec["channels"], spec["height"], spec["width"]))
+    array = str(writer.images_path(split))
+    chunks = list(_chunks(len(members)))
+    calls = [
+        (array, list(range(s.start, s.stop)), [str(files[i].path) for i in members[s]], spec)
+        for s in chunks
+    ]
+    sizes = [s.stop - s.start for s in chunks]
+    failed = [f for chunk in pool.map(decode_files, calls, progress, sizes) for f in chunk]
+    for slot, problem in failed:
+        bad.append((files[members[slot]].rel, problem))
+    failed_slots = {slot for slot, _ in failed}
+    written = [m for k, m in enumerate(members) if k not in failed_slots]
+    if failed_slots:
+        writer.keep_rows(split, [k not in failed_slots for k in range(len(members))])
+    writer.write_labels(split, labels[written])
+    return written
+
+
+def bad_files_error(key: str, where: Path, bad: list[tuple[str, str]]) -> DataError:
+    """Every bad file, each with why (the first ``MAX_LISTED`` in the message, all in the
+    log), and what to do."""
+    lines = [f"  {rel}: {reason}" for rel, reason in sorted(bad)]
+    shown = lines[:MAX_LISTED]
+    more = len(lines) - len(shown)
+    for line in lines:  # every one of them, whatever the message shows
+        log.error("bad file %s", line.strip())
+    return DataError(
+        f"{key}: {len(bad)} bad file(s) in {where}:\n"
+        + "\n".join(shown)
+        + (f"\n  ... and {more} more (all listed in the log above)" if more else "")
+        + "\nFix or remove them, or set data.on_bad_file: skip to leave them out "
+        "(they are then recorded in the dataset card and in MLflow)."
+    )
+
+
+def check_bad_files(
+    images: ImageSet, bad: list[tuple[str, str]], on_bad_file: str, written: dict[str, list[int]]
+) -> None:
+    """Stop on bad files (``data.on_bad_file: error``) or log each one skipped; stop when a
+    split lost every image."""
+    if bad and on_bad_file == "error":
+        raise bad_files_error(images.key, images.where, bad)
+    for rel, reason in sorted(bad):
+        log.warning("skipped %s: %s", rel, reason)
+    for split in SPLITS:
+        if not written[split]:
+            raise DataError(f"{images.key}: every {split} image was a bad file")
+
+
+def image_set_card(
+    images: ImageSet,
+    params: DataParams,
+    seed: int,
+    channels: int,
+    files: list[ImageFile],
+    hashes: list[str],
+    bad: list[tuple[str, str]],
+    dups: dict[str, list[int]],
+    size: tuple[int, int],
+) -> Card:
+    """The dataset card before ``PreparedWriter.finish`` adds counts, statistics and hash."""
+    source_hash = hashlib.sha256()
+    for f, h in sorted(zip(files, hashes, strict=True), key=lambda t: t[0].rel):
+        source_hash.update(f"{f.rel}\0{h}\n".encode())
+    n_dups = len(dups["val"]) + len(dups["test"])
+    height, width = size
+    extra: dict[str, Any] = images.extra | {
+        "seed": seed,
+        "val_fraction": params.val_fraction,
+        "test_fraction": params.test_fraction,
+        "channels_param": params.channels,
+    }
+    if params.image_size == "auto":
+        extra["image_size_param"] = "auto"
+    return Card(
+        source=images.source,
+        classes=images.classes,
+        channels=channels,
+        height=height,
+        width=width,
+        mean=(0.0,) * channels,
+        std=(1.0,) * channels,
+        resize=params.resize,
+        fill=0,
+        interpolation="bilinear",
+        source_sha256=source_hash.hexdigest(),
+        skipped=tuple({"file": rel, "reason": reason} for rel, reason in sorted(bad)),
+        ignored=images.ignored,
+        duplicates={
+            "across_splits": n_dups,
+            "val": len(dups["val"]),
+            "test": len(dups["test"]),
+            "removed": bool(params.dedupe and n_dups),
+        },
+        # No absolute path and no timing: the card is part of data/prepared, whose
+        # DVC hash is the data version; it must change only with the data.
+        extra=extra,
+    )
+
+
+def prepare_image_set(
+    images: ImageSet,
+    params: DataParams,
+    out_dir: str | os.PathLike[str],
+    seed: int,
+    max_image_pixels: int | None = None,
+) -> Card:
+    """Inspect, split, decode and write ``images`` into ``out_dir`` (atomically: nothing is
+    left there on an error); return the dataset card.
+
+    ``max_image_pixels`` overrides ``params.max_image_pixels`` (data.max_image_pixels).
+    """
+    max_pixels = max_image_pixels or params.max_image_pixels
+    t0 = time.perf_counter()
+    pool = FilePool(min(worker_count(params), max(1, len(images.files) // CHUNK)))
+    try:
+        bad = list(images.bad)
+        files, hashes, gray, shorter = _first_pass(images.files, pool, max_pixels, bad)
+        channels = (1 if gray else 3) if params.channels == "auto" else int(params.channels)
+        size = choose_image_size(params, shorter)
+        labels, splits, dups = split_files(files, hashes, images.classes, params, seed, images.key)
+        check_balance(images.classes, labels, splits)
+        spec = decode_spec(params, channels, max_pixels, size)
+        total = int((splits != "dropped").sum())
+        with (
+            open_prepared(out_dir) as writer,
+            Progress(total, "decoding", "images", PROGRESS_EVERY_S) as progress,
+        ):
+            written = {
+                split: write_split(
+                    writer, pool, split, files, splits, labels, spec, bad, progress, images.key
+                )
+                for split in SPLITS
+            }
+            progress.close()
+            check_bad_files(images, bad, params.on_bad_file, written)
+            card = image_set_card(images, params, seed, channels, files, hashes, bad, dups, size)
+            card = writer.finish(card)
+    finally:
+        pool.close()
+    dt = time.perf_counter() - t0
+    done = sum(c["total"] for c in card.counts.values())
+    log.info("prepared %d images in %.1f s (%.0f images/s)", done, dt, done / dt)
+    return card

@@ -1,0 +1,392 @@
+"""CSV source: a CSV file listing images and their labels -> the prepared format.
+
+As many public datasets ship, one row per image::
+
+    image,label,split
+    images/0001.jpg,cat,train
+    /data/photos/dog/12.png,dog,val
+    https://example.org/owl.jpg,owl,test
+
+- ``data.csv_image_column`` (``image``): a path relative to the CSV file's folder, an
+  absolute path, or an http(s) URL, downloaded at prepare time (``data.download_timeout_s``
+  per request, at most ``data.csv_max_download_bytes`` each);
+- ``data.csv_label_column`` (``label``): the class name; classes are sorted (as numbers when
+  every label is an integer: 2 before 10);
+- ``data.csv_split_column`` (``split``), used when the CSV has it: train, val or test
+  (also training, valid, validation, testing; any case); a blank cell, or no such column,
+  leaves the row to the seeded stratified split (``data.val_fraction``,
+  ``data.test_fraction``). null: never read a split column.
+
+A ``.tsv`` file is read tab-separated. Every problem with the CSV itself (a missing
+column, an empty cell, an unknown split, a row of the wrong length) is listed with its row
+and column, all at once; an image that is missing, cannot be downloaded or cannot be read
+is a *bad file*, under ``data.on_bad_file`` like the folder source's. The rest
+(inspect, split, decode, write, card) is every image-file source's
+(``trainyard.data.image_files``).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import tempfile
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainyard import __version__
+from trainyard.core.card import Card
+from trainyard.core.errors import DataError
+from trainyard.core.progress import Progress
+from trainyard.data.image_files import (
+    AUTO_SIZE_MAX,
+    MAX_LISTED,
+    PROGRESS_EVERY_S,
+    ImageFile,
+    ImageSet,
+    estimated_counts,
+    prepare_image_set,
+)
+from trainyard.data.store import Expected
+
+if TYPE_CHECKING:
+    from trainyard.core.config import DataParams
+
+log = logging.getLogger(__name__)
+
+SOURCE = "csv"
+KEY = "data.csv"
+# A split cell, lower-cased -> the split (the names public datasets use).
+SPLIT_NAMES = {
+    "train": "train",
+    "training": "train",
+    "val": "val",
+    "valid": "val",
+    "validation": "val",
+    "test": "test",
+    "testing": "test",
+}
+DOWNLOAD_THREADS = 8  # downloads wait on the network, not the CPU
+_BLOCK = 1 << 16
+
+
+@dataclass(frozen=True)
+class Row:
+    """One image row of the CSV."""
+
+    line: int  # the CSV's line number (the header is line 1): what errors name
+    image: str  # as written: a path or a URL
+    label: str
+    split: str | None  # train | val | test, or None: prepare splits
+
+    @property
+    def rel(self) -> str:
+        """How the card and errors name this image."""
+        return f"row {self.line}: {self.image}"
+
+    @property
+    def is_url(self) -> bool:
+        return self.image.lower().startswith(("http://", "https://"))
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A validated CSV: its rows and their classes."""
+
+    path: Path
+    rows: list[Row]
+    classes: tuple[str, ...]
+    split_column: str | None  # the split column read, None when the CSV has none
+
+
+def csv_path(params: DataParams, root: Path | None = None) -> Path:
+    """``data.csv`` as a path; a relative one is relative to ``root`` (default: cwd)."""
+    path = Path(params.csv).expanduser()
+    if not path.is_absolute():
+        path = (root or Path.cwd()) / path
+    return path.resolve()
+
+
+def _header(path: Path, reader: csv.Reader, params: DataParams) -> tuple[dict[str, int], int]:
+    """(column name -> index of the columns this source reads, the header's width);
+    DataError naming a missing or repeated column and the key that names it."""
+    try:
+        header = [h.strip() for h in next(reader)]
+    except StopIteration:
+        raise DataError(f"{KEY}: {path} is empty; it needs a header row (image,label)") from None
+    wanted = {
+        "data.csv_image_column": params.csv_image_column,
+        "data.csv_label_column": params.csv_label_column,
+    }
+    columns = {}
+    for key, name in wanted.items():
+        if header.count(name) > 1:
+            raise DataError(f"{KEY}: {path} has the column {name!r} ({key}) more than once")
+        if name not in header:
+            raise DataError(
+                f"{KEY}: {path} has no column {name!r} ({key}); its columns are "
+                f"{', '.join(repr(h) for h in header)}: set {key} to the one to read"
+            )
+        columns[name] = header.index(name)
+    split = params.csv_split_column
+    if split is not None and split in header:
+        columns[split] = header.index(split)
+    return columns, len(header)
+
+
+def _row(
+    line: int,
+    cells: list[str],
+    columns: tuple[dict[str, int], int],
+    params: DataParams,
+    problems: list[str],
+) -> Row | None:
+    """One data row, or None (its problems go to ``problems``, naming row and column)."""
+    index, width = columns
+    if len(cells) != width:
+        problems.append(
+            f"row {line}: {len(cells)} field(s), the header has {width} "
+            "(an unquoted comma in a value? quote it)"
+        )
+        return None
+    image = cells[index[params.csv_image_column]].strip()
+    label = cells[index[params.csv_label_column]].strip()
+    split_col = params.csv_split_column
+    given = cells[index[split_col]].strip() if split_col in index else ""
+    bad = len(problems)
+    if not image:
+        problems.append(f"row {line}, column {params.csv_image_column!r}: empty image")
+    elif "://" in image and not image.lower().startswith(("http://", "https://")):
+        problems.append(
+            f"row {line}, column {params.csv_image_column!r}: {image!r} is neither a file "
+            "path nor an http(s) URL"
+        )
+    if not label:
+        problems.append(f"row {line}, column {params.csv_label_column!r}: empty label")
+    if given and given.lower() not in SPLIT_NAMES:
+        problems.append(
+            f"row {line}, column {split_col!r}: {given!r} is not a split (train, val or "
+            "test; blank leaves the row to data.val_fraction / data.test_fraction)"
+        )
+    if len(problems) > bad:
+        return None
+    return Row(line, image, label, SPLIT_NAMES[given.lower()] if given else None)
+
+
+def _sorted_classes(labels: set[str]) -> tuple[str, ...]:
+    """Class names sorted, as numbers when every one is an integer (2 before 10)."""
+    try:
+        return tuple(sorted(labels, key=int))
+    except ValueError:
+        return tuple(sorted(labels))
+
+
+def read_listing(params: DataParams, root: Path | None = None) -> Listing:
+    """Read and validate ``data.csv`` (no image is opened): DataError listing every row
+    problem at once, each with its row and column."""
+    path = csv_path(params, root)
+    if not path.is_file():
+        raise DataError(
+            f"{KEY}: {path} {'is a folder' if path.is_dir() else 'does not exist'}; set "
+            "data.csv to a CSV file of image paths or URLs and labels (image,label[,split])"
+        )
+    problems: list[str] = []
+    rows: list[Row] = []
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: Excel's BOM
+            reader = csv.reader(fh, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+            columns = _header(path, reader, params)
+            for cells in reader:
+                if not any(c.strip() for c in cells):
+                    continue  # blank lines
+                row = _row(reader.line_num, cells, columns, params, problems)
+                if row is not None:
+                    rows.append(row)
+    except UnicodeDecodeError as err:
+        raise DataError(f"{KEY}: {path} is not UTF-8 text ({err}); save it as UTF-8") from None
+    except csv.Error as err:
+        raise DataError(f"{KEY}: {path} is not a readable CSV ({err})") from None
+    if problems:
+        more = len(problems) - MAX_LISTED
+        raise DataError(
+            f"{KEY}: {len(problems)} problem(s) in {path}:\n  "
+            + "\n  ".join(problems[:MAX_LISTED])
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+    classes = _sorted_classes({r.label for r in rows})
+    if len(classes) < 2:
+        found = f"only the class {classes[0]!r}" if classes else "no image rows"
+        raise DataError(f"{KEY}: {path} has {found}; a classifier needs at least 2 classes")
+    _check_given_splits(path, rows, classes)
+    split = params.csv_split_column
+    return Listing(path, rows, classes, split if split in columns[0] else None)
+
+
+def _check_given_splits(path: Path, rows: list[Row], classes: tuple[str, ...]) -> None:
+    """Every class needs a train image: a class whose rows all say val or test cannot be
+    learnt (rows without a split are train's pool)."""
+    train = {r.label for r in rows if r.split in (None, "train")}
+    lacking = [c for c in classes if c not in train]
+    if lacking:
+        raise DataError(
+            f"{KEY}: in {path}, class(es) {', '.join(repr(c) for c in lacking[:10])} have no "
+            "train rows (all of them say val or test); give them train images"
+        )
+
+
+def _download(url: str, dest: Path, timeout: float, max_bytes: int) -> str | None:
+    """Fetch ``url`` into ``dest``; None, or why it failed (a bad file's reason)."""
+    request = urllib.request.Request(url, headers={"User-Agent": f"trainyard/{__version__}"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            size = response.headers.get("Content-Length")
+            if size is not None and size.isdigit() and int(size) > max_bytes:
+                return f"download of {size} bytes is over data.csv_max_download_bytes ({max_bytes})"
+            got = 0
+            with open(dest, "wb") as out:
+                while block := response.read(_BLOCK):
+                    got += len(block)
+                    if got > max_bytes:
+                        return f"download is over data.csv_max_download_bytes ({max_bytes} bytes)"
+                    out.write(block)
+    except urllib.error.HTTPError as err:
+        return f"download failed: HTTP {err.code} {err.reason}"
+    except urllib.error.URLError as err:
+        if isinstance(err.reason, TimeoutError):
+            return f"download timed out after {timeout:g} s (data.download_timeout_s)"
+        return f"download failed: {err.reason}"
+    except TimeoutError:
+        return f"download timed out after {timeout:g} s (data.download_timeout_s)"
+    except OSError as err:  # a reset connection, a full disk
+        return f"download failed: {err}"
+    return None
+
+
+def _fetch_urls(
+    rows: list[Row], folder: Path, params: DataParams, bad: list[tuple[str, str]]
+) -> dict[str, Path]:
+    """Download every URL the rows name (each once) into ``folder``: URL -> local file.
+    Failures go to ``bad`` (every row naming that URL) and are left out of the result."""
+    urls = sorted({r.image for r in rows if r.is_url})
+    if not urls:
+        return {}
+    dests = {url: folder / f"{i:07d}" for i, url in enumerate(urls)}
+    timeout, cap = params.download_timeout_s, params.csv_max_download_bytes
+    log.info("downloading %d image URL(s) listed in %s", len(urls), KEY)
+    failed: dict[str, str] = {}
+    pool = ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(urls)))
+    try:
+        with Progress(len(urls), "downloading", "images", PROGRESS_EVERY_S) as progress:
+            futures = {url: pool.submit(_download, url, dests[url], timeout, cap) for url in urls}
+            for url, future in futures.items():
+                problem = future.result()
+                if problem is not None:
+                    failed[url] = problem
+                progress.update(1)
+    finally:
+        # Ctrl-C or SIGTERM: the queued downloads are dropped, not all run first.
+        pool.shutdown(wait=True, cancel_futures=True)
+    for r in rows:
+        if r.image in failed:
+            bad.append((r.rel, failed[r.image]))
+    return {url: dest for url, dest in dests.items() if url not in failed}
+
+
+def _image_files(
+    listing: Listing, local: dict[str, Path], bad: list[tuple[str, str]]
+) -> list[ImageFile]:
+    """The rows as image files to read; a row whose file is missing (or whose download
+    failed) goes to ``bad`` instead."""
+    index = {name: i for i, name in enumerate(listing.classes)}
+    files = []
+    for r in listing.rows:
+        if r.is_url:
+            if r.image not in local:
+                continue  # already in bad: its download failed
+            path = local[r.image]
+        else:
+            path = Path(r.image).expanduser()
+            path = path if path.is_absolute() else listing.path.parent / path
+            if not path.is_file():
+                what = "a folder, not an image" if path.is_dir() else "missing file"
+                bad.append((r.rel, f"{what} ({path})"))
+                continue
+        files.append(ImageFile(path, r.rel, index[r.label], r.split))
+    return files
+
+
+def prepare_csv(
+    params: DataParams,
+    out_dir: str | os.PathLike[str],
+    seed: int,
+    max_image_pixels: int | None = None,
+) -> Card:
+    """Prepare the images ``params.csv`` lists into ``out_dir`` (atomically); return the
+    dataset card. URLs are downloaded into a temporary folder, removed afterwards."""
+    listing = read_listing(params)
+    rows = listing.rows
+    n_urls = len({r.image for r in rows if r.is_url})
+    log.info(
+        "csv %s: %d rows in %d classes (%s)",
+        listing.path,
+        len(rows),
+        len(listing.classes),
+        f"split column {listing.split_column!r}" if listing.split_column else "no split column",
+    )
+    with tempfile.TemporaryDirectory(prefix="trainyard-csv-") as tmp:
+        bad: list[tuple[str, str]] = []
+        local = _fetch_urls(rows, Path(tmp), params, bad)
+        images = ImageSet(
+            source=SOURCE,
+            key=KEY,
+            where=listing.path,
+            classes=listing.classes,
+            files=_image_files(listing, local, bad),
+            bad=bad,
+            # The file's name, not its path: the card changes only with the data.
+            extra={
+                "csv": listing.path.name,
+                "rows": len(rows),
+                "urls": n_urls,
+                "columns": {
+                    "image": params.csv_image_column,
+                    "label": params.csv_label_column,
+                    "split": listing.split_column,
+                },
+            },
+        )
+        return prepare_image_set(images, params, out_dir, seed, max_image_pixels)
+
+
+def describe_csv(params: DataParams, root: Path) -> Expected:
+    """What prepare will make of ``params.csv`` (relative to ``root``), before it runs: its
+    rows counted (no image opened, no URL fetched), times C*H*W of data.image_size (channels
+    ``auto`` counted as 3, image_size ``auto`` as its largest choice)."""
+    listing = read_listing(params, root)
+    counts = estimated_counts(Counter(r.split for r in listing.rows), params)
+    c = 3 if params.channels == "auto" else int(params.channels)
+    h, w = params.size_hw or (AUTO_SIZE_MAX, AUTO_SIZE_MAX)
+    urls = sum(r.is_url for r in listing.rows)
+    split = listing.split_column
+    note = (
+        f"estimated: {len(listing.rows):,} rows of {listing.path} "
+        + (f"(split column {split!r}" if split else "(no split column")
+        + (f", {urls:,} URLs to download)" if urls else ")")
+        + f" in {len(listing.classes)} classes at data.image_size {h}x{w}"
+        + (" (auto: counted at its largest; prepare picks it)" if params.size_hw is None else "")
+        + f", {c} channel(s)"
+        + (" (channels auto: counted as 3)" if params.channels == "auto" else "")
+        + "; nothing prepared yet"
+    )
+    return Expected(
+        counts=counts,
+        shape=(c, h, w),
+        note=note,
+        channels_known=params.channels != "auto",
+        size_known=params.size_hw is not None,
+    )
