@@ -101,7 +101,7 @@ bench-sweep: venv data
 # and gpu-check installs it into a temp folder (nothing is installed into that Python).
 # Nothing beyond such an image is needed (tests/test_gpu_bare.py runs the check with every
 # other package hidden); the doctor runs the same way: PYTHONPATH=src:$(GPU_SITE) python3 -m
-# trainyard.doctor.checks --json. About 1 minute of the check is the folder rows.
+# trainyard.doctor.command --json. About 1 minute of the check is the folder rows.
 # GPU_ARGS="--folder DIR" runs the image-folder rows on your own photos instead.
 GPU_PYTHON ?= python3
 GPU_OUT ?= reports

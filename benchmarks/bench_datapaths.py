@@ -134,8 +134,8 @@ def fit_row(
     import lightning as L
 
     from trainyard.model.networks import SmallCNN
-    from trainyard.train.builder import build_trainer
-    from trainyard.train.perf import InputBoundMeter
+    from trainyard.training.builder import build_trainer
+    from trainyard.training.perf import InputBoundMeter
 
     L.seed_everything(0, verbose=False)
     model = classifier("cnn", card, augment=False)

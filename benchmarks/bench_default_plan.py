@@ -66,8 +66,8 @@ def train_to_target(
     ``target``; seconds of training steps, img/s and GPU busy % over those steps."""
     from trainyard.data.datamodule import ImageDataModule
     from trainyard.model.classifier import classifier_for
-    from trainyard.train.builder import build_trainer
-    from trainyard.train.gpu_busy import NvmlSampler
+    from trainyard.training.builder import build_trainer
+    from trainyard.training.gpu_busy import NvmlSampler
 
     arrays = dict(data["arrays"])
     arrays["val"] = arrays["test"]  # the target is *test* accuracy, checked each epoch
@@ -115,7 +115,7 @@ def default_plan_benchmark(
     same code on the CPU plan, with 1 epoch."""
     import torch
 
-    from trainyard.train.recipe import describe, plan
+    from trainyard.training.recipe import describe, plan
 
     target, target_from = cpu_default_accuracy()
     gpu = torch.cuda.is_available()

@@ -123,7 +123,7 @@ def inference_benchmarks(
     the plain ``session.run`` beside it as ``ort_unbound_s``)."""
     import torch
 
-    from trainyard.model.augment import normalize
+    from trainyard.model.augment import normalize_on_device
     from trainyard.runtime.sessions import CPU, CUDA
 
     model = classifier(cfg["arch"], data["card"]).eval()
@@ -139,7 +139,9 @@ def inference_benchmarks(
             torch_model = model.to(device)
             session = _ort_session(onnx_path, provider, log)
             for bs in cfg["inference_batches"]:
-                x = normalize(torch.from_numpy(images[:bs]), model.card.mean, model.card.std)
+                x = normalize_on_device(
+                    torch.from_numpy(images[:bs]), model.card.mean, model.card.std
+                )
                 x_dev, x_np = x.to(device), x.numpy()
                 row: dict[str, Any] = {"device": device, "batch": bs}
 

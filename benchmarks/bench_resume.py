@@ -38,7 +38,7 @@ import yaml
 
 from benchmarks.common import publish
 from trainyard.core.host import cpu_name
-from trainyard.train.resume import LAST_CKPT, RESUME_ROOT
+from trainyard.training.resume import LAST_CKPT, RESUME_ROOT
 
 DOCS_KEY = "resume"
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from benchmarks.common import classifier
 from benchmarks.timing import StepWindow, Timer
-from trainyard.train.gpu_busy import NvmlSampler  # the one NVML sampler, training's too
+from trainyard.training.gpu_busy import NvmlSampler  # the one NVML sampler, training's too
 
 
 def plain_loop_throughput(
@@ -41,7 +41,7 @@ def plain_loop_throughput(
     from torch.utils.data import DataLoader
 
     from trainyard.data.datamodule import PerSampleDataset, TensorBatches
-    from trainyard.model.augment import augment_batch, normalize
+    from trainyard.model.augment import augment_batch, normalize_on_device
     from trainyard.model.networks import build_model
 
     torch.manual_seed(0)
@@ -74,7 +74,7 @@ def plain_loop_throughput(
             if done == warmup:
                 timer.start()
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-            x = augment_batch(normalize(xb, mean, std), gen)
+            x = augment_batch(normalize_on_device(xb, mean, std), gen)
             with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
                 loss = F.cross_entropy(model(x), yb, label_smoothing=0.1)
             opt.zero_grad(set_to_none=True)
@@ -99,7 +99,7 @@ def lightning_throughput(
 ) -> float:
     """img/s of trainyard's own training (ImageDataModule + Classifier + Lightning)."""
     from trainyard.data.datamodule import ImageDataModule
-    from trainyard.train.builder import build_trainer
+    from trainyard.training.builder import build_trainer
 
     L.seed_everything(0, verbose=False)
     dm = ImageDataModule(
@@ -316,7 +316,7 @@ def time_to_target(
     import torch
 
     from trainyard.data.datamodule import ImageDataModule
-    from trainyard.train.builder import build_trainer
+    from trainyard.training.builder import build_trainer
 
     tp = preset["train"]
     device = "cuda" if torch.cuda.is_available() else "cpu"

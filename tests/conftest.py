@@ -199,7 +199,7 @@ def train_checkpoint(
 
     from trainyard.data.datamodule import TensorBatches
     from trainyard.model.classifier import Classifier
-    from trainyard.train.builder import build_trainer
+    from trainyard.training.builder import build_trainer
 
     if images.ndim == 3:
         images = images[:, None]

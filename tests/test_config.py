@@ -122,7 +122,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 def test_few_steps_warning_names_the_keys_only_for_small_runs():
-    from trainyard.train.recipe import few_steps_warning
+    from trainyard.training.recipe import few_steps_warning
 
     # Fashion-MNIST defaults: 55,000 images, batch 256, 10 epochs = 2,150 steps
     assert few_steps_warning(55_000, 256, 10) is None

@@ -14,15 +14,15 @@ import pytest
 
 from trainyard.core.card import METADATA_KEY, Card, normalize_pixels
 from trainyard.core.errors import DataError, ModelError
-from trainyard.export import evaluation
-from trainyard.export.evaluation import (
+from trainyard.evaluation.pictures import MAX_FIGURE_PIXELS, confusion_png, tick_label
+from trainyard.evaluation.scoring import (
     REPORT_FILES,
     evaluate_onnx,
     metric_key,
     predictions_csv,
     write_reports,
 )
-from trainyard.export.report import MAX_FIGURE_PIXELS, confusion_png, tick_label
+from trainyard.evaluation import scoring as evaluation
 from trainyard.runtime.inputs import softmax
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

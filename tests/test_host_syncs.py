@@ -28,14 +28,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainyard.core.card import Card
 from trainyard.data.datamodule import ImageDataModule, TensorBatches, epoch_order
-from trainyard.model.augment import augment_batch, normalize
+from trainyard.model.augment import augment_batch, normalize_on_device
 from trainyard.model.classifier import Classifier
-from trainyard.train import builder
-from trainyard.train.builder import build_trainer
-from trainyard.train.gpu_busy import GpuBusyMeter
-from trainyard.train.history import History
-from trainyard.train.perf import InputBoundMeter
-from trainyard.train.progress import EpochTimer
+from trainyard.training import builder
+from trainyard.training.builder import build_trainer
+from trainyard.training.fit_log import EpochTimer
+from trainyard.training.gpu_busy import GpuBusyMeter
+from trainyard.training.history import History
+from trainyard.training.perf import InputBoundMeter
 
 aten = torch.ops.aten
 # What .item(), float(t), int(t), bool(t), `if t:` and torch.equal dispatch to: each one
@@ -302,7 +302,7 @@ def test_normalising_with_the_cards_lists_never_waits_for_the_gpu():
     images = torch.randint(0, 256, (64, 3, 28, 28), dtype=torch.uint8, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
-        x = augment_batch(normalize(images, [0.2, 0.3, 0.4], [0.3, 0.3, 0.3]))
+        x = augment_batch(normalize_on_device(images, [0.2, 0.3, 0.4], [0.3, 0.3, 0.3]))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert x.is_cuda and x.shape == images.shape

@@ -202,7 +202,7 @@ def test_the_same_model_again_is_not_registered_twice(store):
 # A stage that holds the train run open in MLflow (as export and evaluate do) and waits.
 STAGE = """
 import sys, time
-from trainyard.stages.common import stage_main
+from trainyard.stages.runner import stage_main
 from trainyard.track.runs import logging_into
 
 def body(params, args):

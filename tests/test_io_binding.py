@@ -20,7 +20,7 @@ from test_serve_unit import write_tiny_model
 
 from trainyard.core.card import METADATA_KEY, Card
 from trainyard.core.config import ServeParams
-from trainyard.export.evaluation import evaluate_onnx
+from trainyard.evaluation.scoring import evaluate_onnx
 from trainyard.runtime import sessions
 from trainyard.runtime.inputs import normalize, softmax
 from trainyard.runtime.sessions import CPU, CUDA, binding_device, load_onnx, run_bound

@@ -34,12 +34,33 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"core"},
     "model": {"core"},
     "track": {"core", "runtime"},
-    "train": {"core", "data", "model", "track"},
+    "training": {"core", "data", "model", "track"},
     "export": {"core", "data", "model", "runtime"},
+    "evaluation": {"core", "data", "runtime"},
     "serve": {"core", "runtime"},
-    "stages": {"core", "data", "model", "runtime", "track", "train", "export"},
-    "doctor": {"core", "data", "model", "runtime", "track", "train", "export", "serve"},
-    "experiments": {"core", "data", "model", "runtime", "track", "train", "export", "stages"},
+    "stages": {"core", "data", "model", "runtime", "track", "training", "export", "evaluation"},
+    "doctor": {
+        "core",
+        "data",
+        "model",
+        "runtime",
+        "track",
+        "training",
+        "export",
+        "evaluation",
+        "serve",
+    },
+    "experiments": {
+        "core",
+        "data",
+        "model",
+        "runtime",
+        "track",
+        "training",
+        "export",
+        "evaluation",
+        "stages",
+    },
 }
 HEAVY = {
     "torch",
@@ -104,8 +125,8 @@ def _resolve(name: str, level: int, package: str) -> str:
 
 
 def _from_names(node: ast.ImportFrom, package: str) -> list[str]:
-    # `from trainyard import train` and `from .. import track` name the layer in the alias:
-    # a one-part base is read with each alias (trainyard.train, bentoml._internal).
+    # `from trainyard import training` and `from .. import track` name the layer in the alias:
+    # a one-part base is read with each alias (trainyard.training, bentoml._internal).
     base = _resolve(node.module or "", node.level, package)
     if "." in base:
         return [base]
@@ -286,9 +307,17 @@ CAUGHT = [
     # the layers
     ("src/trainyard/core/x.py", "from trainyard.data.arrays import row_blocks\n", "layer 'data'"),
     ("src/trainyard/data/x.py", "from ..track import runs\n", "may not import layer 'track'"),
-    ("src/trainyard/data/x.py", "from trainyard import train\n", "may not import layer 'train'"),
+    (
+        "src/trainyard/data/x.py",
+        "from trainyard import training\n",
+        "may not import layer 'training'",
+    ),
     ("src/trainyard/data/x.py", "from .. import track\n", "may not import layer 'track'"),
-    ("src/trainyard/model/x.py", "import trainyard.train.fit\n", "may not import layer 'train'"),
+    (
+        "src/trainyard/model/x.py",
+        "import trainyard.training.fit\n",
+        "may not import layer 'training'",
+    ),
     ("src/trainyard/stages/x.py", "from trainyard import cli\n", "trainyard.cli (top level)"),
     ("src/trainyard/serve/x.py", "from trainyard.presets import x\n", "trainyard.presets"),
     ("src/trainyard/doctor/x.py", "from ..client import Client\n", "trainyard.client"),
@@ -305,8 +334,8 @@ CAUGHT = [
     ("src/trainyard/core/x.py", "from importlib import import_module as m\nm('onnx')\n", "onnx"),
     (
         "src/trainyard/data/x.py",
-        "import importlib\nimportlib.import_module('..train', 'trainyard.data')\n",
-        "layer 'train'",
+        "import importlib\nimportlib.import_module('..training', 'trainyard.data')\n",
+        "layer 'training'",
     ),
     (
         "src/trainyard/model/x.py",
@@ -314,14 +343,14 @@ CAUGHT = [
         "computed at run time",
     ),
     # imports at the top
-    ("src/trainyard/train/x.py", "def f():\n    import torch\n", "inside a function"),
+    ("src/trainyard/training/x.py", "def f():\n    import torch\n", "inside a function"),
     (
         "src/trainyard/export/x.py",
         "def f():\n    from trainyard.core import io\n",
         "inside a function",
     ),
     (
-        "src/trainyard/train/x.py",
+        "src/trainyard/training/x.py",
         "def f():\n    import importlib\n    importlib.import_module('trainyard.data')\n",
         "inside a function",
     ),
@@ -330,7 +359,7 @@ CAUGHT = [
     ("src/trainyard/cli.py", "from serving.service import Classifier\n", "never imports serving"),
     # each outside library behind one place
     (
-        "src/trainyard/train/x.py",
+        "src/trainyard/training/x.py",
         "from mlflow import MlflowClient\n",
         "only in src/trainyard/track/",
     ),
@@ -352,7 +381,7 @@ CAUGHT = [
     ("serving/service.py", "import onnx\n", "serving/ may not import onnx"),
     (
         "serving/service.py",
-        "from trainyard.train import fit\n",
+        "from trainyard.training import fit\n",
         "trainyard.core/runtime/serve only",
     ),
     ("serving/service.py", "from trainyard import presets\n", "trainyard.core/runtime/serve only"),
@@ -394,7 +423,10 @@ ALLOWED_CASES = [
         "    except ImportError:\n        return\n",
     ),
     ("benchmarks/bench_x.py", "import torch\nfrom trainyard.track.runs import count_runs\n"),
-    ("benchmarks/bench_x.py", "def f():\n    from trainyard.train.builder import build_trainer\n"),
+    (
+        "benchmarks/bench_x.py",
+        "def f():\n    from trainyard.training.builder import build_trainer\n",
+    ),
 ]
 
 

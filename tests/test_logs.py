@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ProgressBar
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainyard.train.builder import build_trainer
-from trainyard.train.progress import ProgressLog, duration
+from trainyard.training.builder import build_trainer
+from trainyard.training.fit_log import ProgressLog, duration
 
 from conftest import REPO, small_pipeline_repo, stage_env
 
@@ -64,9 +64,9 @@ class Tiny(L.LightningModule):
 
 root, quiet = sys.argv[1], sys.argv[2] == "quiet"
 if quiet:  # what the train stage imports, before anything is logged
-    from trainyard.stages.common import configure_logging
+    from trainyard.stages.runner import configure_logging
     from trainyard.track.runs import SystemMetrics
-    from trainyard.train.builder import build_trainer
+    from trainyard.training.builder import build_trainer
     configure_logging("train")
 data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=8)
 ckpt_dir = f"{root}/.cache/train-resume/k"  # as train's: holds the resume state already
@@ -78,7 +78,7 @@ options = dict(logger=mlf, callbacks=[checkpoint], max_epochs=1, precision="bf16
 if quiet:
     with SystemMetrics(mlf.run_id, uri, 1, True):
         build_trainer(verbose=True, **options).fit(Tiny(), data, data)
-    logging.getLogger("trainyard.train.fit").info("best %.4f", 0.5)
+    logging.getLogger("trainyard.training.fit").info("best %.4f", 0.5)
 else:  # the same with Lightning and MLflow as they come
     monitor = SystemMetricsMonitor(mlf.run_id, sampling_interval=1, tracking_uri=uri)
     monitor.start()
@@ -136,7 +136,7 @@ def test_a_stage_log_holds_none_of_it_and_each_line_once(tiny_fit_logs):
 FORMAT = """
 import logging, warnings
 import lightning, mlflow  # their own handlers exist: the stage's configuration replaces them
-from trainyard.stages.common import configure_logging
+from trainyard.stages.runner import configure_logging
 
 configure_logging("export")
 logging.getLogger("trainyard.export.x").info("parity ok")
@@ -198,11 +198,11 @@ def fit(progress: ProgressLog, max_epochs: int = 2, callbacks=()) -> None:
 
 
 def progress_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "trainyard.train.progress"]
+    return [r.getMessage() for r in caplog.records if r.name == "trainyard.training.fit_log"]
 
 
 def test_progress_lines_within_epochs(caplog):
-    caplog.set_level("INFO", logger="trainyard.train.progress")
+    caplog.set_level("INFO", logger="trainyard.training.fit_log")
     fit(ProgressLog(every_s=0))  # a line at every step
     lines = progress_lines(caplog)
     assert lines[0] == "model: 10 parameters (all trainable), 0.0 MB as fp32"
@@ -215,14 +215,14 @@ def test_progress_lines_within_epochs(caplog):
 
 
 def test_no_progress_lines_under_a_bar_or_within_the_interval(caplog):
-    caplog.set_level("INFO", logger="trainyard.train.progress")
+    caplog.set_level("INFO", logger="trainyard.training.fit_log")
     fit(ProgressLog(periodic=False, every_s=0))
     fit(ProgressLog(every_s=3600))
     assert progress_lines(caplog) == ["model: 10 parameters (all trainable), 0.0 MB as fp32"] * 2
 
 
 def test_early_stopping_says_why(caplog):
-    caplog.set_level("INFO", logger="trainyard.train.progress")
+    caplog.set_level("INFO", logger="trainyard.training.fit_log")
     early = EarlyStopping(monitor="val/acc", mode="max", patience=1)
     fit(ProgressLog(every_s=3600), max_epochs=5, callbacks=[early])
     assert progress_lines(caplog)[-1] == (

@@ -13,7 +13,7 @@ from torch import nn
 from trainyard.core.card import Card, normalize_pixels
 from trainyard.core.config import TrainParams
 from trainyard.core.errors import ParamsError
-from trainyard.model.augment import augment_batch, normalize
+from trainyard.model.augment import augment_batch, normalize_on_device
 from trainyard.model.classifier import Classifier
 from trainyard.model.networks import ARCH_NAMES, SmallCNN, _pooled_side, build_model
 
@@ -148,11 +148,11 @@ def test_normalize_matches_the_card_formula(channels):
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (4, channels, 9, 7), dtype=np.uint8)
     mean, std = [0.2860, 0.41, 0.5][:channels], [0.3530, 0.27, 0.2][:channels]
-    got = normalize(torch.from_numpy(pixels), mean, std)
+    got = normalize_on_device(torch.from_numpy(pixels), mean, std)
     assert got.dtype == torch.float32
     np.testing.assert_allclose(got.numpy(), normalize_pixels(pixels, mean, std), atol=1e-6)
     # scalars still work (the old single-channel signature)
-    scalar = normalize(torch.from_numpy(pixels), 0.3, 0.4)
+    scalar = normalize_on_device(torch.from_numpy(pixels), 0.3, 0.4)
     np.testing.assert_allclose(scalar.numpy(), normalize_pixels(pixels, 0.3, 0.4), atol=1e-6)
 
 
@@ -197,7 +197,7 @@ def test_augment_scales_the_shift_with_the_image_and_moves_channels_together():
 def test_classifier_checkpoint_rebuilds_from_the_card_alone(tmp_path):
     from torch.utils.data import DataLoader, TensorDataset
 
-    from trainyard.train.builder import build_trainer
+    from trainyard.training.builder import build_trainer
 
     card = card_dict(channels=3, size=(32, 40), classes=4)
     images = torch.randint(0, 256, (8, 3, 32, 40), dtype=torch.uint8)

@@ -20,10 +20,10 @@ from trainyard.core.card import Card
 from trainyard.data.datamodule import TensorBatches
 from trainyard.model.classifier import Classifier
 from trainyard.track.records import GpuBusy, InputBound
-from trainyard.train import gpu_busy
-from trainyard.train.builder import build_trainer
-from trainyard.train.gpu_busy import GpuBusyMeter, NvmlSampler, busy_figures, gpu_busy_of
-from trainyard.train.perf import LEVELS, InputBoundMeter, StepTotals, level_of, verdict
+from trainyard.training import gpu_busy
+from trainyard.training.builder import build_trainer
+from trainyard.training.gpu_busy import GpuBusyMeter, NvmlSampler, busy_figures, gpu_busy_of
+from trainyard.training.perf import LEVELS, InputBoundMeter, StepTotals, level_of, verdict
 
 from conftest import has_cuda
 

@@ -17,9 +17,9 @@ import torch
 from trainyard.core.card import Card
 from trainyard.core.config import Params, parse_params
 from trainyard.data.store import open_prepared
-from trainyard.train import recipe, speed
-from trainyard.train.builder import HARD_STOP, time_limit_min
-from trainyard.train.recipe import CLASSIC, Facts, choose_batch, choose_epochs, load_plan, plan
+from trainyard.training import recipe, speed
+from trainyard.training.builder import HARD_STOP, time_limit_min
+from trainyard.training.recipe import CLASSIC, Facts, choose_batch, choose_epochs, load_plan, plan
 
 
 def _card(classes: int, channels: int, size: int) -> Card:
@@ -179,7 +179,7 @@ def test_pretrained_weights_make_a_finetune_of_resnet18(tmp_path: Path) -> None:
 
     from trainyard.data.datamodule import TensorBatches
     from trainyard.model.classifier import Classifier
-    from trainyard.train.builder import build_trainer
+    from trainyard.training.builder import build_trainer
 
     weights = tmp_path / "resnet18.pth"
     torch.save(torchvision.models.resnet18().state_dict(), weights)
@@ -344,7 +344,7 @@ def test_a_fit_cut_by_the_time_limit_says_so(
 
     from trainyard.data.datamodule import ImageDataModule
     from trainyard.model.classifier import Classifier
-    from trainyard.train.builder import build_trainer, stop_reason
+    from trainyard.training.builder import build_trainer, stop_reason
 
     rng = np.random.default_rng(0)
     arrays = {

@@ -19,8 +19,8 @@ from trainyard.track.records import (
     RegistryRecord,
     TrainRecord,
 )
-from trainyard.train.gpu_busy import unavailable
-from trainyard.train.perf import verdict
+from trainyard.training.gpu_busy import unavailable
+from trainyard.training.perf import verdict
 
 from conftest import REPO
 

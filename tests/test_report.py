@@ -19,8 +19,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainyard.core.errors import DataError
-from trainyard.export.evaluation import REPORT_FILES, classification_metrics
-from trainyard.export.report import (
+from trainyard.evaluation.pictures import (
     cell_texts,
     draw_confusion,
     draw_learning_curves,
@@ -30,14 +29,15 @@ from trainyard.export.report import (
     mistakes_png,
     worst_mistakes,
 )
+from trainyard.evaluation.scoring import REPORT_FILES, classification_metrics
 from trainyard.stages.evaluate import (
     EVALUATION_ARTIFACTS,
     REPORT_ARTIFACTS,
     log_evaluation,
     training_history,
 )
-from trainyard.train.builder import build_trainer
-from trainyard.train.history import COLUMNS, HISTORY_FILE, History, history_csv, read_history
+from trainyard.training.builder import build_trainer
+from trainyard.training.history import COLUMNS, HISTORY_FILE, History, history_csv, read_history
 
 from conftest import REPO
 

@@ -17,7 +17,7 @@ import torch
 from trainyard.core.config import parse_params
 from trainyard.track.records import TRAIN_RECORD, TrainRecord
 from trainyard.track.runs import END_REASON_TAG
-from trainyard.train.resume import (
+from trainyard.training.resume import (
     KEY_CODE,
     LAST_CKPT,
     PACKAGE,

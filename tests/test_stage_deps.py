@@ -102,14 +102,14 @@ def test_the_import_reader_follows_lazy_relative_and_package_imports(tmp_path):
     script = tmp_path / "stage.py"
     script.write_text(
         "from typing import TYPE_CHECKING\n"
-        "from trainyard.stages.common import stage_main\n"
+        "from trainyard.stages.runner import stage_main\n"
         "if TYPE_CHECKING:\n"
-        "    from trainyard.train import fit\n"
+        "    from trainyard.training import fit\n"
         "def body():\n"
         "    from trainyard.data.sources import fashion_fetch\n"
     )
     found = {str(p) for p in modules_run_by(script)}
-    assert "src/trainyard/stages/common.py" in found and "src/trainyard/__init__.py" in found
+    assert "src/trainyard/stages/runner.py" in found and "src/trainyard/__init__.py" in found
     assert "src/trainyard/data/sources/fashion_fetch.py" in found  # lazy, inside a function
     assert "src/trainyard/data/sources/__init__.py" in found  # the package runs first
     assert "src/trainyard/core/errors.py" in found  # through stages.common's own imports

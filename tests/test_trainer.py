@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from trainyard.train.builder import accelerator_for, build_trainer
-from trainyard.train.progress import ProgressLog
+from trainyard.training.builder import accelerator_for, build_trainer
+from trainyard.training.fit_log import ProgressLog
 
 
 def test_torch_device_names_map_to_lightning_accelerators():

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from trainyard.doctor import checks as doctor
+from trainyard.doctor import command as doctor
 from trainyard.experiments import exps, report, tune
 
 # name -> (help, add_arguments(parser), run(args) -> exit code).

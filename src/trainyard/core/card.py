@@ -165,7 +165,7 @@ def normalize_pixels(pixels: Any, mean: Any, std: Any) -> Any:
     """uint8 pixels ``[N, C, H, W]`` (numpy) -> float32 model input, per channel.
 
     ``(p / 255 - mean[c]) / std[c]``: the one formula training (on the device, in
-    ``models.normalize``), export, evaluate and the service apply.
+    ``model.augment.normalize_on_device``), export, evaluate and the service apply.
     """
 
     m = np.asarray(mean, dtype=np.float32).reshape(1, -1, 1, 1)

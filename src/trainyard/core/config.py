@@ -115,7 +115,7 @@ Auto = Literal["auto"]
 
 class TrainParams(_Strict):
     """``auto`` keys are filled by the recipe (``train.recipe``) from the dataset card and
-    the hardware; a value the user sets always wins (trainyard.train.recipe)."""
+    the hardware; a value the user sets always wins (trainyard.training.recipe)."""
 
     recipe: Literal["auto", "classic"] = "auto"
     # fixed: epochs from the budget at the device kind's nominal speed (the same plan on a

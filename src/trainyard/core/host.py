@@ -1,6 +1,7 @@
 """Facts about this host that need no torch: CPU model and bf16 support, available RAM.
 
-Shared by training's decisions (``trainyard.data.hardware``), the doctor and the benchmarks.
+Shared by training's decisions (``trainyard.data.placement``, ``trainyard.training.device``),
+the doctor and the benchmarks.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from typing import Any
 
 from trainyard.core.config import DEFAULT_PARAMS, Params, load_params
 from trainyard.core.errors import TrainyardError
-from trainyard.doctor.base import DEFAULT_DATA, safely
 from trainyard.doctor.dataset import collect_dataset, collect_disk
 from trainyard.doctor.machine import (
     collect_cpu,
@@ -18,12 +17,13 @@ from trainyard.doctor.machine import (
     collect_ram,
     collect_torch,
 )
+from trainyard.doctor.terms import DEFAULT_DATA, safely
 
 
 def collect_precision(params: Params) -> dict[str, Any]:
-    """Training's own choice (hardware.resolve_device): accelerator, precision, device."""
-    try:  # probe: data.hardware imports torch, which may be the broken install
-        from trainyard.data.hardware import resolve_device
+    """Training's own choice (training.device.resolve_device): accelerator, precision, device."""
+    try:  # probe: training.device imports torch, which may be the broken install
+        from trainyard.training.device import resolve_device
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
     out: dict[str, Any] = {"setting": params.train.precision, "error": None}
@@ -44,8 +44,8 @@ def collect_batch(
     if dataset.get("error"):
         return {"error": f"no dataset size: {dataset['error']}"}
     try:  # probe: train.recipe imports Lightning, which may be the broken install
-        from trainyard.train.recipe import forecast_batch
-        from trainyard.train.speed import Facts
+        from trainyard.training.recipe import forecast_batch
+        from trainyard.training.speed import Facts
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
 

@@ -23,7 +23,7 @@ import numpy as np
 from trainyard.core.config import Params
 from trainyard.core.errors import TrainyardError
 from trainyard.core.host import available_ram, cpu_has_bf16, cpu_name
-from trainyard.doctor.base import CPU_EP, CUDA_EP, TRT_EP, safely
+from trainyard.doctor.terms import CPU_EP, CUDA_EP, TRT_EP, safely
 
 # The colour codes of ONNX Runtime's terminal log: not part of what it said.
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

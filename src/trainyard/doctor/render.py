@@ -7,7 +7,7 @@ import sys
 import textwrap
 from typing import Any
 
-from trainyard.doctor.base import ERROR, OK, WARN, human_bytes, load_word, short_name
+from trainyard.doctor.terms import ERROR, OK, WARN, human_bytes, load_word, short_name
 
 
 def _rows(doc: dict[str, Any]) -> list[tuple[str, str]]:

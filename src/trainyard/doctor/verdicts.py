@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainyard.doctor.base import (
+from trainyard.doctor.terms import (
     CPU_EP,
     CUDA_EP,
     ERROR,
@@ -92,12 +92,12 @@ def _why_not_on_gpu(train: dict[str, Any]) -> str:
 
 
 def placement(facts: dict[str, Any]) -> dict[str, Any]:
-    """Where training will put train+val, by ``hardware.choose_placement`` itself, with
+    """Where training will put train+val, by ``data.placement.choose_placement`` itself, with
     whether the data fits GPU memory, fits RAM, or must stream from the memory map."""
-    try:  # probe: data.hardware imports torch; a broken torch is the torch/CUDA check's error
+    try:  # probe: data.placement imports torch; a broken torch is the torch/CUDA check's error
         import torch
 
-        from trainyard.data.hardware import choose_placement
+        from trainyard.data.placement import choose_placement
     except Exception as err:
         return _unknown_placement("torch cannot be imported", f"{type(err).__name__}: {err}")
     dataset = facts.get("dataset") or {}

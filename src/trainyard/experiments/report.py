@@ -28,7 +28,7 @@ from trainyard.track.records import REGISTRY_RECORD, TRAIN_RECORD
 
 DEFAULT_OUT = Path("reports/report.md")
 DEFAULT_BASELINE = "main"
-# name in reports/ -> heading; the evaluate stage writes them (trainyard.export.report).
+# name in reports/ -> heading; the evaluate stage writes them (trainyard.evaluation.pictures).
 PICTURES = {
     "confusion_matrix.png": "Confusion matrix",
     "confusion_matrix_normalized.png": "Confusion matrix, normalized",

@@ -35,8 +35,8 @@ from trainyard.stages import fetch as fetch_stage
 from trainyard.stages import prepare as prepare_stage
 from trainyard.track.runs import check_tracking_uri, ensure_experiment, resolve_tracking_uri
 from trainyard.track.study_runs import StudyRuns
-from trainyard.train.fit import RunExtras, train
-from trainyard.train.resume import ResumeCallback
+from trainyard.training.fit import RunExtras, fit_and_track
+from trainyard.training.resume import ResumeCallback
 
 log = logging.getLogger("trainyard.experiments.tune")
 
@@ -300,7 +300,9 @@ class Tuner:
             tags=self.runs.trial_tags(name, trial.number),
             callbacks=(callback, st.pruning_callback(trial)),
         )
-        record = train(params, self.data_dir(params), out, self.setup.root, params_file, extras)
+        record = fit_and_track(
+            params, self.data_dir(params), out, self.setup.root, params_file, extras
+        )
         assert record is not None  # one device: this process is rank 0
         return record
 

@@ -1,9 +1,10 @@
 """``trainyard tune``: an Optuna search over params.yaml's ``tune.space``.
 
-Each trial is one real training (trainyard.train.fit.train) on the base params (params.yaml
-and the command's ``-S``) with the space's keys sampled by TPE, pruned on ``val/acc`` by the
-median pruner, and recorded as a child MLflow run of the study's run. The study lives in an
-Optuna RDB storage: running the command again continues it up to ``--trials`` in all, also
+Each trial is one real training (trainyard.training.fit.fit_and_track) on the base params
+(params.yaml and the command's ``-S``) with the space's keys sampled by TPE, pruned on
+``val/acc`` by the median pruner, and recorded as a child MLflow run of the study's run. The
+study lives in an Optuna RDB storage: running the command again continues it up to
+``--trials`` in all, also
 after a kill, and several workers (processes, machines) may run one study at once. At the
 end the best trial is printed, written as -S overrides and queued as a DVC experiment.
 The worker and its trials: trainyard.experiments.trials; Optuna (the storage, the study,
@@ -28,7 +29,7 @@ from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
 from trainyard.experiments.study import Study, best_trial, quiet_optuna, trial_values
 from trainyard.experiments.trials import Setup, Tuner, set_key
-from trainyard.stages.common import configure_logging
+from trainyard.stages.runner import configure_logging
 from trainyard.track.runs import release_interrupted_store
 
 log = logging.getLogger("trainyard.experiments.tune")

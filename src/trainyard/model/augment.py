@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 
-def normalize(
+def normalize_on_device(
     images_u8: torch.Tensor,
     mean: float | Sequence[float] | torch.Tensor,
     std: float | Sequence[float] | torch.Tensor,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from trainyard.core.card import Card
-from trainyard.model.augment import augment_batch, normalize
+from trainyard.model.augment import augment_batch, normalize_on_device
 from trainyard.model.networks import build_model
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class Classifier(L.LightningModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # Runs on the device: uint8 crosses the bus (4x fewer bytes), floats are made there.
         images, labels = batch
-        x = normalize(images, self.pixel_mean, self.pixel_std)
+        x = normalize_on_device(images, self.pixel_mean, self.pixel_std)
         mode = augment_mode(self.hparams.augment)
         if self.trainer.training and mode != "none":
             x = augment_batch(x, self._generator(x.device), flip=mode == "flip")

@@ -11,8 +11,8 @@ import numpy as np
 from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json
 from trainyard.data.datamodule import load_split
-from trainyard.export.evaluation import evaluate_onnx, metric_key, write_reports
-from trainyard.stages.common import stage_main
+from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_reports
+from trainyard.stages.runner import stage_main
 from trainyard.track.records import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.track.registry import register_and_promote
 from trainyard.track.runs import (
@@ -23,7 +23,7 @@ from trainyard.track.runs import (
     open_run,
     tracking_client,
 )
-from trainyard.train.history import HISTORY_FILE, read_history
+from trainyard.training.history import HISTORY_FILE, read_history
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
 # INFO lines the stage shows (stages.common.configure_logging).

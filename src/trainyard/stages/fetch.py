@@ -10,7 +10,7 @@ import logging
 from trainyard.core.config import Params
 from trainyard.core.io import atomic_dir
 from trainyard.data.sources.fashion_fetch import fetch_raw
-from trainyard.stages.common import stage_main
+from trainyard.stages.runner import stage_main
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
 # INFO lines the stage shows (stages.common.configure_logging).

@@ -5,7 +5,7 @@ import logging
 
 from trainyard.core.config import Params
 from trainyard.data.sources import prepare_source as prepare
-from trainyard.stages.common import stage_main
+from trainyard.stages.runner import stage_main
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
 # INFO lines the stage shows (stages.common.configure_logging).

@@ -3,8 +3,8 @@
 import argparse
 
 from trainyard.core.config import Params
-from trainyard.stages.common import stage_main
-from trainyard.train.fit import train
+from trainyard.stages.runner import stage_main
+from trainyard.training.fit import fit_and_track
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -14,8 +14,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
-    """Fit and track the model (train.fit.train)."""
-    train(params, args.data, args.out, params_file=args.params)
+    """Fit and track the model (training.fit.fit_and_track)."""
+    fit_and_track(params, args.data, args.out, params_file=args.params)
 
 
 if __name__ == "__main__":

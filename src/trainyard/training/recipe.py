@@ -59,7 +59,7 @@ from trainyard.core.card import Card
 from trainyard.core.config import Params, TrainParams
 from trainyard.core.io import atomic_write_json
 from trainyard.data.datamodule import load_split
-from trainyard.train.speed import (
+from trainyard.training.speed import (
     Facts,
     Measure,
     batch_ladder,

@@ -33,7 +33,7 @@ from torchmetrics.functional.classification import (
 from trainyard.core.card import card_from_metadata, normalize_pixels
 from trainyard.core.errors import DataError, ModelError
 from trainyard.core.io import atomic_write_bytes, atomic_write_text
-from trainyard.export.report import (
+from trainyard.evaluation.pictures import (
     confusion_png,
     learning_curves_png,
     mistakes_png,
@@ -227,7 +227,7 @@ def write_reports(
     history: list[dict[str, Any]] | None,
 ) -> dict[str, Path]:
     """``REPORT_FILES`` into ``reports_dir``, each atomically: the predictions, the metrics
-    JSON and the pictures (``trainyard.export.report``); returns their paths by name.
+    JSON and the pictures (``trainyard.evaluation.pictures``); returns their paths by name.
 
     ``images`` and ``labels`` are the test set ``result`` was computed on (only the images
     of the mistakes grid are read); ``history`` the fit's rows (None: a picture says so).

@@ -2,14 +2,14 @@
 
     trainyard doctor            # a readable table (also: make doctor)
     trainyard doctor --json     # one JSON document
-    python -m trainyard.doctor.checks  # the same, without the console script
+    python -m trainyard.doctor.command  # the same, without the console script
 
 Reports the CPU and RAM; each GPU (memory, compute capability, bf16, driver, torch's CUDA
 runtime); RAM against GPU memory (the 2x rule); the torch and ONNX Runtime builds and which
 ONNX Runtime providers actually load; free disk for the data and the DVC cache; and for the
 configured dataset where training will put it and which precision ``auto`` picks. Every
 verdict says why, and the verdicts are the pipeline's own decisions: placement is
-``data.hardware.choose_placement``, precision ``data.hardware.resolve_device``, the ONNX
+``data.placement.choose_placement``, precision ``training.device.resolve_device``, the ONNX
 Runtime providers ``runtime.sessions.choose_providers``, the folder's images ``data.walk``.
 
 Exit status: 0 fine (warnings allowed), 1 a broken setup (the message says what is broken
@@ -29,9 +29,9 @@ from pathlib import Path
 
 from trainyard.core.card import CARD_FILE
 from trainyard.core.config import DEFAULT_PARAMS
-from trainyard.doctor.base import DEFAULT_DATA
 from trainyard.doctor.collect import collect
 from trainyard.doctor.render import emit
+from trainyard.doctor.terms import DEFAULT_DATA
 from trainyard.doctor.verdicts import report
 
 
@@ -66,7 +66,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainyard.doctor.checks [--json] [--params P] [--data D]``."""
+    """``python -m trainyard.doctor.command [--json] [--params P] [--data D]``."""
     parser = add_arguments(
         argparse.ArgumentParser(prog="trainyard doctor", description=__doc__.splitlines()[0])
     )

@@ -1,7 +1,7 @@
 """What a training step costs: priced from nominal figures (``train.plan: fixed``) or timed
 on this machine (``train.plan: timed``, and the GPU's batch ladder).
 
-The recipe (trainyard.train.recipe) plans with these. A *nominal* price is a function of
+The recipe (trainyard.training.recipe) plans with these. A *nominal* price is a function of
 the model, the image size and the kind of device only: the forward FLOPs of the real
 network, counted by torch's FlopCounterMode (no clock), over the FLOP/s that arch trains
 at on the reference device of that kind (``NOMINAL``). A *timed* price runs a few real
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainyard.core.card import Card
-from trainyard.model.augment import augment_batch, normalize
+from trainyard.model.augment import augment_batch, normalize_on_device
 from trainyard.model.networks import build_model
 
 # Nominal speed of each kind of device: forward GFLOP/s of training work by arch (a
@@ -122,7 +122,7 @@ def probe_step_s(
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         idx = torch.randint(0, shape[0], (batch,), device=device, generator=gen)
-        x = normalize(pool[idx], mean, std)
+        x = normalize_on_device(pool[idx], mean, std)
         if augment != "none":
             x = augment_batch(x, gen, flip=augment == "flip")
         with torch.autocast(device, dtype=dtype, enabled=dtype is not None):

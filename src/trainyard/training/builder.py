@@ -16,7 +16,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint, Timer
 from lightning_utilities.core import rank_zero
 
-from trainyard.train.progress import ProgressLog
+from trainyard.training.fit_log import ProgressLog
 
 if TYPE_CHECKING:
     from trainyard.core.config import TrainParams

@@ -39,7 +39,7 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
 
-from trainyard.train.gpu_busy import meter_of
+from trainyard.training.gpu_busy import meter_of
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json, sha256_file
 from trainyard.track.runs import signals_handled
 from trainyard.track.train_run import end_interrupted_run, run_status
-from trainyard.train.builder import RESUME_ROOT
+from trainyard.training.builder import RESUME_ROOT
 
 log = logging.getLogger(__name__)
 

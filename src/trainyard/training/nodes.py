@@ -34,8 +34,8 @@ from lightning.pytorch.strategies import Strategy
 from trainyard.core.card import Card
 from trainyard.core.config import Params, TrainParams
 from trainyard.core.errors import ParamsError, TrainyardError
-from trainyard.train.builder import RESUME_ROOT, build_trainer
-from trainyard.train.resume import LAST_CKPT
+from trainyard.training.builder import RESUME_ROOT, build_trainer
+from trainyard.training.resume import LAST_CKPT
 
 log = logging.getLogger(__name__)
 

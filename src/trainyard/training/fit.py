@@ -23,7 +23,6 @@ from trainyard.core.card import Card, load_card
 from trainyard.core.config import MlflowParams, Params, TrainParams
 from trainyard.core.io import atomic_file, sha256_file
 from trainyard.data.datamodule import ImageDataModule
-from trainyard.data.hardware import resolve_device
 from trainyard.model.classifier import Classifier, classifier_for
 from trainyard.track.records import TrainRecord
 from trainyard.track.runs import (
@@ -39,14 +38,15 @@ from trainyard.track.runs import (
     tracking_client,
 )
 from trainyard.track.train_run import log_fit_inputs, log_fit_outputs, reopen_run
-from trainyard.train.builder import build_trainer, stop_reason, time_limit_min
-from trainyard.train.gpu_busy import GpuBusyMeter, gpu_busy_of
-from trainyard.train.history import HISTORY_FILE, History
-from trainyard.train.nodes import Nodes, ShareRun, join_nodes, resume_mode, what_trains
-from trainyard.train.perf import InputBoundMeter
-from trainyard.train.progress import EpochTimer
-from trainyard.train.recipe import Plan, describe, few_steps_warning, load_plan, plan
-from trainyard.train.resume import (
+from trainyard.training.builder import build_trainer, stop_reason, time_limit_min
+from trainyard.training.device import resolve_device
+from trainyard.training.fit_log import EpochTimer
+from trainyard.training.gpu_busy import GpuBusyMeter, gpu_busy_of
+from trainyard.training.history import HISTORY_FILE, History
+from trainyard.training.nodes import Nodes, ShareRun, join_nodes, resume_mode, what_trains
+from trainyard.training.perf import InputBoundMeter
+from trainyard.training.recipe import Plan, describe, few_steps_warning, load_plan, plan
+from trainyard.training.resume import (
     RESUME_ROOT,
     AtomicCheckpointIO,
     Resume,
@@ -55,7 +55,7 @@ from trainyard.train.resume import (
     interruptions,
     resume_key,
 )
-from trainyard.train.resume import prepare as prepare_resume
+from trainyard.training.resume import prepare as prepare_resume
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class FitSetup:
     meter: InputBoundMeter
 
 
-def train(
+def fit_and_track(
     params: Params,
     data_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -252,7 +252,7 @@ def plan_training(
     hw: Hardware,
     resume_folder: Path,
 ) -> Plan:
-    """The recipe's plan for this data and hardware (trainyard.train.recipe), said once per
+    """The recipe's plan for this data and hardware (trainyard.training.recipe), said once per
     choice; an interrupted run of the same params (its ``resume_folder``) resumes with the
     plan it made."""
     recipe = load_plan(resume_folder / RECIPE_FILE, params) or plan(

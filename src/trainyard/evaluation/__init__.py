@@ -1,0 +1,1 @@
+"""evaluation: the exported ONNX model on the test set (scoring), and the pictures of it."""

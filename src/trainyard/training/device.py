@@ -1,0 +1,43 @@
+"""Training's device and precision, from params and what is present, with no Lightning import,
+so `trainyard doctor` asks the very same function in about two seconds instead of seven.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainyard.core.errors import ParamsError
+from trainyard.core.host import cpu_has_bf16
+
+if TYPE_CHECKING:
+    from trainyard.core.config import TrainParams
+
+
+def resolve_device(train: TrainParams) -> tuple[str, str, str]:
+    """(Lightning accelerator, precision, device name) from params and what is present.
+
+    A GPU asked for but absent is an error, never a silent CPU run.
+    """
+
+    has_cuda = torch.cuda.is_available()
+    if train.accelerator in ("gpu", "cuda") and not has_cuda:
+        raise ParamsError(
+            f"train.accelerator: {train.accelerator!r} asked for, but torch sees no CUDA GPU "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use 'auto' or 'cpu'"
+        )
+    accelerator = "gpu" if has_cuda and train.accelerator != "cpu" else "cpu"
+    if train.precision != "auto":
+        precision = train.precision
+    elif accelerator == "gpu" and torch.cuda.is_bf16_supported():
+        precision = "bf16-mixed"  # tensor cores at half the bytes; fp32 master weights
+    elif accelerator == "cpu" and cpu_has_bf16():
+        # Measured (make bench): 1.5x the fp32 img/s on an AVX512-BF16 EPYC, same accuracy.
+        precision = "bf16-mixed"
+    else:
+        precision = "32-true"  # without native bf16, autocast only adds conversions
+    if accelerator == "cpu" and precision in ("16-mixed",):
+        raise ParamsError("train.precision: 16-mixed needs a GPU; use 32-true or bf16-mixed")
+    device = torch.cuda.get_device_name(0) if accelerator == "gpu" else "cpu"
+    return accelerator, precision, device
