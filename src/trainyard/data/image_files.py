@@ -41,7 +41,7 @@ from trainyard.core.card import SPLITS, Card
 from trainyard.core.errors import DataError, InputError
 from trainyard.core.imaging import image_to_pixels, read_header
 from trainyard.core.progress import Progress
-from trainyard.data.store import PreparedWriter, open_prepared
+from trainyard.data.store import Expected, PreparedWriter, open_prepared
 
 if TYPE_CHECKING:
     from trainyard.core.config import DataParams
@@ -333,6 +333,30 @@ def estimated_counts(given: Mapping[str | None, int], params: DataParams) -> dic
 
 
 # ------------------------------------------------------------------ size and decoding
+
+
+def expected_image_set(
+    counts: dict[str, int], params: DataParams, what: str, channels_auto: str = "counted as 3"
+) -> Expected:
+    """A source's estimate before prepare runs: ``counts`` images times C*H*W of
+    data.image_size (channels ``auto`` counted as 3, image_size ``auto`` as its largest
+    choice: the larger cases). ``what`` says what was counted, for the doctor's note."""
+    c = 3 if params.channels == "auto" else int(params.channels)
+    h, w = params.size_hw or (AUTO_SIZE_MAX, AUTO_SIZE_MAX)
+    note = (
+        f"estimated: {what} at data.image_size {h}x{w}"
+        + (" (auto: counted at its largest; prepare picks it)" if params.size_hw is None else "")
+        + f", {c} channel(s)"
+        + (f" (channels auto: {channels_auto})" if params.channels == "auto" else "")
+        + "; nothing prepared yet"
+    )
+    return Expected(
+        counts=counts,
+        shape=(c, h, w),
+        note=note,
+        channels_known=params.channels != "auto",
+        size_known=params.size_hw is not None,
+    )
 
 
 def auto_image_size(shorter_sides: Sequence[int]) -> tuple[int, str]:

@@ -44,12 +44,12 @@ from trainyard.core.card import Card
 from trainyard.core.errors import DataError
 from trainyard.core.progress import Progress
 from trainyard.data.image_files import (
-    AUTO_SIZE_MAX,
     MAX_LISTED,
     PROGRESS_EVERY_S,
     ImageFile,
     ImageSet,
     estimated_counts,
+    expected_image_set,
     prepare_image_set,
 )
 from trainyard.data.store import Expected
@@ -369,24 +369,12 @@ def describe_csv(params: DataParams, root: Path) -> Expected:
     ``auto`` counted as 3, image_size ``auto`` as its largest choice)."""
     listing = read_listing(params, root)
     counts = estimated_counts(Counter(r.split for r in listing.rows), params)
-    c = 3 if params.channels == "auto" else int(params.channels)
-    h, w = params.size_hw or (AUTO_SIZE_MAX, AUTO_SIZE_MAX)
     urls = sum(r.is_url for r in listing.rows)
     split = listing.split_column
-    note = (
-        f"estimated: {len(listing.rows):,} rows of {listing.path} "
+    what = (
+        f"{len(listing.rows):,} rows of {listing.path} "
         + (f"(split column {split!r}" if split else "(no split column")
         + (f", {urls:,} URLs to download)" if urls else ")")
-        + f" in {len(listing.classes)} classes at data.image_size {h}x{w}"
-        + (" (auto: counted at its largest; prepare picks it)" if params.size_hw is None else "")
-        + f", {c} channel(s)"
-        + (" (channels auto: counted as 3)" if params.channels == "auto" else "")
-        + "; nothing prepared yet"
+        + f" in {len(listing.classes)} classes"
     )
-    return Expected(
-        counts=counts,
-        shape=(c, h, w),
-        note=note,
-        channels_known=params.channels != "auto",
-        size_known=params.size_hw is not None,
-    )
+    return expected_image_set(counts, params, what)

@@ -29,9 +29,9 @@ from trainyard.core.card import Card
 from trainyard.core.errors import DataError
 from trainyard.core.imaging import IMAGE_EXTENSIONS
 from trainyard.data.image_files import (
-    AUTO_SIZE_MAX,
     ImageSet,
     estimated_counts,
+    expected_image_set,
     prepare_image_set,
 )
 from trainyard.data.store import Expected
@@ -98,26 +98,11 @@ def describe_folder(params: DataParams, root: Path) -> Expected:
             "(photos/<class>/*.jpg)"
         )
     counts, layout = _folder_counts(folder, params)
-    c = 3 if params.channels == "auto" else int(params.channels)
-    h, w = params.size_hw or (AUTO_SIZE_MAX, AUTO_SIZE_MAX)
-    note = (
-        f"estimated: {sum(counts.values()):,} image files in {folder} ({layout}) at "
-        f"data.image_size {h}x{w}"
-        + (" (auto: counted at its largest; prepare picks it)" if params.size_hw is None else "")
-        + f", {c} channel(s)"
-        + (
-            " (channels auto: counted as 3; an all-grayscale folder prepares as 1)"
-            if params.channels == "auto"
-            else ""
-        )
-        + "; nothing prepared yet"
-    )
-    return Expected(
-        counts=counts,
-        shape=(c, h, w),
-        note=note,
-        channels_known=params.channels != "auto",
-        size_known=params.size_hw is not None,
+    return expected_image_set(
+        counts,
+        params,
+        f"{sum(counts.values()):,} image files in {folder} ({layout})",
+        channels_auto="counted as 3; an all-grayscale folder prepares as 1",
     )
 
 
