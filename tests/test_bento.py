@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bentoml
 import numpy as np
 import pytest
 import requests
@@ -446,6 +447,12 @@ def test_bento_from_a_clean_venv_answers_like_offline_onnx_runtime(
                 f"test image {i}: {pred['probabilities']} vs {offline[n].tolist()}"
             )
             assert pred["model_version"] == version
+        # BentoML's own client knows the endpoints by name (they are @bentoml.api methods).
+        upload = outside / "first.png"
+        upload.write_bytes(pngs[0])
+        with bentoml.SyncHTTPClient(url, token=API_KEY) as client:
+            answer = client.classify(image=upload)
+        assert np.allclose(answer["probabilities"], offline[0], atol=1e-5, rtol=0)
         metrics = requests.get(f"{url}/metrics", timeout=10).text
         assert "trainyard_predictions" in metrics
     finally:

@@ -14,6 +14,7 @@ import pytest
 
 from trainyard.core.card import METADATA_KEY, Card, normalize_pixels
 from trainyard.core.errors import DataError, ModelError
+from trainyard.evaluation import scoring as evaluation
 from trainyard.evaluation.pictures import MAX_FIGURE_PIXELS, confusion_png, tick_label
 from trainyard.evaluation.scoring import (
     REPORT_FILES,
@@ -22,7 +23,6 @@ from trainyard.evaluation.scoring import (
     predictions_csv,
     write_reports,
 )
-from trainyard.evaluation import scoring as evaluation
 from trainyard.runtime.inputs import softmax
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -26,7 +26,7 @@ from conftest import REPO
 PACKAGE = REPO / "src" / "trainyard"
 
 # layer -> the layers it may import (its own always allowed). Top-level modules (the
-# ``trainyard`` command, presets, the client) may import anything and no layer imports
+# ``trainyard`` command, presets) may import anything and no layer imports
 # them; every layer may read __version__.
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
@@ -210,7 +210,7 @@ def _library_rules(where: str, name: str, layer: str | None, hidden: bool) -> It
             return
         if target in ALLOWED:
             yield f"{where}: layer {layer!r} may not import layer {target!r}"
-        else:  # cli, presets, client: the top sits above every layer
+        else:  # cli, presets: the top sits above every layer
             yield f"{where}: layer {layer!r} may not import trainyard.{target} (top level)"
     elif parts[0] in FORBIDDEN.get(layer, set()) and parts[0] not in HOMES:
         yield f"{where}: layer {layer!r} may not import {parts[0]}"
@@ -320,7 +320,7 @@ CAUGHT = [
     ),
     ("src/trainyard/stages/x.py", "from trainyard import cli\n", "trainyard.cli (top level)"),
     ("src/trainyard/serve/x.py", "from trainyard.presets import x\n", "trainyard.presets"),
-    ("src/trainyard/doctor/x.py", "from ..client import Client\n", "trainyard.client"),
+    ("src/trainyard/doctor/x.py", "from ..cli import main\n", "trainyard.cli"),
     # heavy libraries in a light layer
     ("src/trainyard/serve/x.py", "import torch\n", "may not import torch"),
     ("src/trainyard/serve/x.py", "import pytorch_lightning\n", "may not import pytorch_lightning"),

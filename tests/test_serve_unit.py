@@ -1,22 +1,31 @@
-"""The serve layer in process, without `bentoml serve`: the request guard, request parsing,
-and the predictor behind the real routes on a tiny ONNX model built here.
+"""The service in process, without `bentoml serve`: serving/service.py itself, loaded here
+with its own params.yaml and a tiny ONNX model built here, as BentoML's own ASGI app
+(``Service.to_asgi``: the same api methods, middleware and mounted routes) in Starlette's
+TestClient; and the request guard and the parsing, piece by piece.
 
 tests/test_serving.py shows the same behaviour through a real server; these tests pin each
-piece down in milliseconds, with Starlette's TestClient (ASGI in process).
+piece down in milliseconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
+import importlib.util
 import io
+import itertools
 import json
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import bentoml
 import httpx
 import numpy as np
 import onnx
 import pytest
+import yaml
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 from prometheus_client import REGISTRY
@@ -24,10 +33,8 @@ from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from trainyard.core.card import METADATA_KEY, Card
-from trainyard.core.config import ServeParams
 from trainyard.core.io import sha256_file
 from trainyard.runtime.inputs import decode_image, normalize, softmax
-from trainyard.serve.app import build_app
 from trainyard.serve.guard import RequestGuard
 from trainyard.serve.parsing import (
     Refused,
@@ -39,7 +46,8 @@ from trainyard.serve.parsing import (
     parse_form,
     parse_top_k,
 )
-from trainyard.serve.predictor import Predictor
+
+from conftest import REPO
 
 CLASSES = ("cat", "dog", "bird")
 CARD = Card(
@@ -128,21 +136,46 @@ def tiny(tmp_path_factory) -> dict:
     return {"path": path, "weights": weights}
 
 
+_LOADED = itertools.count()
+
+
+def service_client(model: Path, api_key: str | None = None, **serve) -> Iterator[TestClient]:
+    """serving/service.py, imported afresh (as a module of its own) with the repository's
+    params.yaml changed by ``serve`` and ``model`` as $TRAINYARD_MODEL, the environment
+    `bentoml serve` reads; its BentoML app in a TestClient, lifespan and all. The client
+    carries the worker's ``predictor``. BentoML's request metrics are off: they would be
+    registered twice in this one process (tests/test_serving.py reads them on a server)."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["serve"].update({"workers": 1, **serve})
+    n = next(_LOADED)
+    params = model.parent / f"params-{n}.yaml"
+    params.write_text(yaml.safe_dump(raw))
+    env = {"TRAINYARD_PARAMS": str(params), "TRAINYARD_MODEL": str(model)}
+    env["BENTOML_CONFIG_OPTIONS"] = "services.trainyard_classifier.metrics.enabled=false"
+    env["TRAINYARD_API_KEY"] = api_key or ""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        name = f"trainyard_service_{n}"
+        spec = importlib.util.spec_from_file_location(name, REPO / "serving/service.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # BentoML reads the api methods' annotations from it
+        spec.loader.exec_module(module)
+        app = module.ImageClassifier.to_asgi()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    with TestClient(app) as client:
+        client.predictor = bentoml.get_current_service().predictor  # type: ignore[attr-defined]
+        yield client
+
+
 def client_for(tiny: dict, **serve) -> Iterator[TestClient]:
     settings = {"max_batch_images": 4, "max_body_bytes": 64 * 1024, "top_k": 5, **serve}
-    params = ServeParams(**settings)
-    provenance = {"model_source": str(tiny["path"]), "mlflow_run_id": RUN_ID}
-    predictor = Predictor.load(tiny["path"], params, provenance)
-    app = RequestGuard(
-        build_app(lambda: predictor),
-        api_key=None,
-        max_body_bytes=params.max_body_bytes,
-        trace_headers=[(b"x-model-version", predictor.version.encode())],
-    )
-    # One client for the module: one event loop, on which the adaptive batcher lives.
-    with TestClient(app) as client:
-        client.predictor = predictor  # type: ignore[attr-defined]
-        yield client
+    yield from service_client(tiny["path"], **settings)
 
 
 @pytest.fixture(scope="module")
@@ -519,9 +552,15 @@ def test_unknown_routes_and_methods_answer_json(client):
     resp = client.post("/internal/infer", json={})
     assert resp.status_code == 404 and resp.json()["error"].startswith("POST /internal/infer: Not")
     assert "endpoints: POST /classify" in resp.json()["error"]
-    assert client.get("/classify").status_code == 404  # the catch-all route takes GET
-    resp = client.patch("/classify")
-    assert resp.status_code == 405 and "Method Not Allowed" in resp.json()["error"]
+    for method in ("GET", "PATCH", "PUT"):
+        resp = client.request(method, "/classify")
+        assert resp.status_code == 405 and "Method Not Allowed" in resp.json()["error"]
+    # The batchable method is the service's own, in process: to anyone else it is absent.
+    resp = client.post("/probabilities", json={"pixels": []})
+    assert resp.status_code == 404 and resp.json() == {
+        "error": "POST /probabilities: Not Found",
+        "field": None,
+    }
 
 
 def test_metadata_describes_the_model_and_its_contract(client, tiny):
@@ -536,15 +575,30 @@ def test_metadata_describes_the_model_and_its_contract(client, tiny):
     assert meta["io_binding"] is False  # binding only on CUDA (tests/test_io_binding.py)
 
 
-def test_adaptive_batching_gives_the_same_answers(batched_client, tiny):
-    predictor = batched_client.predictor
-    predictor.warm_up()
+def test_adaptive_batching_gives_the_same_answers_in_merged_runs(batched_client, tiny):
+    """Through BentoML's batcher (the batchable method, over the service's own client):
+    each request its own answer, and concurrent requests share ONNX Runtime runs."""
+
+    def runs() -> tuple[float, float]:
+        count = REGISTRY.get_sample_value("trainyard_batch_size_count") or 0.0
+        return count, REGISTRY.get_sample_value("trainyard_batch_size_sum") or 0.0
+
     expected = expected_probabilities(PHOTOS, tiny["weights"])
     for i, data in enumerate(PHOTOS):
         resp = batched_client.post("/classify", files={"image": ("p.png", data)})
         assert resp.status_code == 200, resp.text
         assert np.allclose(resp.json()["probabilities"], expected[i], atol=1e-6)
-    assert predictor._batcher is not None  # the requests went through BentoML's batcher
+    before = runs()
+    sends = [PHOTOS[i % len(PHOTOS)] for i in range(32)]
+    with cf.ThreadPoolExecutor(16) as pool:
+        answers = list(
+            pool.map(lambda d: batched_client.post("/classify", files={"image": ("p", d)}), sends)
+        )
+    assert [r.status_code for r in answers] == [200] * len(sends)
+    for i, resp in enumerate(answers):
+        assert np.allclose(resp.json()["probabilities"], expected[i % len(PHOTOS)], atol=1e-6)
+    count, total = (a - b for a, b in zip(runs(), before, strict=True))
+    assert total == len(sends) and 0 < count < len(sends), (count, total)
 
 
 def test_predictions_are_counted_by_label(client):

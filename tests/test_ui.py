@@ -1,7 +1,7 @@
-"""The demo page's routes in process (Starlette TestClient on build_app, a tiny model):
-each file answers with its content type, the page needs nothing from another origin, and
-the guard leaves it open when an API key is set. tests/test_ui_browser.py drives the page
-in a real browser against `bentoml serve`.
+"""The demo page's routes in process (serving/service.py as BentoML's app, a tiny model):
+each file answers with its content type, the page needs nothing from another origin (and
+asks for no /favicon.ico), and the guard leaves it open when an API key is set.
+tests/test_ui_browser.py drives the page in a real browser against `bentoml serve`.
 """
 
 from __future__ import annotations
@@ -9,17 +9,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from html.parser import HTMLParser
+from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
 import pytest
 from starlette.testclient import TestClient
-from test_serve_unit import write_tiny_model
+from test_serve_unit import service_client, write_tiny_model
 
-from trainyard.core.config import ServeParams
-from trainyard.serve.app import build_app
-from trainyard.serve.guard import RequestGuard
-from trainyard.serve.predictor import Predictor
-from trainyard.serve.settings import model_provenance
 from trainyard.serve.ui import ASSETS, read_asset
 
 KEY = "ui-test-key"
@@ -27,26 +23,19 @@ PAGE = {"/ui": "text/html", "/ui/ui.js": "text/javascript", "/ui/ui.css": "text/
 
 
 @pytest.fixture(scope="module")
-def predictor(tmp_path_factory) -> Predictor:
+def model(tmp_path_factory) -> Path:
     path, _ = write_tiny_model(tmp_path_factory.mktemp("ui-model"))
-    provenance = model_provenance(path, {"model_source": str(path)})  # as the service does
-    return Predictor.load(path, ServeParams(batching=False), provenance)
-
-
-def guarded_client(predictor: Predictor, api_key: str | None) -> Iterator[TestClient]:
-    app = RequestGuard(build_app(lambda: predictor), api_key=api_key, max_body_bytes=1 << 20)
-    with TestClient(app) as client:
-        yield client
+    return path
 
 
 @pytest.fixture(scope="module")
-def client(predictor) -> Iterator[TestClient]:
-    yield from guarded_client(predictor, None)
+def client(model) -> Iterator[TestClient]:
+    yield from service_client(model, batching=False)
 
 
 @pytest.fixture(scope="module")
-def keyed_client(predictor) -> Iterator[TestClient]:
-    yield from guarded_client(predictor, KEY)
+def keyed_client(model) -> Iterator[TestClient]:
+    yield from service_client(model, api_key=KEY, batching=False)
 
 
 class References(HTMLParser):
@@ -79,8 +68,9 @@ def test_page_references_only_its_own_assets(client):
     html = client.get("/ui").text
     parser = References()
     parser.feed(html)
-    assert sorted(parser.urls) == ["ui/ui.css", "ui/ui.js"]
-    for url in parser.urls:
+    # The icon is inline: the browser asks for no /favicon.ico (a 404 in its console).
+    assert sorted(parser.urls) == ["data:,", "ui/ui.css", "ui/ui.js"]
+    for url in (u for u in parser.urls if u != "data:,"):
         resolved = urljoin("http://testserver/ui", url)
         parts = urlsplit(resolved)
         assert parts.netloc == "testserver", url

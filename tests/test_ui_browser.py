@@ -121,11 +121,13 @@ def check_bars(driver: WebDriver, expected: dict) -> None:
     assert got[0]["label"] == expected["label"]
 
 
-def no_policy_violations(driver: WebDriver) -> None:
-    """The page's Content-Security-Policy blocked nothing (it needs nothing from elsewhere)."""
+def no_policy_violations(driver: WebDriver) -> list[dict]:
+    """The page's Content-Security-Policy blocked nothing (it needs nothing from elsewhere).
+    Returns the console's entries (reading them empties the browser's log)."""
     logs = driver.get_log("browser")
     blocked = [e["message"] for e in logs if "Content Security Policy" in e["message"]]
     assert blocked == [], blocked
+    return logs
 
 
 def png_bytes(pixels: np.ndarray) -> bytes:
@@ -196,7 +198,9 @@ def test_page_shows_the_apis_answer_for_an_uploaded_test_image(
     natural_width = "return arguments[0].complete && arguments[0].naturalWidth"
     wait_for(browser, "the preview", lambda d: d.execute_script(natural_width, preview) == 28)
     assert preview.is_displayed()
-    no_policy_violations(browser)
+    # No console error at all: no failed request (the icon is inline: no /favicon.ico).
+    errors = [e["message"] for e in no_policy_violations(browser) if e["level"] == "SEVERE"]
+    assert errors == [], errors
 
     target = os.environ.get("TRAINYARD_UI_SCREENSHOT")
     if target:

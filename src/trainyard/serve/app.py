@@ -1,84 +1,109 @@
-"""The service's own routes, as a Starlette app the BentoML service mounts at /.
+"""The routes that are not prediction endpoints, as a Starlette app the service mounts at /:
+GET /metadata (for curl and the demo page; the client's is the POST api method), the demo
+page /ui, the Swagger UI page /docs, / -> /docs, and a JSON 404/405 for any other path.
 
-Why Starlette routes rather than ``@bentoml.api`` methods: a file input there is parsed by
-BentoML's IO layer, written to a temporary file and validated again, and a raw image body
-(``Content-Type: image/png``) cannot be expressed at all. Measured (docs/benchmarks.md,
-Serving) that layer cost more than the model. These routes parse each body once.
+BentoML matches its own routes (the ``@bentoml.api`` methods, probes, /metrics) first; this
+app answers only what they do not take, and leaves alone the paths BentoML adds after its
+mounts (the OpenAPI document /docs.json and the Swagger UI files /static_content/...).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import Match, Route
 
 from trainyard.serve.metrics import count_refusal
-from trainyard.serve.openapi import openapi_routes
-from trainyard.serve.parsing import BATCH_USAGE, CLASSIFY_USAGE, Refused
 from trainyard.serve.predictor import Predictor
 from trainyard.serve.ui import ui_routes
 
-ENDPOINTS = (
-    "POST /classify, POST /classify_batch, GET /metadata, GET /ui, GET /docs, GET /docs.json, "
-    "GET /healthz, GET /readyz, GET /livez, GET /metrics"
+# Listed in a 404 after the service's api methods (POST), which the service sets on start-up.
+PAGES = (
+    "GET /metadata, GET /ui, GET /docs, GET /docs.json, GET /healthz, GET /readyz, "
+    "GET /livez, GET /metrics"
 )
-Handler = Callable[[Request], Awaitable[JSONResponse]]
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
+# Served by BentoML after its mounts: a catch-all here would shadow them.
+BENTOML_PATHS, BENTOML_PREFIXES = frozenset({"/docs.json"}), ("/static_content/", "/assets/")
+# BentoML's own Swagger UI files and initializer (SwaggerUIBundle({url: "./docs.json"})),
+# without the tag-manager script of BentoML's index page: nothing loads from elsewhere.
+DOCS_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+  <meta charset="UTF-8">
+  <title>trainyard classifier: API</title>
+  <link rel="stylesheet" type="text/css" href="./static_content/swagger-ui.css">
+  <link rel="icon" type="image/png" href="./static_content/favicon-light-32x32.png">
+</head>
+<body>
+  <div id="swagger-ui"></div>
+  <script src="./static_content/swagger-ui-bundle.js" charset="UTF-8"></script>
+  <script src="./static_content/swagger-ui-standalone-preset.js" charset="UTF-8"></script>
+  <script src="./static_content/swagger-initializer.js" charset="UTF-8"></script>
+</body>
+</html>
+"""
 
 
-def build_app(predictor: Callable[[], Predictor]) -> Starlette:
-    """The routes, answering with ``predictor()`` (the current worker's, looked up per
-    request: BentoML makes the service instance after the app is mounted)."""
-
-    async def metadata(request: Request) -> JSONResponse:
-        return JSONResponse(predictor().describe())
-
+def build_app() -> Starlette:
+    """The routes. The service sets ``app.state.predictor`` (GET /metadata answers from
+    it) and ``app.state.api_routes`` (its api methods' routes) on start-up: BentoML makes
+    the service instance after the app is mounted."""
     return Starlette(
         exception_handlers={404: not_found, 405: not_found},
         routes=[
-            Route("/classify", _endpoint(predictor, "classify"), methods=["POST"]),
-            Route("/classify_batch", _endpoint(predictor, "classify_batch"), methods=["POST"]),
-            Route("/metadata", metadata, methods=["GET"]),
+            Route("/metadata", _metadata, methods=["GET"]),
             *ui_routes(),
-            *openapi_routes(predictor),
-            # Last: any other path. The mount sees only what BentoML's own routes did not
-            # take, and Starlette's default 404 there is plain text.
-            Route("/{path:path}", not_found, methods=["GET", "HEAD", "POST", "PUT", "DELETE"]),
+            Route("/docs", _docs_page, methods=["GET"]),
+            Route("/", _to_docs, methods=["GET"]),
+            _Elsewhere(),  # last: any other path
         ],
     )
 
 
-def _endpoint(predictor: Callable[[], Predictor], name: str) -> Handler:
-    """A POST route calling ``predictor().<name>(request, body)``; Refused -> its JSON."""
+async def _metadata(request: Request) -> JSONResponse:
+    predictor: Predictor = request.app.state.predictor
+    return JSONResponse(predictor.describe())
 
-    async def handle(request: Request) -> JSONResponse:
-        try:
-            body = await request.body()
-            if not body:
-                usage = CLASSIFY_USAGE if name == "classify" else BATCH_USAGE
-                raise Refused(
-                    400, f"empty request body; {usage}", field="body", reason="bad_request"
-                )
-            result = await getattr(predictor(), name)(request, body)
-        except Refused as err:
-            return err.response()
-        return JSONResponse(result)
 
-    handle.__name__ = name
-    return handle
+async def _docs_page(request: Request) -> Response:
+    return HTMLResponse(DOCS_PAGE)
+
+
+async def _to_docs(request: Request) -> Response:
+    return RedirectResponse("./docs", status_code=307)
+
+
+class _Elsewhere(Route):
+    """Every path and method not taken before, except BentoML's later ones: a JSON 404, or
+    405 for another method on a POST endpoint."""
+
+    def __init__(self) -> None:
+        super().__init__("/{path:path}", not_found, methods=ALL_METHODS)
+
+    def matches(self, scope: dict[str, Any]) -> tuple[Match, dict[str, Any]]:
+        path = scope.get("path", "")
+        if path in BENTOML_PATHS or path.startswith(BENTOML_PREFIXES):
+            return Match.NONE, {}
+        return super().matches(scope)
 
 
 async def not_found(request: Request, exc: Exception | None = None) -> JSONResponse:
     """404/405 as JSON like every other answer, with the list of what exists."""
+    api_routes: frozenset[str] = getattr(request.app.state, "api_routes", frozenset())
     status = getattr(exc, "status_code", 404)
+    if exc is None and request.url.path in api_routes:
+        status = 405  # the endpoint exists, for POST
     count_refusal("not_found" if status == 404 else "method_not_allowed")
+    endpoints = ", ".join([*(f"POST {r}" for r in sorted(api_routes)), PAGES])
     return JSONResponse(
         {
             "error": f"{request.method} {request.url.path}: "
             + ("Not Found" if status == 404 else "Method Not Allowed")
-            + f"; endpoints: {ENDPOINTS}",
+            + f"; endpoints: {endpoints}",
             "field": None,
         },
         status,

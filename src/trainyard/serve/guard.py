@@ -31,6 +31,7 @@ OPEN_PATHS = frozenset(
 )
 OPEN_PREFIXES = ("/static_content/", "/assets/", "/ui/")
 PICKLE = "application/vnd.bentoml+pickle"
+INTERNAL_HEADER = "x-trainyard-internal"
 # ServeParams' defaults (serve.max_header_bytes, body_timeout_s, header_timeout_s).
 _DEFAULTS = ServeParams()
 MAX_HEADER_BYTES, BODY_TIMEOUT_S = _DEFAULTS.max_header_bytes, _DEFAULTS.body_timeout_s
@@ -54,7 +55,10 @@ class RequestGuard:
     - a body not received whole within ``body_timeout_s`` -> 408 (a slow client);
     - a connection that sends no whole request head within ``header_timeout_s`` is closed
       (uvicorn has no such timer: ``bound_header_time``).
-    - every response carries ``trace_headers`` (the model's version, run, data version).
+    - every response carries ``trace_headers`` (the model's version, run, data version);
+    - ``internal_paths`` (the service's own in-process calls, e.g. to its batchable method)
+      answer only a request carrying ``internal_token`` in ``INTERNAL_HEADER``; to anyone
+      else they are a 404, as if absent.
     """
 
     def __init__(
@@ -67,8 +71,11 @@ class RequestGuard:
         max_header_bytes: int = MAX_HEADER_BYTES,
         body_timeout_s: float = BODY_TIMEOUT_S,
         header_timeout_s: float | None = HEADER_TIMEOUT_S,
+        internal_paths: frozenset[str] = frozenset(),
+        internal_token: str = "",
     ) -> None:
         self.app = app
+        self.internal_paths, self.internal_token = internal_paths, internal_token.encode()
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.trace_headers = list(trace_headers)
@@ -95,7 +102,19 @@ class RequestGuard:
                 reason="headers_too_large",
             )
             return
-        if not self._allowed(scope, headers):
+        if scope["path"] in self.internal_paths:
+            given = headers.get(INTERNAL_HEADER, "").encode("latin-1")
+            if not (self.internal_token and hmac.compare_digest(given, self.internal_token)):
+                await _error(
+                    send,
+                    scope,
+                    404,
+                    f"{scope['method']} {scope['path']}: Not Found",
+                    field=None,
+                    reason="not_found",
+                )
+                return
+        elif not self._allowed(scope, headers):
             await _error(
                 send,
                 scope,

@@ -11,6 +11,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import bentoml
 import numpy as np
 from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -63,6 +64,12 @@ class Refused(Exception):
         count_refusal(self.reason)
         return JSONResponse({"error": str(self), "field": self.field}, self.status, self.headers)
 
+    def answer(self, ctx: bentoml.Context) -> JSONResponse:
+        """The response for an api method that takes ``ctx``: BentoML sets the status of
+        what the method returns to ``ctx.response.status_code``, so it is set there too."""
+        ctx.response.status_code = self.status
+        return self.response()
+
 
 def media_type(headers: Headers) -> str:
     """The Content-Type without its parameters, lower case ('' when there is none)."""
@@ -77,6 +84,18 @@ def unsupported(path: str, media: str, usage: str) -> Refused:
         f"{path} does not take {got}; {usage}",
         field="Content-Type",
         reason="unsupported_media_type",
+    )
+
+
+def overloaded(max_latency_ms: int) -> Refused:
+    """The 503 for a request the adaptive batcher shed (not answerable in time)."""
+    return Refused(
+        503,
+        "server overloaded: the request could not be answered within "
+        f"serve.max_latency_ms ({max_latency_ms} ms); retry shortly",
+        field=None,
+        reason="overloaded",
+        headers={"retry-after": "1"},
     )
 
 

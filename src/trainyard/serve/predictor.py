@@ -1,23 +1,23 @@
-"""The classifier behind the routes: request -> image(s) -> pixels -> probabilities -> answer.
+"""The classifier behind the endpoints: image bytes or pixels -> probabilities -> answer.
 
 Everything the model needs to know about its input (channels, size, resize policy,
 normalisation, class names) is the dataset card in the ONNX metadata. One ``Predictor``
-per worker process; BentoML's service class holds it and its routes delegate to it.
+per worker process; BentoML's service class holds it, and its api methods hand it what
+they read from the request (trainyard.serve.api): bytes, pixel arrays, ints. It never sees
+an HTTP request; a refusal (an image that is no image, or too large) is a ``Refused``.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import numpy as np
-from bentoml._internal.marshal.dispatcher import CorkDispatcher, NonBlockSema
 from PIL import Image
-from starlette.requests import Request
 
 from trainyard.core.card import Card, card_from_metadata
 from trainyard.core.config import ServeParams
@@ -31,23 +31,8 @@ from trainyard.runtime.inputs import (
 )
 from trainyard.runtime.sessions import OnnxModel
 from trainyard.serve.metrics import metrics
-from trainyard.serve.parsing import (
-    BATCH_USAGE,
-    CLASSIFY_USAGE,
-    Refused,
-    check_count,
-    file_fields,
-    form_text,
-    json_pixels,
-    media_type,
-    parse_flag,
-    parse_form,
-    parse_top_k,
-    unsupported,
-)
+from trainyard.serve.parsing import BATCH_USAGE, CLASSIFY_USAGE, Refused
 from trainyard.serve.settings import load_model
-
-Batcher = Callable[[np.ndarray], Awaitable[np.ndarray | None]]
 
 
 class Predictor:
@@ -70,7 +55,6 @@ class Predictor:
         self.classes = model.classes
         self.version = sha256[:12]
         self.metrics = metrics()  # created here, in the worker, not at import
-        self._batcher: Batcher | None = None
         self._limiter: anyio.CapacityLimiter | None = None  # made on this worker's loop
 
     @classmethod
@@ -122,27 +106,9 @@ class Predictor:
         self.metrics.batch_size.observe(pixels.shape[0])
         return softmax(self.model.run(normalize(pixels, self.card)))
 
-    async def probabilities_one(self, pixels: np.ndarray) -> np.ndarray:
-        """[C,H,W] -> [classes]: through the adaptive batcher when batching is on."""
-        x = pixels[None].astype(np.float32)
-        if not self.params.batching:
-            return (await self.in_thread(self.probabilities, x))[0]
-        if self._batcher is None:  # created on first use, on this worker's event loop
-            self._batcher = adaptive_batcher(self)
-        probs = await self._batcher(x)
-        if probs is None:  # shed: the queue could not be served within max_latency_ms
-            raise Refused(
-                503,
-                "server overloaded: the request could not be answered within "
-                f"serve.max_latency_ms ({self.params.max_latency_ms} ms); retry shortly",
-                field=None,
-                reason="overloaded",
-                headers={"retry-after": "1"},
-            )
-        return probs[0]
-
-    def prediction(self, probs: np.ndarray, top_k: int) -> dict[str, Any]:
+    def prediction(self, probs: np.ndarray | Sequence[float], top_k: int) -> dict[str, Any]:
         """The answer for one image: top-1 label, every probability, the top ``top_k``."""
+        probs = np.asarray(probs)
         order = np.argsort(-probs, kind="stable")[:top_k]
         best = int(order[0])
         label = self.classes[best]
@@ -179,87 +145,36 @@ class Predictor:
             if "width" in info:
                 self.metrics.image_pixels.observe(info["width"] * info["height"])
 
-    # ------------------------------------------------------------------ endpoints
+    # ------------------------------------------------------------------ answers
 
-    async def classify(self, request: Request, body: bytes) -> dict[str, Any]:
-        """POST /classify: one image, a multipart field or the whole body."""
-        data, invert, top_k = await self._classify_input(request, body)
-        if not data:
-            raise Refused(
-                400,
-                f"image: the image is empty (0 bytes); {CLASSIFY_USAGE}",
-                field="image",
-                reason="bad_image",
-            )
-        if not self.params.batching:
-            # Decode and inference in one worker-thread hop: each hop costs a GIL handoff.
-            return await self.in_thread(self._classify_now, data, invert, top_k)
-        pixels = await self.in_thread(self.decode, data, "image", invert)
-        return self.prediction(await self.probabilities_one(pixels), top_k)
+    async def classify(self, image: bytes, top_k: int, invert: bool) -> dict[str, Any]:
+        """One image's answer. Decode and inference in one worker-thread hop (each hop costs
+        a GIL handoff)."""
+        return await self.in_thread(self._classify_now, image, top_k, invert)
 
-    async def _classify_input(self, request: Request, body: bytes) -> tuple[bytes, bool, int]:
-        """(image bytes, invert, top_k) of a /classify request."""
-        media = media_type(request.headers)
-        query = request.query_params
-        n, default = len(self.classes), self.params.top_k
-        if media.startswith("image/"):
-            invert = parse_flag("invert", query.get("invert"))
-            return body, invert, parse_top_k(query.get("top_k"), n, default)
-        if media != "multipart/form-data":
-            raise unsupported("/classify", media, CLASSIFY_USAGE)
-        form = await parse_form(
-            request,
-            body,
-            files="image",
-            texts=("invert", "top_k"),
-            max_files=1,
-            usage=CLASSIFY_USAGE,
-        )
-        try:
-            images = await file_fields(form, "image", CLASSIFY_USAGE)
-            if len(images) != 1:
-                raise Refused(
-                    400,
-                    f"image: expected one file field 'image', got {len(images)}; {CLASSIFY_USAGE}",
-                    field="image",
-                    reason="bad_field",
-                )
-            invert = parse_flag("invert", form_text(form, "invert") or query.get("invert"))
-            top_k = parse_top_k(form_text(form, "top_k") or query.get("top_k"), n, default)
-        finally:
-            await form.close()
-        return images[0], invert, top_k
-
-    def _classify_now(self, data: bytes, invert: bool, top_k: int) -> dict[str, Any]:
-        pixels = self.decode(data, "image", invert)
+    def _classify_now(self, image: bytes, top_k: int, invert: bool) -> dict[str, Any]:
+        pixels = self.decode(image, "image", invert)
         return self.prediction(self.probabilities(pixels[None].astype(np.float32))[0], top_k)
 
-    async def classify_batch(self, request: Request, body: bytes) -> list[dict[str, Any]]:
-        """POST /classify_batch: repeated multipart files 'images', or JSON pixel arrays."""
-        media = media_type(request.headers)
-        query = request.query_params
-        limit = self.params.max_batch_images
-        top_k = parse_top_k(query.get("top_k"), len(self.classes), self.params.top_k)
-        if media == "multipart/form-data":
-            form = await parse_form(
-                request,
-                body,
-                files="images",
-                texts=("invert",),
-                max_files=limit,
-                usage=BATCH_USAGE,
-            )
-            try:
-                files = await file_fields(form, "images", BATCH_USAGE)
-                invert = parse_flag("invert", form_text(form, "invert") or query.get("invert"))
-            finally:
-                await form.close()
-            check_count(len(files), limit)
-            pixels = await self.in_thread(self._decode_all, files, invert)
-        elif media == "application/json":
-            pixels = await self.in_thread(json_pixels, body, self.card, limit, self.params)
+    async def decode_one(self, image: bytes, invert: bool) -> np.ndarray:
+        """One image -> uint8 [C,H,W], on a worker thread (for the adaptive batcher)."""
+        return await self.in_thread(self.decode, image, "image", invert)  # type: ignore[no-any-return]
+
+    def probabilities_of_raw(self, raw: Sequence[bytes]) -> np.ndarray:
+        """Decoded images as raw uint8 bytes (``decode_one(...).tobytes()``) -> probabilities
+        [N,classes]: the batchable method's work, on one adaptive batch."""
+        shape = self.card.input_shape
+        pixels = np.stack([np.frombuffer(r, dtype=np.uint8).reshape(shape) for r in raw])
+        return self.probabilities(pixels.astype(np.float32))
+
+    async def classify_batch(
+        self, images: Sequence[bytes] | np.ndarray, top_k: int, invert: bool
+    ) -> list[dict[str, Any]]:
+        """Encoded images (decoded here, by the card) or pixels [N,C,H,W] -> one answer each."""
+        if isinstance(images, np.ndarray):
+            pixels = images
         else:
-            raise unsupported("/classify_batch", media, BATCH_USAGE)
+            pixels = await self.in_thread(self._decode_all, images, invert)
         probs = await self.in_thread(self.probabilities, pixels)
         return [self.prediction(row, top_k) for row in probs]
 
@@ -267,13 +182,6 @@ class Predictor:
         c, h, w = self.card.input_shape
         out = np.empty((len(files), c, h, w), dtype=np.float32)
         for i, data in enumerate(files):
-            if not data:
-                raise Refused(
-                    400,
-                    f"images[{i}]: the image is empty (0 bytes)",
-                    field=f"images[{i}]",
-                    reason="bad_image",
-                )
             out[i] = self.decode(data, f"images[{i}]", invert)
         return out
 
@@ -296,8 +204,8 @@ class Predictor:
             "dataset_card": self.card.contract(),
             "input": self._input_contract(),
             "endpoints": {
-                "POST /classify": CLASSIFY_USAGE + "; query: top_k, invert",
-                "POST /classify_batch": BATCH_USAGE + "; query: top_k",
+                "POST /classify": CLASSIFY_USAGE + "; query or form: top_k, invert",
+                "POST /classify_batch": BATCH_USAGE + "; query or form: top_k, invert",
                 "GET /metadata": "this document",
             },
             "source": self.provenance,
@@ -334,32 +242,3 @@ class Predictor:
             "max_json_int_digits": p.max_json_int_digits,
             "top_k": p.top_k,
         }
-
-
-def adaptive_batcher(predictor: Predictor) -> Batcher:
-    """BentoML's adaptive batcher (the CorkDispatcher behind ``batchable=True`` APIs),
-    driven with decoded pixels: it learns the model's cost per batch and waits for more
-    requests only while that keeps every queued request within max_latency_ms, shedding
-    (None -> 503) those it cannot. Imported from BentoML's internals, so the bento pins
-    BentoML's minor version and tests/test_serving.py exercises it on every run."""
-    params = predictor.params
-    dispatcher: Any = CorkDispatcher(
-        max_latency_in_ms=params.max_latency_ms,
-        max_batch_size=params.max_batch_size,
-        fallback=lambda: None,
-        get_batch_size=lambda x: x.shape[0],
-        batch_dim=(0, 0),
-        # One batch in flight per core of the worker (BentoML's default is one in all),
-        # so a CPU worker keeps every core busy with batches, one thread each.
-        shared_sema=NonBlockSema(params.concurrent_inferences()),
-    )
-
-    async def run(batches: Sequence[np.ndarray]) -> list[np.ndarray]:
-        sizes = np.cumsum([b.shape[0] for b in batches])[:-1]
-        x = np.concatenate(batches)
-        # Not through the worker's limiter: the semaphore above already bounds the batches,
-        # and decodes waiting on the limiter behind them would starve the next batch.
-        probs = await anyio.to_thread.run_sync(predictor.probabilities, x)
-        return np.split(probs, sizes)
-
-    return dispatcher(run)

@@ -1,0 +1,225 @@
+"""The endpoints' HTTP edge: what each one takes and answers, as BentoML is told (its
+/schema.json, /docs.json and ``bentoml.SyncHTTPClient`` read these models), and the reading
+of a request into the plain inputs the Predictor takes (bytes, pixel arrays, ints, bools).
+
+Why ``from_http_request`` reads nothing: BentoML's own parsing would write each upload to a
+temporary file, fetch any URL sent as text in a file field, take no raw image body
+(``Content-Type: image/png``), and answer its errors in its own shape. So the api method
+reads the request itself, with ``read_classify`` / ``read_batch`` below (trainyard's
+parsing: every refusal a ``Refused`` 4xx naming the field), from ``ctx.request``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio.to_thread
+import bentoml
+import numpy as np
+from bentoml.validators import ContentType
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from trainyard.core.card import Card
+from trainyard.core.config import ServeParams
+from trainyard.runtime.inputs import IMAGE_FORMATS
+from trainyard.serve.parsing import (
+    BATCH_USAGE,
+    CLASSIFY_USAGE,
+    Refused,
+    check_count,
+    file_fields,
+    form_text,
+    json_pixels,
+    media_type,
+    parse_flag,
+    parse_form,
+    parse_top_k,
+    unsupported,
+)
+
+# Every format the service decodes; HEIF's photos are usually sent as image/heic (iPhone).
+IMAGE_TYPES = (*(f"image/{fmt.lower()}" for fmt in IMAGE_FORMATS), "image/heic")
+ImageFile = Annotated[Path, ContentType("image/*")]  # a file field to BentoML's client
+
+
+# ---------------------------------------------------------------------------- what BentoML shows
+
+
+class _Unread(bentoml.IODescriptor):
+    """No fields: the api method gets only ``ctx`` and reads the request itself."""
+
+
+_UNREAD = _Unread()  # immutable and empty: one for every request
+
+
+class _RequestSpec(bentoml.IODescriptor):
+    """An endpoint's fields, for BentoML's document and client; its request is left unread
+    (BentoML passes the fields of what this returns to the method: none)."""
+
+    @classmethod
+    async def from_http_request(cls, request: Request, serde: Any) -> bentoml.IODescriptor:
+        return _UNREAD
+
+
+class ClassifyForm(_RequestSpec):
+    """POST /classify: one image as the multipart file field ``image``, or as the whole body
+    with its image Content-Type (image/png, image/jpeg, ... image/heic); ``top_k`` and
+    ``invert`` as form fields or query parameters."""
+
+    image: ImageFile = Field(description="the image (any format Pillow decodes)")
+    top_k: int | None = Field(None, ge=1, description="labels to list; default serve.top_k")
+    invert: bool = Field(False, description="invert the image first (dark object on white)")
+
+
+class BatchForm(_RequestSpec):
+    """POST /classify_batch: the files as repeated multipart fields ``images``, or JSON
+    ``{"images": [arrays of 0-255 numbers shaped as GET /metadata input.image]}``."""
+
+    images: list[ImageFile] = Field(description="the images, in order")
+    top_k: int | None = Field(None, ge=1, description="labels to list; default serve.top_k")
+    invert: bool = Field(False, description="invert every image first")
+
+
+class Ranked(BaseModel):
+    label: str
+    class_id: int
+    probability: float
+
+
+class Prediction(BaseModel):
+    """One image's answer: the top-1 label, every class's probability, the top ``top_k``."""
+
+    label: str
+    class_id: int
+    probabilities: list[float]
+    top_k: list[Ranked]
+    model_version: str = Field(description="the first 12 hex digits of the model's sha256")
+
+
+class Predictions(RootModel[list[Prediction]]):
+    """/classify_batch's answer: one Prediction per image, in the order sent."""
+
+
+class Pixels(bentoml.IODescriptor):
+    """The internal batchable method's input: images decoded to uint8 [C,H,W], raw bytes
+    (base64 in JSON: a fraction of a list of numbers' size and parsing time)."""
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+    pixels: list[bytes]
+
+
+# ---------------------------------------------------------------------------- what the method reads
+
+
+@dataclass(frozen=True)
+class OneImage:
+    """A /classify request, read: the image's bytes and the options."""
+
+    image: bytes
+    top_k: int
+    invert: bool
+
+
+@dataclass(frozen=True)
+class ImageBatch:
+    """A /classify_batch request, read: encoded images, or pixels [N,C,H,W] from JSON."""
+
+    images: list[bytes] | np.ndarray
+    top_k: int
+    invert: bool
+
+
+async def read_classify(request: Request, card: Card, params: ServeParams) -> OneImage:
+    """The image, top_k and invert of a /classify request, or a Refused 4xx."""
+    body = await request.body()
+    _require_body(body, CLASSIFY_USAGE)
+    media, query = media_type(request.headers), request.query_params
+    n = len(card.classes)
+    if media.startswith("image/"):
+        image = body
+        invert = parse_flag("invert", query.get("invert"))
+        top_k = parse_top_k(query.get("top_k"), n, params.top_k)
+    elif media == "multipart/form-data":
+        form = await parse_form(
+            request,
+            body,
+            files="image",
+            texts=("invert", "top_k"),
+            max_files=1,
+            usage=CLASSIFY_USAGE,
+        )
+        try:
+            images = await file_fields(form, "image", CLASSIFY_USAGE)
+            invert = parse_flag("invert", form_text(form, "invert") or query.get("invert"))
+            top_k = parse_top_k(form_text(form, "top_k") or query.get("top_k"), n, params.top_k)
+        finally:
+            await form.close()
+        if len(images) != 1:
+            raise Refused(
+                400,
+                f"image: expected one file field 'image', got {len(images)}; {CLASSIFY_USAGE}",
+                field="image",
+                reason="bad_field",
+            )
+        image = images[0]
+    else:
+        raise unsupported("/classify", media, CLASSIFY_USAGE)
+    if not image:
+        raise Refused(
+            400,
+            f"image: the image is empty (0 bytes); {CLASSIFY_USAGE}",
+            field="image",
+            reason="bad_image",
+        )
+    return OneImage(image, top_k, invert)
+
+
+async def read_batch(request: Request, card: Card, params: ServeParams) -> ImageBatch:
+    """The images (files, or JSON pixels checked against the card), top_k and invert of a
+    /classify_batch request, or a Refused 4xx."""
+    body = await request.body()
+    _require_body(body, BATCH_USAGE)
+    media, query = media_type(request.headers), request.query_params
+    n, limit = len(card.classes), params.max_batch_images
+    if media == "multipart/form-data":
+        form = await parse_form(
+            request,
+            body,
+            files="images",
+            texts=("invert", "top_k"),
+            max_files=limit,
+            usage=BATCH_USAGE,
+        )
+        try:
+            files = await file_fields(form, "images", BATCH_USAGE)
+            invert = parse_flag("invert", form_text(form, "invert") or query.get("invert"))
+            top_k = parse_top_k(form_text(form, "top_k") or query.get("top_k"), n, params.top_k)
+        finally:
+            await form.close()
+        check_count(len(files), limit)
+        for i, data in enumerate(files):
+            if not data:
+                where = f"images[{i}]"
+                raise Refused(
+                    400, f"{where}: the image is empty (0 bytes)", field=where, reason="bad_image"
+                )
+        return ImageBatch(files, top_k, invert)
+    if media == "application/json":
+        top_k = parse_top_k(query.get("top_k"), n, params.top_k)  # before the body's parse
+        pixels = await anyio.to_thread.run_sync(json_pixels, body, card, limit, params)
+        return ImageBatch(pixels, top_k, invert=False)  # pixels as sent: nothing to invert
+    raise unsupported("/classify_batch", media, BATCH_USAGE)
+
+
+def _require_body(body: bytes, usage: str) -> None:
+    if not body:
+        raise Refused(400, f"empty request body; {usage}", field="body", reason="bad_request")
+
+
+def answer(result: Any) -> JSONResponse:
+    """A prediction (or a list of them) as the 200 JSON answer."""
+    return JSONResponse(result)
