@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from trainyard.core.card import card_from_metadata
-from trainyard.runtime.inputs import decode_image, normalize, softmax
+from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.runtime.sessions import load_onnx
 
 MODEL = load_onnx(
@@ -32,7 +32,7 @@ CLASSES = MODEL.classes
 
 def _predict(data: bytes) -> dict:
     pixels = decode_image(data, CARD)
-    probs = softmax(MODEL.run(normalize(pixels[None], CARD)))[0]
+    probs = softmax(MODEL.run(model_input(pixels[None], CARD)))[0]
     i = int(probs.argmax())
     return {"label": CLASSES[i], "class_id": i, "probabilities": probs.tolist()}
 

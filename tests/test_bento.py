@@ -326,7 +326,7 @@ def test_bento_from_a_clean_venv_answers_like_offline_onnx_runtime(
 
     from trainyard.core.card import load_card
     from trainyard.core.io import sha256_file
-    from trainyard.runtime.inputs import decode_image, normalize
+    from trainyard.runtime.inputs import decode_image, model_input
     from trainyard.runtime.sessions import load_onnx
 
     venv = clean_venv["root"]
@@ -385,7 +385,7 @@ def test_bento_from_a_clean_venv_answers_like_offline_onnx_runtime(
     model_path = bento["path"] / "src" / "models" / "model.onnx"
     model = load_onnx(model_path, device="cpu")
     x = np.concatenate(
-        [normalize(decode_image(b, card)[None].astype(np.float32), card) for b in pngs]
+        [model_input(decode_image(b, card)[None].astype(np.float32), card) for b in pngs]
     )
     logits = model.run(x).astype(np.float64)
     e = np.exp(logits - logits.max(axis=1, keepdims=True))

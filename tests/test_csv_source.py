@@ -28,7 +28,7 @@ from trainyard.core.imaging import image_to_pixels
 from trainyard.data.sources import prepare_source
 from trainyard.doctor.dataset import collect_dataset
 from trainyard.export.onnx_export import export_and_verify
-from trainyard.runtime.inputs import decode_image, normalize
+from trainyard.runtime.inputs import decode_image, model_input
 from trainyard.serve.settings import load_model
 
 from conftest import REPO, stage_env, train_checkpoint
@@ -352,7 +352,7 @@ def test_prepare_stage_doctor_and_served_model_on_a_csv(tmp_path, capsys):
     served = card_from_metadata(model.metadata, str(onnx_path))
     assert model.classes == ["cat", "dog", "owl"] and served.contract() == card.contract()
     upload = (tmp_path / "ds" / "images" / "owl" / "3.png").read_bytes()
-    logits = model.run(normalize(decode_image(upload, served)[None], served))
+    logits = model.run(model_input(decode_image(upload, served)[None], served))
     assert logits.shape == (1, 3)
 
     # A broken CSV stops the stage with exit 1 and the row in its message.

@@ -22,7 +22,7 @@ from trainyard.core.card import METADATA_KEY, Card
 from trainyard.core.config import ServeParams
 from trainyard.evaluation.scoring import evaluate_onnx
 from trainyard.runtime import sessions
-from trainyard.runtime.inputs import normalize, softmax
+from trainyard.runtime.inputs import model_input, softmax
 from trainyard.runtime.sessions import CPU, CUDA, binding_device, load_onnx, run_bound
 from trainyard.serve.predictor import Predictor
 
@@ -188,7 +188,7 @@ def test_the_service_through_the_binding_equals_plain_and_reports_it(tmp_path, m
     got = bound.probabilities(pixels)
     np.testing.assert_array_equal(got, plain.probabilities(pixels))
     assert seen == [1, 9]  # warm-up and the batch; the plain predictor never binds
-    x = normalize(pixels, plain.card).reshape(9, -1)
+    x = model_input(pixels, plain.card).reshape(9, -1)
     expected = softmax(x @ weights["weight"] + weights["bias"])
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 

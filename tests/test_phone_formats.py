@@ -24,7 +24,7 @@ from trainyard.core.imaging import (
     read_header,
 )
 from trainyard.data.sources import prepare_source as prepare
-from trainyard.runtime.inputs import decode_image, normalize, softmax
+from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.serve.api import IMAGE_TYPES
 
 PHONE = {".heic": "HEIF", ".heif": "HEIF", ".hif": "HEIF", ".avif": "AVIF"}
@@ -231,7 +231,7 @@ def test_the_service_decodes_heic_and_avif_like_prepare(tiny):
     for client in client_for(tiny, batching=False):
         for ctype, data in photos.items():
             pixels = decode_image(data, CARD)[None].astype(np.float32)
-            x = normalize(pixels, CARD).reshape(1, -1)
+            x = model_input(pixels, CARD).reshape(1, -1)
             want = softmax(x @ tiny["weights"]["weight"] + tiny["weights"]["bias"])[0]
             resp = client.post("/classify", content=data, headers={"content-type": ctype})
             assert resp.status_code == 200, resp.text

@@ -186,7 +186,7 @@ def test_the_service_serves_the_folder_model_by_its_card(repo, photos, tmp_path)
     from test_serving import Server, server_env, write_params
 
     from trainyard.core.card import load_card
-    from trainyard.runtime.inputs import decode_image, normalize, softmax
+    from trainyard.runtime.inputs import decode_image, model_input, softmax
     from trainyard.runtime.sessions import load_onnx
 
     card = load_card(repo / "data/prepared")
@@ -206,7 +206,7 @@ def test_the_service_serves_the_folder_model_by_its_card(repo, photos, tmp_path)
             )
             assert got.status_code == 200, got.text
             # Offline: the same bytes through the same image->pixels function and the card.
-            x = normalize(decode_image(data, card)[None], card)
+            x = model_input(decode_image(data, card)[None], card)
             expected = softmax(model.run(x))[0]
             assert np.allclose(got.json()["probabilities"], expected, atol=1e-5), rel
             assert got.json()["label"] == PHOTO_CLASSES[int(expected.argmax())]

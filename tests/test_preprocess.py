@@ -12,7 +12,7 @@ from PIL import Image
 
 from trainyard.core.card import METADATA_KEY, Card, card_from_metadata
 from trainyard.core.errors import InputError, ModelError
-from trainyard.runtime.inputs import decode_image, normalize, pixel_arrays, softmax
+from trainyard.runtime.inputs import decode_image, model_input, pixel_arrays, softmax
 
 CONTRACT = Card(
     source="test",
@@ -144,7 +144,7 @@ def test_truncated_png_is_a_400(garment):
 
 
 def test_normalize_matches_the_evaluate_stage(garment):
-    x = normalize(garment[None, None], CONTRACT)
+    x = model_input(garment[None, None], CONTRACT)
     expected = (garment.astype(np.float32) / 255.0 - 0.3) / 0.35
     assert x.shape == (1, 1, 28, 28) and x.dtype == np.float32
     assert np.array_equal(x[0, 0], expected)
@@ -167,7 +167,7 @@ def test_colour_arrays_are_channel_first_planes():
     img = rng.integers(0, 256, (3, 8, 6))
     out = pixel_arrays([img.tolist()], RGB, max_images=2)
     assert out.shape == (1, 3, 8, 6) and np.array_equal(out[0], img.astype(np.float32))
-    x = normalize(out, RGB)
+    x = model_input(out, RGB)
     expected = (img / 255.0 - np.array([0.1, 0.2, 0.3])[:, None, None]) / np.array(
         [0.5, 0.25, 0.2]
     )[:, None, None]

@@ -34,7 +34,7 @@ from starlette.testclient import TestClient
 
 from trainyard.core.card import METADATA_KEY, Card
 from trainyard.core.io import sha256_file
-from trainyard.runtime.inputs import decode_image, normalize, softmax
+from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.serve.guard import RequestGuard
 from trainyard.serve.parsing import (
     Refused,
@@ -114,7 +114,7 @@ def write_tiny_model(folder: Path, card: Card = CARD, seed: int = 0) -> tuple[Pa
 def expected_probabilities(images: list[bytes], weights: dict, invert: bool = False) -> np.ndarray:
     """The answer computed here: the shared decode and normalisation, then numpy."""
     pixels = np.stack([decode_image(b, CARD, invert=invert) for b in images]).astype(np.float32)
-    x = normalize(pixels, CARD).reshape(len(images), -1)
+    x = model_input(pixels, CARD).reshape(len(images), -1)
     return softmax(x @ weights["weight"] + weights["bias"])
 
 

@@ -399,14 +399,16 @@ def rgb_photos(n: int) -> list[bytes]:
 
 def test_an_rgb_model_serves_photos_with_its_own_contract(rgb_server, rgb_model):
     from trainyard.core.card import card_from_metadata
-    from trainyard.runtime.inputs import decode_image, normalize, softmax
+    from trainyard.runtime.inputs import decode_image, model_input, softmax
     from trainyard.runtime.sessions import load_onnx
 
     model = load_onnx(rgb_model, device="cpu")
     card = card_from_metadata(model.metadata)
     photos = rgb_photos(6)
     # offline: the same bytes through the same imaging function, then ONNX Runtime
-    offline = softmax(model.run(normalize(np.stack([decode_image(p, card) for p in photos]), card)))
+    offline = softmax(
+        model.run(model_input(np.stack([decode_image(p, card) for p in photos]), card))
+    )
 
     meta = server_metadata(rgb_server.url)
     assert meta["classes"] == list(RGB_CLASSES)

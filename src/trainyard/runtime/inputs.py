@@ -31,13 +31,13 @@ __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
     "IMAGE_FORMATS",
     "decode_image",
-    "normalize",
+    "model_input",
     "pixel_arrays",
     "softmax",
 ]
 
 
-def normalize(pixels: np.ndarray, card: Card) -> np.ndarray:
+def model_input(pixels: np.ndarray, card: Card) -> np.ndarray:
     """Pixels 0–255 [N,C,H,W] -> float32 model input, exactly as evaluate does."""
     return normalize_pixels(pixels, card.mean, card.std)
 

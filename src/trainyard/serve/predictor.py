@@ -26,7 +26,7 @@ from trainyard.runtime.inputs import (
     IMAGE_FORMATS,
     decode_image,
     image_shape_text,
-    normalize,
+    model_input,
     softmax,
 )
 from trainyard.runtime.sessions import OnnxModel
@@ -85,7 +85,7 @@ class Predictor:
             Image.new("RGB", (2 * self.card.width, 2 * self.card.height)).save(buf, fmt)
             decode_image(buf.getvalue(), self.card)
         c, h, w = self.card.input_shape
-        self.model.run(normalize(np.zeros((1, c, h, w), dtype=np.float32), self.card))
+        self.model.run(model_input(np.zeros((1, c, h, w), dtype=np.float32), self.card))
 
     # ------------------------------------------------------------------ model
 
@@ -104,7 +104,7 @@ class Predictor:
                 f"got {list(pixels.shape)}"
             )
         self.metrics.batch_size.observe(pixels.shape[0])
-        return softmax(self.model.run(normalize(pixels, self.card)))
+        return softmax(self.model.run(model_input(pixels, self.card)))
 
     def prediction(self, probs: np.ndarray | Sequence[float], top_k: int) -> dict[str, Any]:
         """The answer for one image: top-1 label, every probability, the top ``top_k``."""
