@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +226,57 @@ def small_pipeline_repo(dest: Path, fashion_dir: Path) -> Path:
         mlflow={"system_metrics_interval_s": 1},
     )
     return repo
+
+
+@pytest.fixture(scope="session")
+def reproduced_pipeline(fashion_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small pipeline after its first `dvc repro`, run once per session: modules take
+    their own copy (``copy_reproduced``) instead of each training from scratch. Never
+    changed itself; the first repro's output is beside it, in ``first_repro.log``."""
+    repo = small_pipeline_repo(tmp_path_factory.mktemp("reproduced") / "trainyard", fashion_dir)
+    first = dvc(repo, "repro")
+    (repo.parent / "first_repro.log").write_text(first.stdout + first.stderr)
+    return repo
+
+
+def copy_reproduced(src: Path, dest: Path) -> Path:
+    """A copy of the reproduced pipeline ``src`` at ``dest`` that owns its MLflow store:
+    MLflow records absolute artifact paths (sqlite rows, some text files), so every
+    mention of ``src`` in the store and in text files is rewritten to ``dest`` (a store
+    still naming ``src`` would write into the shared original: that fails here)."""
+
+    # .dvc/tmp holds only DVC's caches and locks (keyed by absolute path): rebuilt on use.
+    def dvc_tmp(folder: str, names: list[str]) -> list[str]:
+        return ["tmp"] if Path(folder) == src / ".dvc" else []
+
+    shutil.copytree(src, dest, symlinks=True, ignore=dvc_tmp)
+    old, new = str(src), str(dest)
+    db = sqlite3.connect(dest / "mlflow.db")
+    with db:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        for table in tables:
+            for col in db.execute(f'PRAGMA table_info("{table}")').fetchall():
+                if "CHAR" in col[2].upper() or "TEXT" in col[2].upper():
+                    db.execute(
+                        f'UPDATE "{table}" SET "{col[1]}" = replace("{col[1]}", ?, ?) '
+                        f'WHERE "{col[1]}" LIKE ?',
+                        (old, new, f"%{old}%"),
+                    )
+    db.execute("VACUUM")  # no old value left behind in free pages
+    db.close()
+    for path in dest.rglob("*"):
+        if not path.is_file() or path.is_symlink() or path.name == "mlflow.db":
+            continue
+        data = path.read_bytes()
+        if old.encode() in data:
+            try:
+                path.write_text(data.decode().replace(old, new))
+            except UnicodeDecodeError:
+                # Binary: a checkpoint's record of where Lightning wrote it. Read-only
+                # provenance, and DVC-tracked: rewritten, its hash would change.
+                continue
+    assert old.encode() not in (dest / "mlflow.db").read_bytes(), f"{dest}/mlflow.db names {src}"
+    return dest
 
 
 # ---------------------------------------------------------------- folder datasets

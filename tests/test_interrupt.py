@@ -40,7 +40,7 @@ from trainyard.track.records import (
 from trainyard.track.registry import CHALLENGER, CHAMPION, SHA_TAG, register_and_promote
 from trainyard.track.runs import END_REASON_TAG
 
-from conftest import REPO, dvc, set_params, small_pipeline_repo, stage_env
+from conftest import REPO, copy_reproduced, dvc, set_params, stage_env
 
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 EXPORT_OUTS = ("models/model.onnx", "models/model.onnx.sha256", str(EXPORT_RECORD))
@@ -247,11 +247,9 @@ def test_sigterm_in_a_stage_is_unwound_like_ctrl_c(tmp_path, signum, code, reaso
 
 
 @pytest.fixture(scope="module")
-def repo(fashion_dir, tmp_path_factory) -> Path:
+def repo(reproduced_pipeline, tmp_path_factory) -> Path:
     """The small pipeline, run once: v1 of the model is champion."""
-    repo = small_pipeline_repo(tmp_path_factory.mktemp("interrupt") / "trainyard", fashion_dir)
-    dvc(repo, "repro")
-    return repo
+    return copy_reproduced(reproduced_pipeline, tmp_path_factory.mktemp("interrupt") / "trainyard")
 
 
 @dataclass

@@ -14,7 +14,7 @@ import yaml
 
 from trainyard.track.records import REGISTRY_RECORD, TRAIN_RECORD, RegistryRecord, TrainRecord
 
-from conftest import dvc, set_params, small_pipeline_repo, stage_env, train_concurrently
+from conftest import copy_reproduced, dvc, set_params, stage_env, train_concurrently
 
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
@@ -25,15 +25,15 @@ def ran(output: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def repo(fashion_dir, tmp_path_factory) -> Path:
-    repo = small_pipeline_repo(tmp_path_factory.mktemp("pipeline") / "trainyard", fashion_dir)
-    first = dvc(repo, "repro")
-    (repo / "first_repro.log").write_text(first.stdout + first.stderr)
+def repo(reproduced_pipeline, tmp_path_factory) -> Path:
+    repo = copy_reproduced(reproduced_pipeline, tmp_path_factory.mktemp("pipeline") / "trainyard")
+    first = (reproduced_pipeline.parent / "first_repro.log").read_text()
+    (repo.parent / "first_repro.log").write_text(first)
     return repo
 
 
 def test_first_repro_runs_every_stage_and_writes_outputs(repo):
-    log = (repo / "first_repro.log").read_text()
+    log = (repo.parent / "first_repro.log").read_text()
     assert ran(log) == set(STAGES)
     assert "[train] training on cpu" in log
     assert len(list((repo / "data/raw").iterdir())) == 4
@@ -92,7 +92,7 @@ def test_mlflow_run_holds_params_metrics_artifacts(repo):
     for key in ("perf/data_wait_fraction", "perf/step_ms", "perf/compute_ms", "perf/h2d_ms"):
         assert key in metrics, key
     assert run.data.tags["perf.verdict"] == verdict.level
-    assert "[train] input-bound verdict: " in (repo / "first_repro.log").read_text()
+    assert "[train] input-bound verdict: " in (repo.parent / "first_repro.log").read_text()
     inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}
     assert set(inputs) == {"fashion-mnist-train", "fashion-mnist-val"}
     assert inputs["fashion-mnist-train"].dataset.digest.startswith(info.data_sha256[:16])

@@ -167,14 +167,20 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- real dvc repro (slow)
 
-EPOCHS = 4
+EPOCHS = 2  # the kill lands after epoch 1; the rerun must still train one more
 
 
 @pytest.fixture(scope="module")
 def repo(fashion_dir, tmp_path_factory) -> Path:
     """Prepared data, and the reference: an uninterrupted deterministic training."""
     repo = small_pipeline_repo(tmp_path_factory.mktemp("resume") / "trainyard", fashion_dir)
-    set_params(repo, train={"max_epochs": EPOCHS, "deterministic": True})
+    # Half the small pipeline's slice: each epoch is still ~20 steps, so a kill still lands
+    # between the first checkpoint and the end of training.
+    set_params(
+        repo,
+        data={"limit": 1500, "val_size": 300},
+        train={"max_epochs": EPOCHS, "deterministic": True},
+    )
     dvc(repo, "repro", "prepare")
     t0 = time.perf_counter()
     ref = subprocess.run(

@@ -40,7 +40,7 @@ def swept(tmp_path_factory) -> dict:
     set_params(
         repo,
         data={"source": "folder", "folder": str(photos), "image_size": 32},
-        train={"max_epochs": 2, "time_budget_min": None, "batch_size": 16},
+        train={"max_epochs": 1, "time_budget_min": None, "batch_size": 16},
         mlflow={"system_metrics": False},
     )
     env = {"GIT_AUTHOR_NAME": "t", "GIT_COMMITTER_NAME": "t"}

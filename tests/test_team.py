@@ -26,7 +26,7 @@ from trainyard.core.io import sha256_file
 from trainyard.data.idx import read_idx
 from trainyard.track.records import EXPORT_RECORD, REGISTRY_RECORD, TRAIN_RECORD
 
-from conftest import VENV_BIN, dvc, git_env, small_pipeline_repo, stop_group
+from conftest import VENV_BIN, copy_reproduced, dvc, git_env, stop_group
 
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
@@ -83,11 +83,11 @@ def declared_outs(repo: Path) -> dict[str, bool]:
 
 
 @pytest.fixture(scope="module")
-def team(fashion_dir, tmp_path_factory) -> SimpleNamespace:
+def team(reproduced_pipeline, tmp_path_factory) -> SimpleNamespace:
     tmp = tmp_path_factory.mktemp("team")
-    origin = small_pipeline_repo(tmp / "origin", fashion_dir)
-    first = dvc(origin, "repro")
-    assert ran(first.stdout) == set(STAGES), first.stdout[-3000:]
+    origin = copy_reproduced(reproduced_pipeline, tmp / "origin")
+    first = (reproduced_pipeline.parent / "first_repro.log").read_text()
+    assert ran(first) == set(STAGES), first[-3000:]
     dvc(origin, "remote", "add", "-d", "shared", str(tmp / "remote"))
     git(origin, "add", "-A")
     git(origin, "commit", "-qm", "pipeline outputs and the shared DVC remote")

@@ -13,7 +13,15 @@ import pytest
 
 from trainyard.track.records import TRAIN_RECORD, TrainRecord
 
-from conftest import VENV_BIN, dvc, small_pipeline_repo, stage_env, stop_group, train_concurrently
+from conftest import (
+    VENV_BIN,
+    dvc,
+    set_params,
+    small_pipeline_repo,
+    stage_env,
+    stop_group,
+    train_concurrently,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +155,13 @@ def test_two_trainings_at_once_against_the_server_both_complete(server, repo):
     each run's checkpoint lands in the server's artifact store."""
     from mlflow.tracking import MlflowClient
 
-    infos = train_concurrently(repo, ["server-run0", "server-run1"], MLFLOW_TRACKING_URI=server)
+    # A quarter of the epoch: the two runs still overlap from start to end, in less time.
+    params = (repo / "params.yaml").read_text()
+    set_params(repo, train={"limit_train_batches": 10})
+    try:
+        infos = train_concurrently(repo, ["server-run0", "server-run1"], MLFLOW_TRACKING_URI=server)
+    finally:
+        (repo / "params.yaml").write_text(params)
     client = MlflowClient(tracking_uri=server)
     run_ids = set()
     for path in infos:
