@@ -144,20 +144,9 @@ async def read_classify(request: Request, card: Card, params: ServeParams) -> On
         invert = parse_flag("invert", query.get("invert"))
         top_k = parse_top_k(query.get("top_k"), n, params.top_k)
     elif media == "multipart/form-data":
-        form = await parse_form(
-            request,
-            body,
-            files="image",
-            texts=("invert", "top_k"),
-            max_files=1,
-            usage=CLASSIFY_USAGE,
+        images, top_k, invert = await _read_form(
+            request, body, "image", 1, CLASSIFY_USAGE, n, params
         )
-        try:
-            images = await file_fields(form, "image", CLASSIFY_USAGE)
-            invert = parse_flag("invert", form_text(form, "invert") or query.get("invert"))
-            top_k = parse_top_k(form_text(form, "top_k") or query.get("top_k"), n, params.top_k)
-        finally:
-            await form.close()
         if len(images) != 1:
             raise Refused(
                 400,
@@ -186,20 +175,9 @@ async def read_batch(request: Request, card: Card, params: ServeParams) -> Image
     media, query = media_type(request.headers), request.query_params
     n, limit = len(card.classes), params.max_batch_images
     if media == "multipart/form-data":
-        form = await parse_form(
-            request,
-            body,
-            files="images",
-            texts=("invert", "top_k"),
-            max_files=limit,
-            usage=BATCH_USAGE,
+        files, top_k, invert = await _read_form(
+            request, body, "images", limit, BATCH_USAGE, n, params
         )
-        try:
-            files = await file_fields(form, "images", BATCH_USAGE)
-            invert = parse_flag("invert", form_text(form, "invert") or query.get("invert"))
-            top_k = parse_top_k(form_text(form, "top_k") or query.get("top_k"), n, params.top_k)
-        finally:
-            await form.close()
         check_count(len(files), limit)
         for i, data in enumerate(files):
             if not data:
@@ -213,6 +191,30 @@ async def read_batch(request: Request, card: Card, params: ServeParams) -> Image
         pixels = await anyio.to_thread.run_sync(json_pixels, body, card, limit, params)
         return ImageBatch(pixels, top_k, invert=False)  # pixels as sent: nothing to invert
     raise unsupported("/classify_batch", media, BATCH_USAGE)
+
+
+async def _read_form(
+    request: Request,
+    body: bytes,
+    field: str,
+    max_files: int,
+    usage: str,
+    n_classes: int,
+    params: ServeParams,
+) -> tuple[list[bytes], int, bool]:
+    """A multipart body's files under ``field``, with top_k and invert from the form or
+    the query string (the form wins), or a Refused 4xx."""
+    query = request.query_params
+    form = await parse_form(
+        request, body, files=field, texts=("invert", "top_k"), max_files=max_files, usage=usage
+    )
+    try:
+        files = await file_fields(form, field, usage)
+        invert = parse_flag("invert", form_text(form, "invert") or query.get("invert"))
+        top_k = parse_top_k(form_text(form, "top_k") or query.get("top_k"), n_classes, params.top_k)
+    finally:
+        await form.close()
+    return files, top_k, invert
 
 
 def _require_body(body: bytes, usage: str) -> None:
