@@ -9,7 +9,7 @@ FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
 	bench-serve bench-prepare bench-resume bench-recipe soak doctor gpu-wheels clean \
-	tune report exps bench-sweep
+	tune report exps bench-sweep team-up team-down
 
 help:
 	@echo "make run    - create .venv, get the data, run the whole pipeline (dvc repro)"
@@ -30,6 +30,8 @@ help:
 	@echo "make tune   - Optuna search over params.yaml tune.space (TUNE_ARGS=\"--trials 8\"), child runs in MLflow"
 	@echo "make report - reports/report.md: this workspace vs main (REPORT_ARGS=\"--baseline REV\")"
 	@echo "make exps   - dvc exp show with only the params that differ and the metrics"
+	@echo "make team-up - a local team stack: PostgreSQL, mlflow server with sign-in, SSH DVC remote (docs/team.md)"
+	@echo "make team-down - stop it (TEAM_ARGS=--purge deletes its data)"
 	@echo "make lint   - ruff check + format check"
 
 venv: $(VENV)/.installed
@@ -40,6 +42,23 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
+
+# The servers a team runs, started here on loopback ports for trying trainyard as a team:
+# Debian's PostgreSQL, `mlflow server --app-name basic-auth` on it (artifacts proxied),
+# Debian's sshd for a DVC remote. Prints the URLs and what a teammate sets (docs/team.md).
+# As root it installs the Debian packages it lacks. TEAM_ARGS="--mlflow-port 5055".
+TEAM_ARGS ?=
+team-up: venv
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || [ ! -x /usr/sbin/sshd ]; }; then \
+	  echo "installing postgresql and openssh-server with apt-get"; \
+	  apt-get install -y -q postgresql openssh-server >/dev/null \
+	    || { apt-get update -q >/dev/null && apt-get install -y -q postgresql openssh-server >/dev/null; }; \
+	fi
+	$(BIN)/python -m team up $(TEAM_ARGS)
+
+team-down: venv
+	$(BIN)/python -m team down $(TEAM_ARGS)
 
 # Debian's dataset-fashion-mnist, when it can be installed here (root with apt-get);
 # otherwise the fetch stage downloads from the upstream mirrors in params.yaml.

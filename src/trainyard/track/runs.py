@@ -3,6 +3,7 @@ the train run reopened by the later stages."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import gc
@@ -179,20 +180,7 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
     """Fail within ``timeout`` seconds if the tracking store cannot be used."""
     _limit_http_retries()
     if uri.startswith(("http://", "https://")):
-        url = uri.rstrip("/") + "/health"
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as resp:
-                if resp.status != 200:
-                    raise TrackingError(
-                        f"MLflow tracking server {uri}: /health answered {resp.status}"
-                    )
-        except (urllib.error.URLError, OSError, TimeoutError) as err:
-            reason = getattr(err, "reason", err)
-            raise TrackingError(
-                f"MLflow tracking server {uri} is not reachable ({reason}). Start it "
-                "(`mlflow server --port …`) or unset MLFLOW_TRACKING_URI to use the embedded "
-                "store (mlflow.db in the repository)."
-            ) from None
+        _check_server(uri.rstrip("/"), timeout)
     elif uri.startswith("sqlite:///"):
         db = Path(uri.removeprefix("sqlite:///"))
         if not db.parent.is_dir():
@@ -209,6 +197,60 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         path = Path(uri.removeprefix("file://").removeprefix("file:"))
         if not path.parent.is_dir():
             raise TrackingError(f"MLFLOW_TRACKING_URI={uri}: folder {path.parent} does not exist")
+
+
+def _check_server(uri: str, timeout: float) -> None:
+    """The server answers /health, and a signed-in read (one experiment) with the
+    credentials MLflow itself will send: ``MLFLOW_TRACKING_USERNAME``/``PASSWORD`` (basic
+    auth) or ``MLFLOW_TRACKING_TOKEN`` (bearer). Each failure is one line saying which."""
+    try:
+        with urllib.request.urlopen(f"{uri}/health", timeout=timeout) as resp:
+            if resp.status != 200:
+                raise TrackingError(f"MLflow tracking server {uri}: /health answered {resp.status}")
+    except (urllib.error.URLError, OSError, TimeoutError) as err:
+        reason = getattr(err, "reason", err)
+        raise TrackingError(
+            f"MLflow tracking server {uri} is not reachable ({reason}). Start it "
+            "(`mlflow server --port …`) or unset MLFLOW_TRACKING_URI to use the embedded "
+            "store (mlflow.db in the repository)."
+        ) from None
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME", "")
+    password = os.environ.get("MLFLOW_TRACKING_PASSWORD", "")
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN", "")
+    request = urllib.request.Request(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1")
+    if user or password:
+        pair = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {pair}")
+    elif token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=max(timeout, 10)):
+            return
+    except urllib.error.HTTPError as err:
+        code = err.code
+    except (urllib.error.URLError, OSError, TimeoutError) as err:
+        raise TrackingError(
+            f"MLflow tracking server {uri} answers /health but not its API "
+            f"({getattr(err, 'reason', err)})"
+        ) from None
+    who = f"user {user!r}" if user else ("the token" if token else "no credentials")
+    if code == 401 and not (user or password or token):
+        raise TrackingError(
+            f"MLflow tracking server {uri} asks for a sign-in (HTTP 401): set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+        )
+    if code == 401:
+        raise TrackingError(
+            f"MLflow tracking server {uri} refused the sign-in of {who} (HTTP 401: wrong "
+            "password or unknown user): check MLFLOW_TRACKING_USERNAME / "
+            "MLFLOW_TRACKING_PASSWORD"
+        )
+    if code == 403:
+        raise TrackingError(
+            f"MLflow tracking server {uri}: {who} may not read experiments (HTTP 403): "
+            "ask the server's admin for a permission"
+        )
+    raise TrackingError(f"MLflow tracking server {uri}: its API answered HTTP {code}")
 
 
 def git_state(root: str | os.PathLike[str] = ".") -> dict[str, str]:
