@@ -5,6 +5,27 @@ beats the champion's by more than ``registry.promote_margin``; otherwise it is `
 A sweep's models (DVC experiments run in a queue or ``--temp`` copy) are registered as
 challengers and never move `champion`: the runs of a sweep race each other, and choosing
 among them is a person's decision (docs/experiments.md, "Sweeps and the registry").
+
+The decision is atomic across machines, with nothing but the MLflow server: teammates'
+evaluate stages deciding at once take turns in the order of their version numbers. The
+server numbers a model's versions itself, in one transaction per version (max + 1, under
+the registered model's row lock on PostgreSQL and the database write lock on sqlite; a
+clash retries), so the numbers are unique and increasing, and once version N exists every
+lower one is already visible with its tags. A version is registered first, with
+``decision=pending`` in the same write (its ticket); it then waits until no lower version
+of the model is pending, reads the champion, decides, and writes ``decision_reason``,
+``previous_champion``, the alias, and the final ``decision`` last. Each decision is thus
+made against the champion the one before it left. ``decision`` comes after the alias (not
+before it) so that "no lower version pending" also means "its alias has moved": the other
+order leaves a window in which a waiter reads the old champion and both versions win.
+
+A lower version pending for longer than ``STALE_AFTER_S`` (by the server's clock: the
+registration was killed) is treated as abandoned, said in a log line and in the reason;
+one found holding its alias with ``decision`` still pending (killed between the two last
+writes) had decided, and gets its ``decision`` tag written by whoever finds it. No lock
+service, no database access and no clock shared between clients is needed. Versions
+registered by hand carry no ``decision`` tag and take no part; a sweep's versions register
+without the ticket and do not wait, since they never move `champion`.
 """
 
 from __future__ import annotations
@@ -14,8 +35,10 @@ import io
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +63,11 @@ log = logging.getLogger(__name__)
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 ACCURACY_TAG, DATA_TAG, SHA_TAG = "test_accuracy", "data_version", "onnx_sha256"
+DECISION_TAG, PENDING = "decision", "pending"
+# A registration waits only for lower pending versions, each of which waits only for lower
+# ones and then decides in milliseconds: a version pending this long was killed.
+STALE_AFTER_S = 600.0
+POLL_S = 0.2  # between looks at the lower pending versions (jittered)
 
 
 def _register_quietly(model_uri: str, name: str, tags: dict[str, str]) -> Any:
@@ -125,22 +153,26 @@ def register_and_promote(
     margin: float,
     contract: Any | None = None,
     sweep: str | None = None,
+    stale_after_s: float = STALE_AFTER_S,
 ) -> dict[str, Any]:
-    """Register a new version, then move `champion` or `challenger` to it (only
-    `challenger` for a ``sweep``: the DVC experiment's name, tagged on the version).
+    """Register a new version, wait for its turn, then move `champion` or `challenger` to it
+    (only `challenger` for a ``sweep``: the DVC experiment's name, tagged on the version;
+    a sweep does not wait).
 
     ``contract`` (the ONNX model's dataset card) puts the input contract on the version:
     source, class count and names, input shape and resize policy, so the registry UI shows
-    what a version takes and answers without downloading it.
+    what a version takes and answers without downloading it. The turn: the module's
+    docstring; ``stale_after_s``: how long a lower version may stay pending before it is
+    taken for abandoned.
 
-    A registration is complete once its alias points at it (the last write). Nothing less
-    is left behind: if anything fails or is interrupted (Ctrl-C) before that, the version is
-    deleted again, since a version without its alias would look like a decision that was
-    never made. A rerun for the same model (same run, ONNX sha256, data and accuracy) whose
-    version still holds its alias reuses that version instead of registering the model a
-    second time (an evaluate interrupted after the alias moved, or a forced rerun); one that
-    finds versions of this run cut off before their decision (SIGKILL, or a Ctrl-C inside
-    MLflow's own register call) deletes them first.
+    A registration is complete once its alias points at it. Nothing less is left behind:
+    if anything fails or is interrupted (Ctrl-C, also while waiting) before that, the
+    version is deleted again, since a version without its alias would look like a decision
+    that was never made. A rerun for the same model (same run, ONNX sha256, data and
+    accuracy) whose version still holds its alias reuses that version instead of
+    registering the model a second time (an evaluate interrupted after the alias moved, or
+    a forced rerun); one that finds versions of this run cut off before their decision
+    (SIGKILL, or a Ctrl-C inside MLflow's own register call) deletes them first.
     """
 
     tags = version_tags(run_id, test_acc, data_version, onnx_sha256, contract, sweep)
@@ -148,19 +180,28 @@ def register_and_promote(
     if done is not None:
         return done
     _remove_cut_off(client, name, run_id)
-    champion = current_alias(client, name, CHAMPION)
-    alias, reason = decide(test_acc, champion, margin, sweep)
-    previous = int(champion.version) if champion is not None else None
-    tags |= {"previous_champion": str(previous or "")}
-    version = None
+    if not sweep:  # the ticket: in the version's own creating write, never seen without it
+        tags[DECISION_TAG] = PENDING
+    version = alias = None
     try:
-        # A Ctrl-C or SIGTERM waits for these four writes (milliseconds) and then stops
-        # the stage: the registration is whole, and the rerun finds it registered.
+        # A Ctrl-C or SIGTERM waits for each group of writes (milliseconds) and then stops
+        # the stage; the wait between them is interruptible, and undone like the rest.
         with signals_deferred():
             version = _register_quietly(model_uri, name, tags)
+        abandoned = [] if sweep else _wait_for_turn(client, name, version, stale_after_s)
+        champion = current_alias(client, name, CHAMPION)
+        alias, reason = decide(test_acc, champion, margin, sweep)
+        if abandoned:
+            listed = ", ".join(f"v{v}" for v in abandoned)
+            reason += f" (not waited for: {listed}, pending over {stale_after_s:g} s, abandoned)"
+        previous = int(champion.version) if champion is not None else None
+        with signals_deferred():
             client.set_model_version_tag(name, version.version, "decision_reason", reason)
-            client.set_model_version_tag(name, version.version, "decision", alias)
-            client.set_registered_model_alias(name, alias, version.version)
+            client.set_model_version_tag(
+                name, version.version, "previous_champion", str(previous or "")
+            )
+            _move_alias(client, name, alias, version.version)
+            client.set_model_version_tag(name, version.version, DECISION_TAG, alias)
     except BaseException as err:
         # BaseException: a Ctrl-C (KeyboardInterrupt) cuts a registration off as surely as a
         # store error does, and must not leave a version without its alias either.
@@ -181,6 +222,51 @@ def register_and_promote(
         "source": model_uri,
         "already_registered": False,
     }
+
+
+def _wait_for_turn(client: Any, name: str, mine: Any, stale_after_s: float) -> list[int]:
+    """Return once no version of ``name`` below ``mine`` is pending: the ones below have
+    decided and moved their aliases. Returns the versions given up on as abandoned."""
+    # The server's clock, not ours: a teammate's machine may be minutes off.
+    server_start, start = mine.creation_timestamp / 1000, time.monotonic()
+    abandoned: list[int] = []
+    said = False
+    while True:
+        # Filter on the tag (a model name may hold quotes the filter cannot escape).
+        found = client.search_model_versions(f"tags.{DECISION_TAG} = '{PENDING}'")
+        below = [
+            v
+            for v in found
+            if v.name == name
+            and int(v.version) < int(mine.version)
+            and int(v.version) not in abandoned
+        ]
+        if not below:
+            return abandoned
+        aliases = client.get_registered_model(name).aliases
+        now = server_start + time.monotonic() - start
+        waiting = False
+        for v in below:
+            held = _held_alias(aliases, v.version)
+            if held is not None:  # it decided and was killed before its decision tag
+                _finish(client, name, v.version, held)
+            elif now - v.creation_timestamp / 1000 > stale_after_s:
+                log.warning(
+                    "%s v%s has been pending for over %g s: taken for an abandoned "
+                    "registration (killed before its decision), not waited for",
+                    name,
+                    v.version,
+                    stale_after_s,
+                )
+                abandoned.append(int(v.version))
+            else:
+                waiting = True
+        if waiting:
+            if not said:  # once: a teammate's registration may be waiting on its own turn
+                listed = ", ".join(f"v{v.version}" for v in below)
+                log.info("%s v%s waits for %s to decide first", name, mine.version, listed)
+                said = True
+            time.sleep(POLL_S * random.uniform(0.5, 1.5))  # jitter: waiters do not march
 
 
 def version_tags(
@@ -221,6 +307,34 @@ def _versions_of_run(client: Any, name: str, run_id: str) -> list[Any]:
     return [v for v in found if v.name == name]
 
 
+def _move_alias(client: Any, name: str, alias: str, version: Any) -> None:
+    """Point ``alias`` at ``version``. Two first writes of one alias at once (a sweep's
+    `challenger`, which takes no turn, and another's) clash in the server's insert (an
+    IntegrityError, seen with four registrations at once); written again, it is a move."""
+    for attempt in range(3):
+        try:
+            client.set_registered_model_alias(name, alias, version)
+            return
+        except MlflowException:
+            if attempt == 2:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
+def _held_alias(aliases: dict[str, Any], version: Any) -> str | None:
+    """The decision alias (champion or challenger) that points at ``version``, if one does."""
+    for alias in (CHAMPION, CHALLENGER):
+        if str(aliases.get(alias)) == str(version):
+            return alias
+    return None
+
+
+def _finish(client: Any, name: str, version: Any, alias: str) -> None:
+    """Write the decision tag of a version that holds ``alias`` but was cut off before it."""
+    client.set_model_version_tag(name, version, DECISION_TAG, alias)
+    log.info("%s v%s holds %s, its decision tag was cut off: written", name, version, alias)
+
+
 def _already_registered(
     client: Any, name: str, run_id: str, tags: dict[str, str]
 ) -> dict[str, Any] | None:
@@ -229,55 +343,75 @@ def _already_registered(
     candidates = [
         v
         for v in _versions_of_run(client, name, run_id)
-        if v.tags.get("decision") and all(v.tags.get(k) == tags[k] for k in same)
+        if all(v.tags.get(k) == tags[k] for k in same)
     ]
     if not candidates:
         return None
     aliases = client.get_registered_model(name).aliases  # {alias: version}
     for v in sorted(candidates, key=lambda v: -int(v.version)):
-        alias = v.tags["decision"]
-        if str(aliases.get(alias)) == str(v.version):
-            previous = v.tags.get("previous_champion", "")
-            return {
-                "model_name": name,
-                "version": int(v.version),
-                "alias": alias,
-                "reason": v.tags.get("decision_reason", ""),
-                "previous_champion": int(previous) if previous.isdigit() else None,
-                "model_uri": f"models:/{name}@{alias}",
-                "source": v.source,
-                "already_registered": True,
-            }
+        decision = v.tags.get(DECISION_TAG)
+        alias = decision if decision in (CHAMPION, CHALLENGER) else _held_alias(aliases, v.version)
+        if alias is None or str(aliases.get(alias)) != str(v.version):
+            continue
+        if decision != alias:  # cut off between its alias and its decision tag
+            _finish(client, name, v.version, alias)
+        previous = v.tags.get("previous_champion", "")
+        return {
+            "model_name": name,
+            "version": int(v.version),
+            "alias": alias,
+            "reason": v.tags.get("decision_reason", ""),
+            "previous_champion": int(previous) if previous.isdigit() else None,
+            "model_uri": f"models:/{name}@{alias}",
+            "source": v.source,
+            "already_registered": True,
+        }
     return None
 
 
 def _remove_cut_off(client: Any, name: str, run_id: str) -> None:
     """Delete this run's versions that never got a decision: registrations cut off by a kill.
 
-    MLflow creates the version with our tags (run_id, onnx_sha256) in one write; the decision
-    tags follow, then the alias. So a version with our tags and no decision was never
-    promoted and nothing points at it. One registered by hand from this run (in the UI) has
-    no onnx_sha256 tag and is left alone.
+    MLflow creates the version with our tags (run_id, onnx_sha256, decision pending) in one
+    write; the decision's tags follow, then the alias, then the final decision. So a version
+    with our tags, still pending (or a sweep's, with no decision) and holding no alias was
+    never promoted and nothing points at it; one holding its alias had decided, and gets its
+    decision tag. One registered by hand from this run (in the UI) has no onnx_sha256 tag
+    and is left alone.
     """
-    for v in _versions_of_run(client, name, run_id):
-        if v.tags.get(SHA_TAG) and not v.tags.get("decision"):
-            client.delete_model_version(name, v.version)
-            log.info(
-                "deleted %s v%s: its registration was cut off before the decision",
-                name,
-                v.version,
-            )
+    undecided = [
+        v
+        for v in _versions_of_run(client, name, run_id)
+        if v.tags.get(SHA_TAG) and v.tags.get(DECISION_TAG) not in (CHAMPION, CHALLENGER)
+    ]
+    if not undecided:
+        return
+    aliases = client.get_registered_model(name).aliases
+    for v in undecided:
+        held = _held_alias(aliases, v.version)
+        if held is not None:
+            _finish(client, name, v.version, held)
+            continue
+        client.delete_model_version(name, v.version)
+        log.info(
+            "deleted %s v%s: its registration was cut off before the decision",
+            name,
+            v.version,
+        )
 
 
-def _undo(client: Any, name: str, run_id: str, alias: str, version: Any | None) -> None:
+def _undo(client: Any, name: str, run_id: str, alias: str | None, version: Any | None) -> None:
     """After a failed or interrupted registration: remove what it left; never raises."""
     try:
         if version is None:
             # Cut off inside MLflow's register call, which may have created the version.
             _remove_cut_off(client, name, run_id)
-        elif str(client.get_registered_model(name).aliases.get(alias)) != str(version.version):
+        elif alias is None or (
+            str(client.get_registered_model(name).aliases.get(alias)) != str(version.version)
+        ):
             client.delete_model_version(name, version.version)
-        # else the alias moved before the interruption: the registration is complete
+        else:  # the alias moved before the interruption: the registration is complete
+            client.set_model_version_tag(name, version.version, DECISION_TAG, alias)
     except Exception:  # the store is already failing; report the first error
         log.exception("could not remove a half-registered version of %s", name)
 
