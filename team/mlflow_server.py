@@ -112,3 +112,15 @@ def create_user(uri: str, admin: str, admin_password: str, user: str, password: 
                     f"MLflow user {user}: {path} answered {err.code}: {detail}"
                 ) from None
     raise StackError(f"MLflow user {user}: could not be created or updated")
+
+
+def warm_up(uri: str, user: str, password: str) -> None:
+    """One signed-in API call per worker, so a teammate's first call is not the one that
+    waits for the workers' lazy start."""
+    req = urllib.request.Request(
+        f"{uri}/api/2.0/mlflow/experiments/search?max_results=1",
+        headers={"Authorization": _basic(user, password)},
+    )
+    for _ in range(4):
+        with urllib.request.urlopen(req, timeout=120):
+            pass

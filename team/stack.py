@@ -126,6 +126,7 @@ def up(folder: Path, ports: Ports | None = None, users: tuple[str, ...] = USERS)
         mlflow_server.create_user(
             stack.mlflow_uri, ADMIN, stack.secrets["admin"], user, stack.secrets[f"user:{user}"]
         )
+    mlflow_server.warm_up(stack.mlflow_uri, ADMIN, stack.secrets["admin"])
     (folder / "dvc-remote").mkdir(exist_ok=True)
     if not _alive(stack.pids.get("ssh")):
         stack.pids["ssh"] = sshd.start(folder / "ssh", ports.ssh)

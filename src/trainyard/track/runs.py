@@ -29,6 +29,7 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 from trainyard import __version__
 from trainyard.core.errors import Terminated, TrackingError
+from trainyard.track.outage import GapMonitor, ServerGap
 from trainyard.track.records import TRAIN_RECORD
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ def store_lock(uri: str) -> Iterator[None]:
 
 def _limit_http_retries() -> None:
     # MLflow's default (7 retries, backoff 2) turns a dead server into a multi-minute hang.
+    # A server lost during a fit costs one such call; then track.outage keeps the metrics.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
@@ -224,7 +226,8 @@ def _check_server(uri: str, timeout: float) -> None:
     elif token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=max(timeout, 10)):
+        # A busy server's first API call can take seconds (its workers load lazily).
+        with urllib.request.urlopen(request, timeout=max(timeout, 30)):
             return
     except urllib.error.HTTPError as err:
         code = err.code
@@ -465,7 +468,9 @@ def dvc_data_version(root: str | os.PathLike[str] = ".", out: str = "data/prepar
 
 class SystemMetrics:
     """MLflow's own system-metrics monitor (CPU, RAM, disk, network; GPU via NVML) on a run
-    created outside the fluent API (Lightning's MLFlowLogger creates its run by client)."""
+    created outside the fluent API (Lightning's MLFlowLogger creates its run by client).
+    With ``gap`` (the fit's ``ServerGap``) its samples are kept while the server is away,
+    and an outage neither stops the sampling nor prints more than the gap's own line."""
 
     def __init__(
         self,
@@ -474,12 +479,16 @@ class SystemMetrics:
         interval_s: float,
         enabled: bool,
         resume: bool = False,
+        gap: ServerGap | None = None,
     ) -> None:
-        self.monitor = None
+        self.monitor: SystemMetricsMonitor | None = None
         if not enabled:
             return
 
         # resume: a resumed run's samples continue after its last step, not over it
+        if gap is not None:  # samples kept while the server is away (track.outage)
+            self.monitor = GapMonitor(gap, interval_s, resume)
+            return
         self.monitor = SystemMetricsMonitor(
             run_id, sampling_interval=interval_s, tracking_uri=tracking_uri, resume_logging=resume
         )

@@ -15,7 +15,6 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -24,6 +23,7 @@ from trainyard.core.config import MlflowParams, Params, TrainParams
 from trainyard.core.io import atomic_file, sha256_file
 from trainyard.data.datamodule import ImageDataModule
 from trainyard.model.classifier import Classifier, classifier_for
+from trainyard.track.outage import ServerGap
 from trainyard.track.records import TrainRecord
 from trainyard.track.runs import (
     DVC_EXP_NAME,
@@ -37,11 +37,18 @@ from trainyard.track.runs import (
     run_tags,
     tracking_client,
 )
-from trainyard.track.train_run import log_fit_inputs, log_fit_outputs, reopen_run
-from trainyard.training.builder import build_trainer, stop_reason, time_limit_min
+from trainyard.track.train_run import log_fit_inputs, reopen_run
+from trainyard.training.builder import build_trainer, time_limit_min
 from trainyard.training.device import resolve_device
+from trainyard.training.fit_end import (
+    FitResult,
+    complete_run,
+    finished_fit,
+    keep_unsent,
+    send_saved,
+)
 from trainyard.training.fit_log import EpochTimer
-from trainyard.training.gpu_busy import GpuBusyMeter, gpu_busy_of
+from trainyard.training.gpu_busy import GpuBusyMeter
 from trainyard.training.history import HISTORY_FILE, History
 from trainyard.training.nodes import Nodes, ShareRun, join_nodes, resume_mode, what_trains
 from trainyard.training.perf import InputBoundMeter
@@ -56,6 +63,7 @@ from trainyard.training.resume import (
     resume_key,
 )
 from trainyard.training.resume import prepare as prepare_resume
+from trainyard.training.run_logger import GapEpoch, RunLogger
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +92,19 @@ class TrackedRun:
     uri: str
     # Rank 0's creates the run; another node's rank logs nothing, and must not even open
     # the store (MLflow's client creates an sqlite file's tables): Lightning's stand-in.
-    logger: MLFlowLogger | DummyLogger
+    logger: RunLogger | DummyLogger
     client: TrackingClient | None  # rank 0 only: resume bookkeeping, ending a killed run
     resume: Resume
     lead: bool  # rank 0, the one rank that owns the MLflow run (under DDP all run this)
     dvc_md5: str  # DVC's hash of data/prepared, "" when dvc.lock has none
     peer_run_id: str | None = None  # on the other ranks: rank 0's run, once it is shared
+    gap: ServerGap | None = None  # rank 0: metrics kept while the server is away
 
     @property
     def run_id(self) -> str | None:
         """The MLflow run's id (Lightning's logger creates the run on first use); on
         other ranks rank 0's, once known (across nodes before the fit, else at its start)."""
-        if isinstance(self.logger, MLFlowLogger) and self.logger.run_id:
+        if isinstance(self.logger, RunLogger) and self.logger.run_id:
             return self.logger.run_id
         return self.peer_run_id
 
@@ -154,26 +163,33 @@ def fit_and_track(
             recipe.save(tracked.resume.folder / RECIPE_FILE)
             log_run_inputs(tracked, dm, data_dir, params_file, recipe)
             tracked.resume.write_state(tracked.run_id, tracked.logger.experiment_id, uri)
+            send_saved(tracked)  # metrics an earlier start kept while the server was away
         return tracked
 
     tracked = join_run(nodes, start, folder, uri) if nodes.joined else start()
-    setup = build_fit(
-        run_params.train,
-        hw,
-        tracked,
-        dm.card.counts["train"]["total"],
-        out_dir,
-        time_limit_min(params.train, recipe.planned_epochs),
-        extras.callbacks,
-    )
-    fit_s = run_fit(setup, model, dm, tracked, params.mlflow)
-    if setup.trainer.global_rank != 0:
-        return None
-    record = write_outputs(run_params, out_dir, tracked, setup, hw, dm, fit_s)
+    # Finished while the server was away (training.fit_end): nothing left to train.
+    result = None if nodes.joined else finished_fit(tracked, out_dir)
+    if result is None:
+        setup = build_fit(
+            run_params.train,
+            hw,
+            tracked,
+            dm.card.counts["train"]["total"],
+            out_dir,
+            time_limit_min(params.train, recipe.planned_epochs),
+            extras.callbacks,
+        )
+        fit_s = run_fit(setup, model, dm, tracked, params.mlflow)
+        if setup.trainer.global_rank != 0:
+            return None
+        trainer, meter, history = setup.trainer, setup.meter, out_dir / HISTORY_FILE
+        result = FitResult.of(trainer, setup.checkpoint, meter.result, fit_s, dm.placement, history)
+    complete_run(tracked, result)  # the server away past the wait: the state is kept, raises
+    record = write_outputs(run_params, out_dir, tracked, result, hw, dm)
     tracked.resume.finish()  # done: a forced rerun of the same params trains anew
     log.info(
         "best val/acc %.4f; MLflow run %s at %s",
-        float(setup.checkpoint.best_model_score),
+        result.best_score,
         record.run_id,
         uri,
     )
@@ -351,7 +367,7 @@ def open_tracking(
     experiment = run_params.experiment_name()
     if lead:  # before Lightning's logger, which would race another run creating it
         ensure_experiment(uri, experiment)
-    logger = MLFlowLogger(
+    logger = RunLogger(
         experiment_name=experiment,
         run_name=None if resume.run_id else (extras.run_name or run_name(run_params, key)),
         tracking_uri=uri,
@@ -363,7 +379,9 @@ def open_tracking(
         reopen_run(mlc, resume.run_id, run_params.flat())
     else:
         logger.log_hyperparams(run_params.flat())
-    return TrackedRun(uri, logger, mlc, resume, lead, dvc_md5)
+    gap = ServerGap(uri, logger.run_id, mlc) if lead and logger.run_id else None
+    logger.gap = gap
+    return TrackedRun(uri, logger, mlc, resume, lead, dvc_md5, gap=gap)
 
 
 def log_run_inputs(
@@ -446,6 +464,7 @@ def build_fit(
             early,
             LearningRateMonitor("step"),
             EpochTimer(),
+            GapEpoch(),  # the epoch a tracking-server gap opens at, for its line
             GpuBusyMeter(),  # NVML utilisation over the training steps
             History(out_dir / HISTORY_FILE),
             meter,
@@ -488,17 +507,21 @@ def run_fit(
         mp.system_metrics_interval_s,
         mp.system_metrics and tracked.lead,
         resume.resuming,
+        tracked.gap,
     )
     try:
         with interruptions(resume), monitor:
             setup.trainer.fit(model, datamodule=dm, ckpt_path=resume.ckpt_path)
     except BaseException:
         if resume.signal is None:
+            keep_unsent(tracked)
             resume.release()
             raise
     if resume.signal is not None:
         if tracked.lead:
-            end_killed(resume, tracked.client, tracked.run_id, setup.trainer)
+            keep_unsent(tracked)
+            away = tracked.gap is not None and tracked.gap.away  # no one to mark it KILLED
+            end_killed(resume, None if away else tracked.client, tracked.run_id, setup.trainer)
         raise SystemExit(128 + resume.signal)
     return time.perf_counter() - t0
 
@@ -507,40 +530,36 @@ def write_outputs(
     params: Params,
     out_dir: Path,
     tracked: TrackedRun,
-    setup: FitSetup,
+    result: FitResult,
     hw: Hardware,
     dm: ImageDataModule,
-    fit_s: float,
 ) -> TrainRecord:
-    """``out_dir/best.ckpt`` (also logged to the run) and the record ``out_dir/train.json``."""
-    checkpoint, logger = setup.checkpoint, tracked.logger
+    """``out_dir/best.ckpt`` (the run's ``checkpoints/best.ckpt``) and the record
+    ``out_dir/train.json``."""
+    logger = tracked.logger
     best_dest = out_dir / BEST_CKPT
     with atomic_file(best_dest) as tmp:
-        shutil.copyfile(Path(checkpoint.best_model_path), tmp)
-    ckpt_sha = sha256_file(best_dest)
-    best_acc = float(checkpoint.best_model_score)
-    stopped_by = stop_reason(setup.trainer)
-    log_fit_outputs(logger.experiment, logger.run_id, best_dest, fit_s, stopped_by)
+        shutil.copyfile(tracked.resume.folder / result.best_ckpt, tmp)
     card = dm.card
     record = TrainRecord(
         run_id=logger.run_id,
         experiment_id=logger.experiment_id,
         experiment=params.experiment_name(),
-        best_val_acc=round(best_acc, 6),
+        best_val_acc=round(result.best_score, 6),
         best_epoch=int(_ckpt_epoch(best_dest)),
-        epochs_run=int(setup.trainer.current_epoch),
+        epochs_run=result.epochs_run,
         device=hw.device,
         precision=hw.precision,
         checkpoint=BEST_CKPT,
-        checkpoint_sha256=ckpt_sha,
+        checkpoint_sha256=sha256_file(best_dest),
         data_sha256=card.data_sha256,
         data_version=tracked.dvc_md5 or card.data_sha256,
-        data_placement=dm.placement,
-        fit_time_s=round(fit_s, 2),
+        data_placement=result.data_placement,
+        fit_time_s=round(result.fit_s, 2),
         # perf.py: level, data_wait_fraction, why, fix, ms per step (also MLflow tag perf.verdict)
-        input_bound=setup.meter.result,
-        gpu_busy=gpu_busy_of(setup.trainer),  # train.gpu_busy: mean %, or None and why
-        stopped_by=stopped_by,
+        input_bound=result.input_bound,
+        gpu_busy=result.gpu_busy,  # train.gpu_busy: mean %, or None and why
+        stopped_by=result.stopped_by,
     )
     record.write(TrainRecord.path_in(out_dir))
     return record

@@ -22,7 +22,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import MLFlowLogger
+
+from trainyard.training.run_logger import tag_run
 
 try:  # nvidia-ml-py: a dependency, but a bare GPU image may lack it; the reason says so
     import pynvml
@@ -207,9 +208,7 @@ class GpuBusyMeter(L.Callback):
 
     @staticmethod
     def _tag(trainer: L.Trainer, reason: str) -> None:
-        for logger in trainer.loggers:
-            if isinstance(logger, MLFlowLogger) and logger.run_id is not None:
-                logger.experiment.set_tag(logger.run_id, "perf.gpu_busy", reason)
+        tag_run(trainer, {"perf.gpu_busy": reason})  # kept while the server is away
 
 
 def meter_of(trainer: L.Trainer) -> GpuBusyMeter | None:

@@ -37,9 +37,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import MLFlowLogger
 
 from trainyard.training.gpu_busy import meter_of
+from trainyard.training.run_logger import tag_run
 
 log = logging.getLogger(__name__)
 
@@ -485,9 +485,6 @@ class InputBoundMeter(L.Callback):
 
     @staticmethod
     def _tag(trainer: L.Trainer, result: dict[str, Any]) -> None:
-        for logger in trainer.loggers:
-            if isinstance(logger, MLFlowLogger) and logger.run_id is not None:
-                client, run_id = logger.experiment, logger.run_id
-                client.set_tag(run_id, "perf.verdict", result["level"])
-                client.set_tag(run_id, "perf.fix", result["fix"])
-                client.set_tag(run_id, "perf.why", result["why"])
+        # through the run's gap: kept, not lost, while the tracking server is away
+        tags = {"perf.verdict": result["level"], "perf.fix": result["fix"]}
+        tag_run(trainer, tags | {"perf.why": result["why"]})

@@ -376,7 +376,8 @@ def interruptions(resume: Resume) -> Iterator[None]:
 
 
 def end_killed(resume: Resume, client: Any, run_id: str, trainer: L.Trainer) -> None:
-    """After a signal: mark the run KILLED, say what the next start will do, and exit."""
+    """After a signal: mark the run KILLED, say what the next start will do, and exit.
+    ``client`` None: the tracking server is away, the run stays RUNNING for the next start."""
     assert resume.signal is not None
     name = signal.Signals(resume.signal).name
     ckpt = resume.folder / LAST_CKPT
@@ -384,12 +385,13 @@ def end_killed(resume: Resume, client: Any, run_id: str, trainer: L.Trainer) -> 
         then = f"the next `dvc repro` resumes it from {ckpt}"
     else:
         then = "no checkpoint yet: the next start begins anew"
-    end_interrupted_run(
-        client,
-        run_id,
-        "KILLED",
-        f"{name} at epoch {trainer.current_epoch + 1}, step {trainer.global_step}",
-    )
+    if client is not None:
+        end_interrupted_run(
+            client,
+            run_id,
+            "KILLED",
+            f"{name} at epoch {trainer.current_epoch + 1}, step {trainer.global_step}",
+        )
     log.warning("interrupted by %s; %s", name, then)
     resume.release()
     raise SystemExit(128 + resume.signal)
