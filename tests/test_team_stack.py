@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -29,7 +30,7 @@ from trainyard.core.io import sha256_file
 from trainyard.data.idx import read_idx
 from trainyard.track.records import REGISTRY_RECORD, TRAIN_RECORD, TrainRecord
 
-from conftest import dvc, git_env, small_pipeline_repo, stage_env
+from conftest import copy_reproduced, dvc, git_env, set_params, stage_env
 
 pytestmark = pytest.mark.slow
 MODEL = "fashion-mnist-classifier"
@@ -90,11 +91,18 @@ def with_remote(stack: Stack, repo: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def origin(stack, fashion_dir, tmp_path_factory) -> SimpleNamespace:
+def origin(stack, reproduced_pipeline, tmp_path_factory) -> SimpleNamespace:
     """alice: the small pipeline against the team server, committed, pushed over SSH."""
     tmp = tmp_path_factory.mktemp("team-stack")
-    repo = small_pipeline_repo(tmp / "alice", fashion_dir)
+    # The session's reproduced small pipeline, with fewer steps: fetch and prepare are
+    # up to date, train, export and evaluate run against the server. Every experiment
+    # below inherits the short fit (about 4 steps), so four of them fit in the suite.
+    repo = copy_reproduced(reproduced_pipeline, tmp / "alice")
+    set_params(repo, train={"limit_train_batches": 4})
+    for store in ("mlflow.db", "mlflow.db.lock", "mlruns"):  # the first run's local store
+        shutil.rmtree(repo / store) if (repo / store).is_dir() else (repo / store).unlink(True)
     repro = run(repo, "dvc", "repro", **stack.env("alice"))
+    assert "Running stage 'prepare'" not in repro.stdout, repro.stdout[-3000:]
     with_remote(stack, repo)
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "pipeline outputs; the team's DVC remote")
@@ -199,7 +207,9 @@ def replay(versions: list, margin: float) -> list[tuple[str, str, str]]:
 
 def test_two_teammates_two_experiments_each_at_once(stack, origin):
     clones = {user: teammate_clone(stack, origin, f"exp-{user}") for user in ("alice", "bob")}
-    lrs = {"alice": ("0.001", "0.02"), "bob": ("0.004", "0.05")}
+    # Learning rates a 4-step fit survives (at 0.05 its logits grow so large that the
+    # export's absolute parity limit fails): the accuracies still differ.
+    lrs = {"alice": ("0.001", "0.004"), "bob": ("0.002", "0.008")}
     procs = {}
     for user, clone in clones.items():
         script = " && ".join(f"dvc exp run -S train.lr={lr}" for lr in lrs[user])
