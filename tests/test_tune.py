@@ -6,7 +6,9 @@ What a user relies on: a study of N trials is N child runs under one parent run 
 trial becomes a queued DVC experiment; a kill mid-trial and a rerun continue the same study
 and parent run with the killed trial failed and its run ended; a trial that fails does not
 stop the study; two workers on one sqlite study share it without overshooting or
-duplicating; a pruned trial is recorded as such.
+duplicating; a pruned trial is recorded as such; trial n draws from seed + n whichever
+worker asks; a password in tune.storage is refused, unsaid. A study shared on PostgreSQL
+by two clones: tests/test_tune_shared.py.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from optuna.trial import TrialState
 from trainyard.core.errors import ParamsError
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
-from trainyard.experiments import tune
+from trainyard.experiments import tune, workers
 from trainyard.track.runs import ensure_experiment
 from trainyard.track.study_runs import StudyRuns
 
@@ -94,7 +96,7 @@ def run_tune(cwd: Path, *args: str, expect: int = 0) -> tuple[str, str]:
 def load_study(cwd: Path) -> optuna.Study:
     """The study. Opening a storage writes to it the first time (tables, version rows):
     under the workers' lock, as they do, so that a poll never races a starting worker."""
-    with st.StudyLock(cwd / "optuna.db.lock"):
+    with workers.StudyLock(cwd / "optuna.db.lock"):
         storage = optuna.storages.RDBStorage(f"sqlite:///{cwd}/optuna.db")
     return optuna.load_study(study_name=STUDY, storage=storage)
 
@@ -165,16 +167,33 @@ def test_overrides_apply_before_validation_and_a_bad_key_is_named(tmp_path):
         tune.parse_override("train.lr")
 
 
+@pytest.mark.parametrize(
+    "url", ["postgresql://tune:s3cr3t@db/optuna", "postgresql://tune@db/optuna?password=s3cr3t"]
+)
+def test_a_password_in_the_storage_url_is_refused_without_saying_it(tmp_path, url):
+    cwd = workdir(tmp_path)
+    ns = argparse.Namespace(
+        params=str(cwd / "params.yaml"), trials=None, timeout=None, study=None, overrides=[]
+    )
+    ns.overrides = [tune.parse_override(f"tune.storage={url}")]
+    with pytest.raises(ParamsError) as err:
+        tune.load_setup(ns)
+    assert "tune.storage: the URL holds a password" in str(err.value)
+    assert "PGPASSWORD or ~/.pgpass" in str(err.value) and "s3cr3t" not in str(err.value)
+    ns.overrides = [tune.parse_override("tune.storage=postgresql://tune@db/optuna")]
+    assert tune.load_setup(ns).url == "postgresql://tune@db/optuna"
+
+
 def test_a_dead_worker_is_told_from_a_live_one():
     proc = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    gone = st.worker_id(int(proc.stdout))
-    assert st.worker_dead(gone.rsplit("/", 1)[0] + "/1")  # the pid is gone
-    assert not st.worker_dead(st.worker_id())  # this process
-    host, boot, pid, ticks = st.worker_id().split("/")
-    assert st.worker_dead(f"{host}/{boot}/{pid}/{int(ticks) + 1}")  # same pid, another process
-    assert not st.worker_dead(f"elsewhere/{boot}/{proc.stdout.strip()}/1")  # another machine's
+    gone = workers.worker_id(int(proc.stdout))
+    assert workers.worker_dead(gone.rsplit("/", 1)[0] + "/1")  # the pid is gone
+    assert not workers.worker_dead(workers.worker_id())  # this process
+    host, boot, pid, ticks = workers.worker_id().split("/")
+    assert workers.worker_dead(f"{host}/{boot}/{pid}/{int(ticks) + 1}")  # same pid, another process
+    assert not workers.worker_dead(f"elsewhere/{boot}/{proc.stdout.strip()}/1")  # another machine's
 
 
 @pytest.mark.filterwarnings(
@@ -206,6 +225,31 @@ def test_a_silent_worker_trial_is_failed_and_its_run_killed(tmp_path):
     assert run.info.status == "KILLED" and run.data.tags["optuna.state"] == "FAIL"
     assert "stopped sending heartbeats" in run.data.tags["trainyard.end_reason"]
     assert client.get_run(runs.parent_id).info.status == "RUNNING"  # the study's own
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_two_workers_of_one_storage_never_draw_alike_and_one_worker_repeats_itself(tmp_path):
+    """Each worker loads the study with the same seed; trial n draws from seed + n, the
+    number the storage assigns. Two workers asking at once (they used to draw from the
+    trial count each had just read: the same count, the same draws) get two numbers and two
+    draws; a study run again from scratch draws the same values trial for trial."""
+    tune_params = tune.parse_params({}, "params").tune
+
+    def draws(url: str, workers_asking: int) -> list[dict]:
+        storage = optuna.storages.RDBStorage(url)
+        studies = [st.load_study(storage, STUDY, tune_params, seed=42) for _ in range(3)]
+        trials = [studies[i % workers_asking].ask() for i in range(6)]  # all RUNNING at once
+        return [st.suggest(t, tune_params) for t in trials]
+
+    shared = draws(f"sqlite:///{tmp_path}/shared.db", 3)
+    assert len({json.dumps(d, sort_keys=True) for d in shared}) == 6
+    alone = draws(f"sqlite:///{tmp_path}/alone.db", 1)
+    assert alone == shared  # what trial n draws depends on n (and the seed), not the worker
+    seeded = optuna.samplers.TPESampler(seed=42 + 4, n_startup_trials=3)
+    ref = optuna.create_study(sampler=seeded)
+    for _ in range(4):  # trials 0..3, so that the next is trial 4
+        ref.add_trial(optuna.trial.create_trial(state=TrialState.FAIL))
+    assert st.suggest(ref.ask(), tune_params) == alone[4]
 
 
 # ---------------------------------------------------------------- slow: real studies

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from trainyard.core.errors import ParamsError
+
+# The error type of a value that holds a secret: its message is said, never the value.
+SECRET_ERROR = "secret_in_value"
 
 DEFAULT_PARAMS = Path("params.yaml")
 TRAIN_POOL_SIZE = 60_000  # images in Fashion-MNIST's train file (train + validation come from it)
@@ -333,6 +338,20 @@ class TuneParams(_Strict):
                 raise ValueError(f"{key}: {why}") from None
         return out
 
+    @field_validator("storage")
+    @classmethod
+    def _no_password(cls, v: str) -> str:
+        # params.yaml is committed, and logged as the runs' MLflow params.
+        url = urllib.parse.urlsplit(v)
+        if url.password is not None or "password" in urllib.parse.parse_qs(url.query):
+            raise PydanticCustomError(
+                SECRET_ERROR,  # _describe does not echo the value
+                "the URL holds a password, and params.yaml is committed and logged as MLflow "
+                "params: leave it out (postgresql://USER@HOST/DB) and set PGPASSWORD or "
+                "~/.pgpass, which libpq reads",
+            )
+        return v
+
 
 class Params(_Strict):
     seed: int = Field(42, ge=0, le=2**32 - 1)
@@ -411,7 +430,8 @@ def _describe(err: ValidationError, source: str) -> str:
             msg = "unknown key (typo? see params.yaml for the valid keys)"
         else:
             msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own
-        msgs, got = found.setdefault(key, ([], e.get("input", dict)))
+        got = dict if e["type"] == SECRET_ERROR else e.get("input", dict)  # dict: no value
+        msgs, got = found.setdefault(key, ([], got))
         if msg not in msgs:
             msgs.append(msg)
     lines = [f"invalid params in {source}:"]

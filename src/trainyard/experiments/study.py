@@ -1,23 +1,20 @@
 """Optuna behind ``trainyard tune``: the one module that imports it (tests/test_layers.py).
 
 - storage: Optuna's RDB storage with heartbeats (a worker that dies mid-trial has its trial
-  failed by the next worker), sqlite beside mlflow.db by default;
-- a lock file shared by this machine's workers of one study: the trial count and the
-  MLflow parent run are decided by one worker at a time;
-- the study (TPE sampler, median pruner), a trial's sampled values, its pruning callback,
-  and what the trials module reads of a study (counts, the best trial);
+  failed by the next worker), sqlite beside mlflow.db by default (the study's lock, the
+  URL shown without its password, a worker's identity: trainyard.experiments.workers);
+- the study (TPE seeded per trial, median pruner), a trial's sampled values, its pruning
+  callback, and what the trials module reads of a study (counts, the best trial);
 - which MLflow run is the study's (a study user attr) and the trials failed for a dead
   worker; the runs themselves are trainyard.track.study_runs.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import shutil
-import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -26,14 +23,21 @@ from typing import Any
 
 import lightning as L
 import optuna
-import sqlalchemy.engine
 import sqlalchemy.exc
+from optuna.distributions import BaseDistribution
 from optuna.exceptions import ExperimentalWarning, UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, Trial, TrialState
 from optuna_integration import PyTorchLightningPruningCallback
 
 from trainyard.core.config import Params, TuneChoices, TuneParams
-from trainyard.core.errors import TrainyardError
+from trainyard.experiments.workers import (
+    StudyError,
+    cannot_open,
+    connect_args,
+    redacted,
+    worker_dead,
+    worker_id,
+)
 from trainyard.track.runs import store_root
 from trainyard.track.study_runs import StudyRuns
 
@@ -56,10 +60,6 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 Study, TrialPruned = optuna.Study, optuna.TrialPruned
 
 
-class StudyError(TrainyardError):
-    """The Optuna storage cannot be opened or does not hold what the study needs."""
-
-
 def storage_url(tune: TuneParams, root: str | os.PathLike[str] = ".") -> str:
     """``tune.storage``; ``auto`` is sqlite ``optuna.db`` beside mlflow.db (``store_root``)."""
     if tune.storage == "auto":
@@ -67,24 +67,13 @@ def storage_url(tune: TuneParams, root: str | os.PathLike[str] = ".") -> str:
     return tune.storage
 
 
-def redacted(url: str) -> str:
-    """The storage URL without its password, for logs and tags."""
-    try:
-        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL sqlalchemy parses: open_storage says what is wrong
-        return url
-
-
 def open_storage(
     url: str, on_stale: Any, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S
 ) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage with heartbeats; ``on_stale(study, trial)`` is called for each
     trial failed because its worker stopped beating for ``grace_s``."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"engine_kwargs": {"connect_args": connect_args(url)}}
     if url.startswith("sqlite:"):
-        # Several workers write one file: wait for its lock up to a minute (sqlite's own
-        # default is 5 s) rather than fail a trial on "database is locked".
-        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
         path = url.removeprefix("sqlite:///")
         if path and path != ":memory:" and not Path(path).parent.is_dir():
             raise StudyError(f"tune.storage {url}: folder {Path(path).parent} does not exist")
@@ -100,99 +89,15 @@ def open_storage(
                     **kwargs,
                 )
         except sqlalchemy.exc.IntegrityError:
-            # A new storage's tables, created by two workers at once (this machine's
-            # workers open it under the StudyLock; another machine's may not): the other
-            # one's are there now.
+            # A new storage's tables, created by two workers at once (workers open it under
+            # the study's lock; one of another study, or an older trainyard, may not): the
+            # other one's are there now.
             if attempt == 2:
                 raise
             time.sleep(1)
         except Exception as err:  # a bad URL, a missing driver, a server that does not answer
-            raise StudyError(
-                f"tune.storage {redacted(url)}: cannot open the Optuna storage: "
-                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            ) from None
+            raise cannot_open(url, err) from None
     raise AssertionError("unreachable")
-
-
-class StudyLock:
-    """An exclusive lock among this machine's workers of one storage, held while a worker
-    counts the study's trials and creates the next one (two workers never both start the
-    last trial) and while the parent run is looked up or created. Workers on other
-    machines (a PostgreSQL storage) are not covered: a study may then end a trial or two
-    past ``--trials``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fh: Any = None
-
-    @classmethod
-    def for_storage(cls, url: str, study: str, root: str | os.PathLike[str]) -> StudyLock:
-        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-            return cls(Path(url.removeprefix("sqlite:///") + ".lock"))
-        return cls(Path(root) / ".cache" / "tune" / f"{study}.lock")
-
-    def acquire(self) -> None:
-        if self._fh is not None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a")  # noqa: SIM115  (held across calls until release)
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        self._fh = fh
-
-    def release(self) -> None:
-        """Idempotent: the trial's objective releases it as soon as its trial exists."""
-        if self._fh is not None:
-            fcntl.flock(self._fh, fcntl.LOCK_UN)
-            self._fh.close()
-            self._fh = None
-
-    def __enter__(self) -> StudyLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-# ---------------------------------------------------------------- workers
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return ""
-
-
-def _start_ticks(pid: int) -> str:
-    """When process ``pid`` started (clock ticks since boot, /proc): a reused pid differs."""
-    stat = _read(f"/proc/{pid}/stat")
-    return stat.rpartition(")")[2].split()[19] if stat else ""
-
-
-def worker_id(pid: int | None = None) -> str:
-    """This process, unique on this machine and across its reboots: host, boot, pid, start."""
-    pid = os.getpid() if pid is None else pid
-    boot = _read("/proc/sys/kernel/random/boot_id")
-    return f"{socket.gethostname()}/{boot}/{pid}/{_start_ticks(pid)}"
-
-
-def worker_dead(worker: str) -> bool:
-    """True only for a worker of this machine that is certainly gone (another machine's
-    workers are left to the heartbeats)."""
-    parts = worker.split("/")
-    if len(parts) != 4:
-        return False
-    host, boot, pid, ticks = parts
-    if host != socket.gethostname() or boot != _read("/proc/sys/kernel/random/boot_id"):
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, ValueError):
-        return False
-    return bool(ticks) and _start_ticks(int(pid)) != ticks
 
 
 # ---------------------------------------------------------------- trial params
@@ -235,11 +140,58 @@ def startup_trials(trials: int) -> int:
     return max(3, min(10, trials // 3))
 
 
+class TrialSeededTPE(optuna.samplers.BaseSampler):
+    """TPE drawing trial ``n``'s randomness from ``seed + n``. The number is the storage's
+    (unique in the study, whichever worker asks): two workers never draw alike, and one
+    worker draws what ``TPESampler(seed=seed + n)`` draws on the same earlier trials, so
+    a study run again on the same params repeats its trials."""
+
+    def __init__(self, seed: int | None, startup: int) -> None:
+        self.seed, self.startup = seed, startup
+        self._tpe: dict[int, optuna.samplers.TPESampler] = {}  # by trial number
+
+    def _for(self, trial: FrozenTrial) -> optuna.samplers.TPESampler:
+        if trial.number not in self._tpe:
+            seed = None if self.seed is None else (self.seed + trial.number) % 2**32
+            self._tpe[trial.number] = optuna.samplers.TPESampler(
+                seed=seed, n_startup_trials=self.startup
+            )
+        return self._tpe[trial.number]
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self._for(trial).before_trial(study, trial)
+
+    def infer_relative_search_space(
+        self, study: optuna.Study, trial: FrozenTrial
+    ) -> dict[str, BaseDistribution]:
+        return self._for(trial).infer_relative_search_space(study, trial)
+
+    def sample_relative(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        return self._for(trial).sample_relative(study, trial, search_space)
+
+    def sample_independent(
+        self,
+        study: optuna.Study,
+        trial: FrozenTrial,
+        param_name: str,
+        param_distribution: BaseDistribution,
+    ) -> Any:
+        return self._for(trial).sample_independent(study, trial, param_name, param_distribution)
+
+    def after_trial(
+        self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Any
+    ) -> None:
+        self._for(trial).after_trial(study, trial, state, values)
+        self._tpe.pop(trial.number, None)
+
+
 def load_study(
     storage: optuna.storages.RDBStorage, name: str, tune: TuneParams, seed: int | None = None
 ) -> optuna.Study:
-    """The study ``name`` (created on first use): maximize val/acc, TPE sampler seeded by
-    ``seed``, the median pruner or none (``tune.pruner``)."""
+    """The study ``name`` (created on first use): maximize val/acc, TPE seeded per trial
+    from ``seed`` (TrialSeededTPE), the median pruner or none (``tune.pruner``)."""
     startup = startup_trials(tune.trials)
     pruner: optuna.pruners.BasePruner = (
         optuna.pruners.MedianPruner(
@@ -253,7 +205,7 @@ def load_study(
         study_name=name,
         direction="maximize",
         load_if_exists=True,
-        sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup),
+        sampler=TrialSeededTPE(seed, startup),
         pruner=pruner,
     )
 
@@ -418,6 +370,40 @@ class StaleTrials:
         log.warning("trial %d: %s", trial.number, reason)
         drop_resume_folder(trial)
         self.runs.end_trial(trial.number, TrialState.FAIL.name, reason, killed=True)
+
+
+def settle_others(
+    storage: optuna.storages.RDBStorage,
+    load: Callable[[], optuna.Study],
+    runs: StudyRuns,
+    wait_s: float = GRACE_S + HEARTBEAT_S,
+    poll_s: float = 2.0,
+) -> list[int]:
+    """The study holds its trials: wait up to ``wait_s`` for those other workers still
+    run, so that a dead worker's trial is failed and its run ended before this worker
+    reports the study (at once on this machine; elsewhere once its heartbeat has been
+    silent for the grace period). Returns the trials still running (a live worker's)."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        study = load()
+        fail_dead_workers(storage, study, runs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        running = running_trials(study)
+        if not running or time.monotonic() >= deadline:
+            return running
+        if not said:
+            said = True
+            log.info(
+                "the study holds its trials; waiting up to %.0f s for trial(s) %s of other "
+                "workers (one whose worker died is failed after %d s without heartbeats)",
+                wait_s,
+                ", ".join(map(str, running)),
+                GRACE_S,
+            )
+        time.sleep(poll_s)
 
 
 def running_trials(study: optuna.Study) -> list[int]:

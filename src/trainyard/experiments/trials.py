@@ -30,6 +30,7 @@ from trainyard.core.config import Params, parse_params
 from trainyard.core.errors import ParamsError, Terminated, TrainyardError
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
+from trainyard.experiments import workers
 from trainyard.experiments.study import Study, Trial, TrialPruned
 from trainyard.stages import fetch as fetch_stage
 from trainyard.stages import prepare as prepare_stage
@@ -120,7 +121,7 @@ def prepared_data(params: Params, root: Path) -> Path:
     if (prepared / CARD_FILE).is_file():
         return prepared
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with st.StudyLock(folder.with_suffix(".lock")):
+    with workers.StudyLock(folder.with_suffix(".lock")):
         if not (prepared / CARD_FILE).is_file():
             log.info("preparing the data once for the study's trials: %s", folder)
             raw = folder / "raw"
@@ -191,14 +192,16 @@ class Tuner:
         uri = resolve_tracking_uri(setup.root)
         check_tracking_uri(uri)
         self.runs = StudyRuns(uri, base.experiment_name())
-        self.lock = st.StudyLock.for_storage(setup.url, setup.study_name, setup.root)
+        self.lock = workers.StudyLock.for_storage(setup.url, setup.study_name, setup.root)
         with self.lock:  # the first workers of a new storage would create its tables at once
             self.storage = st.open_storage(setup.url, st.StaleTrials(self.runs))
         self.started = time.monotonic()
         self._data: dict[str, Path] = {}
 
-    def load(self, seed: int | None = None) -> Study:
-        return st.load_study(self.storage, self.setup.study_name, self.setup.base.tune, seed)
+    def load(self) -> Study:
+        """The study, its sampler seeded from ``seed`` and each trial's number."""
+        base = self.setup.base
+        return st.load_study(self.storage, self.setup.study_name, base.tune, base.seed)
 
     def open(self) -> None:
         """The study (created on first use), its MLflow parent run, dead workers' trials."""
@@ -217,7 +220,7 @@ class Tuner:
             "study %s (%s) in %s: %s; MLflow run %s in experiment %s",
             study.study_name,
             "continued" if done else "new",
-            st.redacted(self.setup.url),
+            workers.redacted(self.setup.url),
             f"{done} of {self.setup.trials} trials done" if done else f"{self.setup.trials} trials",
             self.runs.parent_id,
             self.runs.experiment,
@@ -232,23 +235,21 @@ class Tuner:
     def run_trials(self) -> None:
         """Trials until the study holds ``trials`` (every state counts, a running one of
         another worker too) or the timeout; the count and the new trial are decided under
-        the lock, so this machine's workers never overshoot."""
+        the study's lock, so the workers (of all machines, on PostgreSQL) never overshoot.
+        A full study waits a little for the other workers' trials (st.settle_others)."""
         timeout = self.setup.base.tune.timeout_min
         while True:
             with self.lock:
                 study = self.load()
                 st.fail_dead_workers(self.storage, study, self.runs)
-                done = st.trial_counts(study)["all"]
-                if done >= self.setup.trials:
-                    return
+                if st.trial_counts(study)["all"] >= self.setup.trials:
+                    break
                 if timeout is not None and time.monotonic() - self.started > timeout * 60:
                     log.info("timeout (%g min) reached: no new trial", timeout)
                     return
-                # Seeded by the trial's number: a rerun, or a second worker, draws anew
-                # instead of repeating the first worker's draws.
-                study = self.load(seed=(self.setup.base.seed + done) % 2**32)
                 self.runs.mark_parent_running()
                 st.run_one_trial(study, self.objective)
+        st.settle_others(self.storage, self.load, self.runs)
 
     def objective(self, trial: Trial) -> float:
         self.lock.release()  # the trial exists: the next worker may count it

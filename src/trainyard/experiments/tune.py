@@ -27,6 +27,7 @@ from trainyard.core.config import DEFAULT_PARAMS, parse_params
 from trainyard.core.errors import ParamsError, Terminated, TrainyardError
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
+from trainyard.experiments import workers
 from trainyard.experiments.study import Study, best_trial, quiet_optuna, trial_values
 from trainyard.experiments.trials import Setup, Tuner, set_key
 from trainyard.stages.runner import configure_logging
@@ -151,7 +152,7 @@ def report_best(tuner: Tuner, study: Study, queue: bool) -> bool:
         value=float(top.value or 0.0),
         params=trial_values(top),
         base_overrides=setup.overrides,
-        storage=st.redacted(setup.url),
+        storage=workers.redacted(setup.url),
     )
     print(f"best trial {top.number} of study {study.study_name}: val/acc {best.value:.4f}")
     for key, value in best.params.items():
