@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import shutil
 import sqlite3
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +168,47 @@ def stop_group(proc: subprocess.Popen, timeout: float = 15) -> bool:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return False
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def sqlite_mlflow_server(root: Path) -> Iterator[str]:
+    """A real `mlflow server` (sqlite backend, artifacts proxied into ``root``) on a free
+    port; yields its URI once /health answers, stops its process group after."""
+    port = free_port()
+    log = open(root / "server.log", "w")  # noqa: SIM115 - closed below
+    cmd = [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--backend-store-uri", f"sqlite:///{root}/mlflow.db"]
+    cmd += ["--artifacts-destination", str(root / "artifacts"), "--workers", "1"]
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=stage_env()
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"mlflow server did not start:\n{(root / 'server.log').read_text()}"
+                )
+            time.sleep(0.5)
+        yield uri
+    finally:
+        stop_group(proc, timeout=20)
+        log.close()
 
 
 def set_params(repo: Path, **changes: dict) -> None:

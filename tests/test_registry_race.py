@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +39,7 @@ from trainyard.track.registry import (
     register_and_promote,
 )
 
-from conftest import VENV_BIN, stage_env, stop_group
+from conftest import sqlite_mlflow_server, stage_env
 
 TEAMMATES, ROUNDS, SWEEPS = 3, 3, 2  # versions each teammate registers; the sweep's
 MARGIN = 0.006
@@ -189,45 +188,10 @@ def test_a_version_pending_too_long_is_abandoned_and_said(mlflow_db, caplog):
 # ------------------------------------------- teammates at once on a real server (slow)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
-    """`mlflow server` with a sqlite backend and a local artifact store, on a free port."""
-    root = tmp_path_factory.mktemp("mlflow-race-server")
-    port = free_port()
-    log = open(root / "server.log", "w")  # noqa: SIM115 - closed in teardown
-    cmd = [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--backend-store-uri", f"sqlite:///{root}/mlflow.db"]
-    cmd += ["--artifacts-destination", str(root / "artifacts"), "--workers", "1"]
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=stage_env()
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(
-                    f"mlflow server did not start:\n{(root / 'server.log').read_text()}"
-                )
-            time.sleep(0.5)
+    with sqlite_mlflow_server(tmp_path_factory.mktemp("mlflow-race-server")) as uri:
         yield uri
-    finally:
-        stop_group(proc, timeout=5)
-        log.close()
 
 
 def start_workers(server: str, name: str, exp: str, tmp: Path) -> list[subprocess.Popen]:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,68 +12,23 @@ import pytest
 from trainyard.track.records import TRAIN_RECORD, TrainRecord
 
 from conftest import (
-    VENV_BIN,
     dvc,
+    free_port,
     set_params,
     small_pipeline_repo,
+    sqlite_mlflow_server,
     stage_env,
-    stop_group,
     train_concurrently,
 )
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
     """`mlflow server` with a sqlite backend and a local artifact store, on a free port."""
-    root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    log = open(root / "server.log", "w")  # noqa: SIM115 - closed in teardown
-    proc = subprocess.Popen(
-        [
-            str(VENV_BIN / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{root}/mlflow.db",
-            "--artifacts-destination",
-            str(root / "artifacts"),
-            "--workers",
-            "1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(
-                    f"mlflow server did not start:\n{(root / 'server.log').read_text()}"
-                )
-            time.sleep(0.5)
+    with sqlite_mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as uri:
         yield uri
-    finally:
-        stop_group(proc, timeout=20)
-        log.close()
 
 
 @pytest.fixture(scope="module")
