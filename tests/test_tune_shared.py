@@ -219,7 +219,8 @@ def test_two_workers_split_a_postgresql_study_and_one_survives_the_others_kill(s
     )
 
     # The killed trial's run, found from the trial, ended by alice's worker with the reason.
-    client = mlflow.MlflowClient()
+    # The stack's URI named: another test in this process may have set MLflow's global one.
+    client = mlflow.MlflowClient(tracking_uri=stack.mlflow_uri)
     run = client.get_run(failed[0].user_attrs[st.RUN_ATTR])
     assert run.info.status == "KILLED" and run.data.tags["optuna.state"] == "FAIL"
     assert run.data.tags["optuna.trial"] == str(killed.number)
