@@ -9,8 +9,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
+from team.mlflow_server import wait_healthy
 from trainyard.data.idx import write_idx_bytes
 from trainyard.track.records import TrainRecord
 
@@ -191,24 +190,28 @@ def sqlite_mlflow_server(root: Path) -> Iterator[str]:
         cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=stage_env()
     )
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
     try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(
-                    f"mlflow server did not start:\n{(root / 'server.log').read_text()}"
-                )
-            time.sleep(0.5)
+        wait_healthy(uri, proc, root / "server.log", timeout=90)
         yield uri
     finally:
         stop_group(proc, timeout=20)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """One sqlite MLflow store per module, MLflow's global URI pointed at it (the registry
+    registers through the fluent API) and restored after: (uri, experiment id)."""
+    import mlflow
+
+    root = tmp_path_factory.mktemp("mlflow-db")
+    uri = f"sqlite:///{root}/mlflow.db"
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield uri, mlflow.create_experiment("t", artifact_location=(root / "art").as_uri())
+    finally:
+        mlflow.set_tracking_uri(previous)
 
 
 def set_params(repo: Path, **changes: dict) -> None:

@@ -61,21 +61,6 @@ MODEL = "fashion-mnist-classifier"
 # ------------------------------------------------ the registration, cut off (fast)
 
 
-@pytest.fixture(scope="module")
-def mlflow_db(tmp_path_factory):
-    """One sqlite MLflow store for the fast tests (making one takes seconds)."""
-    import mlflow
-
-    root = tmp_path_factory.mktemp("registry")
-    uri = f"sqlite:///{root}/mlflow.db"
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)  # register_and_promote registers through the fluent API
-    try:
-        yield uri, mlflow.create_experiment("t", artifact_location=(root / "art").as_uri())
-    finally:
-        mlflow.set_tracking_uri(previous)
-
-
 @pytest.fixture
 def store(mlflow_db):
     """A run with a model logged in it (no file behind it); each test registers its own

@@ -39,27 +39,13 @@ from trainyard.track.registry import (
     register_and_promote,
 )
 
-from conftest import sqlite_mlflow_server, stage_env
+from conftest import REPO, sqlite_mlflow_server, stage_env
 
 TEAMMATES, ROUNDS, SWEEPS = 3, 3, 2  # versions each teammate registers; the sweep's
 MARGIN = 0.006
 
 
 # ------------------------------------------------ the turn, on a sqlite store (fast)
-
-
-@pytest.fixture(scope="module")
-def mlflow_db(tmp_path_factory) -> Iterator[tuple[str, str]]:
-    import mlflow
-
-    root = tmp_path_factory.mktemp("registry-race")
-    uri = f"sqlite:///{root}/mlflow.db"
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)  # register_and_promote registers through the fluent API
-    try:
-        yield uri, mlflow.create_experiment("t", artifact_location=(root / "art").as_uri())
-    finally:
-        mlflow.set_tracking_uri(previous)
 
 
 def logged_model(mlflow_db: tuple[str, str]) -> tuple[str, str]:
@@ -210,7 +196,9 @@ def start_workers(server: str, name: str, exp: str, tmp: Path) -> list[subproces
                 stdout=subprocess.PIPE,
                 stderr=open(tmp / f"worker{i}.log", "w"),  # noqa: SIM115 - the child's
                 text=True,
-                env=stage_env(),
+                # The repository root on the path, as pytest's `pythonpath` has it: the
+                # worker imports conftest, which imports team/.
+                env=stage_env(PYTHONPATH=str(REPO)),
             )
         )
     return procs
