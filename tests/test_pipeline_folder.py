@@ -20,6 +20,9 @@ import onnx
 import pytest
 import requests
 
+from trainyard.model.lite import LITE_ARCH
+from trainyard.model.weights import PACKAGED
+
 from conftest import PHOTO_CLASSES, copy_repo, dvc, make_photo_folder, set_params
 
 pytestmark = pytest.mark.slow
@@ -27,6 +30,7 @@ STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 SIZE = 32  # data.image_size: auto would take 64 here (4x the pixels a step)
 BUDGET_MIN = 0.2  # train.time_budget_min: the recipe plans about 12 s of epochs
 RECIPE_KEYS = (
+    "pretrained",
     "arch",
     "augment",
     "batch_size",
@@ -50,7 +54,8 @@ def photos(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, photos) -> Path:
-    repo = copy_repo(tmp_path_factory.mktemp("folder-pipeline") / "trainyard")
+    # params.yaml as shipped: train.pretrained: auto, the default this test proves
+    repo = copy_repo(tmp_path_factory.mktemp("folder-pipeline") / "trainyard", shipped_params=True)
     set_params(repo, mlflow={"system_metrics": False})
     # What the README tells a user to type, every train key left to the recipe (a short
     # time budget and a smaller image size, for speed).
@@ -122,7 +127,11 @@ def test_the_recipe_chose_every_train_key_and_said_why(repo, tmp_path):
     steps = -(-n_train // 16)
     why = f"{n_train} train images: {steps} optimizer steps an epoch"
     assert said["batch_size"] == f"16 (recipe: {why})"
-    assert said["arch"].startswith(f"cnn (recipe: {SIZE}x{SIZE} images from scratch on cpu")
+    # Shapes of 40-160 px: the packaged ImageNet weights, fine-tuned with the front frozen.
+    assert re.fullmatch(
+        r"imagenet \(recipe: \d+ px images: Google's EfficientNet-Lite0 .+", said["pretrained"]
+    )
+    assert said["arch"] == "efficientnet_lite0 (recipe: fine-tunes its packaged ImageNet weights)"
     assert f"{BUDGET_MIN:g} min budget / " in said["max_epochs"]
     # The run records the same choices: a tag each, the plan, and the resolved params.
     client, run = train_run(repo)
@@ -133,7 +142,10 @@ def test_the_recipe_chose_every_train_key_and_said_why(repo, tmp_path):
             client.download_artifacts(run.info.run_id, "config/recipe.json", str(tmp_path))
         ).read_text()
     )
-    assert (plan["recipe"], plan["finetune"]) == ("auto", False)
+    assert (plan["recipe"], plan["finetune"], plan["frozen_stages"]) == ("auto", True, 7)
+    # Which weights, their bytes and their licence: on the run, in the model, at /metadata.
+    assert run.data.tags["pretrained.sha256"] == PACKAGED[LITE_ARCH].sha256
+    assert "Apache-2.0" in run.data.tags["pretrained.license"]
     assert {k: c["by"] for k, c in plan["choices"].items()} == dict.fromkeys(RECIPE_KEYS, "recipe")
     assert plan["choices"]["batch_size"]["value"] == 16
     epochs = plan["choices"]["max_epochs"]["value"]
@@ -151,6 +163,7 @@ def test_the_exported_model_carries_the_folder_contract_and_learned(repo):
         assert contract[key] == card[key], key
     assert json.loads(meta["classes"]) == list(PHOTO_CLASSES)
     assert json.loads(meta["input_shape"]) == [-1, 3, SIZE, SIZE]
+    assert json.loads(meta["pretrained"])["sha256"] == PACKAGED[LITE_ARCH].sha256
     metrics = json.loads((repo / "reports/metrics.json").read_text())
     # Shapes are easy: far above chance (1/3) after the recipe's short run.
     assert metrics["test"]["accuracy"] >= 0.7, metrics
@@ -198,6 +211,7 @@ def test_the_service_serves_the_folder_model_by_its_card(repo, photos, tmp_path)
         assert meta["classes"] == list(PHOTO_CLASSES)
         assert meta["input"]["shape"] == [-1, 3, SIZE, SIZE]
         assert meta["input"]["resize"] == "crop"
+        assert meta["model"]["pretrained"]["source"].startswith("pypi:efficientnet-lite0")
         model = load_onnx(repo / "models/model.onnx", device="cpu")
         for rel in photos["good"][:: len(photos["good"]) // 6]:
             data = (photos["root"] / rel).read_bytes()

@@ -210,14 +210,6 @@ def test_pretrained_weights_make_a_finetune_of_resnet18(tmp_path: Path) -> None:
     )
 
 
-def test_hub_cache_weights_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
-    assert recipe.hub_weights() is None
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / recipe.HUB_WEIGHTS["resnet18"]).write_bytes(b"x")
-    assert recipe.hub_weights() == tmp_path / "checkpoints" / recipe.HUB_WEIGHTS["resnet18"]
-
-
 def test_probe_times_real_steps() -> None:
     facts = Facts(100, 20, 3, 1, 28, 28, "cpu", "32-true")
     assert 0 < speed.probe_step_s("cnn", facts, 16, "flip") < 5

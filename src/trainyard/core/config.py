@@ -139,10 +139,13 @@ class TrainParams(_Strict):
             "mobilenet_v3_small",
             "mobilenet_v3_large",
             "efficientnet_b0",
+            "efficientnet_lite0",
         ]
         | Auto
     ) = "auto"
-    pretrained: str | None = None
+    # auto: the recipe fine-tunes ImageNet weights where they help and can be had (the
+    # packaged EfficientNet-Lite0, or torchvision's for its archs) | imagenet | a file | null
+    pretrained: str | None = Field("auto", min_length=1)
     max_epochs: Annotated[int, Field(ge=1, le=1000)] | Auto = "auto"
     batch_size: Annotated[int, Field(ge=1, le=65536)] | Auto = "auto"
     lr: Annotated[float, Field(gt=0, le=10)] | Auto = "auto"
@@ -177,6 +180,21 @@ class TrainParams(_Strict):
         if v is False:
             return "none"
         return v
+
+
+# Archs trainyard's own (no ImageNet weights exist for them).
+SCRATCH_ARCHS = ("cnn", "resnet")
+
+
+def pretrained_intent(tp: TrainParams) -> bool:
+    """Whether training may start from ImageNet weights: ``train.pretrained`` set, or
+    ``auto`` under the auto recipe with an arch that has them. prepare sizes images for
+    them (``data.image_size: auto``); the recipe then decides from the data."""
+    if tp.pretrained is None:
+        return False
+    if tp.pretrained != "auto":
+        return True
+    return tp.recipe == "auto" and tp.arch not in SCRATCH_ARCHS
 
 
 class ExportParams(_Strict):

@@ -62,6 +62,14 @@ LIMIT_KEY = "data.max_image_pixels"
 # training stays fast; set image_size yourself for more detail).
 AUTO_SIZE_MIN = 32
 AUTO_SIZE_MAX = 64
+# When the recipe may fine-tune ImageNet weights (train.pretrained), images of
+# PRETRAINED_MIN_SIDE px or more are prepared at PRETRAINED_SIZE: ImageNet features are
+# learnt on objects of 50-200 px, and on 64 px emoji upsampled a frozen EfficientNet-Lite0
+# scored 0.77 at 128 px, 0.78 at 160 and 0.80 at 224 (docs/own-images.md); 160 is what a
+# CPU's 4-minute budget affords. Smaller images (8x8 scans, 28 px Fashion-MNIST) train
+# from scratch, where pretrained features measured no better.
+PRETRAINED_MIN_SIDE = 32
+PRETRAINED_SIZE = 160
 # Class balance warnings (train split): largest/smallest above this ratio, or fewer images.
 IMBALANCE_RATIO = 10
 TINY_CLASS = 10
@@ -359,22 +367,30 @@ def expected_image_set(
     )
 
 
-def auto_image_size(shorter_sides: Sequence[int]) -> tuple[int, str]:
+def auto_image_size(shorter_sides: Sequence[int], for_pretrained: bool = False) -> tuple[int, str]:
     """``data.image_size: auto``: the images' median shorter side, clamped to
-    ``AUTO_SIZE_MIN``..``AUTO_SIZE_MAX``; returns (size, the reason, for the log)."""
+    ``AUTO_SIZE_MIN``..``AUTO_SIZE_MAX``; ``PRETRAINED_SIZE`` when ``for_pretrained`` and
+    that median is ``PRETRAINED_MIN_SIDE`` or more. Returns (size, the reason, for the log)."""
     if not shorter_sides:
         return AUTO_SIZE_MAX, "no readable images"
     median = int(statistics.median(shorter_sides))
+    if for_pretrained and median >= PRETRAINED_MIN_SIDE:
+        return PRETRAINED_SIZE, (
+            f"the median shorter side of {len(shorter_sides):,} images is {median} px, and "
+            f"train.pretrained may fine-tune ImageNet weights: {PRETRAINED_SIZE} px"
+        )
     size = min(AUTO_SIZE_MAX, max(AUTO_SIZE_MIN, median))
     how = "" if size == median else f", clamped to {AUTO_SIZE_MIN}..{AUTO_SIZE_MAX}"
     return size, f"the median shorter side of {len(shorter_sides):,} images is {median} px{how}"
 
 
-def choose_image_size(params: DataParams, shorter_sides: Sequence[int]) -> tuple[int, int]:
+def choose_image_size(
+    params: DataParams, shorter_sides: Sequence[int], for_pretrained: bool = False
+) -> tuple[int, int]:
     """(height, width) of the prepared images: data.image_size, or chosen (auto) and logged."""
     if params.size_hw is not None:
         return params.size_hw
-    size, reason = auto_image_size(shorter_sides)
+    size, reason = auto_image_size(shorter_sides, for_pretrained)
     log.info("data.image_size auto: %dx%d (%s); set data.image_size to choose", size, size, reason)
     return size, size
 
@@ -505,6 +521,7 @@ def image_set_card(
     bad: list[tuple[str, str]],
     dups: dict[str, list[int]],
     size: tuple[int, int],
+    shorter_sides: Sequence[int] = (),
 ) -> Card:
     """The dataset card before ``PreparedWriter.finish`` adds counts, statistics and hash."""
     source_hash = hashlib.sha256()
@@ -520,6 +537,8 @@ def image_set_card(
     }
     if params.image_size == "auto":
         extra["image_size_param"] = "auto"
+    if shorter_sides:  # what the recipe reads to judge whether ImageNet features help
+        extra["median_shorter_side"] = int(statistics.median(shorter_sides))
     return Card(
         source=images.source,
         classes=images.classes,
@@ -552,11 +571,13 @@ def prepare_image_set(
     out_dir: str | os.PathLike[str],
     seed: int,
     max_image_pixels: int | None = None,
+    for_pretrained: bool = False,
 ) -> Card:
     """Inspect, split, decode and write ``images`` into ``out_dir`` (atomically: nothing is
     left there on an error); return the dataset card.
 
-    ``max_image_pixels`` overrides ``params.max_image_pixels`` (data.max_image_pixels).
+    ``max_image_pixels`` overrides ``params.max_image_pixels`` (data.max_image_pixels);
+    ``for_pretrained``: see ``auto_image_size``.
     """
     max_pixels = max_image_pixels or params.max_image_pixels
     t0 = time.perf_counter()
@@ -565,7 +586,7 @@ def prepare_image_set(
         bad = list(images.bad)
         files, hashes, gray, shorter = _first_pass(images.files, pool, max_pixels, bad)
         channels = (1 if gray else 3) if params.channels == "auto" else int(params.channels)
-        size = choose_image_size(params, shorter)
+        size = choose_image_size(params, shorter, for_pretrained)
         labels, splits, dups = split_files(files, hashes, images.classes, params, seed, images.key)
         check_balance(images.classes, labels, splits)
         spec = decode_spec(params, channels, max_pixels, size)
@@ -582,7 +603,9 @@ def prepare_image_set(
             }
             progress.close()
             check_bad_files(images, bad, params.on_bad_file, written)
-            card = image_set_card(images, params, seed, channels, files, hashes, bad, dups, size)
+            card = image_set_card(
+                images, params, seed, channels, files, hashes, bad, dups, size, shorter
+            )
             card = writer.finish(card)
     finally:
         pool.close()

@@ -99,6 +99,8 @@ def model_metadata(model: Any, ckpt_sha256: str, run_id: str, data_sha256: str) 
         "checkpoint_sha256": ckpt_sha256,
         "mlflow_run_id": run_id,
         "data_sha256": data_sha256,
+        # The ImageNet weights the fit started from ({} from scratch): source, sha256, licence.
+        "pretrained": json.dumps(getattr(model, "pretrained_info", {}) or {}, sort_keys=True),
     }
 
 

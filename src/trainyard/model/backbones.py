@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,16 +14,13 @@ from typing import Any
 import torch
 import torch.hub
 import torchvision
-from safetensors.torch import load_file
 from torch import nn
 
 from trainyard.core.errors import ParamsError
 from trainyard.core.io import sha256_file
+from trainyard.model.weights import PRETRAINED_KEY, read_state_file
 
 log = logging.getLogger(__name__)
-
-PRETRAINED_KEY = "train.pretrained"  # the params.yaml key errors name
-STATE_DICT_SUFFIXES = (".pth", ".pt", ".safetensors")
 
 
 # torchvision backbones: name -> (first conv, classification Linear), as submodule paths.
@@ -96,42 +94,29 @@ def _pretrained_state_dict(arch: str, pretrained: str) -> tuple[Mapping[str, Any
     """(state dict, {source, sha256}) for ``pretrained``; ParamsError when unusable."""
     if pretrained == "imagenet":
         return _imagenet_state_dict(arch)
-    path = Path(pretrained)
-    if path.suffix.lower() not in STATE_DICT_SUFFIXES:
-        raise ParamsError(
-            f"{PRETRAINED_KEY}: {pretrained!r} is neither 'imagenet' nor a state-dict file "
-            f"({', '.join(STATE_DICT_SUFFIXES)}); set it to null, 'imagenet', or a file "
-            f"holding the state_dict() of torchvision's {arch}"
-        )
-    if not path.is_file():
-        raise ParamsError(
-            f"{PRETRAINED_KEY}: {path} does not exist (cwd {os.getcwd()}); set it to an "
-            f"existing {arch} state-dict file, or to null for random weights"
-        )
+    return read_state_file(Path(pretrained), arch)
+
+
+def torchvision_weights(arch: str, timeout_s: float = 15.0) -> tuple[Path | None, str]:
+    """(torchvision's ImageNet weights file for ``arch`` in torch's hub cache, "") -
+    downloaded there first when missing, within ``timeout_s`` - or (None, why not)."""
+    if arch not in BACKBONES:
+        return None, f"torchvision has no {arch}"
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
+    if cached.is_file():
+        return cached, ""
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(timeout_s)  # an offline machine must not wait minutes
     try:
-        if path.suffix.lower() == ".safetensors":
-            state: Any = load_file(str(path), device="cpu")
-        else:
-            # weights_only: a weights file is data; never run code from one.
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle/safetensors errors come in many types: all "unloadable"
-        raise ParamsError(
-            f"{PRETRAINED_KEY}: {path} cannot be loaded as a state dict ({err}); save it "
-            "with torch.save(model.state_dict(), ...) or safetensors.torch.save_file"
-        ) from None
-    if not isinstance(state, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
-        hint = (
-            " (it looks like a training checkpoint: save its model's state_dict() instead)"
-            if isinstance(state, Mapping) and "state_dict" in state
-            else ""
+        torch.hub.load_state_dict_from_url(
+            weights.url, progress=False, check_hash=True, map_location="cpu", weights_only=True
         )
-        raise ParamsError(
-            f"{PRETRAINED_KEY}: {path} holds a {type(state).__name__}, not a state dict "
-            f"(names -> tensors){hint}"
-        )
-    return state, {"source": str(path), "sha256": sha256_file(path)}
+    except Exception as err:  # URLError, timeouts, HTTP and hash errors: all "no weights"
+        return None, f"{weights.url}: {type(err).__name__}: {err}"
+    finally:
+        socket.setdefaulttimeout(old)
+    return (cached, "") if cached.is_file() else (None, f"{cached} was not written")
 
 
 def _imagenet_state_dict(arch: str) -> tuple[Mapping[str, Any], dict[str, str]]:

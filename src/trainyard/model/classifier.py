@@ -57,22 +57,31 @@ class Classifier(L.LightningModule):
         pretrained: str | None = None,
         finetune: bool = False,
         freeze_epochs: int = 1,
+        frozen_stages: int = 0,
+        pretrained_info: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         parsed = card if isinstance(card, Card) else Card.from_dict(card, "Classifier card")
         # Stored as the contract's plain dict (lists, not tuples or a Card): checkpoints
         # stay loadable with weights_only=True. save_hyperparameters reads this local.
         card = parsed.contract()
-        self.save_hyperparameters(ignore=["pretrained"])
-        self.card = parsed
         self.net = build_model(
             arch,
             in_channels=parsed.channels,
             num_classes=parsed.num_classes,
             image_size=(parsed.height, parsed.width),
             pretrained=pretrained,
+            input_mean=parsed.mean,
+            input_std=parsed.std,
         )
-        self.pretrained_info: dict[str, str] = dict(self.net.pretrained_info)
+        # Which weights the fit started from travels with the checkpoint (export writes it
+        # into the ONNX metadata); rebuilt from a checkpoint, the saved value stands.
+        self.pretrained_info: dict[str, str] = dict(
+            self.net.pretrained_info or pretrained_info or {}
+        )
+        pretrained_info = self.pretrained_info
+        self.save_hyperparameters(ignore=["pretrained"])
+        self.card = parsed
         # Buffers follow the module to the device (no host->device copy per batch); not
         # persistent, so the state dict holds only the net and the card stays the truth.
         self.register_buffer(
@@ -189,26 +198,53 @@ class Classifier(L.LightningModule):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._step(batch, "test")
 
-    def _head_and_body(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-        """The new head's parameters (the last Linear layer) and the pretrained body's."""
+    def _frozen_modules(self) -> list[torch.nn.Module]:
+        """The front ``frozen_stages`` stages of the net (``net.stages()``), frozen for the
+        whole fit: what a fine-tune on a CPU keeps as ImageNet left it."""
+        n = int(self.hparams.get("frozen_stages", 0))
+        if not n or not hasattr(self.net, "stages"):
+            return []
+        return [m for stage in self.net.stages()[:n] for m in stage]
+
+    def _param_groups(
+        self,
+    ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        """(frozen for the whole fit, the pretrained body that trains, the new head: the
+        last Linear layer)."""
         head = [m for m in self.net.modules() if isinstance(m, torch.nn.Linear)][-1]
         head_ids = {id(p) for p in head.parameters()}
-        body = [p for p in self.net.parameters() if id(p) not in head_ids]
-        return list(head.parameters()), body
+        frozen = [p for m in self._frozen_modules() for p in m.parameters()]
+        frozen_ids = {id(p) for p in frozen}
+        body = [
+            p for p in self.net.parameters() if id(p) not in head_ids and id(p) not in frozen_ids
+        ]
+        return frozen, body, list(head.parameters())
+
+    def train(self, mode: bool = True) -> Classifier:
+        super().train(mode)
+        # A frozen stage keeps ImageNet's BatchNorm statistics: in train mode its running
+        # means would drift to this data's batches while its weights stay put.
+        for module in self._frozen_modules():
+            module.eval()
+        return self
 
     def on_train_epoch_start(self) -> None:
         # fastai's fine_tune: the new head learns alone for freeze_epochs (the body's random
-        # head gradients would wreck the pretrained features), then everything trains.
+        # head gradients would wreck the pretrained features), then the body trains too.
         if self.hparams.finetune:
-            frozen = self.current_epoch < self.hparams.freeze_epochs
-            for p in self._head_and_body()[1]:
-                p.requires_grad_(not frozen)
+            self.train(self.training)  # Lightning never calls train(): the frozen go to eval
+            frozen, body, _ = self._param_groups()
+            for p in frozen:
+                p.requires_grad_(False)  # no gradient: no activations kept for them either
+            warm = self.current_epoch < self.hparams.freeze_epochs
+            for p in body:
+                p.requires_grad_(not warm)
 
     def configure_optimizers(self) -> Any:
         lr = self.hparams.lr
         if self.hparams.finetune:
             # Discriminative rates: the pretrained body moves at a tenth of the head's.
-            head, body = self._head_and_body()
+            _, body, head = self._param_groups()
             groups: Any = [{"params": body, "lr": lr / 10}, {"params": head, "lr": lr}]
             max_lr: Any = [lr / 10, lr]
         else:
@@ -225,12 +261,12 @@ class Classifier(L.LightningModule):
 
 
 def classifier_for(
-    tp: TrainParams, card: Card, seed: int = 0, finetune: bool = False
+    tp: TrainParams, card: Card, seed: int = 0, finetune: bool = False, frozen_stages: int = 0
 ) -> Classifier:
     """The classifier ``train.*`` describes (resolved: no ``auto`` left) for the data
     ``card`` describes: what the train stage fits and the benchmarks time. ``finetune``:
     the pretrained body is frozen for the first epoch, then trains at a tenth of the
-    head's rate."""
+    head's rate; ``frozen_stages``: that many of its front stages stay frozen throughout."""
     return Classifier(
         card=card.contract(),
         arch=tp.arch,
@@ -243,4 +279,5 @@ def classifier_for(
         seed=seed,
         pretrained=tp.pretrained,
         finetune=finetune,
+        frozen_stages=frozen_stages,
     )

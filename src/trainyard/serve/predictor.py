@@ -10,6 +10,7 @@ an HTTP request; a refusal (an image that is no image, or too large) is a ``Refu
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,8 @@ class Predictor:
                 "mlflow_run_id": meta.get("mlflow_run_id"),
                 "data_sha256": meta.get("data_sha256"),
                 "checkpoint_sha256": meta.get("checkpoint_sha256"),
+                # The weights training started from (source, sha256, licence); null: scratch.
+                "pretrained": json.loads(meta.get("pretrained") or "{}") or None,
             },
             "classes": self.classes,
             "dataset_card": self.card.contract(),

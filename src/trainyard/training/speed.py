@@ -39,6 +39,10 @@ NOMINAL: dict[str, dict[str, float]] = {
         "resnet18": 100.0,
         "mobilenet_v3_small": 10.0,
         "efficientnet_b0": 19.0,
+        # The CPU fine-tune (recipe.CPU_FROZEN_STAGES): the frozen front is a forward pass,
+        # so a step costs little more than one forward: ~60 img/s at 160 px, quiet.
+        "efficientnet_lite0": 6.0,
+        "efficientnet_lite0/frozen": 23.0,
     },
     # One H200, bf16, data on the device (issue 25's figures at batch 4,096): cnn
     # 409k img/s, resnet 98k img/s.
@@ -85,14 +89,16 @@ def forward_flops(arch: str, channels: int, classes: int, height: int, width: in
     return int(counter.get_total_flops())
 
 
-def nominal_step_s(arch: str, facts: Facts, batch: int) -> float | None:
+def nominal_step_s(arch: str, facts: Facts, batch: int, frozen: bool = False) -> float | None:
     """Seconds per optimizer step of ``arch`` at ``batch`` on the reference device of this
-    kind (``NOMINAL``), or None where there is no figure for the device or the arch."""
+    kind (``NOMINAL``; ``frozen``: the fine-tune whose front stages are frozen), or None
+    where there is no figure for the device or the arch."""
     speeds = NOMINAL.get(facts.device)
-    if speeds is None or arch not in speeds:
+    key = f"{arch}/frozen" if frozen else arch
+    if speeds is None or key not in speeds:
         return None
     flops = forward_flops(arch, facts.channels, facts.classes, facts.height, facts.width)
-    return speeds["step_s"] + batch * flops / (speeds[arch] * 1e9)
+    return speeds["step_s"] + batch * flops / (speeds[key] * 1e9)
 
 
 def probe_step_s(

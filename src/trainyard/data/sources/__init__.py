@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pydantic stays out of the light paths (benchmarks, gpu-chec
 class Source:
     """One ``data.source``: how prepare writes it, and what it will write (the doctor)."""
 
-    # (raw_dir, out_dir, params, seed, max_image_pixels) -> the card
+    # (raw_dir, out_dir, params, seed, max_image_pixels, for_pretrained) -> the card
     prepare: Callable[..., Card]
     # (params, repository root) -> the expected size; DataError for an unusable source
     describe: Callable[..., Expected]
@@ -43,15 +43,15 @@ class Source:
 # Fashion-MNIST's images are 28x28 whatever data.image_size / data.max_image_pixels say.
 SOURCES: dict[str, Source] = {
     "fashion-mnist": Source(
-        lambda raw, out, params, seed, _pixels: prepare_fashion_mnist(raw, out, params, seed),
+        lambda raw, out, params, seed, _pixels, _pre: prepare_fashion_mnist(raw, out, params, seed),
         describe_fashion_mnist,
     ),
     "folder": Source(
-        lambda _raw, out, params, seed, pixels: prepare_folder(params, out, seed, pixels),
+        lambda _raw, out, params, seed, pixels, pre: prepare_folder(params, out, seed, pixels, pre),
         describe_folder,
     ),
     "csv": Source(
-        lambda _raw, out, params, seed, pixels: prepare_csv(params, out, seed, pixels),
+        lambda _raw, out, params, seed, pixels, pre: prepare_csv(params, out, seed, pixels, pre),
         describe_csv,
     ),
 }
@@ -63,12 +63,16 @@ def prepare_source(
     params: DataParams,
     seed: int,
     max_image_pixels: int | None = None,
+    for_pretrained: bool = False,
 ) -> Card:
     """Prepare ``params.source`` into ``out_dir`` (written atomically); return its card.
 
     ``max_image_pixels``: an image source's pixel limit, None for data.max_image_pixels.
+    ``for_pretrained``: the recipe may fine-tune ImageNet weights (``pretrained_intent``):
+    ``data.image_size: auto`` then sizes images for them (``auto_image_size``).
     """
-    return SOURCES[params.source].prepare(raw_dir, out_dir, params, seed, max_image_pixels)
+    source = SOURCES[params.source]
+    return source.prepare(raw_dir, out_dir, params, seed, max_image_pixels, for_pretrained)
 
 
 def describe_source(params: DataParams, root: Path) -> Expected:

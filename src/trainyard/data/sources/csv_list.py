@@ -325,6 +325,7 @@ def prepare_csv(
     out_dir: str | os.PathLike[str],
     seed: int,
     max_image_pixels: int | None = None,
+    for_pretrained: bool = False,
 ) -> Card:
     """Prepare the images ``params.csv`` lists into ``out_dir`` (atomically); return the
     dataset card. URLs are downloaded into a temporary folder, removed afterwards."""
@@ -360,7 +361,7 @@ def prepare_csv(
                 },
             },
         )
-        return prepare_image_set(images, params, out_dir, seed, max_image_pixels)
+        return prepare_image_set(images, params, out_dir, seed, max_image_pixels, for_pretrained)
 
 
 def describe_csv(params: DataParams, root: Path) -> Expected:

@@ -51,6 +51,7 @@ def prepare_folder(
     out_dir: str | os.PathLike[str],
     seed: int,
     max_image_pixels: int | None = None,
+    for_pretrained: bool = False,
 ) -> Card:
     """Prepare ``params.folder`` into ``out_dir`` (atomically); return the dataset card.
 
@@ -81,7 +82,7 @@ def prepare_folder(
         ignored=scan.ignored,
         extra=extra,
     )
-    return prepare_image_set(images, params, out_dir, seed, max_image_pixels)
+    return prepare_image_set(images, params, out_dir, seed, max_image_pixels, for_pretrained)
 
 
 def describe_folder(params: DataParams, root: Path) -> Expected:
