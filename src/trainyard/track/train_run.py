@@ -18,7 +18,8 @@ import mlflow.data
 from mlflow.entities import DatasetInput, InputTag
 
 from trainyard.core.card import CARD_FILE, Card
-from trainyard.track.runs import END_REASON_TAG, TrackingClient, carry_end_reason, log_new_params
+from trainyard.track.runs import END_REASON_TAG, carry_end_reason, log_new_params
+from trainyard.track.store import TrackingClient
 
 log = logging.getLogger(__name__)
 

@@ -21,22 +21,20 @@ from lightning.pytorch.utilities import rank_zero_only
 from trainyard.core.card import Card, load_card
 from trainyard.core.config import MlflowParams, Params, TrainParams
 from trainyard.core.io import atomic_file, sha256_file
+from trainyard.core.records import TrainRecord
 from trainyard.data.datamodule import ImageDataModule
 from trainyard.model.classifier import Classifier, classifier_for
+from trainyard.track.lineage import dvc_data_version, dvc_experiment_tags, run_tags
 from trainyard.track.outage import ServerGap
-from trainyard.track.records import TrainRecord
-from trainyard.track.runs import (
+from trainyard.track.store import (
     DVC_EXP_NAME,
-    SystemMetrics,
     TrackingClient,
     check_tracking_uri,
-    dvc_data_version,
-    dvc_experiment_tags,
     ensure_experiment,
     resolve_tracking_uri,
-    run_tags,
     tracking_client,
 )
+from trainyard.track.system_metrics import SystemMetrics
 from trainyard.track.train_run import log_fit_inputs, reopen_run
 from trainyard.training.builder import build_trainer, time_limit_min
 from trainyard.training.device import resolve_device

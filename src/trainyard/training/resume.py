@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json, sha256_file
-from trainyard.track.runs import signals_handled
+from trainyard.track.interrupts import signals_handled
 from trainyard.track.train_run import end_interrupted_run, run_status
 from trainyard.training.builder import RESUME_ROOT
 
