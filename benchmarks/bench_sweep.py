@@ -33,7 +33,7 @@ import yaml
 
 from benchmarks.common import publish
 from trainyard.core.host import cpu_name
-from trainyard.track.runs import count_runs
+from trainyard.track.store import count_runs
 
 DOCS_KEY = "sweep"
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from team.mlflow_server import wait_healthy
+from trainyard.core.records import TrainRecord
 from trainyard.data.idx import write_idx_bytes
-from trainyard.track.records import TrainRecord
 
 REPO = Path(__file__).resolve().parents[1]
 FASHION_DIR = Path(os.environ.get("TRAINYARD_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))

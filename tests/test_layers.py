@@ -423,7 +423,7 @@ ALLOWED_CASES = [
         "def f():\n    try:\n        from trainyard.track.registry import g\n"
         "    except ImportError:\n        return\n",
     ),
-    ("benchmarks/bench_x.py", "import torch\nfrom trainyard.track.runs import count_runs\n"),
+    ("benchmarks/bench_x.py", "import torch\nfrom trainyard.track.store import count_runs\n"),
     (
         "benchmarks/bench_x.py",
         "def f():\n    from trainyard.training.builder import build_trainer\n",

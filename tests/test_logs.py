@@ -65,7 +65,7 @@ class Tiny(L.LightningModule):
 root, quiet = sys.argv[1], sys.argv[2] == "quiet"
 if quiet:  # what the train stage imports, before anything is logged
     from trainyard.stages.runner import configure_logging
-    from trainyard.track.runs import SystemMetrics
+    from trainyard.track.system_metrics import SystemMetrics
     from trainyard.training.builder import build_trainer
     configure_logging("train")
 data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=8)
@@ -164,7 +164,7 @@ def test_stage_log_format():
 def test_mlflow_prints_no_run_links(capsys):
     from mlflow.tracking._tracking_service.client import TrackingServiceClient
 
-    import trainyard.track.runs  # noqa: F401  (its import sets MLflow's switch)
+    import trainyard.track  # noqa: F401  (its import sets MLflow's switch)
 
     # MLflow writes its links to stdout for a tracking server only; with the switch on, it
     # returns before asking the server (none listens here) for the run.

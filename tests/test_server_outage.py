@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from trainyard.core.records import TRAIN_RECORD, TrainRecord
 from trainyard.track.outage import unreachable
-from trainyard.track.records import TRAIN_RECORD, TrainRecord
 
 from conftest import VENV_BIN, dvc, set_params, small_pipeline_repo, stage_env
 
@@ -290,7 +290,7 @@ def test_a_dead_server_costs_one_call_then_log_calls_do_not_wait(tmp_path, caplo
     from trainyard.track.outage import ServerGap
 
     monkeypatch.delenv("TRAINYARD_TRACKING_WAIT_S", raising=False)
-    # what track.runs sets for every stage (_limit_http_retries)
+    # what track.store sets for every stage (_limit_http_retries)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     uri = f"http://127.0.0.1:{free_port()}"

@@ -23,8 +23,8 @@ import yaml
 from PIL import Image
 
 from trainyard.core.io import sha256_file
+from trainyard.core.records import EXPORT_RECORD, REGISTRY_RECORD, TRAIN_RECORD
 from trainyard.data.idx import read_idx
-from trainyard.track.records import EXPORT_RECORD, REGISTRY_RECORD, TRAIN_RECORD
 
 from conftest import VENV_BIN, copy_reproduced, dvc, git_env, stop_group
 

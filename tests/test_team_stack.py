@@ -27,8 +27,8 @@ from test_serving import Server, classify, png, server_env, write_params
 
 from team.stack import Ports, Stack, down, up
 from trainyard.core.io import sha256_file
+from trainyard.core.records import REGISTRY_RECORD, TRAIN_RECORD, TrainRecord
 from trainyard.data.idx import read_idx
-from trainyard.track.records import REGISTRY_RECORD, TRAIN_RECORD, TrainRecord
 
 from conftest import copy_reproduced, dvc, git_env, set_params, stage_env
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainyard.core.errors import TrackingError
-from trainyard.track.runs import (
+from trainyard.track.store import (
     EXPERIMENT_KIND_TAG,
     MODEL_TRAINING,
     check_tracking_uri,
@@ -50,7 +50,7 @@ def test_a_run_shorter_than_one_sampling_interval_still_gets_system_metrics(tmp_
 
     from mlflow.tracking import MlflowClient
 
-    from trainyard.track.runs import SystemMetrics
+    from trainyard.track.system_metrics import SystemMetrics
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)

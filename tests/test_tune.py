@@ -33,7 +33,7 @@ from trainyard.core.errors import ParamsError
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
 from trainyard.experiments import tune, workers
-from trainyard.track.runs import ensure_experiment
+from trainyard.track.store import ensure_experiment
 from trainyard.track.study_runs import StudyRuns
 
 from conftest import REPO, VENV_BIN, copy_repo, dvc, make_photo_folder, stage_env

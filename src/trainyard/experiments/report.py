@@ -23,8 +23,8 @@ import yaml
 
 from trainyard.core.errors import TrainyardError
 from trainyard.core.io import atomic_dir, atomic_write_text
+from trainyard.core.records import REGISTRY_RECORD, TRAIN_RECORD
 from trainyard.experiments.dvc_repo import diffs_against, read_at_revision
-from trainyard.track.records import REGISTRY_RECORD, TRAIN_RECORD
 
 DEFAULT_OUT = Path("reports/report.md")
 DEFAULT_BASELINE = "main"

@@ -38,7 +38,7 @@ from trainyard.experiments.workers import (
     worker_dead,
     worker_id,
 )
-from trainyard.track.runs import store_root
+from trainyard.track.store import store_root
 from trainyard.track.study_runs import StudyRuns
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from trainyard.experiments import workers
 from trainyard.experiments.study import Study, Trial, TrialPruned
 from trainyard.stages import fetch as fetch_stage
 from trainyard.stages import prepare as prepare_stage
-from trainyard.track.runs import check_tracking_uri, ensure_experiment, resolve_tracking_uri
+from trainyard.track.store import check_tracking_uri, ensure_experiment, resolve_tracking_uri
 from trainyard.track.study_runs import StudyRuns
 from trainyard.training.fit import RunExtras, fit_and_track
 from trainyard.training.resume import ResumeCallback

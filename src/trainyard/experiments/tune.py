@@ -31,7 +31,7 @@ from trainyard.experiments import workers
 from trainyard.experiments.study import Study, best_trial, quiet_optuna, trial_values
 from trainyard.experiments.trials import Setup, Tuner, set_key
 from trainyard.stages.runner import configure_logging
-from trainyard.track.runs import release_interrupted_store
+from trainyard.track.interrupts import release_interrupted_store
 
 log = logging.getLogger("trainyard.experiments.tune")
 

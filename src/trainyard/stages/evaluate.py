@@ -10,19 +10,13 @@ import numpy as np
 
 from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json
+from trainyard.core.records import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.data.datamodule import load_split
 from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.runner import stage_main
-from trainyard.track.records import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.track.registry import register_and_promote
-from trainyard.track.runs import (
-    DVC_EXP_NAME,
-    in_temp_workspace,
-    log_to_open_run,
-    logging_into,
-    open_run,
-    tracking_client,
-)
+from trainyard.track.runs import log_to_open_run, logging_into, open_run
+from trainyard.track.store import DVC_EXP_NAME, in_temp_workspace, tracking_client
 from trainyard.training.history import HISTORY_FILE, read_history
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose

@@ -5,10 +5,10 @@ import logging
 from pathlib import Path
 
 from trainyard.core.config import Params
+from trainyard.core.records import EXPORT_RECORD, ExportRecord, TrainRecord
 from trainyard.data.datamodule import load_split
 from trainyard.export.onnx_export import export_and_verify, normalized_example
 from trainyard.stages.runner import stage_main
-from trainyard.track.records import EXPORT_RECORD, ExportRecord, TrainRecord
 from trainyard.track.registry import log_onnx_model
 from trainyard.track.runs import log_to_open_run, logging_into, open_run
 

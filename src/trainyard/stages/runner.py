@@ -97,7 +97,7 @@ def configure_logging(stage: str) -> None:
     one format (StageFormatter) on stderr; Python warnings become such lines too.
 
     Which third-party lines are dropped is decided where they come from (train.builder for
-    Lightning, track.runs for MLflow, export.onnx_export for the ONNX exporter).
+    Lightning, the track package for MLflow, export.onnx_export for the ONNX exporter).
     """
     # Other libraries: warnings only (the ONNX exporter is chatty at INFO). force: a
     # handler someone installed at import would print every line a second time.

@@ -31,7 +31,6 @@ from typing import Any
 import mlflow
 import requests
 from mlflow.entities import Metric, RunTag
-from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 from trainyard.core.errors import TrackingError
 from trainyard.core.io import atomic_write_json
@@ -313,35 +312,3 @@ class ServerGap:
             self.gaps = gaps + self.gaps
             self.since, self.kept = since, len(metrics)
         return len(metrics)
-
-
-class GapMonitor(SystemMetricsMonitor):
-    """MLflow's system-metrics sampler whose samples go through a ``ServerGap``. MLflow's own
-    loop asks the server for the run's status at every sample, and at the first failure
-    logs a warning and stops sampling for the rest of the fit."""
-
-    def __init__(self, gap: ServerGap, interval_s: float, resume: bool) -> None:
-        super().__init__(
-            gap.run_id, sampling_interval=interval_s, resume_logging=resume, tracking_uri=gap.uri
-        )
-        self.gap = gap
-
-    def monitor(self) -> None:
-        """Sample every interval and publish; the last, partial interval is the caller's."""
-        while not self._shutdown_event.is_set():
-            self.collect_metrics()
-            if self._shutdown_event.wait(self.sampling_interval):
-                return
-            try:
-                self.publish_metrics(self.aggregate_metrics())
-            except Exception as err:  # not the server's absence: a bug, said once
-                log.warning("system metrics stopped: %s", err)
-                return
-
-    def publish_metrics(self, metrics: dict[str, float]) -> None:
-        """The samples, prefixed ``system/``, through the gap."""
-        prefix = self._metrics_prefix + (self.node_id + "/" if self.node_id else "")
-        self.gap.log_metrics({prefix + k: v for k, v in metrics.items()}, self._logging_step)
-        self._logging_step += 1
-        for monitor in self.monitors:
-            monitor.clear_metrics()

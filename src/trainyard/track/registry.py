@@ -52,12 +52,8 @@ from mlflow.models import infer_signature
 from trainyard.core.errors import TrackingError
 from trainyard.core.io import atomic_write_text, sha256_file
 from trainyard.runtime.sessions import load_onnx
-from trainyard.track.runs import (
-    check_tracking_uri,
-    release_interrupted_store,
-    resolve_tracking_uri,
-    signals_deferred,
-)
+from trainyard.track.interrupts import release_interrupted_store, signals_deferred
+from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
 

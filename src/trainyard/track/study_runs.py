@@ -18,14 +18,9 @@ from mlflow.exceptions import MlflowException
 from trainyard import __version__
 from trainyard.core.config import Params
 from trainyard.core.errors import TrackingError
-from trainyard.track.runs import (
-    END_REASON_TAG,
-    TrackingClient,
-    carry_end_reason,
-    git_state,
-    log_new_params,
-    tracking_client,
-)
+from trainyard.track.lineage import git_state
+from trainyard.track.runs import END_REASON_TAG, carry_end_reason, log_new_params
+from trainyard.track.store import TrackingClient, tracking_client
 
 log = logging.getLogger(__name__)
 

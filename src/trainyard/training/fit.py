@@ -7,7 +7,6 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -15,55 +14,26 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers.logger import DummyLogger
-from lightning.pytorch.utilities import rank_zero_only
 
 from trainyard.core.card import Card, load_card
 from trainyard.core.config import MlflowParams, Params, TrainParams
 from trainyard.core.io import atomic_file, sha256_file
+from trainyard.core.records import TrainRecord
 from trainyard.data.datamodule import ImageDataModule
 from trainyard.model.classifier import Classifier, classifier_for
-from trainyard.track.outage import ServerGap
-from trainyard.track.records import TrainRecord
-from trainyard.track.runs import (
-    DVC_EXP_NAME,
-    SystemMetrics,
-    TrackingClient,
-    check_tracking_uri,
-    dvc_data_version,
-    dvc_experiment_tags,
-    ensure_experiment,
-    resolve_tracking_uri,
-    run_tags,
-    tracking_client,
-)
-from trainyard.track.train_run import log_fit_inputs, reopen_run
+from trainyard.track.lineage import dvc_data_version, dvc_experiment_tags, run_tags
+from trainyard.track.store import DVC_EXP_NAME, check_tracking_uri, resolve_tracking_uri
 from trainyard.training.builder import build_trainer, time_limit_min
 from trainyard.training.device import resolve_device
-from trainyard.training.fit_end import (
-    FitResult,
-    complete_run,
-    finished_fit,
-    keep_unsent,
-    send_saved,
-)
 from trainyard.training.fit_log import EpochTimer
 from trainyard.training.gpu_busy import GpuBusyMeter
 from trainyard.training.history import HISTORY_FILE, History
-from trainyard.training.nodes import Nodes, ShareRun, join_nodes, resume_mode, what_trains
+from trainyard.training.nodes import Nodes, ShareRun, join_nodes, what_trains
 from trainyard.training.perf import InputBoundMeter
 from trainyard.training.recipe import Plan, describe, few_steps_warning, load_plan, plan
-from trainyard.training.resume import (
-    RESUME_ROOT,
-    AtomicCheckpointIO,
-    Resume,
-    ResumeCallback,
-    end_killed,
-    interruptions,
-    resume_key,
-)
-from trainyard.training.resume import prepare as prepare_resume
-from trainyard.training.run_logger import GapEpoch, RunLogger
+from trainyard.training.resume import RESUME_ROOT, AtomicCheckpointIO, ResumeCallback, resume_key
+from trainyard.training.run_logger import GapEpoch
+from trainyard.training.tracked_run import RECIPE_FILE, FitResult, TrackedRun, join_run
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +43,6 @@ warnings.filterwarnings("ignore", message=r".*`IterableDataset` has `__len__` de
 warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfer`.*")
 
 BEST_CKPT = "best.ckpt"
-RECIPE_FILE = "recipe.json"  # the plan, beside the resumable checkpoint and in the MLflow run
 
 
 @dataclass(frozen=True)
@@ -83,30 +52,6 @@ class Hardware:
     accelerator: str
     precision: str
     device: str
-
-
-@dataclass
-class TrackedRun:
-    """The MLflow run a fit logs to, and the resume folder that goes with it."""
-
-    uri: str
-    # Rank 0's creates the run; another node's rank logs nothing, and must not even open
-    # the store (MLflow's client creates an sqlite file's tables): Lightning's stand-in.
-    logger: RunLogger | DummyLogger
-    client: TrackingClient | None  # rank 0 only: resume bookkeeping, ending a killed run
-    resume: Resume
-    lead: bool  # rank 0, the one rank that owns the MLflow run (under DDP all run this)
-    dvc_md5: str  # DVC's hash of data/prepared, "" when dvc.lock has none
-    peer_run_id: str | None = None  # on the other ranks: rank 0's run, once it is shared
-    gap: ServerGap | None = None  # rank 0: metrics kept while the server is away
-
-    @property
-    def run_id(self) -> str | None:
-        """The MLflow run's id (Lightning's logger creates the run on first use); on
-        other ranks rank 0's, once known (across nodes before the fit, else at its start)."""
-        if isinstance(self.logger, RunLogger) and self.logger.run_id:
-            return self.logger.run_id
-        return self.peer_run_id
 
 
 @dataclass(frozen=True)
@@ -158,17 +103,16 @@ def fit_and_track(
     extras = extras or RunExtras()
 
     def start(resume_mode: str | None = None) -> TrackedRun:
-        tracked = open_tracking(run_params, key, root, uri, card, model, hw, extras, resume_mode)
-        if tracked.lead:
-            recipe.save(tracked.resume.folder / RECIPE_FILE)
-            log_run_inputs(tracked, dm, data_dir, params_file, recipe)
-            tracked.resume.write_state(tracked.run_id, tracked.logger.experiment_id, uri)
-            send_saved(tracked)  # metrics an earlier start kept while the server was away
+        dvc_md5 = dvc_data_version(root)
+        tags = lineage_tags(root, card, model, hw, dvc_md5) | extras.tags
+        name = extras.run_name or run_name(run_params, key)
+        tracked = TrackedRun.open(run_params, key, root, uri, tags, name, dvc_md5, resume_mode)
+        tracked.begin(recipe, dm, data_dir, params_file)
         return tracked
 
     tracked = join_run(nodes, start, folder, uri) if nodes.joined else start()
-    # Finished while the server was away (training.fit_end): nothing left to train.
-    result = None if nodes.joined else finished_fit(tracked, out_dir)
+    # Finished while the server was away (TrackedRun.complete): nothing left to train.
+    result = None if nodes.joined else tracked.finished_fit(out_dir)
     if result is None:
         setup = build_fit(
             run_params.train,
@@ -184,9 +128,9 @@ def fit_and_track(
             return None
         trainer, meter, history = setup.trainer, setup.meter, out_dir / HISTORY_FILE
         result = FitResult.of(trainer, setup.checkpoint, meter.result, fit_s, dm.placement, history)
-    complete_run(tracked, result)  # the server away past the wait: the state is kept, raises
+    tracked.complete(result)  # the server away past the wait: the state is kept, raises
     record = write_outputs(run_params, out_dir, tracked, result, hw, dm)
-    tracked.resume.finish()  # done: a forced rerun of the same params trains anew
+    tracked.close()  # done: a forced rerun of the same params trains anew
     log.info(
         "best val/acc %.4f; MLflow run %s at %s",
         result.best_score,
@@ -240,27 +184,6 @@ def agree_on_plan(
         for line in describe(recipe):  # what this rank trains: rank 0's choices
             log.info("%s", line)
     return recipe
-
-
-def join_run(
-    nodes: Nodes, start: Callable[[str | None], TrackedRun], folder: Path, uri: str
-) -> TrackedRun:
-    """Across nodes: rank 0 opens (or reopens) the MLflow run (``start``); every rank
-    learns its id and whether the fit resumes (from which checkpoint: ``resume_mode``)."""
-    mode = resume_mode(nodes, folder)
-    opened: list[TrackedRun] = []
-
-    def decide() -> tuple[str | None, str, str]:
-        opened.append(start(mode))
-        res = opened[0].resume
-        ckpt = "" if res.ckpt_path is None else str(res.ckpt_path.resolve())
-        return opened[0].run_id, str(res.folder.resolve()), ckpt
-
-    run_id, lead_folder, ckpt = nodes.from_lead(decide)
-    if opened:
-        return opened[0]
-    resume = Resume(Path(lead_folder), folder.name, ckpt_path=Path(ckpt) if ckpt else None)
-    return TrackedRun(uri, DummyLogger(), None, resume, False, "", peer_run_id=run_id)
 
 
 def plan_training(
@@ -341,70 +264,6 @@ def run_name(params: Params, key: str) -> str:
     is set before the run is created."""
     exp = os.environ.get(DVC_EXP_NAME, "").strip()
     return exp or f"{params.dataset_name()}-{params.train.arch}-{key[:6]}"
-
-
-def open_tracking(
-    run_params: Params,
-    key: str,
-    root: str | os.PathLike[str],
-    uri: str,
-    card: Card,
-    model: Classifier,
-    hw: Hardware,
-    extras: RunExtras,
-    resume_mode: str | None = None,
-) -> TrackedRun:
-    """The fit's MLflow run: an interrupted run of this very training (``key``, from
-    ``resume_key``), reopened, or a new one with the params (``run_params``: as resolved,
-    what MLflow records), the lineage tags and a readable name, in the dataset's
-    experiment (``mlflow.experiment``). ``resume_mode`` overrides ``train.resume``."""
-    dvc_md5 = dvc_data_version(root)
-    tags = lineage_tags(root, card, model, hw, dvc_md5) | extras.tags
-    lead = rank_zero_only.rank == 0
-    # An interrupted run of these exact params, data and code resumes: same MLflow run.
-    mlc = tracking_client(uri) if lead else None
-    mode = resume_mode or run_params.train.resume
-    resume = prepare_resume(root, key, mode, uri, mlc, lead=lead)
-    experiment = run_params.experiment_name()
-    if lead:  # before Lightning's logger, which would race another run creating it
-        ensure_experiment(uri, experiment)
-    logger = RunLogger(
-        experiment_name=experiment,
-        run_name=None if resume.run_id else (extras.run_name or run_name(run_params, key)),
-        tracking_uri=uri,
-        tags=tags,
-        log_model=False,
-        run_id=resume.run_id,
-    )
-    if resume.run_id and mlc is not None:
-        reopen_run(mlc, resume.run_id, run_params.flat())
-    else:
-        logger.log_hyperparams(run_params.flat())
-    gap = ServerGap(uri, logger.run_id, mlc) if lead and logger.run_id else None
-    logger.gap = gap
-    return TrackedRun(uri, logger, mlc, resume, lead, dvc_md5, gap=gap)
-
-
-def log_run_inputs(
-    tracked: TrackedRun,
-    dm: ImageDataModule,
-    data_dir: str | os.PathLike[str],
-    params_file: str | os.PathLike[str] | None,
-    recipe: Plan,
-) -> None:
-    """What the run learns from (rank 0 only): the splits as datasets, params and card,
-    and the recipe's choices (tags ``recipe.<key>`` and ``config/recipe.json``)."""
-    splits = {split: dm.split_arrays(split) for split in ("train", "val")}
-    log_fit_inputs(
-        tracked.logger.experiment,
-        tracked.run_id,
-        splits,
-        dm.card,
-        data_dir,
-        params_file,
-        recipe.tags(),
-        recipe.to_dict(),
-    )
 
 
 def checkpoint_callbacks(
@@ -500,30 +359,9 @@ def run_fit(
 
     A SIGTERM/SIGINT ends the run KILLED, keeps the checkpoint and exits 143/130.
     """
-    resume = tracked.resume
     t0 = time.perf_counter()
-    monitor = SystemMetrics(
-        tracked.run_id,
-        tracked.uri,
-        mp.system_metrics_interval_s,
-        mp.system_metrics and tracked.lead,
-        resume.resuming,
-        tracked.gap,
-    )
-    try:
-        with interruptions(resume), monitor:
-            setup.trainer.fit(model, datamodule=dm, ckpt_path=resume.ckpt_path)
-    except BaseException:
-        if resume.signal is None:
-            keep_unsent(tracked)
-            resume.release()
-            raise
-    if resume.signal is not None:
-        if tracked.lead:
-            keep_unsent(tracked)
-            away = tracked.gap is not None and tracked.gap.away  # no one to mark it KILLED
-            end_killed(resume, None if away else tracked.client, tracked.run_id, setup.trainer)
-        raise SystemExit(128 + resume.signal)
+    with tracked.watching(setup.trainer, mp):
+        setup.trainer.fit(model, datamodule=dm, ckpt_path=tracked.resume.ckpt_path)
     return time.perf_counter() - t0
 
 

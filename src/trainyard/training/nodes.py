@@ -243,7 +243,7 @@ def resume_mode(nodes: Nodes, folder: Path) -> str | None:
 
 
 class RunHolder(Protocol):
-    """What ``ShareRun`` needs of train.fit's TrackedRun."""
+    """What ``ShareRun`` needs of training.tracked_run's TrackedRun."""
 
     logger: Any
     peer_run_id: str | None

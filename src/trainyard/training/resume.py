@@ -10,7 +10,7 @@ an old checkpoint. DVC deletes a stage's outs before it runs; this folder is not
 A start (rank 0) first settles earlier interrupted runs: one with this key resumes (same MLflow
 run, set back to RUNNING); any other left RUNNING or KILLED is marked FAILED with a
 ``trainyard.end_reason`` tag and its folder removed. SIGTERM and SIGINT end the fit at the next
-batch, mark the run KILLED and leave the checkpoint for the next start.
+batch, mark the run KILLED and leave the checkpoint for the next start (training.tracked_run).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json, sha256_file
-from trainyard.track.runs import signals_handled
+from trainyard.track.interrupts import signals_handled
 from trainyard.track.train_run import end_interrupted_run, run_status
 from trainyard.training.builder import RESUME_ROOT
 
@@ -373,25 +373,3 @@ def interruptions(resume: Resume) -> Iterator[None]:
 
     with signals_handled(handler):  # not the main thread: signals left alone
         yield
-
-
-def end_killed(resume: Resume, client: Any, run_id: str, trainer: L.Trainer) -> None:
-    """After a signal: mark the run KILLED, say what the next start will do, and exit.
-    ``client`` None: the tracking server is away, the run stays RUNNING for the next start."""
-    assert resume.signal is not None
-    name = signal.Signals(resume.signal).name
-    ckpt = resume.folder / LAST_CKPT
-    if ckpt.is_file() and not resume.private:
-        then = f"the next `dvc repro` resumes it from {ckpt}"
-    else:
-        then = "no checkpoint yet: the next start begins anew"
-    if client is not None:
-        end_interrupted_run(
-            client,
-            run_id,
-            "KILLED",
-            f"{name} at epoch {trainer.current_epoch + 1}, step {trainer.global_step}",
-        )
-    log.warning("interrupted by %s; %s", name, then)
-    resume.release()
-    raise SystemExit(128 + resume.signal)

@@ -37,8 +37,8 @@ class Gap(Protocol):
 
 class RunLogger(MLFlowLogger):
     """``MLFlowLogger`` with ``gap`` (set once the run exists): metrics and tags are kept
-    while the server is away; the run is ended by train.fit once its outputs are logged and
-    everything kept is sent (``fit_end.complete_run``), not at the end of ``trainer.fit``."""
+    while the server is away; the run is ended once its outputs are logged and everything
+    kept is sent (``tracked_run.TrackedRun.complete``), not at the end of ``trainer.fit``."""
 
     gap: Gap | None = None
 

@@ -78,7 +78,7 @@ class Record(_Frozen):
 
 
 class InputBound(_Frozen):
-    """The input-bound verdict of a fit (``train.perf.InputBoundMeter.result``)."""
+    """The input-bound verdict of a fit (``training.perf.InputBoundMeter.result``)."""
 
     level: str
     data_wait_fraction: float
@@ -98,7 +98,7 @@ class InputBound(_Frozen):
 
 
 class GpuBusy(_Frozen):
-    """How busy the GPU kept over the training steps (``train.gpu_busy.GpuBusyMeter``):
+    """How busy the GPU kept over the training steps (``training.gpu_busy.GpuBusyMeter``):
     NVML utilisation, its mean and median %, or None with the ``reason`` (``no CUDA
     device``, NVML unavailable)."""
 
