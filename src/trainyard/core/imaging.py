@@ -8,9 +8,12 @@ bombs), and every decode failure becomes an ``InputError`` that says what was wr
 
 Memory stays bounded by the target size, not the file's: JPEGs decode at 1/2..1/8 scale,
 and any image far larger than the target is box-reduced (``Image.reduce``, in strips for
-modes with alpha) to about twice the target before any conversion or float arithmetic.
-A 600 MP RGBA poster then costs its decoded bytes (4 per pixel) and little more
-(docs/own-images.md has the measurements).
+modes with alpha) to about twice the target before any conversion or float arithmetic. A
+large non-interlaced PNG of up to 8-bit samples is reduced band by band as its rows are
+inflated (``trainyard.core.png_bands``), so a 623 MP RGBA poster never exists decoded
+whole; other images cost their decoded bytes (4 per pixel for RGBA) and little more.
+``reserve`` lets a caller that decodes many images at once (prepare's pool) hold off a
+decode until the memory it will take is free (docs/own-images.md has the measurements).
 
 Optional format plugins (pillow-heif for HEIC/HEIF) are imported the first time a file
 needs one, so this module runs where they are not installed (a bare GPU machine); such a
@@ -23,6 +26,7 @@ import io
 import math
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +34,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from trainyard.core.errors import InputError
+from trainyard.core.png_bands import PngLayout, png_bands, png_layout
 
 # Pillow's own bomb guard (an error at 2x ~89 MP) would refuse a user's 600 MP poster before
 # our limit is consulted. Every open in trainyard goes through ``_open``, which checks the
@@ -74,6 +79,17 @@ _INTERPOLATION = {"bilinear": 2, "bicubic": 3, "lanczos": 1, "nearest": 0}  # PI
 REDUCE_TO = 2
 # Bytes of one strip converted at a time when reducing an image with alpha (premultiplied).
 _STRIP_BYTES = 32 * 2**20
+# PNGs over this many pixels (64 MiB as RGBA) are decoded in bands (``png_bands``) when
+# reduced; smaller ones whole, as before.
+STREAM_PIXELS = 2**24
+# Decoded bytes of one band of a streamed PNG (at least one box of rows): smaller than a
+# strip, as the CPU's caches like (a 623 MP poster to 224 px: 5.1-5.9 s of CPU in 8 MiB
+# bands, 6.3-6.6 s in 32 MiB ones; Pillow's whole decode and strips 5.1-5.4 s).
+_BAND_BYTES = 8 * 2**20
+# Bytes a pixel takes in Pillow's memory, by mode (4 for the others: RGB is stored as RGBX).
+_PIXEL_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2}
+# What a caller's ``reserve`` is: called with the bytes a decode will hold, held meanwhile.
+Reserve = Callable[[int], AbstractContextManager[object]]
 # EXIF orientation -> the transpose that shows the image upright (as ImageOps.exif_transpose).
 _T = Image.Transpose
 _ORIENT = {
@@ -223,20 +239,24 @@ def image_to_pixels(
     info: dict[str, Any] | None = None,
     max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
     limit_key: str = SERVE_LIMIT_KEY,
+    reserve: Reserve | None = None,
 ) -> np.ndarray:
     """Image bytes of any supported format and mode -> uint8 pixels ``[C, H, W]``.
 
     ``info``, when given, receives the file's ``format``, ``width`` and ``height`` as soon
     as the header is read (also when decoding then fails): what the service reports as
-    input image sizes, without opening the image twice.
+    input image sizes, without opening the image twice. ``reserve``, when given, is called
+    once the header is read with the bytes the decode will hold at most (the file's own
+    included), and the context manager it returns is held while they are.
 
     In order: header check (format, pixel count against ``limit_key``'s ``max_pixels``,
     aspect ratio), decode (JPEGs far larger than needed decode at 1/2..1/8 scale), a box
     reduce of anything over ``REDUCE_TO`` x the target (alpha premultiplied, so transparent
-    pixels' colours do not bleed), EXIF orientation, conversion to ``channels`` (16-bit maps
-    to 8-bit, transparency is composited on ``fill``), then the resize policy (see
-    ``trainyard.core.card``). An image already at the target size is not resampled, so a
-    Fashion-MNIST PNG gives back exactly its training pixels.
+    pixels' colours do not bleed; a large PNG's rows as they are inflated), EXIF
+    orientation, conversion to ``channels`` (16-bit maps to 8-bit, transparency is
+    composited on ``fill``), then the resize policy (see ``trainyard.core.card``). An image
+    already at the target size is not resampled, so a Fashion-MNIST PNG gives back exactly
+    its training pixels.
     """
 
     if channels not in (1, 3):
@@ -246,19 +266,24 @@ def image_to_pixels(
         if info is not None:
             info.update(format=fmt, width=im.width, height=im.height)
         try:
+            big_png = fmt == "PNG" and im.width * im.height > STREAM_PIXELS
+            layout = png_layout(data) if big_png else None
             # The orientation first: the reduce works on the stored image, whose sides are
             # the target's swapped when the EXIF says it is shown turned by 90 degrees.
-            method = _ORIENT.get(im.getexif().get(0x0112, 1))
+            method = _ORIENT.get(_exif(im, layout).get(0x0112, 1))
             th, tw = (width, height) if method in _TURNED else (height, width)
             if fmt in ("JPEG", "MPO"):
                 # Any scale that keeps both sides at least twice the target: enough for every
                 # policy (crop needs the shorter side >= target) and far cheaper to decode.
                 im.draft(im.mode, (REDUCE_TO * tw, REDUCE_TO * th))
-            im.load()
-            small = _reduce(im, th, tw, resize)
-            if method is not None:
-                small = small.transpose(method)
-            arr = _to_channels(small, channels, fill, invert)
+            factors = _reduce_factors(im.width, im.height, tw, th, resize)
+            if factors == (1, 1):
+                layout = None  # small enough: decoded whole, passed through bit-exactly
+            with (reserve or nullcontext)(len(data) + _footprint(im, factors, layout)):
+                small = _reduce(im, factors, data, layout)
+                if method is not None:
+                    small = small.transpose(method)
+                arr = _to_channels(small, channels, fill, invert)
         except InputError:
             raise
         except Exception as err:  # truncated or corrupt data: the sender's bytes, not our bug
@@ -269,6 +294,16 @@ def image_to_pixels(
         _check_canvas(arr.shape[0], arr.shape[1], height, width, max_pixels, field, limit_key)
     out = _apply_resize(arr, height, width, resize, fill, interpolation)
     return np.ascontiguousarray(out.transpose(2, 0, 1))
+
+
+def _exif(im: Any, layout: PngLayout | None) -> Any:
+    """``im``'s EXIF without decoding a pixel. For a PNG Pillow's own getexif() decodes the
+    whole image in case an eXIf chunk follows the image data; the layout has found it."""
+    if layout is None:
+        return im.getexif()
+    if layout.exif is not None:
+        im.info.setdefault("exif", layout.exif)
+    return Image.Image.getexif(im)  # reads info["exif"] (and XMP) only
 
 
 def _reduce_factors(w: int, h: int, tw: int, th: int, policy: str) -> tuple[int, int]:
@@ -296,27 +331,54 @@ def _work_mode(im: Any) -> str:
     return "L" if mode == "1" else "RGB"
 
 
-def _reduce(im: Any, th: int, tw: int, policy: str) -> Any:
-    """``im`` box-reduced to about ``REDUCE_TO`` x the target (``im`` itself when already
-    that small: the target size passes through bit-exactly).
+def _strip_rows(im: Any, ky: int, layout: PngLayout | None) -> int:
+    """Rows of one strip (or streamed band): whole reduce boxes, about ``_STRIP_BYTES``
+    (``_BAND_BYTES``) decoded."""
+    target = _STRIP_BYTES if layout is None else _BAND_BYTES
+    return ky * max(1, target // (4 * im.width * ky))
 
-    Modes that need a conversion first (alpha, palettes) are converted and reduced in
-    strips of whole factor rows, so the full-size image is never copied.
+
+def _footprint(im: Any, factors: tuple[int, int], layout: PngLayout | None) -> int:
+    """Bytes a decode of ``im`` holds at most besides the file: the image decoded whole
+    (or, streamed, a band in its five forms: inflated, handed on, decoded, converted,
+    premultiplied), the strips of a reduce, and the float compositing of the result."""
+    (w, h), (kx, ky) = im.size, factors
+    strip = 4 * w * min(h, _strip_rows(im, ky, layout)) if factors != (1, 1) else 0
+    whole = _PIXEL_BYTES.get(im.mode, 4) * w * h
+    held = 5 * strip if layout is not None else whole + 3 * strip
+    # _to_channels: float32 RGBA and RGB copies of the reduced image, about 32 bytes a pixel.
+    return held + 32 * -(-w // kx) * -(-h // ky)
+
+
+def _reduce(im: Any, factors: tuple[int, int], data: bytes, layout: PngLayout | None) -> Any:
+    """``im`` box-reduced by ``factors`` (``im`` itself, loaded, when (1, 1): the target
+    size passes through bit-exactly).
+
+    A PNG with a ``layout`` is decoded band by band from ``data`` and never whole. Modes
+    that need a conversion first (alpha, palettes) are converted and reduced in strips of
+    whole factor rows, so the full-size image is never copied either.
     """
-    kx, ky = _reduce_factors(im.width, im.height, tw, th, policy)
-    if (kx, ky) == (1, 1):
-        return im
+    kx, ky = factors
     mode = _work_mode(im)
-    if mode == im.mode and mode not in ("RGBA", "LA"):
-        return im.reduce((kx, ky))  # the C reduce allocates only the small result
     w, h = im.size
-    rows = ky * max(1, _STRIP_BYTES // (4 * w * ky))
+    rows = _strip_rows(im, ky, layout)
+    if layout is not None:
+        strips = png_bands(data, layout, rows)
+    else:
+        im.load()
+        if factors == (1, 1):
+            return im
+        if mode == im.mode and mode not in ("RGBA", "LA"):
+            return im.reduce((kx, ky))  # the C reduce allocates only the small result
+        strips = ((top, im.crop((0, top, w, min(h, top + rows))), 0) for top in range(0, h, rows))
     out = Image.new(mode, (-(-w // kx), -(-h // ky)))
-    for top in range(0, h, rows):
-        strip = im.crop((0, top, w, min(h, top + rows)))
+    for top, strip, skip in strips:
         if strip.mode != mode:
             strip = strip.convert(mode)
-        out.paste(strip.reduce((kx, ky)), (0, top // ky))
+        out.paste(strip.reduce((kx, ky), (0, skip, w, strip.height)), (0, top // ky))
+    if layout is not None and mode == im.mode and mode not in ("RGBA", "LA"):
+        # As im.reduce above keeps it: a tRNS colour key stays with the pixels.
+        out.info = dict(im.info)
     return out
 
 

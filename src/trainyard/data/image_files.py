@@ -17,8 +17,8 @@ the rest, the same way for all of them:
   with a list of every one (``data.on_bad_file: error``), or is left out and recorded in the
   card (``skip``).
 
-Both passes run in a process pool (``FilePool``, ``data.workers``), so neither holds more
-than a few images per process.
+Both passes run in a process pool (``FilePool``, ``data.workers``), one image at a time
+per process, under one budget of decoded bytes in flight (``data.decode_budget``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from trainyard.core.card import SPLITS, Card
 from trainyard.core.errors import DataError, InputError
 from trainyard.core.imaging import image_to_pixels, read_header
 from trainyard.core.progress import Progress
+from trainyard.data.decode_budget import DECODE_BUDGET, DecodeBudget, install, reserve
 from trainyard.data.store import Expected, PreparedWriter, open_prepared
 
 if TYPE_CHECKING:
@@ -143,7 +144,9 @@ def decode_files(
         try:
             with open(p, "rb") as fh:
                 data = fh.read()
-            images[slot] = image_to_pixels(data, field="file", limit_key=LIMIT_KEY, **spec)
+            images[slot] = image_to_pixels(
+                data, field="file", limit_key=LIMIT_KEY, reserve=reserve, **spec
+            )
         except InputError as err:
             failed.append((slot, str(err).removeprefix("file: ")))
         except OSError as err:
@@ -162,7 +165,10 @@ class FilePool:
     """A process pool of ``workers``, or the calling process when 1 (tests, tiny sets)."""
 
     def __init__(self, workers: int) -> None:
-        self.executor = ProcessPoolExecutor(workers) if workers > 1 else None
+        self.executor = None
+        if workers > 1:  # the workers share one budget of decoded bytes
+            budget = (DecodeBudget(DECODE_BUDGET),)
+            self.executor = ProcessPoolExecutor(workers, initializer=install, initargs=budget)
 
     def map(
         self,
