@@ -12,7 +12,7 @@ from PIL import Image
 
 from trainyard.core.config import DataParams, parse_params
 from trainyard.data import image_files
-from trainyard.data.image_files import AUTO_SIZE_MAX, AUTO_SIZE_MIN, auto_image_size
+from trainyard.data.image_size import AUTO_SIZE_MAX, AUTO_SIZE_MIN, auto_image_size
 from trainyard.data.sources import prepare_source as prepare
 from trainyard.data.walk import scan_folder
 from trainyard.doctor.dataset import expected_dataset

@@ -42,6 +42,7 @@ from trainyard.core.errors import DataError, InputError
 from trainyard.core.imaging import image_to_pixels, read_header
 from trainyard.core.progress import Progress
 from trainyard.data.decode_budget import DECODE_BUDGET, DecodeBudget, install, reserve
+from trainyard.data.image_size import AUTO_SIZE_MAX, choose_image_size
 from trainyard.data.store import Expected, PreparedWriter, open_prepared
 
 if TYPE_CHECKING:
@@ -58,19 +59,6 @@ PROGRESS_EVERY_S = 10.0  # off a terminal: a progress INFO line this often, per 
 TRAINING_ASPECT = math.inf
 # The user's own images are held to data.max_image_pixels (memory), not the service's limit.
 LIMIT_KEY = "data.max_image_pixels"
-# data.image_size: auto = the median shorter side of the images, clamped to this range: 8x8
-# digit scans train at 32 (the smallest size every architecture takes), photos at 64 (CPU
-# training stays fast; set image_size yourself for more detail).
-AUTO_SIZE_MIN = 32
-AUTO_SIZE_MAX = 64
-# When the recipe may fine-tune ImageNet weights (train.pretrained), images of
-# PRETRAINED_MIN_SIDE px or more are prepared at PRETRAINED_SIZE: ImageNet features are
-# learnt on objects of 50-200 px, and on 64 px emoji upsampled a frozen EfficientNet-Lite0
-# scored 0.77 at 128 px, 0.78 at 160 and 0.80 at 224 (docs/own-images.md); 160 is what a
-# CPU's 4-minute budget affords. Smaller images (8x8 scans, 28 px Fashion-MNIST) train
-# from scratch, where pretrained features measured no better.
-PRETRAINED_MIN_SIDE = 32
-PRETRAINED_SIZE = 160
 # Class balance warnings (train split): largest/smallest above this ratio, or fewer images.
 IMBALANCE_RATIO = 10
 TINY_CLASS = 10
@@ -371,34 +359,6 @@ def expected_image_set(
         channels_known=params.channels != "auto",
         size_known=params.size_hw is not None,
     )
-
-
-def auto_image_size(shorter_sides: Sequence[int], for_pretrained: bool = False) -> tuple[int, str]:
-    """``data.image_size: auto``: the images' median shorter side, clamped to
-    ``AUTO_SIZE_MIN``..``AUTO_SIZE_MAX``; ``PRETRAINED_SIZE`` when ``for_pretrained`` and
-    that median is ``PRETRAINED_MIN_SIDE`` or more. Returns (size, the reason, for the log)."""
-    if not shorter_sides:
-        return AUTO_SIZE_MAX, "no readable images"
-    median = int(statistics.median(shorter_sides))
-    if for_pretrained and median >= PRETRAINED_MIN_SIDE:
-        return PRETRAINED_SIZE, (
-            f"the median shorter side of {len(shorter_sides):,} images is {median} px, and "
-            f"train.pretrained may fine-tune ImageNet weights: {PRETRAINED_SIZE} px"
-        )
-    size = min(AUTO_SIZE_MAX, max(AUTO_SIZE_MIN, median))
-    how = "" if size == median else f", clamped to {AUTO_SIZE_MIN}..{AUTO_SIZE_MAX}"
-    return size, f"the median shorter side of {len(shorter_sides):,} images is {median} px{how}"
-
-
-def choose_image_size(
-    params: DataParams, shorter_sides: Sequence[int], for_pretrained: bool = False
-) -> tuple[int, int]:
-    """(height, width) of the prepared images: data.image_size, or chosen (auto) and logged."""
-    if params.size_hw is not None:
-        return params.size_hw
-    size, reason = auto_image_size(shorter_sides, for_pretrained)
-    log.info("data.image_size auto: %dx%d (%s); set data.image_size to choose", size, size, reason)
-    return size, size
 
 
 def decode_spec(

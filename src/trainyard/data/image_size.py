@@ -1,0 +1,56 @@
+"""``data.image_size: auto``: the size prepare gives a folder's or a CSV's images, from their
+own sizes and from whether the recipe may fine-tune ImageNet weights on them."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pydantic stays out of the light paths (benchmarks, gpu-check)
+    from trainyard.core.config import DataParams
+
+log = logging.getLogger(__name__)
+
+# data.image_size: auto = the median shorter side of the images, clamped to this range: 8x8
+# digit scans train at 32 (the smallest size every architecture takes), photos at 64 (CPU
+# training stays fast; set image_size yourself for more detail).
+AUTO_SIZE_MIN = 32
+AUTO_SIZE_MAX = 64
+# When the recipe may fine-tune ImageNet weights (train.pretrained), images of
+# PRETRAINED_MIN_SIDE px or more are prepared at PRETRAINED_SIZE: ImageNet features are
+# learnt on objects of 50-200 px, and on 64 px emoji upsampled a frozen EfficientNet-Lite0
+# scored 0.77 at 128 px, 0.78 at 160 and 0.80 at 224 (docs/own-images.md); 160 is what a
+# CPU's 4-minute budget affords. Smaller images (8x8 scans, 28 px Fashion-MNIST) train
+# from scratch, where pretrained features measured no better.
+PRETRAINED_MIN_SIDE = 32
+PRETRAINED_SIZE = 160
+
+
+def auto_image_size(shorter_sides: Sequence[int], for_pretrained: bool = False) -> tuple[int, str]:
+    """``data.image_size: auto``: the images' median shorter side, clamped to
+    ``AUTO_SIZE_MIN``..``AUTO_SIZE_MAX``; ``PRETRAINED_SIZE`` when ``for_pretrained`` and
+    that median is ``PRETRAINED_MIN_SIDE`` or more. Returns (size, the reason, for the log)."""
+    if not shorter_sides:
+        return AUTO_SIZE_MAX, "no readable images"
+    median = int(statistics.median(shorter_sides))
+    if for_pretrained and median >= PRETRAINED_MIN_SIDE:
+        return PRETRAINED_SIZE, (
+            f"the median shorter side of {len(shorter_sides):,} images is {median} px, and "
+            f"train.pretrained may fine-tune ImageNet weights: {PRETRAINED_SIZE} px"
+        )
+    size = min(AUTO_SIZE_MAX, max(AUTO_SIZE_MIN, median))
+    how = "" if size == median else f", clamped to {AUTO_SIZE_MIN}..{AUTO_SIZE_MAX}"
+    return size, f"the median shorter side of {len(shorter_sides):,} images is {median} px{how}"
+
+
+def choose_image_size(
+    params: DataParams, shorter_sides: Sequence[int], for_pretrained: bool = False
+) -> tuple[int, int]:
+    """(height, width) of the prepared images: data.image_size, or chosen (auto) and logged."""
+    if params.size_hw is not None:
+        return params.size_hw
+    size, reason = auto_image_size(shorter_sides, for_pretrained)
+    log.info("data.image_size auto: %dx%d (%s); set data.image_size to choose", size, size, reason)
+    return size, size
