@@ -176,3 +176,15 @@ def test_memory_mapped_split_serves_the_same_batches_as_ram(tmp_path):
     assert isinstance(mapped.tensors["train"][0], np.ndarray)  # stays on disk
     for _ in range(2):
         assert epoch(ram) == epoch(mapped)
+
+
+def test_a_training_epoch_never_ends_on_a_batch_of_one_image():
+    """BatchNorm cannot train on one value per channel (a fine-tuned EfficientNet's last
+    stage is 1x1 at 32 px): 33 images at batch 16 train as 2 batches; evaluation keeps all."""
+    images, labels = torch.zeros(33, 1, 4, 4, dtype=torch.uint8), torch.arange(33)
+    train = TensorBatches(images, labels, 16, shuffle=True)
+    assert len(train) == 2 and [len(y) for _, y in train] == [16, 16]
+    held = TensorBatches(images, labels, 16, shuffle=False)
+    assert len(held) == 3 and [len(y) for _, y in held] == [16, 16, 1]
+    even = TensorBatches(torch.zeros(34, 1, 4, 4, dtype=torch.uint8), torch.arange(34), 16, True)
+    assert [len(y) for _, y in even] == [16, 16, 2]

@@ -86,8 +86,9 @@ def recipe_lines(log: str) -> dict[str, str]:
     """The train stage's recipe lines, by key: ``"<value> (<who>: <why>)"``; each key once."""
     said: dict[str, str] = {}
     for line in log.splitlines():
-        if line.startswith("[train] recipe auto: train."):
-            key, _, choice = line.removeprefix("[train] recipe auto: train.").partition(" = ")
+        # "recipe auto: ..." or, for a fine-tune, "recipe auto (fine-tune) (...): ..."
+        if head := re.match(r"\[train\] recipe auto(?: \([^)]*\))*: train\.", line):
+            key, _, choice = line[head.end() :].partition(" = ")
             assert key not in said, f"train.{key} said twice:\n{log[-3000:]}"
             said[key] = choice
     return said

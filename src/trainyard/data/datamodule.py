@@ -94,9 +94,14 @@ class TensorBatches(IterableDataset):
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
         self.epoch = 0
 
+    def _drops_tail(self, n: int) -> bool:
+        # A shuffled (training) epoch never ends on a batch of one image: BatchNorm cannot
+        # train on a single value per channel (EfficientNet's last stage is 1x1 at 32 px).
+        return self.drop_last or (self.shuffle and n % self.batch_size == 1 and n > 1)
+
     def __len__(self) -> int:
         n = self.labels.shape[0] // self.world_size
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return n // self.batch_size if self._drops_tail(n) else -(-n // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         idx = epoch_order(
@@ -109,7 +114,7 @@ class TensorBatches(IterableDataset):
             self.images.device,
         )
         self.epoch += 1
-        stop = len(idx) - len(idx) % self.batch_size if self.drop_last else len(idx)
+        stop = len(idx) - len(idx) % self.batch_size if self._drops_tail(len(idx)) else len(idx)
         mapped = isinstance(self.images, np.ndarray)
         for start in range(0, stop, self.batch_size):
             sel = idx[start : start + self.batch_size]
@@ -278,6 +283,8 @@ class ImageDataModule(L.LightningDataModule):
                 sampler=sampler,
                 num_workers=0,
                 pin_memory=pin,
+                # as TensorBatches: a training epoch never ends on a batch of one image
+                drop_last=shuffle and (len(labels) // world) % batch_size == 1,
             )
         ds = TensorBatches(
             images, labels, batch_size, shuffle=shuffle, seed=self.seed, rank=rank, world_size=world
