@@ -91,12 +91,8 @@ def finetune_benchmark(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[
     import torch
 
     from benchmarks.common import classifier
-    from benchmarks.timing import StepWindow
     from trainyard.data.datamodule import ImageDataModule
-    from trainyard.training.builder import build_trainer
-    from trainyard.training.gpu_busy import NvmlSampler
-    from trainyard.training.recipe import GPU_LADDER_STEPS, choose_device_batch, choose_lr
-    from trainyard.training.speed import facts_from, probe_step_s
+    from trainyard.training.speed import facts_from
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
@@ -106,24 +102,13 @@ def finetune_benchmark(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[
     arrays, card = generated_splits(n, size, cfg.get("classes", 10))
     facts = facts_from(card, "gpu" if gpu else "cpu", precision, name)
     rates: dict[int, float] = {}
-
-    def measure(batch: int) -> float:
-        # recipe.choose_device_batch's own default on a GPU, its img/s kept for the window
-        rates[batch] = batch / probe_step_s(ARCH, facts, batch, AUGMENT, GPU_LADDER_STEPS)
-        return rates[batch]
-
-    batch, batch_why = choose_device_batch(facts, ARCH, AUGMENT, measure, finetune=True)
-    lr, _ = choose_lr(ARCH, True, batch)
+    batch, batch_why, lr = recipe_batch(facts, rates)
     log(f"bench: fine-tune: batch {batch} ({batch_why})")
     if gpu:
         torch.cuda.empty_cache()  # the ladder's nets and pools
     epoch_steps = -(-n // batch)  # the head-only epoch (TensorBatches keeps the last batch)
     warmup = epoch_steps + cfg["warmup"]
-    if batch in rates:  # about ``seconds`` of steps at the ladder's rate
-        steps = round(cfg["seconds"] * rates[batch] / batch)
-        steps = max(cfg["min_steps"], min(cfg["max_steps"], steps))
-    else:
-        steps = cfg["steps"]
+    steps = timed_steps(cfg, rates, batch)
     channels_last = users_channels_last() and gpu
     L.seed_everything(0, verbose=False)
     dm = ImageDataModule(arrays=arrays, card=card, batch_size=batch, eval_batch_size=batch, seed=0)
@@ -137,37 +122,11 @@ def finetune_benchmark(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[
         finetune=True,
         frozen_stages=0,
     )
-    sampler = None
-    busy: dict[str, Any] = {"skipped": "no CUDA GPU"}
-    if gpu:
-        try:
-            sampler = NvmlSampler()
-        except Exception as err:  # no NVML: img/s without the busy figure
-            busy = {"skipped": f"NVML unavailable: {err}"}
-    window = StepWindow(device, warmup, steps, batch, sampler.window if sampler else None)
-    trainer = build_trainer(
-        accelerator=device,
-        precision=precision,
-        max_steps=warmup + steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[window],
-    )
-    try:
-        trainer.fit(model, datamodule=dm)
-    finally:
-        if sampler is not None:
-            busy = sampler.close()
+    img_per_s, busy = timed_fit(model, dm, device, precision, (warmup, steps, batch))
     # The timed steps trained the whole network (the head-only epoch was over).
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    pct = busy.get("mean_pct")
-    verdict = (
-        "n/a: " + busy.get("skipped", "no NVML samples")
-        if pct is None
-        else f"{'met' if pct >= TARGET_BUSY_PCT else 'NOT met'} "
-        f"({pct:.0f}% vs >= {TARGET_BUSY_PCT:.0f}%)"
-    )
+    verdict = busy_verdict(busy)
     out = {
         "arch": ARCH,
         "weights": model.pretrained_info,
@@ -187,7 +146,7 @@ def finetune_benchmark(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[
         "head_only_steps": epoch_steps,
         "warmup_steps": warmup,
         "steps": steps,
-        "img_per_s": round(window.img_per_s),
+        "img_per_s": round(img_per_s),
         "gpu_busy": busy,
         "target_busy_pct": TARGET_BUSY_PCT,
         "verdict": verdict,
@@ -197,6 +156,70 @@ def finetune_benchmark(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[
         f"{out['img_per_s']:,} img/s; GPU busy: {verdict}"
     )
     return out
+
+
+def recipe_batch(facts: Any, rates: dict[int, float]) -> tuple[int, str, float]:
+    """(batch, why, lr) as the recipe's plan picks them for a fine-tune; each ladder rung's
+    img/s kept in ``rates`` for the timed window."""
+    from trainyard.training.recipe import GPU_LADDER_STEPS, choose_device_batch, choose_lr
+    from trainyard.training.speed import probe_step_s
+
+    def measure(batch: int) -> float:
+        # recipe.choose_device_batch's own default on a GPU, its img/s kept for the window
+        rates[batch] = batch / probe_step_s(ARCH, facts, batch, AUGMENT, GPU_LADDER_STEPS)
+        return rates[batch]
+
+    batch, why = choose_device_batch(facts, ARCH, AUGMENT, measure, finetune=True)
+    return batch, why, choose_lr(ARCH, True, batch)[0]
+
+
+def timed_steps(cfg: dict[str, Any], rates: dict[int, float], batch: int) -> int:
+    """About ``seconds`` of steps at the ladder's rate (``steps`` without one)."""
+    if batch not in rates:
+        return int(cfg["steps"])
+    steps = round(cfg["seconds"] * rates[batch] / batch)
+    return int(max(cfg["min_steps"], min(cfg["max_steps"], steps)))
+
+
+def timed_fit(
+    model: Any, dm: Any, device: str, precision: str, window_spec: tuple[int, int, int]
+) -> tuple[float, dict[str, Any]]:
+    """(img/s, GPU busy) of a fit's steps after ``warmup``: (warmup, steps, batch)."""
+    from benchmarks.timing import StepWindow
+    from trainyard.training.builder import build_trainer
+    from trainyard.training.gpu_busy import NvmlSampler
+
+    warmup, steps, batch = window_spec
+    sampler = None
+    busy: dict[str, Any] = {"skipped": "no CUDA GPU"}
+    if device == "cuda":
+        try:
+            sampler = NvmlSampler()
+        except Exception as err:  # no NVML: img/s without the busy figure
+            busy = {"skipped": f"NVML unavailable: {err}"}
+    window = StepWindow(device, warmup, steps, batch, sampler.window if sampler else None)
+    trainer = build_trainer(
+        accelerator=device,
+        precision=precision,
+        max_steps=warmup + steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[window],
+    )
+    try:
+        trainer.fit(model, datamodule=dm)
+    finally:
+        if sampler is not None:
+            busy = sampler.close()
+    return window.img_per_s, busy
+
+
+def busy_verdict(busy: dict[str, Any]) -> str:
+    pct = busy.get("mean_pct")
+    if pct is None:
+        return "n/a: " + busy.get("skipped", "no NVML samples")
+    met = "met" if pct >= TARGET_BUSY_PCT else "NOT met"
+    return f"{met} ({pct:.0f}% vs >= {TARGET_BUSY_PCT:.0f}%)"
 
 
 def markdown(ft: dict[str, Any] | None) -> list[str]:

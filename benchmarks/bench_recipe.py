@@ -55,7 +55,8 @@ from benchmarks.recipe_folders import clipart_folder, digits_folder, emoji_folde
 from benchmarks.recipe_textbook import TEXTBOOK, textbook
 from trainyard.core.host import cpu_name
 from trainyard.data.walk import scan_folder
-from trainyard.track.runs import STORE_FILE, quiet_mlflow, tracking_client
+from trainyard.track import quiet_mlflow
+from trainyard.track.store import STORE_FILE, tracking_client
 
 DOCS_KEY = "recipe"
 BUILDERS = {"digits": digits_folder, "clipart": clipart_folder, "emoji": emoji_folder}
