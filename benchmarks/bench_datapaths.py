@@ -39,7 +39,7 @@ from typing import Any
 
 from benchmarks.bench_training import NvmlSampler, ratios_of, round_robin
 from benchmarks.common import classifier
-from benchmarks.timing import StepWindow
+from benchmarks.timing import StepWindow, window_trainer
 
 WORK = Path(tempfile.gettempdir()) / "trainyard-bench-datapaths"
 SEED = 0
@@ -134,7 +134,6 @@ def fit_row(
     import lightning as L
 
     from trainyard.model.networks import SmallCNN
-    from trainyard.training.builder import build_trainer
     from trainyard.training.perf import InputBoundMeter
 
     L.seed_everything(0, verbose=False)
@@ -154,13 +153,7 @@ def fit_row(
 
     clock = StepWindow(device, warm, steps, bs, window)
     meter = InputBoundMeter(data_path=data_path, warmup_steps=warm, verbose=False)
-    trainer = build_trainer(
-        accelerator=device,
-        max_steps=warm + steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[clock, meter],
-    )
+    trainer = window_trainer(device, warm + steps, [clock, meter])
     if isinstance(source, L.LightningDataModule):
         trainer.fit(model, datamodule=source)
     else:

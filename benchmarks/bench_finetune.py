@@ -185,8 +185,7 @@ def timed_fit(
     model: Any, dm: Any, device: str, precision: str, window_spec: tuple[int, int, int]
 ) -> tuple[float, dict[str, Any]]:
     """(img/s, GPU busy) of a fit's steps after ``warmup``: (warmup, steps, batch)."""
-    from benchmarks.timing import StepWindow
-    from trainyard.training.builder import build_trainer
+    from benchmarks.timing import StepWindow, window_trainer
     from trainyard.training.gpu_busy import NvmlSampler
 
     warmup, steps, batch = window_spec
@@ -198,14 +197,7 @@ def timed_fit(
         except Exception as err:  # no NVML: img/s without the busy figure
             busy = {"skipped": f"NVML unavailable: {err}"}
     window = StepWindow(device, warmup, steps, batch, sampler.window if sampler else None)
-    trainer = build_trainer(
-        accelerator=device,
-        precision=precision,
-        max_steps=warmup + steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[window],
-    )
+    trainer = window_trainer(device, warmup + steps, [window], precision)
     try:
         trainer.fit(model, datamodule=dm)
     finally:

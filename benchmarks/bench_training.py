@@ -13,7 +13,7 @@ import lightning as L
 import numpy as np
 
 from benchmarks.common import classifier
-from benchmarks.timing import StepWindow, Timer
+from benchmarks.timing import StepWindow, Timer, window_trainer
 from trainyard.training.gpu_busy import NvmlSampler  # the one NVML sampler, training's too
 
 
@@ -99,7 +99,6 @@ def lightning_throughput(
 ) -> float:
     """img/s of trainyard's own training (ImageDataModule + Classifier + Lightning)."""
     from trainyard.data.datamodule import ImageDataModule
-    from trainyard.training.builder import build_trainer
 
     L.seed_everything(0, verbose=False)
     dm = ImageDataModule(
@@ -111,14 +110,7 @@ def lightning_throughput(
     )  # type: ignore[arg-type]
     model = classifier(arch, data["card"], channels_last=channels_last)
     window = StepWindow(device, warmup, steps, batch_size, on_window)
-    trainer = build_trainer(
-        accelerator=device,
-        precision=precision,
-        max_steps=warmup + steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[window],
-    )
+    trainer = window_trainer(device, warmup + steps, [window], precision)
     trainer.fit(model, datamodule=dm)
     return window.img_per_s
 

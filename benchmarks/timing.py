@@ -124,3 +124,24 @@ def median_call_s(
         fn()
         times.append(timer.stop())
     return statistics.median(times)
+
+
+def window_trainer(
+    device: str,
+    steps: int,
+    callbacks: list[L.Callback],
+    precision: str | None = None,
+) -> L.Trainer:
+    """A trainer that runs ``steps`` training steps and nothing else (no validation, no
+    sanity check): what each timed row fits, its ``StepWindow`` among ``callbacks``."""
+    from trainyard.training.builder import build_trainer
+
+    extra: dict[str, Any] = {} if precision is None else {"precision": precision}
+    return build_trainer(
+        accelerator=device,
+        max_steps=steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        **extra,
+    )
