@@ -275,6 +275,23 @@ class ServeParams(_Strict):
         return self
 
 
+class PredictParams(_Strict):
+    """Bulk scoring: ``trainyard predict`` and the predict stage (docs/predict.md)."""
+
+    # stage name -> source (a folder, a CSV, a text file of paths, a glob): one stage
+    # predict@NAME each, writing predictions/NAME.parquet; {} = no predict stage.
+    sources: dict[
+        Annotated[str, Field(pattern=r"^[\w.-]+$")], Annotated[str, Field(min_length=1)]
+    ] = Field(default_factory=dict)
+    model: str = Field("auto", min_length=1)  # auto = serve.model (what `make serve` serves)
+    top_k: int = Field(5, ge=1, le=100_000)
+    min_confidence: float = Field(0.5, ge=0, le=1)
+    batch_size: Annotated[int, Field(ge=1, le=65536)] | Literal["auto"] = "auto"
+    workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    chunk_rows: int = Field(4096, ge=16, le=1_000_000)
+
+
 class TuneRange(_Strict):
     """A numeric range of one param: ints when both ends are ints, else floats."""
 
@@ -381,6 +398,7 @@ class Params(_Strict):
     registry: RegistryParams = Field(default_factory=RegistryParams)
     serve: ServeParams = Field(default_factory=ServeParams)
     tune: TuneParams = Field(default_factory=TuneParams)
+    predict: PredictParams = Field(default_factory=PredictParams)
 
     def dataset_name(self) -> str:
         """The data's short name: ``fashion-mnist``, the image folder's own name, or the
@@ -408,9 +426,10 @@ class Params(_Strict):
         return f"{self.dataset_name()}-classifier"
 
     def flat(self) -> dict[str, Any]:
-        """Dotted keys (``train.lr``) for MLflow params; the search space (``tune``) shapes
-        no single training, and the study's parent run records it."""
-        return flatten(self.model_dump(exclude={"tune"}))
+        """Dotted keys (``train.lr``) for MLflow params; the search space (``tune``) and bulk
+        scoring (``predict``) shape no single training (the study's parent run and the
+        predict run record them)."""
+        return flatten(self.model_dump(exclude={"tune", "predict"}))
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -15,31 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnxruntime as ort
-from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from trainyard.core.config import ServeParams, load_params
 from trainyard.core.errors import ModelError
-from trainyard.core.io import sha256_file
-from trainyard.runtime.sessions import OnnxModel, load_onnx
+from trainyard.runtime.model_file import ORT_LOAD_ERRORS, open_verified, verify_model
+from trainyard.runtime.sessions import OnnxModel
+
+__all__ = ["ORT_LOAD_ERRORS", "verify_model"]  # also read from here by the service
 
 PARAMS_ENV, MODEL_ENV, API_KEY_ENV = "TRAINYARD_PARAMS", "TRAINYARD_MODEL", "TRAINYARD_API_KEY"
 CACHE_ENV = "TRAINYARD_MODEL_CACHE"
 REGISTRY_SCHEME = "models:/"
-
-# What ONNX Runtime raises for a file it cannot load: its own classes derive from Exception
-# only, not RuntimeError.
-ORT_LOAD_ERRORS: tuple[type[Exception], ...] = (
-    OSError,
-    RuntimeError,
-    ort_state.Fail,
-    ort_state.InvalidArgument,
-    ort_state.InvalidGraph,
-    ort_state.InvalidProtobuf,
-    ort_state.NoModel,
-    ort_state.NoSuchFile,
-    ort_state.NotImplemented,
-    ort_state.RuntimeException,
-)
 
 # (registry URI, download folder) -> (local .onnx path, provenance): track.registry's
 # fetch_registered_onnx, handed in by the caller.
@@ -148,42 +134,7 @@ def trace_headers(sha256: str, provenance: dict[str, str]) -> list[tuple[bytes, 
     ]
 
 
-def verify_model(path: Path) -> str:
-    """sha256 of ``path`` after checking it against the ``<path>.sha256`` the export wrote."""
-    sums = path.with_name(path.name + ".sha256")
-    if not path.is_file():
-        raise ModelError(
-            f"{path}: model not found; run `make run` (or `dvc repro export`), "
-            f"or point ${MODEL_ENV} at an exported model"
-        )
-    try:
-        recorded = sums.read_text().split()[0].lower()
-    except FileNotFoundError:
-        raise ModelError(
-            f"{sums}: checksum file missing; the export stage writes it beside the model, "
-            "and the service only serves a model whose sha256 was recorded"
-        ) from None
-    except (OSError, UnicodeDecodeError, IndexError) as err:
-        raise ModelError(f"{sums}: unreadable checksum file ({err!r})") from None
-    try:
-        actual = sha256_file(path)
-    except OSError as err:
-        raise ModelError(f"{path}: cannot read the model ({err})") from None
-    if actual != recorded:
-        raise ModelError(
-            f"{path}: sha256 {actual} does not match {recorded} recorded in {sums.name}; "
-            "the file changed after export. Re-export it (`dvc repro export`) rather than "
-            "serve an unverified model"
-        )
-    return actual
-
-
 def load_model(path: Path, params: ServeParams) -> tuple[OnnxModel, str]:
     """Verify, then open on the provider params ask for (a 'cuda' that cannot be had is a
     ProviderError, never a quiet CPU run)."""
-    sha = verify_model(path)
-    try:
-        model = load_onnx(path, device=params.device, intra_op_threads=params.model_threads())
-    except ORT_LOAD_ERRORS as err:
-        raise ModelError(f"{path}: ONNX Runtime cannot load it: {err}") from None
-    return model, sha
+    return open_verified(path, params.device, params.model_threads())

@@ -1,34 +1,24 @@
-"""How busy the GPU was while it trained: NVML utilisation, sampled on a thread.
+"""How busy the GPU was while it trained: NVML utilisation (``trainyard.core.gpu_busy``).
 
-NVML's "GPU utilisation" is the share of its last sample period (1/6 s to 1 s, by GPU) in
-which any kernel ran: a GPU waiting on the host between steps (Python launch overhead, a
-host read-back, a small batch) reads low even when no data wait shows. ``NvmlSampler``
-reads it every ``period`` seconds while its window is open; ``GpuBusyMeter`` (a Lightning
+``GpuBusyMeter`` (a Lightning
 callback) opens the window over the training steps only (validation, checkpoints and epoch
 ends are left out) and gives the fit's mean to train.json, the MLflow run and the
 input-bound verdict. The benchmarks time their windows with the same sampler.
-
-On a machine without a CUDA device, or without NVML (no nvidia-ml-py, no driver, a MIG
-slice, which has no utilisation counter), the figure is None with the reason.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import statistics
-import threading
 from typing import Any
 
 import lightning as L
 import torch
 
+from trainyard.core.gpu_busy import NvmlSampler as _NvmlSampler
+from trainyard.core.gpu_busy import busy_figures, unavailable
 from trainyard.training.run_logger import tag_run
 
-try:  # nvidia-ml-py: a dependency, but a bare GPU image may lack it; the reason says so
-    import pynvml
-except ImportError:  # pragma: no cover - installed with trainyard
-    pynvml = None
+__all__ = ["GpuBusyMeter", "NvmlSampler", "busy_figures", "unavailable"]
 
 log = logging.getLogger(__name__)
 
@@ -46,65 +36,11 @@ def nvml_index(device: torch.device | int | None) -> int:
         return index
 
 
-class NvmlSampler:
-    """GPU utilisation (%) of one GPU, read every ``period`` s by NVML while ``active``.
-
-    ``samples``: the readings so far (a caller may replace the list between windows).
-    Raises at construction where NVML cannot read utilisation (no nvidia-ml-py, no driver,
-    a MIG slice): the caller reports the reason instead of a figure.
-    """
+class NvmlSampler(_NvmlSampler):
+    """``trainyard.core.gpu_busy.NvmlSampler`` of a torch device (NVML's own numbering)."""
 
     def __init__(self, period: float = 0.02, device: torch.device | int | None = None) -> None:
-        if pynvml is None:
-            raise RuntimeError("nvidia-ml-py is not installed")
-        pynvml.nvmlInit()
-        try:
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index(device))
-            name = pynvml.nvmlDeviceGetName(self._handle)
-            self.name = name.decode() if isinstance(name, bytes) else str(name)
-            pynvml.nvmlDeviceGetUtilizationRates(self._handle)  # MIG: NotSupported, now
-        except Exception:
-            pynvml.nvmlShutdown()
-            raise
-        self.period, self.active = period, False
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.active:
-                # A transient NVML error: one reading fewer, not a dead thread.
-                with contextlib.suppress(Exception):
-                    rates = pynvml.nvmlDeviceGetUtilizationRates(self._handle)
-                    self.samples.append(int(rates.gpu))
-            self._stop.wait(self.period)
-
-    def window(self, on: bool) -> None:
-        """Sample while ``on``."""
-        self.active = on
-
-    def close(self) -> dict[str, Any]:
-        """Stop sampling: the number of samples, their mean and median %."""
-        self._stop.set()
-        self._thread.join()
-        pynvml.nvmlShutdown()
-        return busy_figures(self.samples)
-
-
-def busy_figures(samples: list[int]) -> dict[str, Any]:
-    """``{samples, mean_pct, median_pct}`` of utilisation readings (None where none)."""
-    return {
-        "samples": len(samples),
-        "mean_pct": statistics.fmean(samples) if samples else None,
-        "median_pct": statistics.median(samples) if samples else None,
-    }
-
-
-def unavailable(reason: str) -> dict[str, Any]:
-    """The figure where there is none, and why (train.json's ``gpu_busy``)."""
-    return {"mean_pct": None, "median_pct": None, "samples": 0, "device": None, "reason": reason}
+        super().__init__(period, nvml_index(device))
 
 
 class GpuBusyMeter(L.Callback):

@@ -38,6 +38,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from trainyard.core.gpu_busy import UNDERFED_PCT
 from trainyard.training.gpu_busy import meter_of
 from trainyard.training.run_logger import tag_run
 
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 INPUT_BOUND = 0.20  # >= this fraction of the step waiting for the batch: input-bound
 MODERATE = 0.05  # >= this: moderately input-bound; below: not input-bound
 WARMUP_STEPS = 3  # first steps of the fit left out of the verdict
-UNDERFED = 60.0  # GPU busy below this % with the data keeping up: "GPU underfed"
+UNDERFED = UNDERFED_PCT  # GPU busy below this % with the data keeping up: "GPU underfed"
 LEVELS = ("input-bound", "moderately input-bound", "GPU underfed", "not input-bound")
 
 

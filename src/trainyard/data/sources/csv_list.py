@@ -239,7 +239,7 @@ def _check_given_splits(path: Path, rows: list[Row], classes: tuple[str, ...]) -
         )
 
 
-def _download(url: str, dest: Path, timeout: float, max_bytes: int) -> str | None:
+def download(url: str, dest: Path, timeout: float, max_bytes: int) -> str | None:
     """Fetch ``url`` into ``dest``; None, or why it failed (a bad file's reason)."""
     request = urllib.request.Request(url, headers={"User-Agent": f"trainyard/{__version__}"})
     try:
@@ -282,7 +282,7 @@ def _fetch_urls(
     pool = ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(urls)))
     try:
         with Progress(len(urls), "downloading", "images", PROGRESS_EVERY_S) as progress:
-            futures = {url: pool.submit(_download, url, dests[url], timeout, cap) for url in urls}
+            futures = {url: pool.submit(download, url, dests[url], timeout, cap) for url in urls}
             for url, future in futures.items():
                 problem = future.result()
                 if problem is not None:

@@ -1,0 +1,291 @@
+"""``trainyard predict``'s arguments and the job they describe; ``predict-merge`` of shards.
+
+The options default to params.yaml's ``predict`` section; the model to ``predict.model``
+(``auto``: ``serve.model``, what ``make serve`` serves), a local exported model checked
+against its ``.sha256``, or a registry model fetched by the function the caller passes
+(MLflow lives in trainyard.track; ``python -m trainyard.bulk``, which has no MLflow, scores
+model files only, as in a bento or a Kubernetes Job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainyard.bulk import engine
+from trainyard.bulk.decode import DecodeSpec, worker_count
+from trainyard.bulk.inputs import folder_labels, list_inputs, parse_shard
+from trainyard.bulk.summary import summary_line, tally
+from trainyard.bulk.table import output_format, read_tables, summary_path, write_table
+from trainyard.core.card import card_from_metadata
+from trainyard.core.config import DEFAULT_PARAMS, Params, load_params
+from trainyard.core.errors import DataError, ModelError, TrainyardError
+from trainyard.core.io import atomic_write_json
+from trainyard.runtime.model_file import open_verified
+
+log = logging.getLogger("trainyard.bulk")
+
+REGISTRY_SCHEME, RUN_SCHEME = "models:/", "runs:/"
+# (model URI, download folder) -> (local .onnx, provenance): trainyard.track's fetcher.
+FetchModel = Callable[[str, Path], tuple[Path, dict[str, str]]]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``trainyard predict SOURCE [--out FILE] [...]``; unset options read params.yaml."""
+    p.add_argument("source", help="a folder, a CSV (.csv/.tsv), a text file of paths, or a glob")
+    p.add_argument(
+        "--out", help="the table, .parquet or .csv (default: predictions/<source name>.parquet)"
+    )
+    p.add_argument(
+        "--model",
+        help="an exported .onnx, models:/NAME@ALIAS, models:/NAME/N or runs:/RUN_ID "
+        "(default: predict.model, whose auto is serve.model)",
+    )
+    p.add_argument("--params", default=str(DEFAULT_PARAMS), help="params file")
+    p.add_argument("--top-k", type=int, help="labels per row (predict.top_k)")
+    p.add_argument(
+        "--min-confidence",
+        type=float,
+        help="flag rows whose top-1 probability is below this (predict.min_confidence)",
+    )
+    p.add_argument("--batch-size", type=int, help="images per model call (predict.batch_size)")
+    p.add_argument("--workers", type=int, help="decode processes (predict.workers)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="predict.device")
+    p.add_argument("--chunk-rows", type=int, help="rows per resumable chunk (predict.chunk_rows)")
+    p.add_argument(
+        "--shard", default="0/1", help="K/N: score the K-th of N slices (0-based), N machines"
+    )
+    p.add_argument("--strict", action="store_true", help="stop at the first unreadable file")
+    return p
+
+
+def default_out(source: str) -> Path:
+    """``predictions/<the source's name>.parquet``."""
+    name = Path(source.rstrip("/")).stem or "predictions"
+    return Path("predictions") / f"{name.replace('*', '_')}.parquet"
+
+
+def settings(args: argparse.Namespace, params: Params) -> dict[str, Any]:
+    """The job's settings: an option given on the command line wins over params.yaml's
+    ``predict`` (validated there: an out-of-range option is the same error as the key's)."""
+    given = {
+        "top_k": args.top_k,
+        "min_confidence": args.min_confidence,
+        "batch_size": args.batch_size,
+        "workers": args.workers,
+        "device": args.device,
+        "chunk_rows": args.chunk_rows,
+        "model": args.model,
+    }
+    merged = params.predict.model_dump() | {k: v for k, v in given.items() if v is not None}
+    try:
+        return type(params.predict).model_validate(merged).model_dump()
+    except ValueError as err:
+        raise DataError(f"trainyard predict: {err}") from None
+
+
+def model_source(chosen: str, params: Params) -> str:
+    """``predict.model: auto`` is ``serve.model``: bulk answers come from the served model."""
+    return params.serve.model if chosen == "auto" else chosen
+
+
+def resolve_model(
+    source: str, params_file: Path, fetch: FetchModel | None, base: Path | None = None
+) -> tuple[Path, dict[str, str]]:
+    """(a local .onnx, provenance) for a path (relative to ``base``, else the params
+    file's folder), a registry URI or a run (downloaded by ``fetch``, sha256-checked)."""
+    if source.startswith((REGISTRY_SCHEME, RUN_SCHEME)):
+        if fetch is None:
+            raise ModelError(
+                f"model {source}: a registry model needs MLflow, which `python -m "
+                "trainyard.bulk` does not use: pass an exported model file, or run `trainyard "
+                "predict` in the development environment"
+            )
+        return fetch(source, params_file.parent / ".cache" / "registry")
+    path = Path(source).expanduser()
+    if not path.is_absolute():
+        path = (base or params_file.parent) / path
+    return path, {"model_source": str(path)}
+
+
+def build_job(
+    args: argparse.Namespace, fetch: FetchModel | None = None
+) -> tuple[engine.Job, Params]:
+    """Read params, list the source, open and verify the model: the job, ready to run."""
+    params_file = Path(args.params).resolve()
+    params = load_params(params_file)
+    opts = settings(args, params)
+    shard = parse_shard(args.shard)
+    out = Path(args.out) if args.out else default_out(args.source)
+    fmt = output_format(out)
+    inputs = list_inputs(
+        args.source,
+        image_column=params.data.csv_image_column,
+        label_column=params.data.csv_label_column,
+    )
+    # --model is relative to where the command runs; predict.model to the params file.
+    base = Path.cwd() if args.model else None
+    path, provenance = resolve_model(model_source(opts["model"], params), params_file, fetch, base)
+    model, sha = open_verified(path, opts["device"], 0)
+    card = card_from_metadata(model.metadata, str(path))
+    folder_labels(inputs, model.classes)
+    version = (
+        f"{provenance['registry_model']}/{provenance['registry_version']}"
+        if provenance.get("registry_version")
+        else "local"
+    )
+    spec = DecodeSpec(
+        card,
+        params.data.max_image_pixels,
+        params.data.download_timeout_s,
+        params.data.csv_max_download_bytes,
+    )
+    job = engine.Job(
+        inputs=inputs,
+        model=model,
+        sha256=sha,
+        version=version,
+        spec=spec,
+        out=out,
+        fmt=fmt,
+        top_k=opts["top_k"],
+        min_confidence=opts["min_confidence"],
+        batch_size=engine.choose_batch(model, card.input_shape, opts["batch_size"]),
+        workers=worker_count(opts["workers"]),
+        chunk_rows=opts["chunk_rows"],
+        shard=shard,
+        strict=args.strict,
+        about={"source": str(path), **{k: v for k, v in provenance.items() if v}},
+    )
+    return job, params
+
+
+def predict(args: argparse.Namespace, fetch: FetchModel | None = None) -> dict[str, Any]:
+    """Build and run the job that ``args`` describe; the summary (also written beside the
+    table). A rerun after a kill continues from the chunks written."""
+    job, _params = build_job(args, fetch)
+    start, stop = job.rows
+    log.info(
+        "scoring %s rows of %s (%s%s) with %s (%s, sha256 %s) on %s%s, batch %d, %d decode "
+        "worker(s) -> %s",
+        f"{stop - start:,}",
+        job.inputs.where,
+        job.inputs.kind,
+        f", labels from {job.inputs.label_from}" if job.inputs.label_from else "",
+        job.about.get("model_source", job.about["source"]),
+        job.version,
+        job.sha256[:12],
+        job.model.provider,
+        " with IO binding" if job.model.io_binding else "",
+        job.batch_size,
+        job.workers,
+        job.out,
+    )
+    summary = engine.run(job)
+    log.info("%s -> %s", summary_line(summary), job.out)
+    return summary
+
+
+def merge(shards: list[Path], out: Path) -> dict[str, Any]:
+    """The shards of one job (``--shard K/N`` outputs, any order) as the one table a single
+    run writes, and its summary; DataError when one is missing, repeated or of another job."""
+    if not shards:
+        raise DataError("predict-merge: no shard outputs given")
+    found = []
+    for path in shards:
+        side = summary_path(path)
+        if not side.is_file():
+            raise DataError(f"{path}: no {side.name} beside it; is it a trainyard predict output?")
+        found.append((json.loads(side.read_text()), path))
+    found.sort(key=lambda item: item[0]["shard"]["index"])
+    first = found[0][0]
+    count = first["shard"]["count"]
+    same = ("fingerprint", "sha256")
+    for summary, path in found:
+        if (summary["source"]["fingerprint"], summary["model"]["sha256"]) != (
+            first["source"]["fingerprint"],
+            first["model"]["sha256"],
+        ):
+            raise DataError(
+                f"{path}: another source or model than {found[0][1]} ({', '.join(same)} differ)"
+            )
+    indexes = [s["shard"]["index"] for s, _ in found]
+    if indexes != list(range(count)) or any(s["shard"]["count"] != count for s, _ in found):
+        missing = sorted(set(range(count)) - set(indexes))
+        raise DataError(
+            f"predict-merge: the shards of a {count}-way job are 0..{count - 1}; given "
+            f"{indexes}" + (f", missing {missing}" if missing else "")
+        )
+    fmt = output_format(out)
+    first_path = found[0][1]
+    tables = (t for _, path in found for t in read_tables(path))
+    head = next(read_tables(first_path))
+    write_table(out, fmt, tables, head.schema)
+    classes = first["model"].get("classes") or list(first["predicted"])
+    labels = first.get("labels", {}).get("from", "")
+    merged = {k: v for k, v in first.items() if k not in ("shard", "speed", "resumed_rows")}
+    merged |= tally(read_tables(out), classes, labels)
+    seconds = max(s["speed"]["seconds"] for s, _ in found)
+    merged["output"] = str(out)
+    merged["shards"] = [
+        {"index": s["shard"]["index"], "rows": s["shard"]["rows"], "speed": s["speed"]}
+        for s, _ in found
+    ]
+    merged["speed"] = {
+        "img_per_s": merged["scored"] / seconds if seconds else None,
+        "seconds": seconds,
+    }
+    atomic_write_json(summary_path(out), merged)
+    return merged
+
+
+def add_merge_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``trainyard predict-merge SHARD... --out FILE``."""
+    p.add_argument(
+        "shards", nargs="+", type=Path, help="the shards' tables (their .summary.json beside them)"
+    )
+    p.add_argument("--out", required=True, type=Path, help="the merged table: .parquet or .csv")
+    return p
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """The ``predict-merge`` command: exit 0, or 1 with the reason."""
+    try:
+        merged = merge(args.shards, args.out)
+    except TrainyardError as err:
+        print(f"trainyard predict-merge: error: {err}", file=sys.stderr)
+        return 1
+    log.info("%d shard(s) -> %s: %s", len(args.shards), args.out, summary_line(merged))
+    return 0
+
+
+def run_command(
+    args: argparse.Namespace,
+    fetch: FetchModel | None = None,
+    record: Callable[[argparse.Namespace, dict[str, Any]], None] | None = None,
+) -> int:
+    """``trainyard predict``: 0; 1 with the reason; 130 on Ctrl-C (the chunks written are
+    kept: the same command continues). ``record``: logs the finished job (MLflow)."""
+    t0 = time.monotonic()
+    try:
+        summary = predict(args, fetch)
+        if record is not None:
+            record(args, summary)
+    except TrainyardError as err:
+        print(f"trainyard predict: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            f"trainyard predict: interrupted after {math.floor(time.monotonic() - t0)} s; the "
+            "chunks scored so far are kept: rerun the same command to continue",
+            file=sys.stderr,
+        )
+        return 130
+    return 0

@@ -1,0 +1,131 @@
+"""Decoding for bulk scoring, in worker processes: files (or URLs) -> uint8 pixels.
+
+Each image goes through ``trainyard.runtime.inputs.decode_image``, the function the service
+decodes an upload with, for the model's dataset card: a bulk answer and a served answer for
+the same file start from the same pixels. The limits are the training data's (a user's own
+files: ``data.max_image_pixels``, no aspect-ratio limit), not the service's upload limits.
+
+``DecodePool`` keeps a bounded window of tasks in flight and hands the results back in
+order, so memory stays flat however many files the source lists, while the caller runs
+the model on what came back (decode and inference overlap).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import signal
+import tempfile
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainyard.core.card import Card
+from trainyard.core.errors import InputError
+from trainyard.data.sources.csv_list import download
+from trainyard.runtime.inputs import decode_image
+
+TASK_IMAGES = 32  # images per pool task: amortises the hop, keeps the workers balanced
+WINDOW_PER_WORKER = 4  # tasks in flight per worker: enough to never leave one idle
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """How every image of a job is read (picklable: it travels to the workers once)."""
+
+    card: Card
+    max_pixels: int  # data.max_image_pixels
+    download_timeout_s: float
+    max_download_bytes: int
+
+
+_SPEC: DecodeSpec | None = None  # this worker's spec (set by the pool's initializer)
+
+
+def _install(spec: DecodeSpec) -> None:
+    global _SPEC
+    _SPEC = spec
+    # Ctrl-C reaches the whole process group: the parent stops the job and keeps what is
+    # written; a worker ends its task quietly instead of printing a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def read_bytes(location: str, spec: DecodeSpec) -> bytes:
+    """The file's bytes, or a URL's (downloaded with the csv source's limits); OSError or
+    InputError with the reason."""
+    if not location.lower().startswith(("http://", "https://")):
+        with open(location, "rb") as fh:
+            return fh.read()
+    with tempfile.TemporaryDirectory(prefix="trainyard-predict-") as tmp:
+        dest = Path(tmp) / "image"
+        problem = download(location, dest, spec.download_timeout_s, spec.max_download_bytes)
+        if problem is not None:
+            raise InputError(problem)
+        return dest.read_bytes()
+
+
+def decode_many(
+    locations: Sequence[str], known: Sequence[str | None], spec: DecodeSpec | None = None
+) -> tuple[np.ndarray, list[str | None]]:
+    """(pixels uint8 [n,C,H,W], problem per image: None or why it could not be read).
+    ``known``: problems found before decoding (a broken symlink): not read again."""
+    spec = spec or _SPEC
+    assert spec is not None, "decode_many runs in a DecodePool worker or with a spec"
+    card = spec.card
+    pixels = np.zeros((len(locations), *card.input_shape), dtype=np.uint8)
+    problems: list[str | None] = list(known)
+    for i, location in enumerate(locations):
+        if problems[i] is not None:
+            continue
+        try:
+            data = read_bytes(location, spec)
+            pixels[i] = decode_image(
+                data, card, max_pixels=spec.max_pixels, field="file", max_aspect_ratio=math.inf
+            )
+        except InputError as err:
+            problems[i] = str(err).removeprefix("file: ")
+        except OSError as err:
+            problems[i] = f"unreadable ({err.strerror or err})"
+    return pixels, problems
+
+
+class DecodePool:
+    """``workers`` decode processes, fed a bounded window of tasks, results in order."""
+
+    def __init__(self, spec: DecodeSpec, workers: int) -> None:
+        self.spec, self.workers = spec, workers
+        # forkserver: the parent holds ONNX Runtime's threads, which fork would copy mid-flight.
+        context = multiprocessing.get_context("forkserver")
+        self.executor = ProcessPoolExecutor(
+            workers, mp_context=context, initializer=_install, initargs=(spec,)
+        )
+
+    def imap(
+        self, tasks: Iterator[tuple[list[str], list[str | None]]]
+    ) -> Iterator[tuple[np.ndarray, list[str | None]]]:
+        """``decode_many`` of each task, in order, at most ``workers x 4`` tasks ahead."""
+        window: deque[Future[Any]] = deque()
+        limit = self.workers * WINDOW_PER_WORKER
+        for task in tasks:
+            window.append(self.executor.submit(decode_many, *task))
+            if len(window) >= limit:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+
+    def close(self) -> None:
+        """Stop the workers now: queued tasks are dropped (a Ctrl-C does not wait for them)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def worker_count(workers: int | str) -> int:
+    """``predict.workers``: ``auto`` = one per core this process may use."""
+    if workers == "auto":
+        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    return int(workers)

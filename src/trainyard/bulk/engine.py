@@ -1,0 +1,324 @@
+"""Bulk scoring: decode in worker processes, run the model in large batches, write chunks.
+
+The caller's thread runs ONNX Runtime while the decode workers read the next files (a
+bounded window of tasks ahead), so decode and inference overlap and memory stays flat:
+at most the window's images and one batch are held, whatever the source's size. Rows are
+turned into a chunk table as soon as their chunk is complete, and written (``ChunkStore``).
+
+Probabilities are the service's: ``softmax(model.run(model_input(pixels, card)))`` on
+pixels from ``decode_image`` (``trainyard.runtime.inputs``), top-k by the same stable sort.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from trainyard.bulk.decode import TASK_IMAGES, DecodePool, DecodeSpec
+from trainyard.bulk.inputs import Inputs, chunk_count, shard_range
+from trainyard.bulk.summary import tally
+from trainyard.bulk.table import ChunkStore, read_tables, schema, summary_path
+from trainyard.core.errors import DataError
+from trainyard.core.gpu_busy import UNDERFED_PCT, NvmlSampler, unavailable
+from trainyard.core.io import atomic_write_json
+from trainyard.core.progress import Progress
+from trainyard.runtime.inputs import model_input, softmax
+from trainyard.runtime.sessions import CUDA, OnnxModel
+
+log = logging.getLogger(__name__)
+
+CPU_BATCH = 64  # past this, a CPU's img/s no longer rises with the batch
+GPU_BATCHES = (64, 128, 256, 512, 1024)
+GPU_GAIN = 1.15  # a doubling of the batch must raise img/s this much to be taken
+LOG_EVERY_S = 60.0  # off a terminal: one progress line a minute
+INPUT_BOUND_SHARE = 0.5  # waiting on decode this share of the time: the input is the limit
+
+
+@dataclass
+class Job:
+    """One scoring job: what to score, with which model, how, and where it goes."""
+
+    inputs: Inputs
+    model: OnnxModel
+    sha256: str
+    version: str  # the registry's NAME/VERSION, or "local"
+    spec: DecodeSpec
+    out: Path
+    fmt: str
+    top_k: int
+    min_confidence: float
+    batch_size: int
+    workers: int
+    chunk_rows: int
+    shard: tuple[int, int] = (0, 1)
+    strict: bool = False
+    about: dict[str, Any] = field(default_factory=dict)  # model source, provenance
+
+    @property
+    def classes(self) -> list[str]:
+        return self.model.classes
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """This shard's rows [start, stop) of the source."""
+        return shard_range(len(self.inputs), *self.shard)
+
+    def identity(self) -> dict[str, Any]:
+        """What must be equal for a rerun to continue an earlier run's chunks."""
+        start, stop = self.rows
+        return {
+            "source_fingerprint": self.inputs.fingerprint(),
+            "model_sha256": self.sha256,
+            "model_version": self.version,
+            "shard": list(self.shard),
+            "rows": [start, stop],
+            "top_k": self.top_k,
+            "min_confidence": self.min_confidence,
+            "chunk_rows": self.chunk_rows,
+            "labels": self.inputs.label_from,
+        }
+
+
+def choose_batch(model: OnnxModel, input_shape: tuple[int, ...], asked: int | str) -> int:
+    """``predict.batch_size``: a number as is; ``auto`` = 64 on a CPU, and on a GPU the
+    largest power of two (64..1024) whose doubling still raised img/s 15% (timed here on
+    zeros: the kernels' speed does not depend on the pixels)."""
+    if asked != "auto":
+        return int(asked)
+    if model.provider != CUDA:
+        return CPU_BATCH
+    best, best_rate = GPU_BATCHES[0], 0.0
+    for size in GPU_BATCHES:
+        x = np.zeros((size, *input_shape), np.float32)
+        model.run(x)  # warm-up: kernel choice, arena growth
+        t0 = time.perf_counter()
+        for _ in range(3):
+            model.run(x)
+        rate = 3 * size / (time.perf_counter() - t0)
+        if best_rate and rate < best_rate * GPU_GAIN:
+            break
+        best, best_rate = size, rate
+    log.info("predict.batch_size auto: %d (%.0f img/s on the GPU at that batch)", best, best_rate)
+    return best
+
+
+class _Scorer:
+    """Top-k for batches of pixels, and the chunk table of their rows."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.k = min(job.top_k, len(job.classes))
+        self.classes = np.asarray(job.classes, dtype=object)
+        self.infer_s = 0.0
+
+    def top(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(top-k class indices, their probabilities) per image, as the service ranks them."""
+        t0 = time.perf_counter()
+        probs = softmax(self.job.model.run(model_input(pixels, self.job.spec.card)))
+        self.infer_s += time.perf_counter() - t0
+        order = np.argsort(-probs, axis=1, kind="stable")[:, : self.k]
+        return order, np.take_along_axis(probs, order, axis=1)
+
+    def table(
+        self, lo: int, hi: int, top: np.ndarray, probs: np.ndarray, problems: list[str | None]
+    ) -> pa.Table:
+        """The rows [lo, hi) of the source as a chunk table."""
+        job, n = self.job, hi - lo
+        ok = np.array([p is None for p in problems])
+        labels = [self.classes[top[i]].tolist() if ok[i] else None for i in range(n)]
+        tops = [probs[i].tolist() if ok[i] else None for i in range(n)]
+        first = [lab[0] if lab else None for lab in labels]
+        p1 = [t[0] if t else None for t in tops]
+        cols: dict[str, Any] = {
+            "path": job.inputs.names[lo:hi],
+            "label": first,
+            "probability": p1,
+            "top_labels": labels,
+            "top_probabilities": tops,
+            "low_confidence": [None if p is None else p < job.min_confidence for p in p1],
+        }
+        if job.inputs.labels is not None:
+            cols["true_label"] = [lab or None for lab in job.inputs.labels[lo:hi]]
+        cols |= {
+            "error": problems,
+            "model_version": [job.version] * n,
+            "model_sha256": [job.sha256] * n,
+        }
+        return pa.Table.from_pydict(cols, schema=schema(job.inputs.labels is not None))
+
+
+def _tasks(job: Job, chunks: list[int]) -> Iterator[tuple[list[str], list[str | None]]]:
+    start, stop = job.rows
+    for c in chunks:
+        lo, hi = start + c * job.chunk_rows, min(start + (c + 1) * job.chunk_rows, stop)
+        for a in range(lo, hi, TASK_IMAGES):
+            b = min(a + TASK_IMAGES, hi)
+            yield (
+                [job.inputs.location(i) for i in range(a, b)],
+                [job.inputs.problems.get(i) for i in range(a, b)],
+            )
+
+
+def _score_chunk(
+    job: Job, scorer: _Scorer, results: Iterator[Any], lo: int, hi: int, clock: dict[str, float]
+) -> pa.Table:
+    """Pull the decoded tasks of rows [lo, hi), score them a batch at a time."""
+    n = hi - lo
+    top = np.zeros((n, scorer.k), np.int64)
+    probs = np.zeros((n, scorer.k), np.float32)
+    problems: list[str | None] = []
+    buffer: list[np.ndarray] = []
+    rows: list[int] = []  # chunk rows whose pixels are in ``buffer``
+
+    def flush() -> None:
+        if rows:
+            t, p = scorer.top(np.concatenate(buffer)[: len(rows)])
+            top[rows], probs[rows] = t, p
+            buffer.clear()
+            rows.clear()
+
+    while len(problems) < n:
+        t0 = time.perf_counter()
+        pixels, found = next(results)
+        clock["wait_s"] += time.perf_counter() - t0
+        for j, problem in enumerate(found):
+            at = len(problems)
+            problems.append(problem)
+            if problem is None:
+                buffer.append(pixels[j : j + 1])
+                rows.append(at)
+            elif job.strict:
+                raise DataError(
+                    f"{job.inputs.names[lo + at]}: {problem} (--strict stops at the first bad "
+                    "file; without it the row records the reason and the run goes on)"
+                )
+            if len(rows) >= job.batch_size:
+                flush()
+    flush()
+    return scorer.table(lo, hi, top, probs, problems)
+
+
+def _gpu_sampler(job: Job) -> NvmlSampler | None:
+    if job.model.provider != CUDA:
+        return None
+    try:
+        return NvmlSampler(0.05)
+    except Exception as err:  # no NVML: the job goes on, the summary says why
+        log.info("GPU busy: not measured (%s)", err)
+        return None
+
+
+def run(job: Job, progress_stream: Any = None) -> dict[str, Any]:
+    """Score ``job``, resuming from its chunks on disk; write the table and its summary
+    (both atomically); return the summary."""
+    start, stop = job.rows
+    count = chunk_count(stop - start, job.chunk_rows)
+    store = ChunkStore(job.out, job.identity())
+    done = store.open()
+    todo = [c for c in range(count) if c not in done]
+    resumed = sum(min(job.chunk_rows, stop - start - c * job.chunk_rows) for c in done)
+    if done:
+        log.info(
+            "continuing an interrupted run: %d of %d chunk(s) already scored", len(done), count
+        )
+    scorer, clock = _Scorer(job), {"wait_s": 0.0}
+    pool = DecodePool(job.spec, job.workers) if todo else None
+    sampler = _gpu_sampler(job) if todo else None
+    t0 = time.perf_counter()
+    try:
+        with Progress(stop - start, "scoring", "images", LOG_EVERY_S, progress_stream) as bar:
+            bar.update(resumed)
+            if pool is not None:
+                results = pool.imap(_tasks(job, todo))
+                if sampler is not None:
+                    sampler.window(True)
+                for c in todo:
+                    lo = start + c * job.chunk_rows
+                    hi = min(lo + job.chunk_rows, stop)
+                    store.write(c, _score_chunk(job, scorer, results, lo, hi, clock))
+                    bar.update(hi - lo)
+    finally:
+        if pool is not None:
+            pool.close()
+        gpu = sampler.close() if sampler is not None else None
+    elapsed = time.perf_counter() - t0
+    store.finish(count, job.fmt)
+    summary = _summary(job, store, count, elapsed, stop - start - resumed, clock, scorer, gpu)
+    summary["resumed_rows"] = resumed
+    atomic_write_json(summary_path(job.out), summary)
+    return summary
+
+
+def _summary(
+    job: Job,
+    store: ChunkStore,
+    count: int,
+    elapsed: float,
+    scored_now: int,
+    clock: dict[str, float],
+    scorer: _Scorer,
+    gpu: dict[str, Any] | None,
+) -> dict[str, Any]:
+    counts = tally(read_tables(job.out), job.classes, job.inputs.label_from)
+    wait_share = clock["wait_s"] / elapsed if elapsed > 0 else 0.0
+    speed = {
+        "img_per_s": scored_now / elapsed if elapsed > 0 and scored_now else None,
+        "seconds": elapsed,
+        "rows_this_run": scored_now,
+        "device": "GPU" if job.model.provider == CUDA else "CPU",
+        "provider": job.model.provider,
+        "io_binding": job.model.io_binding,
+        "batch_size": job.batch_size,
+        "workers": job.workers,
+        "decode_wait_share": wait_share,
+        "inference_share": scorer.infer_s / elapsed if elapsed > 0 else 0.0,
+        "gpu_busy": gpu
+        if gpu is not None
+        else unavailable("no CUDA device" if job.model.provider != CUDA else "not measured"),
+        "verdict": verdict(job.model.provider, wait_share, gpu),
+    }
+    start, stop = job.rows
+    return {
+        "source": {
+            "kind": job.inputs.kind,
+            "where": str(job.inputs.where),
+            "fingerprint": job.inputs.fingerprint(),
+            "rows": len(job.inputs),
+            "ignored_files": job.inputs.ignored,
+        },
+        "shard": {"index": job.shard[0], "count": job.shard[1], "rows": [start, stop]},
+        "model": {
+            "sha256": job.sha256,
+            "version": job.version,
+            "classes": job.classes,
+            **job.about,
+        },
+        "output": str(job.out),
+        "top_k": job.top_k,
+        "min_confidence": job.min_confidence,
+        **counts,
+        "speed": speed,
+    }
+
+
+def verdict(provider: str, wait_share: float, gpu: dict[str, Any] | None) -> str:
+    """Training's words for where the time went: input-bound (waiting on decode),
+    "GPU underfed" (the GPU idle though decode kept up), or not input-bound."""
+    if wait_share >= INPUT_BOUND_SHARE:
+        return (
+            f"input-bound: waiting on decode {wait_share:.0%} of the time (more "
+            "predict.workers, or smaller images)"
+        )
+    busy = (gpu or {}).get("mean_pct")
+    if provider == CUDA and busy is not None and busy < UNDERFED_PCT:
+        return (
+            f"GPU underfed: busy {busy:.0f}% with decode keeping up (a larger predict.batch_size)"
+        )
+    return "not input-bound"

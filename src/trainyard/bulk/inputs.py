@@ -1,0 +1,230 @@
+"""What ``trainyard predict`` scores: a source -> an ordered list of images (and labels).
+
+A source is one of:
+
+- a **folder**: every image under it, recursively (the training walk's rules: hidden files
+  and OS litter passed over, symlinks followed once), in sorted path order;
+- a **CSV** (``.csv``/``.tsv``) in the csv source's format: ``data.csv_image_column`` holds
+  a path (relative to the CSV's folder) or an http(s) URL, ``data.csv_label_column`` a
+  label when the CSV has that column;
+- a **text file of paths** (``.txt``/``.lst``/``.list``): one path or URL a line, relative
+  to the file's folder; blank lines and ``#`` comments skipped;
+- a **glob** (``'photos/**/*.jpg'``, quoted so the shell leaves it alone), in sorted order.
+
+The order is the table's row order, and the same on every machine, so ``--shard K/N``
+slices the same rows everywhere. Labels come from the CSV's label column, or from a
+folder whose subfolders are the model's classes (``photos/<class>/...`` or
+``photos/test/<class>/...``): then the summary scores the model on them.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainyard.core.card import SPLITS
+from trainyard.core.errors import DataError
+from trainyard.data.fingerprint import stat_fingerprint
+from trainyard.data.walk import UNREADABLE_IMAGES, extension, is_image, rel_path, walk_files
+
+CSV_SUFFIXES = (".csv", ".tsv")
+LIST_SUFFIXES = (".txt", ".lst", ".list")
+GLOB_MAGIC = frozenset("*?[")
+URL_PREFIXES = ("http://", "https://")
+
+
+def is_url(name: str) -> bool:
+    """An http(s) URL (downloaded by the decode workers), not a path."""
+    return name.lower().startswith(URL_PREFIXES)
+
+
+@dataclass
+class Inputs:
+    """The images of one source, in the table's row order."""
+
+    kind: str  # folder | csv | list | glob
+    where: Path  # the folder, the CSV or list file, or the glob's fixed prefix
+    names: list[str]  # the table's `path` column: relative to ``base``, absolute, or a URL
+    base: Path  # where relative names live
+    labels: list[str] | None = None  # per row ("" = none), from a CSV's label column
+    label_from: str = ""  # what the labels are ("column 'label'", "subfolder names")
+    problems: dict[int, str] = field(default_factory=dict)  # row -> reason known before decode
+    ignored: int = 0  # files passed over: not images
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def location(self, i: int) -> str:
+        """What the decode worker reads for row ``i``: an absolute path or a URL."""
+        name = self.names[i]
+        if is_url(name) or os.path.isabs(name):
+            return name
+        return os.path.join(self.base, name)
+
+    def fingerprint(self) -> str:
+        """The source's stat fingerprint (``trainyard.data.fingerprint``): a resumed run
+        refuses to continue over files that changed, and MLflow records it."""
+        return stat_fingerprint((self.location(i) for i in range(len(self))), self.base)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``K/N`` (0 <= K < N, 0-based like a Kubernetes Indexed Job's completion index)."""
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        k = n = -1
+    if not (n >= 1 and 0 <= k < n):
+        raise DataError(
+            f"--shard {text!r}: expected K/N with 0 <= K < N (0-based, as a Kubernetes "
+            "Indexed Job's JOB_COMPLETION_INDEX): --shard 0/4 ... --shard 3/4"
+        )
+    return k, n
+
+
+def shard_range(total: int, k: int, n: int) -> tuple[int, int]:
+    """Rows [start, stop) of shard ``k`` of ``n``: contiguous, so the shards' tables,
+    concatenated in shard order, are the table of one run over the whole source."""
+    return total * k // n, total * (k + 1) // n
+
+
+def list_inputs(source: str, *, image_column: str = "image", label_column: str = "label") -> Inputs:
+    """The images ``source`` names (a folder, CSV, text file of paths or glob); DataError
+    naming the source when it is none of these or holds no image."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        found = _folder(path.resolve())
+    elif GLOB_MAGIC & set(source):
+        found = _glob(source)
+    elif path.suffix.lower() in CSV_SUFFIXES and path.is_file():
+        found = _csv(path.resolve(), image_column, label_column)
+    elif path.suffix.lower() in LIST_SUFFIXES and path.is_file():
+        found = _list(path.resolve())
+    elif not path.exists():
+        raise DataError(f"predict source {source}: no such folder or file")
+    else:
+        raise DataError(
+            f"predict source {source}: not a folder, a CSV (.csv/.tsv), a text file of paths "
+            f"({'/'.join(LIST_SUFFIXES)}) or a glob ('photos/**/*.jpg')"
+        )
+    if not found.names:
+        raise DataError(f"predict source {source}: no image found (formats: see docs/predict.md)")
+    return found
+
+
+def _folder(root: Path) -> Inputs:
+    bad: list[tuple[str, str]] = []
+    names, ignored = [], 0
+    problems: dict[str, str] = {}
+    for path in walk_files(root, root, bad):
+        ext = extension(path)
+        if is_image(path):
+            names.append(rel_path(path, root))
+        elif ext in UNREADABLE_IMAGES:  # an image all the same: a row that says why
+            rel = rel_path(path, root)
+            names.append(rel)
+            problems[rel] = f"{ext} images are not a format trainyard reads"
+        else:
+            ignored += 1
+    for rel, reason in bad:  # unreadable folders, broken symlinks: rows with their reason
+        names.append(rel)
+        problems[rel] = reason
+    names.sort()
+    index = {name: i for i, name in enumerate(names)}
+    rows = {index[rel]: reason for rel, reason in problems.items()}
+    return Inputs("folder", root, names, root, problems=rows, ignored=ignored)
+
+
+def folder_labels(inputs: Inputs, classes: list[str]) -> None:
+    """Label a folder's rows by their subfolder, when every image sits under a folder named
+    after one of the model's classes (``<class>/`` or ``<split>/<class>/``)."""
+    if inputs.kind != "folder":
+        return
+    known = set(classes)
+    labels = []
+    for name in inputs.names:
+        parts = name.split("/")
+        if len(parts) > 1 and parts[0] in known:
+            labels.append(parts[0])
+        elif len(parts) > 2 and parts[0] in SPLITS and parts[1] in known:
+            labels.append(parts[1])
+        else:
+            return
+    inputs.labels, inputs.label_from = labels, "subfolder names"
+
+
+def _glob(pattern: str) -> Inputs:
+    expanded = os.path.expanduser(pattern)
+    fixed = Path(expanded.split("*")[0].split("?")[0].split("[")[0])
+    base = (fixed if expanded.endswith(os.sep) or fixed.is_dir() else fixed.parent).resolve()
+    paths = sorted(
+        os.path.realpath(p) if os.path.islink(p) else os.path.abspath(p)
+        for p in glob.glob(expanded, recursive=True)
+        if os.path.isfile(p) and is_image(Path(p))
+    )
+    names = [rel_path(Path(p), base) for p in paths]
+    return Inputs("glob", base, names, base)
+
+
+def _list(path: Path) -> Inputs:
+    names = []
+    try:
+        with open(path, encoding="utf-8-sig") as fh:
+            for line in fh:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    names.append(line)
+    except UnicodeDecodeError as err:
+        raise DataError(f"predict source {path}: not UTF-8 text ({err})") from None
+    return Inputs("list", path, names, path.parent)
+
+
+def _csv(path: Path, image_column: str, label_column: str) -> Inputs:
+    names, labels = [], []
+    delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: Excel's BOM
+            reader = csv.reader(fh, delimiter=delimiter)
+            header = [h.strip() for h in next(reader, [])]
+            if image_column not in header:
+                raise DataError(
+                    f"predict source {path}: no column {image_column!r} (data.csv_image_column); "
+                    f"its columns are {', '.join(repr(h) for h in header) or 'none'}"
+                )
+            at = header.index(image_column)
+            label_at = header.index(label_column) if label_column in header else None
+            for cells in reader:
+                if not any(c.strip() for c in cells):
+                    continue
+                if len(cells) != len(header) or not cells[at].strip():
+                    raise DataError(
+                        f"predict source {path}, row {reader.line_num}: "
+                        + (
+                            "an empty image cell"
+                            if len(cells) == len(header)
+                            else f"{len(cells)} field(s), the header has {len(header)}"
+                        )
+                    )
+                names.append(cells[at].strip())
+                labels.append(cells[label_at].strip() if label_at is not None else "")
+    except UnicodeDecodeError as err:
+        raise DataError(f"predict source {path}: not UTF-8 text ({err})") from None
+    except csv.Error as err:
+        raise DataError(f"predict source {path}: not a readable CSV ({err})") from None
+    given = label_at is not None and any(labels)
+    return Inputs(
+        "csv",
+        path,
+        names,
+        path.parent,
+        labels=labels if given else None,
+        label_from=f"column {label_column!r}" if given else "",
+    )
+
+
+def chunk_count(rows: int, chunk_rows: int) -> int:
+    """Chunks of ``chunk_rows`` rows (the last one shorter) covering ``rows`` rows."""
+    return max(1, math.ceil(rows / chunk_rows))
