@@ -14,7 +14,6 @@ import copy
 import hashlib
 import json
 import logging
-import os
 import shutil
 import signal
 import time
@@ -28,6 +27,7 @@ import yaml
 from trainyard.core.card import CARD_FILE
 from trainyard.core.config import Params, parse_params
 from trainyard.core.errors import ParamsError, Terminated, TrainyardError
+from trainyard.data.sources import source_fingerprint
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
 from trainyard.experiments import workers
@@ -86,28 +86,15 @@ class Setup:
 # ---------------------------------------------------------------- data
 
 
-def _folder_fingerprint(folder: str | None) -> list[Any]:
-    """Every file's path, size and mtime: an edited image folder is prepared again."""
-    if not folder:
-        return []
-    root = Path(folder).expanduser().resolve()
-    found = []
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            path = Path(dirpath) / name
-            try:
-                stat = path.stat()
-            except OSError:
-                continue
-            found.append([str(path.relative_to(root)), stat.st_size, stat.st_mtime_ns])
-    return sorted(found)
-
-
-def data_key(params: Params) -> str:
-    """A hash of what the fetch and prepare stages read: seed, data.*, the folder's files."""
-    ident: dict[str, Any] = {"seed": params.seed, "data": params.data.model_dump(mode="json")}
-    if params.data.source == "folder":
-        ident["files"] = _folder_fingerprint(params.data.folder)
+def data_key(params: Params, root: Path) -> str:
+    """A hash of what the fetch and prepare stages read: seed, data.*, and the source's
+    input files as they are now (``source_fingerprint``: a folder's files, a CSV and the
+    images it lists, Fashion-MNIST's files), relative paths resolved against ``root``."""
+    ident: dict[str, Any] = {
+        "seed": params.seed,
+        "data": params.data.model_dump(mode="json"),
+        "files": source_fingerprint(params.data, root),
+    }
     blob = json.dumps(ident, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -116,7 +103,7 @@ def prepared_data(params: Params, root: Path) -> Path:
     """``.cache/tune/data-<hash>/prepared`` for ``params``' data section, made by the fetch
     and prepare stages' own code the first time (one worker at a time, the others wait
     and reuse it)."""
-    folder = root / CACHE / f"data-{data_key(params)}"
+    folder = root / CACHE / f"data-{data_key(params, root)}"
     prepared = folder / "prepared"
     if (prepared / CARD_FILE).is_file():
         return prepared

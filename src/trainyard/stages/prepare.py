@@ -2,8 +2,10 @@
 
 import argparse
 import logging
+from pathlib import Path
 
 from trainyard.core.config import Params, pretrained_intent
+from trainyard.data.sources import fingerprint_source
 from trainyard.data.sources import prepare_source as prepare
 from trainyard.stages.runner import stage_main
 
@@ -18,6 +20,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
+    # The inputs as prepare finds them (stages run from the repository root): in the log,
+    # not the card, which stays the same on every machine for the same content.
+    found = fingerprint_source(params.data, Path.cwd())
+    log.info("source fingerprint %s (%d files)", found.digest[:12], found.files)
     # The user's own images are training data, held only to a memory limit
     # (data.max_image_pixels); serve.max_image_pixels guards the service's untrusted uploads.
     card = prepare(

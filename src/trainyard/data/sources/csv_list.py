@@ -37,12 +37,14 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainyard import __version__
 from trainyard.core.card import Card
 from trainyard.core.errors import DataError
+from trainyard.core.io import sha256_file
 from trainyard.core.progress import Progress
+from trainyard.data.fingerprint import error_kind, stat_fingerprint
 from trainyard.data.image_files import (
     MAX_LISTED,
     PROGRESS_EVERY_S,
@@ -379,3 +381,25 @@ def describe_csv(params: DataParams, root: Path) -> Expected:
         + f" in {len(listing.classes)} classes"
     )
     return expected_image_set(counts, params, what)
+
+
+def fingerprint_csv(params: DataParams, root: Path) -> dict[str, Any]:
+    """What ``data.csv`` (relative to ``root``) lists, for ``source_fingerprint``: the CSV
+    file's own sha256 and the stat fingerprint of every image it lists (a relative path
+    from the CSV's folder, as prepare reads it; a URL by its string). A CSV that cannot be
+    read counts by why (prepare will say the rest)."""
+    path = csv_path(params, root)
+    try:
+        digest = sha256_file(path)
+    except OSError as err:  # missing, a folder, unreadable
+        return {"files": 0, "csv": error_kind(err)}
+    try:
+        listing = read_listing(params, root)
+    except DataError:
+        return {"files": 1, "csv": digest, "images": None}
+    images = {r.image for r in listing.rows}
+    return {
+        "files": 1 + len(images),
+        "csv": digest,
+        "images": stat_fingerprint(images, listing.path.parent),
+    }

@@ -15,10 +15,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainyard.core.errors import DataError
 from trainyard.core.io import atomic_dir, atomic_file
+from trainyard.data.fingerprint import stat_fingerprint
 from trainyard.data.idx import read_gz
 from trainyard.data.sources.fashion_mnist import RAW_FILES, RawFile
 
@@ -82,6 +83,26 @@ def _candidate_dirs(params: DataParams) -> list[Path]:
             )
         return [src]
     return [Path(params.debian_dir)]
+
+
+def fingerprint_fashion_mnist(params: DataParams, root: Path) -> dict[str, Any]:
+    """Where fetch will find the four .gz files, for ``source_fingerprint``: the stat
+    fingerprint of those in data.source_dir (relative to ``root``), else in
+    data.debian_dir, and data.mirrors when some are not there (fetch downloads them)."""
+    if params.source_dir:
+        folder = Path(params.source_dir).expanduser()
+        folder = folder if folder.is_absolute() else root / folder
+    else:
+        folder = Path(params.debian_dir)
+    local = [folder / spec.name for spec in RAW_FILES if (folder / spec.name).is_file()]
+    found: dict[str, Any] = {
+        "files": len(local),
+        "folder": folder.as_posix(),
+        "stat": stat_fingerprint(local, folder),
+    }
+    if len(local) < len(RAW_FILES) and not params.source_dir:
+        found["mirrors"] = list(params.mirrors)
+    return found
 
 
 def fetch_raw(params: DataParams, out_dir: str | os.PathLike[str]) -> list[FetchedFile]:

@@ -23,11 +23,12 @@ import logging
 import os
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainyard.core.card import Card
 from trainyard.core.errors import DataError
 from trainyard.core.imaging import IMAGE_EXTENSIONS
+from trainyard.data.fingerprint import files_fingerprint
 from trainyard.data.image_files import (
     ImageSet,
     estimated_counts,
@@ -35,7 +36,7 @@ from trainyard.data.image_files import (
     prepare_image_set,
 )
 from trainyard.data.store import Expected
-from trainyard.data.walk import Scan, scan_folder
+from trainyard.data.walk import Scan, rel_path, scan_folder, walk_files
 
 if TYPE_CHECKING:
     from trainyard.core.config import DataParams
@@ -90,9 +91,7 @@ def describe_folder(params: DataParams, root: Path) -> Expected:
     its image files counted, times C*H*W of data.image_size (channels ``auto`` counted as 3,
     image_size ``auto`` as its largest choice: the larger cases). The walk is prepare's own
     (``data.walk``), so a tree prepare refuses raises its DataError here too."""
-    folder = Path(params.folder or "").expanduser()
-    if not folder.is_absolute():
-        folder = root / folder
+    folder = folder_path(params, root)
     if not folder.is_dir():
         raise DataError(
             f"{KEY}: {folder} is not a folder; set data.folder to your image tree "
@@ -105,6 +104,23 @@ def describe_folder(params: DataParams, root: Path) -> Expected:
         f"{sum(counts.values()):,} image files in {folder} ({layout})",
         channels_auto="counted as 3; an all-grayscale folder prepares as 1",
     )
+
+
+def folder_path(params: DataParams, root: Path) -> Path:
+    """``data.folder`` as a path; a relative one is relative to ``root``."""
+    folder = Path(params.folder or "").expanduser()
+    return folder if folder.is_absolute() else root / folder
+
+
+def fingerprint_folder(params: DataParams, root: Path) -> dict[str, Any]:
+    """What ``data.folder`` (relative to ``root``) holds, for ``source_fingerprint``: the
+    stat fingerprint of every file under it, named relative to it (the walk is prepare's
+    own, ``data.walk.walk_files``: hidden and litter files do not count, other files do),
+    and what the walk could not read (a missing folder, a broken symlink)."""
+    folder = folder_path(params, root)
+    bad: list[tuple[str, str]] = []
+    entries = [(rel_path(path, folder), path) for path in walk_files(folder, folder, bad)]
+    return {"files": len(entries), "stat": files_fingerprint(entries), "bad": sorted(bad)}
 
 
 def _folder_counts(folder: Path, data: DataParams) -> tuple[dict[str, int], str]:
