@@ -38,7 +38,18 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"core", "data", "model", "runtime"},
     "evaluation": {"core", "data", "runtime"},
     "serve": {"core", "runtime"},
-    "stages": {"core", "data", "model", "runtime", "track", "training", "export", "evaluation"},
+    "bulk": {"core", "data", "runtime"},
+    "stages": {
+        "core",
+        "data",
+        "model",
+        "runtime",
+        "track",
+        "training",
+        "export",
+        "evaluation",
+        "bulk",
+    },
     "doctor": {
         "core",
         "data",
@@ -49,6 +60,7 @@ ALLOWED: dict[str, set[str]] = {
         "export",
         "evaluation",
         "serve",
+        "bulk",
     },
     "experiments": {
         "core",
@@ -60,6 +72,7 @@ ALLOWED: dict[str, set[str]] = {
         "export",
         "evaluation",
         "stages",
+        "bulk",
     },
 }
 HEAVY = {
@@ -81,6 +94,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "core": HEAVY | {"onnxruntime", "bentoml", "starlette"},
     "runtime": HEAVY | {"bentoml", "starlette"},
     "serve": HEAVY,
+    "bulk": HEAVY | {"bentoml", "starlette"},
     "data": {"mlflow", "dvc", "onnx", "onnxruntime", "bentoml"},
     "model": {"mlflow", "dvc", "onnxruntime", "bentoml"},
 }

@@ -1,4 +1,4 @@
-"""The ``trainyard`` command: ``trainyard <command> ...`` (doctor, tune, report, exps)."""
+"""The ``trainyard`` command: ``trainyard <command> ...`` (doctor, tune, report, predict, exps)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from trainyard.bulk import command as bulk
 from trainyard.doctor import command as doctor
 from trainyard.experiments import exps, report, tune
+from trainyard.stages import predict
 
 # name -> (help, add_arguments(parser), run(args) -> exit code).
 COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace], int]]] = {
@@ -26,6 +28,16 @@ COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace]
         "reports/report.md: this workspace against a baseline revision (main)",
         report.add_arguments,
         report.run,
+    ),
+    "predict": (
+        "score a folder, CSV, list of paths or glob of images in bulk (docs/predict.md)",
+        predict.add_cli_arguments,
+        predict.cli_run,
+    ),
+    "predict-merge": (
+        "merge the outputs of a job's --shard K/N runs into one table",
+        bulk.add_merge_arguments,
+        predict.cli_merge,
     ),
     "exps": (
         "the DVC experiments table with only the columns people compare",

@@ -162,7 +162,11 @@ def build_job(
         chunk_rows=opts["chunk_rows"],
         shard=shard,
         strict=args.strict,
-        about={"source": str(path), **{k: v for k, v in provenance.items() if v}},
+        about={
+            "source": str(path),
+            "run_id": provenance.get("run_id") or model.metadata.get("mlflow_run_id", ""),
+            **{k: v for k, v in provenance.items() if v},
+        },
     )
     return job, params
 

@@ -494,3 +494,27 @@ def fetch_registered_onnx(
         "data_version": mv.tags.get(DATA_TAG, ""),
         "onnx_sha256": expected,
     }
+
+
+def fetch_model(uri: str, cache_dir: str | os.PathLike[str]) -> tuple[Any, dict[str, str]]:
+    """``fetch_registered_onnx`` for ``models:/...``, and for ``runs:/RUN_ID`` the model
+    version that run registered (its newest, when it registered more than one): the
+    registry's sha256 check applies to both."""
+    if not uri.startswith("runs:/"):
+        return fetch_registered_onnx(uri, cache_dir)
+    run_id = uri.removeprefix("runs:/").strip("/").split("/")[0]
+    tracking_uri = resolve_tracking_uri()
+    check_tracking_uri(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    try:
+        versions = client.search_model_versions(f"run_id = '{run_id}'") if run_id else []
+    except MlflowException as err:
+        raise TrackingError(f"model source {uri}: {err.message}") from None
+    if not versions:
+        raise TrackingError(
+            f"model source {uri}: no registered model version comes from run {run_id!r} "
+            f"in {tracking_uri} (evaluate registers the run's model: registry.enabled)"
+        )
+    newest = max(versions, key=lambda v: int(v.version))
+    path, provenance = fetch_registered_onnx(f"models:/{newest.name}/{newest.version}", cache_dir)
+    return path, provenance | {"model_source": uri}
