@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import json
 import os
 import shutil
 import sqlite3
@@ -273,6 +274,55 @@ def train_checkpoint(
     trainer.fit(Classifier(card=card.contract(), arch="cnn"), loader)
     trainer.save_checkpoint(root / "best.ckpt")
     return root / "best.ckpt"
+
+
+def write_tiny_onnx(
+    folder: Path, card: Any, seed: int = 0, run_id: str = "tiny-run", data_sha: str = "d" * 64
+) -> tuple[Path, dict]:
+    """model.onnx (flatten -> matmul -> add: logits) carrying ``card``, plus its .sha256.
+    Returns (path, weights) so a test can compute the expected answer itself."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from trainyard.core.card import METADATA_KEY
+    from trainyard.core.io import sha256_file
+
+    rng = np.random.default_rng(seed)
+    c, h, w = card.input_shape
+    weight = rng.normal(0, 1, (c * h * w, card.num_classes)).astype(np.float32)
+    bias = rng.normal(0, 1, card.num_classes).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Flatten", ["input"], ["flat"], axis=1),
+            helper.make_node("MatMul", ["flat", "weight"], ["product"]),
+            helper.make_node("Add", ["product", "bias"], ["logits"]),
+        ],
+        "tiny",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", c, h, w])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", card.num_classes])],
+        initializer=[
+            numpy_helper.from_array(weight, "weight"),
+            numpy_helper.from_array(bias, "bias"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    helper.set_model_props(
+        model,
+        {
+            METADATA_KEY: json.dumps(card.contract()),
+            "classes": json.dumps(list(card.classes)),
+            "mlflow_run_id": run_id,
+            "data_sha256": data_sha,
+            "arch": "tiny",
+        },
+    )
+    onnx.checker.check_model(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    onnx.save(model, path)
+    path.with_name("model.onnx.sha256").write_text(f"{sha256_file(path)}  model.onnx\n")
+    return path, {"weight": weight, "bias": bias}
 
 
 def small_pipeline_repo(dest: Path, fashion_dir: Path) -> Path:

@@ -23,16 +23,14 @@ from pathlib import Path
 import bentoml
 import httpx
 import numpy as np
-import onnx
 import pytest
 import yaml
-from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 from prometheus_client import REGISTRY
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
-from trainyard.core.card import METADATA_KEY, Card
+from trainyard.core.card import Card
 from trainyard.core.io import sha256_file
 from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.serve.guard import RequestGuard
@@ -47,7 +45,7 @@ from trainyard.serve.parsing import (
     parse_top_k,
 )
 
-from conftest import REPO
+from conftest import REPO, write_tiny_onnx
 
 CLASSES = ("cat", "dog", "bird")
 CARD = Card(
@@ -71,44 +69,8 @@ def refused_count(reason: str) -> float:
 
 
 def write_tiny_model(folder: Path, card: Card = CARD, seed: int = 0) -> tuple[Path, dict]:
-    """model.onnx (flatten -> matmul -> add: logits) carrying ``card``, plus its .sha256.
-    Returns (path, weights) so a test can compute the expected answer itself."""
-    rng = np.random.default_rng(seed)
-    c, h, w = card.input_shape
-    weight = rng.normal(0, 1, (c * h * w, card.num_classes)).astype(np.float32)
-    bias = rng.normal(0, 1, card.num_classes).astype(np.float32)
-    graph = helper.make_graph(
-        [
-            helper.make_node("Flatten", ["input"], ["flat"], axis=1),
-            helper.make_node("MatMul", ["flat", "weight"], ["product"]),
-            helper.make_node("Add", ["product", "bias"], ["logits"]),
-        ],
-        "tiny",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", c, h, w])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", card.num_classes])],
-        initializer=[
-            numpy_helper.from_array(weight, "weight"),
-            numpy_helper.from_array(bias, "bias"),
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    helper.set_model_props(
-        model,
-        {
-            METADATA_KEY: json.dumps(card.contract()),
-            "classes": json.dumps(list(card.classes)),
-            "mlflow_run_id": RUN_ID,
-            "data_sha256": DATA_SHA,
-            "arch": "tiny",
-        },
-    )
-    onnx.checker.check_model(model)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "model.onnx"
-    onnx.save(model, path)
-    path.with_name("model.onnx.sha256").write_text(f"{sha256_file(path)}  model.onnx\n")
-    return path, {"weight": weight, "bias": bias}
+    """conftest's ``write_tiny_onnx`` with this module's card and run."""
+    return write_tiny_onnx(folder, card, seed, run_id=RUN_ID, data_sha=DATA_SHA)
 
 
 def expected_probabilities(images: list[bytes], weights: dict, invert: bool = False) -> np.ndarray:

@@ -17,6 +17,8 @@ import multiprocessing
 import os
 import signal
 import tempfile
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -33,6 +35,7 @@ from trainyard.runtime.inputs import decode_image
 
 TASK_IMAGES = 32  # images per pool task: amortises the hop, keeps the workers balanced
 WINDOW_PER_WORKER = 4  # tasks in flight per worker: enough to never leave one idle
+PARENT_CHECK_S = 1.0  # how often a worker checks that the job still runs
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,40 @@ class DecodeSpec:
 _SPEC: DecodeSpec | None = None  # this worker's spec (set by the pool's initializer)
 
 
-def _install(spec: DecodeSpec) -> None:
+def _install(spec: DecodeSpec, parent: int) -> None:
     global _SPEC
     _SPEC = spec
     # Ctrl-C reaches the whole process group: the parent stops the job and keeps what is
     # written; a worker ends its task quietly instead of printing a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A pool's workers wait for work forever: after a SIGKILL of the job they would stay
+    # (holding its stderr, a terminal's or a pipe's). They leave when the job is gone.
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    while True:
+        time.sleep(PARENT_CHECK_S)
+        if not _alive(parent):
+            os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie (killed, not yet reaped by its own parent)
+    does not."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: the signal probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # the pid was reused by another user's process
+            return False
+        return True
 
 
 def read_bytes(location: str, spec: DecodeSpec) -> bytes:
@@ -103,7 +134,7 @@ class DecodePool:
         # forkserver: the parent holds ONNX Runtime's threads, which fork would copy mid-flight.
         context = multiprocessing.get_context("forkserver")
         self.executor = ProcessPoolExecutor(
-            workers, mp_context=context, initializer=_install, initargs=(spec,)
+            workers, mp_context=context, initializer=_install, initargs=(spec, os.getpid())
         )
 
     def imap(

@@ -1,0 +1,303 @@
+"""trainyard predict (``trainyard.bulk``): bulk scoring as a user runs it.
+
+A real ONNX model with a dataset card, real image files of many formats made here, and
+the command run the way users run it (a process, killed for real); the answers are held
+to the service's own for the same files, through its ASGI app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from conftest import REPO, make_photo_folder, stage_env, write_tiny_onnx
+from trainyard.bulk import command
+from trainyard.bulk.inputs import list_inputs, parse_shard, shard_range
+from trainyard.core.card import Card
+from trainyard.core.errors import DataError
+
+CLASSES = ("circle", "square", "triangle")
+CARD = Card(
+    source="folder",
+    classes=CLASSES,
+    channels=3,
+    height=12,
+    width=12,
+    mean=(0.5, 0.4, 0.3),
+    std=(0.25, 0.2, 0.3),
+    resize="crop",
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path, _weights = write_tiny_onnx(tmp_path_factory.mktemp("model"), CARD)
+    return path
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("photos") / "photos"
+    made = make_photo_folder(root, per_class=10, bad=True)
+    return root, made
+
+
+def job(source: Path | str, out: Path, model: Path, *extra: str) -> argparse.Namespace:
+    parser = command.add_arguments(argparse.ArgumentParser())
+    args = [str(source), "--out", str(out), "--model", str(model), "--workers", "2"]
+    return parser.parse_args([*args, "--params", str(REPO / "params.yaml"), *extra])
+
+
+def rows(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainyard.bulk", *args],
+        capture_output=True,
+        text=True,
+        env=stage_env(),
+        timeout=300,
+        **kw,
+    )
+
+
+# ------------------------------------------------------------------ answers
+
+
+def test_a_folder_is_scored_exactly_as_the_service_answers(model, photos, tmp_path):
+    """Every probability of every row equals the service's /classify answer for the same
+    file (to 1e-6), bad files are rows with their reason, labels come from subfolders."""
+    import contextlib
+
+    from test_serve_unit import service_client
+
+    root, made = photos
+    out = tmp_path / "scores.parquet"
+    summary = command.predict(job(root, out, model, "--top-k", "3"))
+    table = {r["path"]: r for r in rows(out)}
+    assert sorted(table) == sorted(made["good"] + made["bad"])
+    with contextlib.contextmanager(service_client)(model, top_k=3) as client:
+        for rel in made["good"]:
+            data = (root / rel).read_bytes()
+            answer = client.post("/classify", files={"image": (rel, data)}).json()
+            row = table[rel]
+            assert row["error"] is None and row["label"] == answer["label"]
+            served = {t["label"]: t["probability"] for t in answer["top_k"]}
+            assert row["top_labels"] == [t["label"] for t in answer["top_k"]]
+            bulk = dict(zip(row["top_labels"], row["top_probabilities"], strict=True))
+            assert max(abs(bulk[k] - served[k]) for k in served) <= 1e-6, rel
+            assert row["true_label"] == rel.split("/")[0]
+    for rel in made["bad"]:
+        assert table[rel]["label"] is None and table[rel]["error"], rel
+    assert summary["bad_files"] == len(made["bad"]) == 3
+    assert {b["path"] for b in summary["bad"]} == set(made["bad"])
+    assert sum(summary["predicted"].values()) == summary["scored"] == len(made["good"])
+    labels = summary["labels"]
+    assert labels["from"] == "subfolder names" and labels["labelled"] == len(made["good"])
+    right = sum(r["label"] == r["true_label"] for r in table.values() if r["error"] is None)
+    assert labels["accuracy"] == pytest.approx(right / len(made["good"]))
+    assert np.sum(labels["confusion"]["matrix"]) == len(made["good"])
+    low = sum(r["probability"] < 0.5 for r in table.values() if r["error"] is None)
+    assert summary["low_confidence"] == low
+    assert {r["model_sha256"] for r in table.values()} == {summary["model"]["sha256"]}
+
+
+def test_strict_stops_at_the_first_bad_file(model, photos, tmp_path):
+    root, made = photos
+    with pytest.raises(DataError, match="--strict stops at the first bad file") as err:
+        command.predict(job(root, tmp_path / "s.parquet", model, "--strict"))
+    assert any(bad in str(err.value) for bad in made["bad"])
+    assert not (tmp_path / "s.parquet").exists()
+
+
+def test_csv_list_and_glob_sources_and_a_csv_table(model, photos, tmp_path):
+    root, made = photos
+    good = made["good"]
+    listing = tmp_path / "list.csv"
+    lines = ["image,label"] + [f"{root / rel},{rel.split('/')[0]}" for rel in good[:8]]
+    lines.append(f"{root / good[8]},giraffe")  # a label the model does not know
+    listing.write_text("\n".join(lines) + "\n")
+    summary = command.predict(job(listing, tmp_path / "c.csv", model))
+    assert summary["source"]["kind"] == "csv" and summary["rows"] == 9
+    labels = summary["labels"]
+    assert labels["labelled"] == 8 and labels["not_model_classes"] == {"giraffe": 1}
+    import csv
+
+    with open(tmp_path / "c.csv", newline="") as fh:
+        table = list(csv.DictReader(fh))
+    assert [r["path"] for r in table] == [str(root / rel) for rel in good[:9]]
+    assert len(json.loads(table[0]["top_labels"])) == 3  # top_k 5 of 3 classes
+
+    paths = tmp_path / "paths.txt"
+    paths.write_text("# a comment\n" + "\n".join(good[:5]) + "\n\nmissing.png\n")
+    (root / "paths.txt").write_text(paths.read_text())
+    listed = command.predict(job(root / "paths.txt", tmp_path / "l.parquet", model))
+    assert listed["rows"] == 6 and listed["bad_files"] == 1
+    assert "unreadable" in listed["bad"][0]["reason"] and listed["bad"][0]["path"] == "missing.png"
+    (root / "paths.txt").unlink()
+
+    globbed = list_inputs(f"{root}/circle/*.png")
+    assert globbed.kind == "glob" and globbed.names == sorted(globbed.names)
+    assert globbed.names and all(n.endswith(".png") for n in globbed.names)
+
+
+def test_bad_sources_and_options_are_named(model, photos, tmp_path):
+    root, _made = photos
+    with pytest.raises(DataError, match="no such folder or file"):
+        list_inputs(str(tmp_path / "nope"))
+    (tmp_path / "x.json").write_text("{}")
+    with pytest.raises(DataError, match="not a folder, a CSV"):
+        list_inputs(str(tmp_path / "x.json"))
+    (tmp_path / "no-image.csv").write_text("file,label\na.png,cat\n")
+    with pytest.raises(DataError, match="no column 'image'"):
+        list_inputs(str(tmp_path / "no-image.csv"))
+    for bad in ("2/2", "a/b", "-1/3", "1"):
+        with pytest.raises(DataError, match="0 <= K < N"):
+            parse_shard(bad)
+    with pytest.raises(DataError, match="write .parquet"):
+        command.predict(job(root, tmp_path / "s.xlsx", model))
+    with pytest.raises(DataError, match="top_k"):
+        command.predict(job(root, tmp_path / "s.parquet", model, "--top-k", "0"))
+    model_copy = tmp_path / "m" / "model.onnx"
+    model_copy.parent.mkdir()
+    model_copy.write_bytes(model.read_bytes() + b"\0")
+    model_copy.with_name("model.onnx.sha256").write_text(
+        model.with_name("model.onnx.sha256").read_text()
+    )
+    from trainyard.core.errors import ModelError
+
+    with pytest.raises(ModelError, match="does not match"):
+        command.predict(job(root, tmp_path / "s.parquet", model_copy))
+
+
+def test_shards_are_contiguous_and_cover_every_row():
+    for total in (0, 1, 7, 100, 101):
+        for n in (1, 2, 3, 8):
+            ranges = [shard_range(total, k, n) for k in range(n)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == total
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+# ------------------------------------------------------------------ many files, processes
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory) -> Path:
+    """600 photo-sized JPEGs (and some PNGs) in class folders: a run lasts long enough to
+    be killed in its middle."""
+    root = tmp_path_factory.mktemp("many") / "many"
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)
+    for i in range(600):
+        cls = CLASSES[i % 3]
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        img = Image.fromarray(np.roll(base, i, axis=1))
+        img.save(root / cls / f"{i:04d}.{'png' if i % 10 == 0 else 'jpg'}")
+    return root
+
+
+def test_a_killed_run_continues_and_ends_with_the_same_file(model, many, tmp_path):
+    """SIGKILL mid-run, then the same command: the same bytes as an uninterrupted run; a
+    Ctrl-C keeps the chunks too and says so."""
+    common = ["--model", str(model), "--chunk-rows", "20", "--workers", "1", "--batch-size", "4"]
+    whole = run_cli(str(many), "--out", str(tmp_path / "whole.parquet"), *common)
+    assert whole.returncode == 0, whole.stderr
+
+    out = tmp_path / "killed.parquet"
+    parts = tmp_path / ".killed.parquet.parts"
+    for sig in (signal.SIGKILL, signal.SIGINT):
+        before = len(list(parts.glob("chunk-*.parquet")))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainyard.bulk", str(many), "--out", str(out), *common],
+            env=stage_env(),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 120
+        while len(list(parts.glob("chunk-*.parquet"))) < before + 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.01)
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+        assert not out.exists()
+        if sig == signal.SIGINT:
+            assert proc.returncode == 130, err
+            assert "rerun the same command to continue" in err
+    kept = len(list(parts.glob("chunk-*.parquet")))
+    assert 0 < kept < 30
+    rerun = run_cli(str(many), "--out", str(out), *common)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"continuing an interrupted run: {kept} of 30 chunk(s)" in rerun.stderr
+    assert out.read_bytes() == (tmp_path / "whole.parquet").read_bytes()
+    assert not parts.exists()
+    summary = json.loads((tmp_path / "killed.summary.json").read_text())
+    assert summary["resumed_rows"] == 20 * kept and summary["rows"] == 600
+
+
+def test_a_changed_source_is_not_continued(model, many, tmp_path):
+    out = tmp_path / "s.parquet"
+    store = command.engine.ChunkStore(out, {"source_fingerprint": "old"})
+    store.open()
+    store.write(0, pq.read_table(_one_chunk(model, many, tmp_path)))
+    summary = command.predict(job(many, out, model, "--chunk-rows", "20"))
+    assert summary["resumed_rows"] == 0 and summary["rows"] == 600
+
+
+def _one_chunk(model, many, tmp_path) -> Path:
+    out = tmp_path / "one.parquet"
+    command.predict(job(many, out, model, "--chunk-rows", "20"))
+    return out
+
+
+def test_two_shards_as_two_processes_merge_into_the_single_run(model, many, tmp_path):
+    common = ["--model", str(model), "--chunk-rows", "64", "--workers", "1"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "trainyard.bulk", str(many), "--shard", f"{k}/2"]
+            + ["--out", str(tmp_path / f"part-{k}.parquet"), *common],
+            env=stage_env(),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    single = run_cli(str(many), "--out", str(tmp_path / "single.parquet"), *common)
+    assert single.returncode == 0, single.stderr
+    # any order on the command line
+    merge = run_cli("merge", str(tmp_path / "part-1.parquet"), str(tmp_path / "part-0.parquet"))
+    assert merge.returncode == 2  # --out is required
+    merge = run_cli(
+        "merge",
+        str(tmp_path / "part-1.parquet"),
+        str(tmp_path / "part-0.parquet"),
+        "--out",
+        str(tmp_path / "merged.parquet"),
+    )
+    assert merge.returncode == 0, merge.stderr
+    assert pq.read_table(tmp_path / "merged.parquet").equals(
+        pq.read_table(tmp_path / "single.parquet")
+    )
+    merged = json.loads((tmp_path / "merged.summary.json").read_text())
+    alone = json.loads((tmp_path / "single.summary.json").read_text())
+    for key in ("rows", "scored", "predicted", "low_confidence", "labels"):
+        assert merged[key] == alone[key], key
+    one_missing = run_cli(
+        "merge", str(tmp_path / "part-1.parquet"), "--out", str(tmp_path / "m.parquet")
+    )
+    assert one_missing.returncode == 1 and "missing [0]" in one_missing.stderr
