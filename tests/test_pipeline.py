@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -235,3 +236,80 @@ def test_unreachable_tracking_server_fails_fast_naming_the_uri(repo):
     assert f"MLflow tracking server {uri} is not reachable" in out.stdout + out.stderr
     assert (repo / "dvc.lock").read_text() == lock  # nothing recorded as done
     assert not list((repo / "models").glob(".*.tmp")) and not list((repo / "models").glob(".best*"))
+
+
+def test_dvc_repro_predict_scores_a_folder_with_its_lineage_and_run(reproduced_pipeline, tmp_path):
+    """predict.sources -> a predict@NAME stage: `dvc repro predict` scores a folder of
+    Fashion-MNIST test images (PNGs, one broken file) exactly as evaluate scored them, with
+    the folder and the model in dvc.lock and a run in the model's MLflow experiment; then
+    `trainyard predict` takes the registry's champion (and the run) through a real server."""
+    import mlflow
+    import numpy as np
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from conftest import VENV_BIN, sqlite_mlflow_server
+
+    repo = copy_reproduced(reproduced_pipeline, tmp_path / "trainyard")
+    images = np.load(repo / "data/prepared/test_images.npy")[:60]
+    classes = json.loads((repo / "data/prepared/card.json").read_text())["classes"]
+    with open(repo / "reports/predictions.csv") as fh:
+        evaluated = [row["predicted"] for row in csv.DictReader(fh)][:60]
+    actual = np.load(repo / "data/prepared/test_labels.npy")[:60]
+    folder = tmp_path / "new"
+    expected = {}
+    for i, (image, label) in enumerate(zip(images, actual, strict=True)):
+        rel = f"{classes[label]}/{i:03d}.png"
+        (folder / classes[label]).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image[0]).save(folder / rel)
+        expected[rel] = evaluated[i]
+    (folder / classes[0] / "broken.png").write_bytes(b"\x89PNG not really")
+    set_params(repo, predict={"sources": {"new": str(folder)}})
+    out = dvc(repo, "repro", "predict")
+    assert "Running stage 'predict@new'" in out.stdout and ran(out.stdout) == set()
+    table = {r["path"]: r for r in pq.read_table(repo / "predictions/new.parquet").to_pylist()}
+    assert {rel: table[rel]["label"] for rel in expected} == expected  # evaluate's answers
+    assert table[f"{classes[0]}/broken.png"]["error"]
+    summary = json.loads((repo / "predictions/new.summary.json").read_text())
+    assert summary["bad_files"] == 1 and summary["labels"]["labelled"] == 60
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["predict@new"]
+    deps = {d["path"] for d in lock["deps"]}
+    assert {str(folder), "models/model.onnx"} <= deps
+    assert "Stage 'predict@new' didn't change" in dvc(repo, "repro", "predict").stdout
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
+    train_run = json.loads((repo / "models/train.json").read_text())["run_id"]
+    experiment = client.get_run(train_run).info.experiment_id
+    runs = client.search_runs([experiment], "tags.`trainyard.kind` = 'predict'")
+    assert len(runs) == 1 and runs[0].info.run_name == "predict@new"
+    assert runs[0].data.tags["model.run_id"] == train_run
+    assert runs[0].data.tags["source.fingerprint"] == summary["source"]["fingerprint"]
+    assert runs[0].data.metrics["predict/accuracy"] == summary["labels"]["accuracy"]
+
+    server = tmp_path / "server"
+    server.mkdir()
+    shutil.copy(repo / "mlflow.db", server / "mlflow.db")
+    with sqlite_mlflow_server(server) as uri:
+        env = stage_env(MLFLOW_TRACKING_URI=uri)
+        for model in ("models:/fashion-mnist-classifier@champion", f"runs:/{train_run}"):
+            got = subprocess.run(
+                [
+                    str(VENV_BIN / "trainyard"),
+                    "predict",
+                    str(folder),
+                    "--model",
+                    model,
+                    "--out",
+                    str(tmp_path / "reg.parquet"),
+                    "--no-track",
+                ],
+                cwd=repo,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert got.returncode == 0, got.stderr
+            rows = pq.read_table(tmp_path / "reg.parquet").to_pylist()
+            assert {r["model_version"] for r in rows} == {"fashion-mnist-classifier/1"}
+            assert {r["path"]: r["label"] for r in rows if r["path"] in expected} == expected

@@ -8,6 +8,7 @@ to the service's own for the same files, through its ASGI app.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -21,11 +22,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from conftest import REPO, make_photo_folder, stage_env, write_tiny_onnx
 from trainyard.bulk import command
 from trainyard.bulk.inputs import list_inputs, parse_shard, shard_range
 from trainyard.core.card import Card
 from trainyard.core.errors import DataError
+
+from conftest import REPO, make_photo_folder, stage_env, write_tiny_onnx
 
 CLASSES = ("circle", "square", "triangle")
 CARD = Card(
@@ -167,7 +169,7 @@ def test_bad_sources_and_options_are_named(model, photos, tmp_path):
     for bad in ("2/2", "a/b", "-1/3", "1"):
         with pytest.raises(DataError, match="0 <= K < N"):
             parse_shard(bad)
-    with pytest.raises(DataError, match="write .parquet"):
+    with pytest.raises(DataError, match=r"write \.parquet"):
         command.predict(job(root, tmp_path / "s.xlsx", model))
     with pytest.raises(DataError, match="top_k"):
         command.predict(job(root, tmp_path / "s.parquet", model, "--top-k", "0"))
@@ -188,7 +190,7 @@ def test_shards_are_contiguous_and_cover_every_row():
         for n in (1, 2, 3, 8):
             ranges = [shard_range(total, k, n) for k in range(n)]
             assert ranges[0][0] == 0 and ranges[-1][1] == total
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
 # ------------------------------------------------------------------ many files, processes
@@ -266,8 +268,17 @@ def test_two_shards_as_two_processes_merge_into_the_single_run(model, many, tmp_
     common = ["--model", str(model), "--chunk-rows", "64", "--workers", "1"]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "trainyard.bulk", str(many), "--shard", f"{k}/2"]
-            + ["--out", str(tmp_path / f"part-{k}.parquet"), *common],
+            [
+                sys.executable,
+                "-m",
+                "trainyard.bulk",
+                str(many),
+                "--shard",
+                f"{k}/2",
+                "--out",
+                str(tmp_path / f"part-{k}.parquet"),
+                *common,
+            ],
             env=stage_env(),
             stderr=subprocess.PIPE,
             text=True,

@@ -140,19 +140,21 @@ def _folder(root: Path) -> Inputs:
 
 def folder_labels(inputs: Inputs, classes: list[str]) -> None:
     """Label a folder's rows by their subfolder, when every image sits under a folder named
-    after one of the model's classes (``<class>/`` or ``<split>/<class>/``)."""
+    after one of the model's classes (``<class>/`` or ``<split>/<class>/``; a class name
+    with a slash, Fashion-MNIST's ``T-shirt/top``, is its nested folders)."""
     if inputs.kind != "folder":
         return
-    known = set(classes)
+    by_length = sorted(classes, key=len, reverse=True)  # "T-shirt/top" before "T-shirt"
     labels = []
     for name in inputs.names:
-        parts = name.split("/")
-        if len(parts) > 1 and parts[0] in known:
-            labels.append(parts[0])
-        elif len(parts) > 2 and parts[0] in SPLITS and parts[1] in known:
-            labels.append(parts[1])
-        else:
+        head, _, rest = name.partition("/")
+        within = rest if head in SPLITS else name
+        found = next((c for c in by_length if within.startswith(c + "/")), None)
+        if found is None:
+            found = next((c for c in by_length if name.startswith(c + "/")), None)
+        if found is None:
             return
+        labels.append(found)
     inputs.labels, inputs.label_from = labels, "subfolder names"
 
 
