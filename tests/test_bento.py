@@ -2,28 +2,36 @@
 
 Slow: a small real pipeline exports a model; `bentoml build` packs it with
 serving/bentofile.yaml; the bento must hold exactly the service, trainyard's serving layers
-(core, runtime, serve), the root params.yaml and the verified model, and neither import nor
-require the training stack. A clean virtual environment made from the bento's
-env/python/requirements.txt alone (what the image installs) then serves the bento from a
-folder outside the repository, and its HTTP answers on real test images must equal offline
-ONNX Runtime through trainyard's own preprocessing.
+(core, runtime, serve), bulk scoring (bulk, and the data modules it imports), the root
+params.yaml and the verified model, and neither import nor require the training stack. A
+clean virtual environment made from the bento's env/python/requirements.txt alone (what the
+image installs) then serves the bento from a folder outside the repository, and its HTTP
+answers on real test images must equal offline ONNX Runtime through trainyard's own
+preprocessing. In the same environment, deploy/predict-job.yaml's command runs as two
+concurrent shards and deploy/predict-merge.yaml's merges them: the same table as one run.
 
-Not slow: the bentofile's include patterns on this checkout; deploy/kubernetes.yaml parsed
-and checked (kinds, probes, secret, resources, non-root), and against the Kubernetes JSON
-schemas (kubernetes-validate, strict).
+Not slow: the bentofile's include patterns on this checkout (and that they ship every module
+the service and `python -m trainyard.bulk` import); deploy/kubernetes.yaml,
+deploy/predict-job.yaml and deploy/predict-merge.yaml parsed and checked (kinds, probes,
+secret, resources, non-root, the Indexed Job's N and index expansion, the bento's paths),
+and against the Kubernetes JSON schemas (kubernetes-validate, strict).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import copy
 import io
+import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +46,12 @@ from conftest import REPO, VENV_BIN, dvc, repo_files, small_pipeline_repo, stage
 
 BENTO_NAME = "trainyard_classifier"
 MANIFEST = REPO / "deploy" / "kubernetes.yaml"
+PREDICT_JOB = REPO / "deploy" / "predict-job.yaml"
+PREDICT_MERGE = REPO / "deploy" / "predict-merge.yaml"
+# Where BentoML's generated image puts the bento (generate.BENTO_PATH), and its files:
+# /home/bentoml/bento/src/<what the bentofile includes>.
+IMAGE_BENTO = "/home/bentoml/bento"
+IMAGE_SRC = f"{IMAGE_BENTO}/src"
 API_KEY = "bento-test-key"
 PER_CLASS = 3  # real test images per class sent over HTTP
 # Never in the bento's requirements: the training and tracking stack.
@@ -54,7 +68,16 @@ TRAINING_STACK = {
     "onnxscript",
     "matplotlib",
 }
-SERVING_STACK = {"bentoml", "onnxruntime", "numpy", "pillow", "pillow-heif", "pydantic", "pyyaml"}
+SERVING_STACK = {
+    "bentoml",
+    "onnxruntime",
+    "numpy",
+    "pillow",
+    "pillow-heif",
+    "pydantic",
+    "pyyaml",
+    "pyarrow",  # bulk scoring's tables
+}
 # Never imported by a shipped module: the bento's environment does not have them.
 TRAINING_IMPORTS = {
     "torch",
@@ -68,8 +91,12 @@ TRAINING_IMPORTS = {
     "onnxscript",
     "matplotlib",
 }
-# The layers serving imports (tests/test_layers.py: serve -> core, runtime), under src/.
-SHIPPED_LAYERS = ("core", "runtime", "serve")
+# Whole layers in the bento: the service's (tests/test_layers.py: serve -> core, runtime)
+# and bulk scoring's, under src/. Of the data layer, only what the entry points import.
+SHIPPED_LAYERS = ("core", "runtime", "serve", "bulk")
+PARTLY_SHIPPED = "data"
+# What the image runs: the service, and `python -m trainyard.bulk` (deploy/predict-job.yaml).
+ENTRY_POINTS = ("serving/service.py", "src/trainyard/bulk/__main__.py")
 BENTOFILE = REPO / "serving" / "bentofile.yaml"
 # Output of a build or an install that failed for want of a package index, not a bug here.
 NETWORK_HINTS = (
@@ -124,6 +151,74 @@ def training_imports(source: str, name: str) -> list[str]:
             f"{name}:{node.lineno}: {m}" for m in modules if m.split(".")[0] in TRAINING_IMPORTS
         ]
     return found
+
+
+def _optional(node: ast.Try) -> bool:
+    """A ``try`` whose failure to import is handled (an optional import, a probe)."""
+    names = set()
+    for handler in node.handlers:
+        kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        names |= {k.id for k in kinds if isinstance(k, ast.Name)}
+    return bool(names & {"ImportError", "ModuleNotFoundError"})
+
+
+def executed_imports(nodes: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports that run when these statements do (a function's when it is called):
+    not those under ``if TYPE_CHECKING:``, nor in a ``try`` that handles ImportError."""
+    for node in nodes:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+            continue
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            yield from executed_imports(node.orelse)
+            continue
+        if isinstance(node, ast.Try) and _optional(node):
+            for part in (*node.handlers, *node.orelse, *node.finalbody):
+                yield from executed_imports([part] if isinstance(part, ast.stmt) else part.body)
+            continue
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt):
+                yield from executed_imports([child])
+            elif isinstance(child, ast.excepthandler):
+                yield from executed_imports(child.body)
+
+
+def module_file(name: str, root: Path) -> str | None:
+    """``trainyard.a.b`` -> ``src/trainyard/a/b.py`` or ``src/trainyard/a/b/__init__.py``."""
+    base = root / "src" / Path(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path.relative_to(root).as_posix()
+    return None
+
+
+def trainyard_closure(entries: tuple[str, ...], root: Path = REPO) -> set[str]:
+    """Every trainyard module file (relative to ``root``) that running ``entries`` imports,
+    their packages' ``__init__.py`` included, followed from module to module."""
+    seen: set[str] = set()
+    todo = list(entries)
+    while todo:
+        rel = todo.pop()
+        if rel in seen:
+            continue
+        seen.add(rel)
+        tree = ast.parse((root / rel).read_text(), rel)
+        for node in executed_imports(tree.body):
+            assert not getattr(node, "level", 0), f"{rel}:{node.lineno}: a relative import"
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:  # `from trainyard.bulk import command`: command may be a module
+                names = [node.module or ""]
+                names += [f"{node.module}.{alias.name}" for alias in node.names]
+            for name in names:
+                if name.split(".")[0] != "trainyard":
+                    continue
+                parts = name.split(".")
+                for i in range(1, len(parts) + 1):  # the packages on the way run first
+                    found = module_file(".".join(parts[:i]), root)
+                    if found and found not in seen:
+                        todo.append(found)
+    return seen - {e for e in entries if not e.startswith("src/")}
 
 
 def free_port() -> int:
@@ -247,19 +342,30 @@ def clean_venv(bento, tmp_path_factory) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- the bento
 
 
+def shipped_modules(root: Path) -> set[str]:
+    """The trainyard modules the bento must hold, as ``trainyard/...`` (its src/ layout):
+    the whole shipped layers, and the data modules the entry points import."""
+    package = root / "src"
+    layers = {
+        p.relative_to(package).as_posix()
+        for layer in SHIPPED_LAYERS
+        for p in (package / "trainyard" / layer).glob("*.py")
+    }
+    imported = {f.removeprefix("src/") for f in trainyard_closure(ENTRY_POINTS, root)}
+    data = {m for m in imported if m.startswith(f"trainyard/{PARTLY_SHIPPED}/")}
+    return {"trainyard/__init__.py"} | layers | data
+
+
 @pytest.mark.slow
 def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
     bento, pipeline_repo
 ):
     src = bento["path"] / "src"
     got = {p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()}
-    package = pipeline_repo / "src"
-    modules = {"trainyard/__init__.py"} | {
-        p.relative_to(package).as_posix()
-        for layer in SHIPPED_LAYERS
-        for p in (package / "trainyard" / layer).glob("*.py")
-    }
+    modules = shipped_modules(pipeline_repo)
     assert "trainyard/serve/predictor.py" in modules and "trainyard/core/config.py" in modules
+    assert {"trainyard/bulk/__main__.py", "trainyard/data/walk.py"} <= modules
+    assert "trainyard/data/datamodule.py" not in modules  # torch
     expected = {
         "bentofile.yaml",  # BentoML's own copy of the build file
         "serving/service.py",
@@ -275,6 +381,9 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
     assert got == expected, (
         f"unexpected in the bento: {sorted(got - expected)}; missing: {sorted(expected - got)}"
     )
+    # Every module that the service and `python -m trainyard.bulk` import is in it.
+    imported = {f.removeprefix("src/") for f in trainyard_closure(ENTRY_POINTS, pipeline_repo)}
+    assert imported <= got, sorted(imported - got)
     # The copies are the repository's root files, not MLflow's or a decoy.
     for rel in ("params.yaml", "models/model.onnx", "models/model.onnx.sha256"):
         assert (src / rel).read_bytes() == (pipeline_repo / rel).read_bytes(), rel
@@ -289,18 +398,32 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
     assert "Fashion-MNIST" not in readme  # any dataset's model, not one in particular
 
 
+def bentofile_spec() -> PathSpec:
+    return PathSpec.from_lines("gitwildmatch", yaml.safe_load(BENTOFILE.read_text())["include"])
+
+
 def test_bentofile_ships_the_serving_layers_and_no_training_import():
     """The include patterns, applied to this checkout as `bentoml build` applies them
-    (gitwildmatch): the serving layers' modules, none importing the training stack. The
-    slow test above checks a real build; this one runs with every test run."""
-    include = yaml.safe_load(BENTOFILE.read_text())["include"]
-    spec = PathSpec.from_lines("gitwildmatch", include)
+    (gitwildmatch): the serving layers' and bulk scoring's modules, every module the
+    service and `python -m trainyard.bulk` import and, of the data layer, only those; none
+    importing the training stack. The slow test above checks a real build; this one runs
+    with every test run."""
+    spec = bentofile_spec()
     shipped = sorted(f for f in repo_files() if f.endswith(".py") and spec.match_file(f))
     layers = {
         f.split("/")[2] for f in shipped if f.startswith("src/trainyard/") and f.count("/") > 2
     }
-    assert layers == set(SHIPPED_LAYERS), shipped
+    assert layers == {*SHIPPED_LAYERS, PARTLY_SHIPPED}, shipped
     assert {"serving/service.py", "src/trainyard/__init__.py"} <= set(shipped)
+    imported = trainyard_closure(ENTRY_POINTS)
+    missing = sorted(imported - set(shipped))
+    assert not missing, f"imported by the service or bulk scoring, not in the bento: {missing}"
+    # Of the data layer, exactly what bulk scoring imports (data/datamodule.py: torch).
+    data = f"src/trainyard/{PARTLY_SHIPPED}/"
+    assert {f for f in shipped if f.startswith(data)} == {f for f in imported if f.startswith(data)}
+    # An import in a `try` that handles ImportError is not followed: the service's registry
+    # fetch (trainyard.track, MLflow) is optional, and absent from the bento.
+    assert not any(f.startswith("src/trainyard/track/") for f in imported), sorted(imported)
     found = [hit for f in shipped for hit in training_imports((REPO / f).read_text(), f)]
     assert found == [], found
     # The checker finds an import hidden in a function too.
@@ -474,6 +597,137 @@ def test_bento_from_a_clean_venv_answers_like_offline_onnx_runtime(
     print(f"bento timings: {timings}; {len(picks)} images compared")
 
 
+BULK_PER_CLASS = 6  # real test images per class in the bulk job's folder
+
+
+def job_argv(container: dict, index: int, paths: dict[str, str]) -> list[str]:
+    """What a Job's container runs as pod ``index``: command + args after Kubernetes'
+    $(VAR) expansion, with the image's paths replaced by ``paths`` (prefix -> local)."""
+    argv = []
+    for arg in container_argv(container, index):
+        for image_path, local in paths.items():
+            if arg == image_path or arg.startswith(image_path + "/"):
+                arg = local + arg[len(image_path) :]
+                break
+        argv.append(arg)
+    return argv
+
+
+@pytest.mark.slow
+def test_bento_scores_in_shards_like_one_run_from_a_clean_venv(
+    bento, clean_venv, pipeline_repo, tmp_path_factory, record_property
+):
+    """What deploy/predict-job.yaml's pods and deploy/predict-merge.yaml's pod run, from the
+    bento's own files in the clean environment made from its requirements (the image's):
+    shards 0/2 and 1/2 as two concurrent processes, then the merge. The merged table must
+    be the table that one run (--shard 0/1) over the whole folder writes."""
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from trainyard.core.card import load_card
+
+    venv, src = clean_venv["root"], bento["path"] / "src"
+    work = tmp_path_factory.mktemp("bulk-job")
+    folder = work / "in"
+    # Real test images as PNG files under their class's folder (the rows get true_label;
+    # "T-shirt/top" cannot name a folder), and one file that is not an image: an error row.
+    data = pipeline_repo / "data" / "prepared"
+    card = load_card(data)
+    images = np.load(data / "test_images.npy", mmap_mode="r")
+    labels = np.load(data / "test_labels.npy", mmap_mode="r")
+    names = []
+    for c, name in enumerate(card.classes):
+        if "/" in name:
+            continue
+        (folder / name).mkdir(parents=True)
+        for i in np.flatnonzero(labels == c)[:BULK_PER_CLASS]:
+            img = np.asarray(images[i])
+            pil = Image.fromarray(img[0] if img.shape[0] == 1 else img.transpose(1, 2, 0))
+            pil.save(folder / name / f"test_{i}.png")
+            names.append(f"{name}/test_{i}.png")
+    broken = f"{next(c for c in card.classes if '/' not in c)}/broken.png"
+    (folder / broken).write_bytes(b"not an image")
+    names = sorted([*names, broken])
+    assert len(names) % 2 == 1  # the shards differ in size
+
+    score_job, merge_job = job_docs()
+    (score,) = score_job["spec"]["template"]["spec"]["containers"]
+    (merge,) = merge_job["spec"]["template"]["spec"]["containers"]
+    python = str(venv / "bin" / "python")
+    env = clean_env(venv, **{e["name"]: e["value"] for e in score["env"] if "value" in e})
+
+    def shard_argv(index: int, count: int, out: Path) -> list[str]:
+        argv = job_argv(score, index, {IMAGE_SRC: str(src), "/data/in": str(folder)})
+        argv = [python if a == "python" else a for a in argv]
+        at = argv.index("--shard") + 1
+        argv[at] = argv[at].replace(f"/{score_job['spec']['completions']}", f"/{count}")
+        assert argv[at] == f"{index}/{count}", argv
+        at = argv.index("--out") + 1
+        argv[at] = str(out / Path(argv[at]).name)
+        # Small chunks: several per shard, as a large folder has.
+        return [*argv, "--chunk-rows", "16"]
+
+    def run(argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(
+            argv,
+            cwd=score["workingDir"].replace(IMAGE_SRC, str(src)),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def finish(proc: subprocess.Popen) -> str:
+        out = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, f"{shlex.join(proc.args)} exited {proc.returncode}:\n{out}"
+        return out
+
+    start = time.monotonic()
+    sharded, single = work / "out", work / "single"
+    sharded.mkdir()
+    single.mkdir()
+    procs = [run(shard_argv(k, 2, sharded)) for k in range(2)]  # at the same time
+    for proc in procs:
+        finish(proc)
+    parts = [sharded / "part-0.parquet", sharded / "part-1.parquet"]
+    argv = job_argv(merge, 0, {IMAGE_SRC: str(src), "/data/out": str(sharded)})
+    argv = [python if a == "python" else a for a in argv]
+    at = argv.index("--out")
+    listed = argv[4:at]
+    assert listed == [str(sharded / f"part-{k}.parquet") for k in range(len(listed))]
+    merged = Path(argv[at + 1])
+    finish(run([*argv[:4], *map(str, parts), *argv[at:]]))
+    finish(run(shard_argv(0, 1, single)))
+    seconds = time.monotonic() - start
+
+    one = pq.read_table(single / "part-0.parquet")
+    both = pq.read_table(merged)
+    assert one.column("path").to_pylist() == names
+    assert both.schema == one.schema and "true_label" in one.column_names
+    assert both.num_rows == one.num_rows == len(names)
+    for column in one.column_names:
+        assert both.column(column).to_pylist() == one.column(column).to_pylist(), column
+    bad = one.column("path").to_pylist().index(broken)
+    assert one.column("error")[bad].as_py() and one.column("label")[bad].as_py() is None
+    half = len(names) // 2  # shard_range: contiguous, [0, total*1//2) and the rest
+    for part, rows in zip(parts, (half, len(names) - half), strict=True):
+        assert pq.read_table(part).num_rows == rows
+    summaries = [json.loads(p.with_name(p.stem + ".summary.json").read_text()) for p in parts]
+    assert [s["shard"] for s in summaries] == [
+        {"index": 0, "count": 2, "rows": [0, half]},
+        {"index": 1, "count": 2, "rows": [half, len(names)]},
+    ]
+    whole = json.loads((single / "part-0.summary.json").read_text())
+    joined = json.loads(merged.with_name(merged.stem + ".summary.json").read_text())
+    same = ("source", "model", "top_k", "min_confidence", "rows", "scored", "predicted")
+    same += ("low_confidence", "bad_files", "bad", "labels")
+    for key in same:
+        assert joined[key] == whole[key], key
+    assert joined["bad_files"] == 1 and joined["labels"]["labelled"] == len(names) - 1
+    record_property("bulk_job_s", round(seconds, 1))
+    print(f"bulk job: 2 shards + merge + 1 whole run in {seconds:.1f} s, {len(names)} rows")
+
+
 # ---------------------------------------------------------------------------- Kubernetes
 
 
@@ -557,5 +811,182 @@ def test_kubernetes_manifest_is_valid_by_the_kubernetes_schema():
     bad = copy.deepcopy(docs["Deployment"])
     container = bad["spec"]["template"]["spec"]["containers"][0]
     container["readinesProbe"] = container.pop("readinessProbe")
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, kv.latest_version(), strict=True)
+
+
+# ------------------------------------------------------- Kubernetes: bulk scoring Jobs
+
+INDEX_VAR = "JOB_COMPLETION_INDEX"
+INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+# Kubernetes' $(VAR) in command and args ($$ is a literal $).
+K8S_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def job_docs() -> tuple[dict, dict]:
+    """(the Indexed Job that scores, the Job that merges)."""
+    (score,) = [d for d in yaml.safe_load_all(PREDICT_JOB.read_text()) if d]
+    (merge,) = [d for d in yaml.safe_load_all(PREDICT_MERGE.read_text()) if d]
+    return score, merge
+
+
+def k8s_expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of a command or args entry: $(VAR) of a variable declared in
+    the container's env becomes its value; an undeclared one stays as written."""
+    return K8S_VAR.sub(
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text
+    )
+
+
+def container_argv(container: dict, index: int) -> list[str]:
+    """command + args as the kubelet runs them in pod ``index`` of an Indexed Job: env
+    values, and the completion index where the downward API gives it."""
+    env = {}
+    for var in container.get("env", []):
+        field = var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        env[var["name"]] = str(index) if field == INDEX_FIELD else var.get("value", "")
+    return [k8s_expand(a, env) for a in [*container["command"], *container.get("args", [])]]
+
+
+def check_hardened_pod(pod: dict, container: dict) -> None:
+    """What the service's Deployment has: no API token, non-root, no privilege escalation,
+    no capabilities, requests and limits for CPU and memory; a Job's pod is not restarted
+    in place (a failed pod is replaced)."""
+    service_pod = manifest()["Deployment"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["restartPolicy"] == "Never"
+    pod_sc, sc = pod["securityContext"], container["securityContext"]
+    assert pod_sc["runAsNonRoot"] is True and pod_sc["runAsUser"] != 0
+    assert pod_sc["runAsUser"] == service_pod["securityContext"]["runAsUser"]  # bentoml
+    assert pod_sc["fsGroup"] == pod_sc["runAsGroup"]  # the output claim is writable
+    assert sc["allowPrivilegeEscalation"] is False and sc.get("privileged") is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    res = container["resources"]
+    for kind in ("cpu", "memory"):
+        assert kind in res["requests"] and kind in res["limits"], kind
+    assert cpu(res["requests"]["cpu"]) <= cpu(res["limits"]["cpu"])
+    assert memory(res["requests"]["memory"]) <= memory(res["limits"]["memory"])
+    (service,) = service_pod["containers"]
+    assert container["image"] == service["image"]  # the bento's image, same placeholder
+    assert container["image"].startswith(f"{BENTO_NAME}:")
+    # The bento's files: `python -m trainyard.bulk` imports trainyard from there.
+    assert container["workingDir"] == IMAGE_SRC
+    assert container["command"][:3] == ["python", "-m", "trainyard.bulk"]
+    assert bentofile_spec().match_file("src/trainyard/bulk/__main__.py")
+
+
+def in_bento(path: str) -> str:
+    """An image path under the bento's src/ as the repository file the bentofile ships
+    there (asserting it does)."""
+    assert path.startswith(IMAGE_SRC + "/"), path
+    rel = path.removeprefix(IMAGE_SRC + "/")
+    assert bentofile_spec().match_file(rel), f"{path}: serving/bentofile.yaml does not ship {rel}"
+    return rel
+
+
+def test_image_bento_path_is_bentomls():
+    """IMAGE_SRC: where BentoML's generated Dockerfile copies the bento (WORKDIR)."""
+    from bentoml._internal.container import generate  # the only statement of it
+
+    assert generate.BENTO_PATH == IMAGE_BENTO
+
+
+def test_predict_job_is_an_indexed_job_of_n_shards_with_the_bento_model():
+    from trainyard.bulk import command
+    from trainyard.bulk.inputs import parse_shard
+
+    score, _ = job_docs()
+    assert score["apiVersion"] == "batch/v1" and score["kind"] == "Job"
+    spec = score["spec"]
+    assert spec["completionMode"] == "Indexed"
+    n = spec["completions"]
+    assert n > 1 and spec["parallelism"] == n
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    check_hardened_pod(pod, container)
+
+    # The index reaches the arguments: JOB_COMPLETION_INDEX is declared (downward API), so
+    # the kubelet expands $(JOB_COMPLETION_INDEX); an undeclared variable would stay as the
+    # literal text "$(...)" and every pod would score the same (or no) shard.
+    env = {e["name"]: e for e in container["env"]}
+    assert env[INDEX_VAR]["valueFrom"]["fieldRef"]["fieldPath"] == INDEX_FIELD
+    raw = [*container["command"], *container["args"]]
+    used = {m.group(1) for a in raw for m in K8S_VAR.finditer(a) if m.group(1)}
+    assert used == {INDEX_VAR} and used <= set(env), used
+    assert container_argv({"command": ["$(X)/$(Y)"], "env": [{"name": "X", "value": "1"}]}, 0) == [
+        "1/$(Y)"
+    ]
+
+    parser = command.add_arguments(argparse.ArgumentParser())
+    runs = []
+    for k in range(n):
+        argv = container_argv(container, k)
+        assert argv[:3] == ["python", "-m", "trainyard.bulk"] and "$(" not in shlex.join(argv)
+        runs.append(parser.parse_args(argv[3:]))
+    # Pod k scores the k-th of n slices, into its own part; every pod the same folder.
+    assert [parse_shard(a.shard) for a in runs] == [(k, n) for k in range(n)]
+    assert [a.out for a in runs] == [f"/data/out/part-{k}.parquet" for k in range(n)]
+    assert {a.source for a in runs} == {"/data/in"}
+    assert len({(a.model, a.params, a.workers, a.device) for a in runs}) == 1
+    first = runs[0]
+    # The model and params baked into the bento (the model's .sha256 is checked beside it).
+    assert in_bento(first.model) == "models/model.onnx"
+    in_bento(first.model + ".sha256")
+    assert in_bento(first.params) == "params.yaml"
+    # Decode processes = the CPU limit (workers auto would count the node's cores).
+    limits = container["resources"]["limits"]
+    assert int(first.workers) == cpu(limits["cpu"])
+    # Room for what was measured with 2 decode processes (~280 MiB summed RSS), twice over.
+    assert memory(limits["memory"]) >= 2 * 280 * 2**20
+    assert first.device == "cpu"  # the bento's onnxruntime is the CPU build
+
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    claims = {v["name"]: v["persistentVolumeClaim"] for v in pod["volumes"]}
+    assert set(mounts) == {"/data/in", "/data/out"}
+    assert mounts["/data/in"]["readOnly"] is True
+    assert claims[mounts["/data/in"]["name"]]["readOnly"] is True
+    assert not mounts["/data/out"].get("readOnly")
+    assert all(c["claimName"] for c in claims.values())
+
+
+def test_predict_merge_job_merges_the_n_parts_of_the_indexed_job():
+    from trainyard.bulk import command
+
+    score, merge = job_docs()
+    n = score["spec"]["completions"]
+    assert merge["apiVersion"] == "batch/v1" and merge["kind"] == "Job"
+    assert merge["spec"].get("completionMode", "NonIndexed") == "NonIndexed"
+    assert merge["spec"]["completions"] == 1
+    pod = merge["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    check_hardened_pod(pod, container)
+    argv = container_argv(container, 0)
+    assert argv[:4] == ["python", "-m", "trainyard.bulk", "merge"]
+    args = command.add_merge_arguments(argparse.ArgumentParser()).parse_args(argv[4:])
+    (scorer,) = score["spec"]["template"]["spec"]["containers"]
+    parts = [f"/data/out/part-{k}.parquet" for k in range(n)]
+    assert [str(p) for p in args.shards] == parts  # every part, each once
+    assert str(args.out).startswith("/data/out/") and str(args.out) not in parts
+    # The same claim, at the same path, as the scoring pods' output.
+    mount = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    scoring = score["spec"]["template"]["spec"]
+    scoring_mount = {m["mountPath"]: m["name"] for m in scorer["volumeMounts"]}
+
+    def claim(spec: dict, name: str) -> str:
+        (vol,) = [v for v in spec["volumes"] if v["name"] == name]
+        return vol["persistentVolumeClaim"]["claimName"]
+
+    assert claim(pod, mount["/data/out"]) == claim(scoring, scoring_mount["/data/out"])
+
+
+def test_predict_jobs_are_valid_by_the_kubernetes_schema():
+    import kubernetes_validate as kv
+
+    docs = job_docs()
+    for version in ("1.29.0", kv.latest_version()):
+        for doc in docs:
+            kv.validate(doc, version, strict=True)
+    bad = copy.deepcopy(docs[0])
+    bad["spec"]["completionsMode"] = bad["spec"].pop("completionMode")
     with pytest.raises(kv.ValidationError):
         kv.validate(bad, kv.latest_version(), strict=True)
