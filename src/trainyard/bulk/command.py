@@ -88,7 +88,7 @@ def settings(args: argparse.Namespace, params: Params) -> dict[str, Any]:
     try:
         return type(params.predict).model_validate(merged).model_dump()
     except ValueError as err:
-        raise DataError(f"trainyard predict: {err}") from None
+        raise DataError(str(err)) from None
 
 
 def model_source(chosen: str, params: Params) -> str:
