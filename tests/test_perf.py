@@ -16,11 +16,11 @@ from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from trainyard.core import gpu_busy
 from trainyard.core.card import Card
 from trainyard.core.records import GpuBusy, InputBound
 from trainyard.data.datamodule import TensorBatches
 from trainyard.model.classifier import Classifier
-from trainyard.training import gpu_busy
 from trainyard.training.builder import build_trainer
 from trainyard.training.gpu_busy import GpuBusyMeter, NvmlSampler, busy_figures, gpu_busy_of
 from trainyard.training.perf import LEVELS, InputBoundMeter, StepTotals, level_of, verdict
