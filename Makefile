@@ -125,7 +125,9 @@ bench-sweep: venv data
 # other package hidden); the doctor runs the same way: PYTHONPATH=src:$(GPU_SITE) python3 -m
 # trainyard.doctor.command --json. About 1 minute of the check is the folder rows, about
 # 30 s the fine-tune row (EfficientNet-Lite0 at 224 px, the recipe's batch; target: GPU busy
-# >= 80%).
+# >= 80%), about a minute the bulk scoring row (trainyard predict and torch on the same decode
+# workers, resnet18 at 224 px and EfficientNet-Lite0 at 160 px on 8,000 JPEGs; target: busy
+# >= 80%; the image's onnxruntime is the CPU build, so its trainyard predict runs on the CPU).
 # GPU_ARGS="--folder DIR" runs the image-folder rows on your own photos instead.
 GPU_PYTHON ?= python3
 GPU_OUT ?= reports

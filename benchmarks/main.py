@@ -94,6 +94,15 @@ FULL = {
         "max_steps": 1000,
         "steps": 40,  # where the batch is not the ladder's (no GPU): a fixed count
     },
+    # Bulk scoring on a GPU (make gpu-check, benchmarks/bench_predict_gpu.py): 8,000
+    # generated 400x300 JPEGs, trainyard predict and torch on the same decode workers.
+    "predict": {
+        "images": 8000,
+        "jpeg_size": [400, 300],
+        "models": ["resnet18", "efficientnet_lite0"],
+        "sides": {"resnet18": 224, "efficientnet_lite0": 160},
+        "torch_batch": 256,
+    },
 }
 QUICK = {
     "arch": "cnn",
@@ -125,6 +134,14 @@ QUICK = {
         "min_steps": 2,
         "max_steps": 4,
         "steps": 2,
+    },
+    "predict": {
+        "images": 48,
+        "jpeg_size": [80, 60],
+        "models": ["resnet18"],
+        "sides": {"resnet18": 32, "efficientnet_lite0": 32},
+        "torch_batch": 16,
+        "quick": True,
     },
 }
 
@@ -224,7 +241,37 @@ def run_parts(
         out["default_plan"] = default_plan_rows(data, cfg, args.quick, log)
     if args.gpu_check:
         out["finetune"] = finetune_rows(cfg, args.quick, log)
+        out["predict"] = predict_rows(cfg, args.quick, log)
     return out
+
+
+def predict_rows(
+    cfg: dict[str, Any], quick: bool, log: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """Bulk scoring on a GPU (benchmarks/bench_predict_gpu.py): on a GPU, or anywhere with
+    --quick (the code path); skipped with the reason where pydantic (params) or pyarrow
+    (the table) is missing; a failure is logged, not fatal (the check's other figures)."""
+    import importlib.util
+
+    import torch
+
+    if not (torch.cuda.is_available() or quick):
+        log("bench: no CUDA GPU here: the bulk scoring row skipped (it is a GPU figure)")
+        return None
+    missing = [m for m in ("pydantic", "pyarrow") if importlib.util.find_spec(m) is None]
+    if missing:
+        log(f"bench: no {', '.join(missing)} (make gpu-wheels): the bulk scoring row skipped")
+        return {"skipped": f"no {', '.join(missing)}: carry make gpu-wheels' .whl"}
+    from benchmarks.bench_predict_gpu import predict_gpu_benchmark
+
+    try:
+        return predict_gpu_benchmark(cfg["predict"], log)
+    except Exception as err:
+        import traceback
+
+        log(traceback.format_exc().rstrip())
+        log(f"bench: the bulk scoring row failed: {type(err).__name__}: {err}")
+        return {"skipped": f"failed: {type(err).__name__}: {err}"}
 
 
 def default_plan_rows(

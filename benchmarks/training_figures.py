@@ -7,6 +7,7 @@ from typing import Any
 
 from benchmarks import bench_datapaths as datapaths
 from benchmarks import bench_finetune as finetune
+from benchmarks import bench_predict_gpu as predict_gpu
 from benchmarks.common import bars, hardware_label
 
 
@@ -66,6 +67,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("")
     lines += default_plan_markdown(result.get("default_plan"))
     lines += finetune.markdown(result.get("finetune"))
+    lines += predict_gpu.markdown(result.get("predict"))
     ttt = result.get("time_to_target")
     if ttt:
         reached = ttt["reached"]
