@@ -54,6 +54,7 @@ class Inputs:
     label_from: str = ""  # what the labels are ("column 'label'", "subfolder names")
     problems: dict[int, str] = field(default_factory=dict)  # row -> reason known before decode
     ignored: int = 0  # files passed over: not images
+    _fingerprint: str = field(default="", repr=False)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -67,8 +68,12 @@ class Inputs:
 
     def fingerprint(self) -> str:
         """The source's stat fingerprint (``trainyard.data.fingerprint``): a resumed run
-        refuses to continue over files that changed, and MLflow records it."""
-        return stat_fingerprint((self.location(i) for i in range(len(self))), self.base)
+        refuses to continue over files that changed, and MLflow records it. Computed once
+        (a stat per file: seconds for a million)."""
+        if not self._fingerprint:
+            locations = (self.location(i) for i in range(len(self)))
+            self._fingerprint = stat_fingerprint(locations, self.base)
+        return self._fingerprint
 
 
 def parse_shard(text: str) -> tuple[int, int]:
