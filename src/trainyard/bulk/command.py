@@ -29,6 +29,7 @@ from trainyard.core.config import DEFAULT_PARAMS, Params, load_params
 from trainyard.core.errors import DataError, ModelError, TrainyardError
 from trainyard.core.io import atomic_write_json
 from trainyard.runtime.model_file import open_verified
+from trainyard.runtime.sessions import CUDA
 
 log = logging.getLogger("trainyard.bulk")
 
@@ -141,11 +142,16 @@ def build_job(
         if provenance.get("registry_version")
         else "local"
     )
+    batch = engine.choose_batch(model, path, card.input_shape, opts["batch_size"])
     spec = DecodeSpec(
         card,
         params.data.max_image_pixels,
         params.data.download_timeout_s,
         params.data.csv_max_download_bytes,
+        # On a CPU the workers score too (one thread each); on a GPU, the batches here.
+        model="" if model.provider == CUDA else str(path),
+        top_k=opts["top_k"],
+        batch_size=batch,
     )
     job = engine.Job(
         inputs=inputs,
@@ -157,7 +163,7 @@ def build_job(
         fmt=fmt,
         top_k=opts["top_k"],
         min_confidence=opts["min_confidence"],
-        batch_size=engine.choose_batch(model, card.input_shape, opts["batch_size"]),
+        batch_size=batch,
         workers=worker_count(opts["workers"]),
         chunk_rows=opts["chunk_rows"],
         shard=shard,

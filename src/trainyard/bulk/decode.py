@@ -1,4 +1,4 @@
-"""Decoding for bulk scoring, in worker processes: files (or URLs) -> uint8 pixels.
+"""Decoding (and on a CPU, scoring) for bulk scoring, in worker processes.
 
 Each image goes through ``trainyard.runtime.inputs.decode_image``, the function the service
 decodes an upload with, for the model's dataset card: a bulk answer and a served answer for
@@ -6,8 +6,12 @@ the same file start from the same pixels. The limits are the training data's (a 
 files: ``data.max_image_pixels``, no aspect-ratio limit), not the service's upload limits.
 
 ``DecodePool`` keeps a bounded window of tasks in flight and hands the results back in
-order, so memory stays flat however many files the source lists, while the caller runs
-the model on what came back (decode and inference overlap).
+order, so memory stays flat however many files the source lists. On a GPU the caller runs
+the model on the pixels that come back, in large batches (decode and inference overlap).
+On a CPU each worker also runs the model, its own ONNX Runtime session on one thread, on
+small batches (``score_many``): one model call per core at a time beat one call on every
+core by 1.4x (EfficientNet-Lite0 at 160 px: 249 img/s on one thread at batch 1, 178 at
+batch 64; 133 on both threads), the rule the service follows too.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import numpy as np
 from trainyard.core.card import Card
 from trainyard.core.errors import InputError
 from trainyard.data.sources.csv_list import download
-from trainyard.runtime.inputs import decode_image
+from trainyard.runtime.inputs import decode_image, model_input, softmax
+from trainyard.runtime.sessions import OnnxModel, load_onnx
 
 TASK_IMAGES = 32  # images per pool task: amortises the hop, keeps the workers balanced
 WINDOW_PER_WORKER = 4  # tasks in flight per worker: enough to never leave one idle
@@ -46,14 +51,20 @@ class DecodeSpec:
     max_pixels: int  # data.max_image_pixels
     download_timeout_s: float
     max_download_bytes: int
+    model: str = ""  # a model file: the workers score too (on a CPU); "" = decode only
+    top_k: int = 5
+    batch_size: int = 16  # images per model call in a worker
 
 
 _SPEC: DecodeSpec | None = None  # this worker's spec (set by the pool's initializer)
+_MODEL: OnnxModel | None = None  # this worker's session, when it scores
 
 
 def _install(spec: DecodeSpec, parent: int) -> None:
-    global _SPEC
+    global _SPEC, _MODEL
     _SPEC = spec
+    if spec.model:  # the file was verified by the parent; one thread: one core per worker
+        _MODEL = load_onnx(spec.model, device="cpu", intra_op_threads=1, say=False)
     # Ctrl-C reaches the whole process group: the parent stops the job and keeps what is
     # written; a worker ends its task quietly instead of printing a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -126,6 +137,32 @@ def decode_many(
     return pixels, problems
 
 
+def rank(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(top-k class indices, their probabilities) per row, best first: the service's order
+    (a stable sort: ties keep the class order)."""
+    order = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    return order, np.take_along_axis(probs, order, axis=1)
+
+
+def score_many(
+    locations: Sequence[str], known: Sequence[str | None]
+) -> tuple[np.ndarray, np.ndarray, list[str | None]]:
+    """In a scoring worker: ``decode_many``, then the model on the images that decoded,
+    ``batch_size`` at a time: (top-k indices, their probabilities, problems)."""
+    spec, model = _SPEC, _MODEL
+    assert spec is not None and model is not None, "score_many runs in a scoring worker"
+    pixels, problems = decode_many(locations, known, spec)
+    k = min(spec.top_k, spec.card.num_classes)
+    top = np.zeros((len(locations), k), np.int64)
+    probs = np.zeros((len(locations), k), np.float32)
+    good = np.flatnonzero([p is None for p in problems])
+    for a in range(0, len(good), spec.batch_size):
+        rows = good[a : a + spec.batch_size]
+        x = model_input(pixels[rows], spec.card)
+        top[rows], probs[rows] = rank(softmax(model.run(x)), k)
+    return top, probs, problems
+
+
 class DecodePool:
     """``workers`` decode processes, fed a bounded window of tasks, results in order."""
 
@@ -137,14 +174,14 @@ class DecodePool:
             workers, mp_context=context, initializer=_install, initargs=(spec, os.getpid())
         )
 
-    def imap(
-        self, tasks: Iterator[tuple[list[str], list[str | None]]]
-    ) -> Iterator[tuple[np.ndarray, list[str | None]]]:
-        """``decode_many`` of each task, in order, at most ``workers x 4`` tasks ahead."""
+    def imap(self, tasks: Iterator[tuple[list[str], list[str | None]]]) -> Iterator[Any]:
+        """``score_many`` (a scoring pool) or ``decode_many`` of each task, in order, at
+        most ``workers x 4`` tasks ahead."""
         window: deque[Future[Any]] = deque()
         limit = self.workers * WINDOW_PER_WORKER
+        work = score_many if self.spec.model else decode_many
         for task in tasks:
-            window.append(self.executor.submit(decode_many, *task))
+            window.append(self.executor.submit(work, *task))
             if len(window) >= limit:
                 yield window.popleft().result()
         while window:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from trainyard.bulk.decode import TASK_IMAGES, DecodePool, DecodeSpec
+from trainyard.bulk.decode import TASK_IMAGES, DecodePool, DecodeSpec, rank
 from trainyard.bulk.inputs import Inputs, chunk_count, shard_range
 from trainyard.bulk.summary import tally
 from trainyard.bulk.table import ChunkStore, read_tables, schema, summary_path
@@ -30,11 +30,11 @@ from trainyard.core.gpu_busy import UNDERFED_PCT, NvmlSampler, unavailable
 from trainyard.core.io import atomic_write_json
 from trainyard.core.progress import Progress
 from trainyard.runtime.inputs import model_input, softmax
-from trainyard.runtime.sessions import CUDA, OnnxModel
+from trainyard.runtime.sessions import CUDA, OnnxModel, load_onnx
 
 log = logging.getLogger(__name__)
 
-CPU_BATCH = 64  # past this, a CPU's img/s no longer rises with the batch
+CPU_BATCHES = (1, 4, 16, 64)  # per model call in a scoring worker (one thread)
 GPU_BATCHES = (64, 128, 256, 512, 1024)
 GPU_GAIN = 1.15  # a doubling of the batch must raise img/s this much to be taken
 LOG_EVERY_S = 60.0  # off a terminal: one progress line a minute
@@ -86,27 +86,42 @@ class Job:
         }
 
 
-def choose_batch(model: OnnxModel, input_shape: tuple[int, ...], asked: int | str) -> int:
-    """``predict.batch_size``: a number as is; ``auto`` = 64 on a CPU, and on a GPU the
-    largest power of two (64..1024) whose doubling still raised img/s 15% (timed here on
-    zeros: the kernels' speed does not depend on the pixels)."""
+def choose_batch(
+    model: OnnxModel, path: Path, input_shape: tuple[int, ...], asked: int | str
+) -> int:
+    """``predict.batch_size``: a number as is; ``auto`` is measured here on zeros (the
+    kernels' speed does not depend on the pixels): on a GPU the largest power of two
+    (64..1024) whose doubling still raised img/s 15%; on a CPU the best of 1, 4, 16 and 64
+    images per call on one thread (what each scoring worker runs: small models gain from
+    a batch, large ones lose cache)."""
     if asked != "auto":
         return int(asked)
-    if model.provider != CUDA:
-        return CPU_BATCH
-    best, best_rate = GPU_BATCHES[0], 0.0
-    for size in GPU_BATCHES:
-        x = np.zeros((size, *input_shape), np.float32)
-        model.run(x)  # warm-up: kernel choice, arena growth
-        t0 = time.perf_counter()
-        for _ in range(3):
-            model.run(x)
-        rate = 3 * size / (time.perf_counter() - t0)
-        if best_rate and rate < best_rate * GPU_GAIN:
-            break
+    if model.provider == CUDA:
+        sizes, probe, gain = GPU_BATCHES, model, GPU_GAIN
+    else:
+        sizes, gain = CPU_BATCHES, 1.0
+        probe = load_onnx(path, device="cpu", intra_op_threads=1, say=False)
+    best, best_rate = sizes[0], 0.0
+    for size in sizes:
+        rate = _rate(probe, np.zeros((size, *input_shape), np.float32))
+        if best_rate and rate < best_rate * gain:
+            if model.provider == CUDA:
+                break
+            continue
         best, best_rate = size, rate
-    log.info("predict.batch_size auto: %d (%.0f img/s on the GPU at that batch)", best, best_rate)
+    where = "the GPU" if model.provider == CUDA else "one CPU thread"
+    log.info("predict.batch_size auto: %d (%.0f img/s on %s at that batch)", best, best_rate, where)
     return best
+
+
+def _rate(model: OnnxModel, x: np.ndarray, seconds: float = 0.1) -> float:
+    """img/s of ``model`` on batch ``x``: one warm-up call, then calls for ``seconds``."""
+    model.run(x)  # kernel choice, arena growth
+    calls, t0 = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - t0 < seconds:
+        model.run(x)
+        calls += 1
+    return calls * len(x) / (time.perf_counter() - t0)
 
 
 class _Scorer:
@@ -123,8 +138,7 @@ class _Scorer:
         t0 = time.perf_counter()
         probs = softmax(self.job.model.run(model_input(pixels, self.job.spec.card)))
         self.infer_s += time.perf_counter() - t0
-        order = np.argsort(-probs, axis=1, kind="stable")[:, : self.k]
-        return order, np.take_along_axis(probs, order, axis=1)
+        return rank(probs, self.k)
 
     def table(
         self, lo: int, hi: int, top: np.ndarray, probs: np.ndarray, problems: list[str | None]
@@ -186,23 +200,38 @@ def _score_chunk(
 
     while len(problems) < n:
         t0 = time.perf_counter()
-        pixels, found = next(results)
+        result = next(results)
         clock["wait_s"] += time.perf_counter() - t0
+        if len(result) == 3:  # scored in the worker (a CPU): its top-k, its problems
+            at = len(problems)
+            top[at : at + len(result[2])], probs[at : at + len(result[2])] = result[:2]
+            _check_strict(job, lo + at, result[2])
+            problems.extend(result[2])
+            continue
+        pixels, found = result
         for j, problem in enumerate(found):
             at = len(problems)
             problems.append(problem)
             if problem is None:
                 buffer.append(pixels[j : j + 1])
                 rows.append(at)
-            elif job.strict:
-                raise DataError(
-                    f"{job.inputs.names[lo + at]}: {problem} (--strict stops at the first bad "
-                    "file; without it the row records the reason and the run goes on)"
-                )
             if len(rows) >= job.batch_size:
                 flush()
+        _check_strict(job, lo + len(problems) - len(found), found)
     flush()
     return scorer.table(lo, hi, top, probs, problems)
+
+
+def _check_strict(job: Job, first: int, problems: list[str | None]) -> None:
+    """With ``--strict``, the first bad file of a task stops the job, naming it."""
+    if not job.strict:
+        return
+    for i, problem in enumerate(problems):
+        if problem is not None:
+            raise DataError(
+                f"{job.inputs.names[first + i]}: {problem} (--strict stops at the first bad "
+                "file; without it the row records the reason and the run goes on)"
+            )
 
 
 def _gpu_sampler(job: Job) -> NvmlSampler | None:
@@ -278,11 +307,12 @@ def _summary(
         "batch_size": job.batch_size,
         "workers": job.workers,
         "decode_wait_share": wait_share,
-        "inference_share": scorer.infer_s / elapsed if elapsed > 0 else 0.0,
+        "inference_share": scorer.infer_s / elapsed if elapsed > 0 and not job.spec.model else None,
+        "scoring": "in the decode workers, one thread each" if job.spec.model else "batched here",
         "gpu_busy": gpu
         if gpu is not None
         else unavailable("no CUDA device" if job.model.provider != CUDA else "not measured"),
-        "verdict": verdict(job.model.provider, wait_share, gpu),
+        "verdict": verdict(job.model.provider, wait_share, gpu, job.spec.model != ""),
     }
     start, stop = job.rows
     return {
@@ -308,9 +338,14 @@ def _summary(
     }
 
 
-def verdict(provider: str, wait_share: float, gpu: dict[str, Any] | None) -> str:
+def verdict(
+    provider: str, wait_share: float, gpu: dict[str, Any] | None, in_workers: bool = False
+) -> str:
     """Training's words for where the time went: input-bound (waiting on decode),
-    "GPU underfed" (the GPU idle though decode kept up), or not input-bound."""
+    "GPU underfed" (the GPU idle though decode kept up), or not input-bound. Scored in the
+    workers (a CPU), every core decodes and scores: the CPU is the limit."""
+    if in_workers:
+        return "CPU-bound: every decode worker also scores, one core each"
     if wait_share >= INPUT_BOUND_SHARE:
         return (
             f"input-bound: waiting on decode {wait_share:.0%} of the time (more "
