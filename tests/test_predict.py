@@ -312,3 +312,43 @@ def test_two_shards_as_two_processes_merge_into_the_single_run(model, many, tmp_
         "merge", str(tmp_path / "part-1.parquet"), "--out", str(tmp_path / "m.parquet")
     )
     assert one_missing.returncode == 1 and "missing [0]" in one_missing.stderr
+
+
+def test_phone_formats_and_urls_are_scored_like_files(model, tmp_path):
+    """HEIC and AVIF files in a folder, and the same images as URLs in a CSV (a real HTTP
+    server on loopback; one URL missing): the same answers as from the files."""
+    import http.server
+    import threading
+
+    from test_phone_formats import encode, scene
+
+    folder = tmp_path / "phone" / "circle"
+    folder.mkdir(parents=True)
+    for i, fmt in enumerate(("HEIF", "AVIF", "JPEG")):
+        ext = {"HEIF": "heic", "AVIF": "avif", "JPEG": "jpg"}[fmt]
+        (folder / f"p{i}.{ext}").write_bytes(encode(Image.fromarray(scene(64, 48, i)), fmt))
+    files = command.predict(job(folder.parent, tmp_path / "f.parquet", model))
+    assert files["scored"] == 3 and files["bad_files"] == 0
+
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(folder))  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        names = sorted(p.name for p in folder.iterdir())
+        listing = tmp_path / "urls.csv"
+        rows = [f"{base}/{n},circle" for n in names] + [f"{base}/gone.jpg,circle"]
+        listing.write_text("image,label\n" + "\n".join(rows) + "\n")
+        urls = command.predict(job(listing, tmp_path / "u.parquet", model))
+    finally:
+        server.shutdown()
+    by_file = {r["path"]: r["top_probabilities"] for r in rows_of(tmp_path / "f.parquet")}
+    by_url = {r["path"]: r for r in rows_of(tmp_path / "u.parquet")}
+    for name in names:
+        assert by_url[f"{base}/{name}"]["top_probabilities"] == by_file[f"circle/{name}"]
+    assert "HTTP 404" in by_url[f"{base}/gone.jpg"]["error"]
+    assert urls["bad_files"] == 1 and urls["labels"]["accuracy"] is not None
+
+
+def rows_of(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
