@@ -337,18 +337,14 @@ def test_phone_formats_and_urls_are_scored_like_files(model, tmp_path):
         base = f"http://127.0.0.1:{server.server_port}"
         names = sorted(p.name for p in folder.iterdir())
         listing = tmp_path / "urls.csv"
-        rows = [f"{base}/{n},circle" for n in names] + [f"{base}/gone.jpg,circle"]
-        listing.write_text("image,label\n" + "\n".join(rows) + "\n")
+        lines = [f"{base}/{n},circle" for n in names] + [f"{base}/gone.jpg,circle"]
+        listing.write_text("image,label\n" + "\n".join(lines) + "\n")
         urls = command.predict(job(listing, tmp_path / "u.parquet", model))
     finally:
         server.shutdown()
-    by_file = {r["path"]: r["top_probabilities"] for r in rows_of(tmp_path / "f.parquet")}
-    by_url = {r["path"]: r for r in rows_of(tmp_path / "u.parquet")}
+    by_file = {r["path"]: r["top_probabilities"] for r in rows(tmp_path / "f.parquet")}
+    by_url = {r["path"]: r for r in rows(tmp_path / "u.parquet")}
     for name in names:
         assert by_url[f"{base}/{name}"]["top_probabilities"] == by_file[f"circle/{name}"]
     assert "HTTP 404" in by_url[f"{base}/gone.jpg"]["error"]
     assert urls["bad_files"] == 1 and urls["labels"]["accuracy"] is not None
-
-
-def rows_of(path: Path) -> list[dict]:
-    return pq.read_table(path).to_pylist()
