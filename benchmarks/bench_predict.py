@@ -68,6 +68,7 @@ from benchmarks.predict_report import (
     GROWTH_LIMIT,
     PROB_LIMIT,
     markdown,
+    memory_target,
     print_summary,
     ratios_of,
     targets,
@@ -134,13 +135,19 @@ def run_predict(source: Path, out: Path, model: Path, *extra: str) -> dict[str, 
     its summary plus ``wall_s`` (the whole process) and its log."""
     clear_output(out)
     cmd = predict_command(source, out, model, *extra)
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"bench-predict: {' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
     summary = json.loads(summary_file(out).read_text())
-    return {"summary": summary, "wall_s": wall, "log": proc.stderr.strip().splitlines()[-3:]}
+    return {
+        "summary": summary,
+        "wall_s": wall,
+        "loadavg": [load, os.getloadavg()[0]],
+        "log": proc.stderr.strip().splitlines()[-3:],
+    }
 
 
 def predict_row(run: dict[str, Any], count: int) -> dict[str, Any]:
@@ -159,6 +166,7 @@ def predict_row(run: dict[str, Any], count: int) -> dict[str, Any]:
         "decode_wait_share": speed["decode_wait_share"],
         "inference_share": speed["inference_share"],
         "verdict": speed["verdict"],
+        "loadavg": run["loadavg"],
     }
 
 
@@ -191,6 +199,7 @@ def plain_loop(files: list[Path], model: Path, card: Any, keep: set[int]) -> dic
     std = np.asarray(card.std, np.float32).reshape(-1, 1, 1)
     session.run(None, {name: np.zeros((1, *card.input_shape), np.float32)})  # warm-up
     kept: dict[int, list[float]] = {}
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     for i, path in enumerate(files):
         im = Image.open(path).convert(mode).resize(size)
@@ -202,7 +211,12 @@ def plain_loop(files: list[Path], model: Path, card: Any, keep: set[int]) -> dic
             e = np.exp(logits - logits.max())
             kept[i] = (e / e.sum()).tolist()
     dt = time.perf_counter() - t0
-    row = {"images": len(files), "seconds": dt, "img_per_s": len(files) / dt}
+    row = {
+        "images": len(files),
+        "seconds": dt,
+        "img_per_s": len(files) / dt,
+        "loadavg": [load, os.getloadavg()[0]],
+    }
     return {"row": row, "probabilities": kept}
 
 
@@ -316,6 +330,7 @@ def post_all(url: str, files: list[Path], threads: int) -> dict[str, Any]:
         finally:
             client.close()
 
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     if threads == 1:
         worker()
@@ -328,7 +343,13 @@ def post_all(url: str, files: list[Path], threads: int) -> dict[str, Any]:
     dt = time.perf_counter() - t0
     if errors:
         raise SystemExit(f"bench-predict: posting failed: {errors[0]}")
-    return {"images": len(files), "seconds": dt, "img_per_s": len(files) / dt, "clients": threads}
+    return {
+        "images": len(files),
+        "seconds": dt,
+        "img_per_s": len(files) / dt,
+        "clients": threads,
+        "loadavg": [load, os.getloadavg()[0]],
+    }
 
 
 def service_rows(
@@ -547,6 +568,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="N",
         help="also score N 28x28 PNGs with the small cnn, sampling RSS (default off)",
     )
+    p.add_argument(
+        "--sides",
+        default="200,640",
+        metavar="MIN,MAX",
+        help="px range of each side of the JPEGs (default 200,640; 2000,4000: phone photos)",
+    )
     p.add_argument("--cost-seconds", type=float, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="seconds: 40 JPEGs, small cnn, 400 PNGs")
@@ -568,6 +595,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [m for m in args.models if m not in MODELS]
     if unknown or not args.models:
         p.error(f"--models: {', '.join(unknown) or 'none'}; choose from {', '.join(MODELS)}")
+    try:
+        low, high = (int(v) for v in args.sides.split(","))
+    except ValueError:
+        low = high = 0
+    if not 16 <= low <= high:
+        p.error("--sides: MIN,MAX px with 16 <= MIN <= MAX")
+    args.sides = (low, high)
     if args.count < 10:
         p.error("--count must be at least 10 (one per class folder)")
     return args
@@ -656,7 +690,7 @@ def measure(args: argparse.Namespace, work: Path, tmp: Path) -> dict[str, Any]:
     """Every part of the run; what the result records."""
     kinds = list(dict.fromkeys(args.models + ([MILLION_MODEL] if args.million else [])))
     models = ensure_models(work, kinds, MODULE, log)
-    dataset = ensure_photos(work, args.count, args.seed, log)
+    dataset = ensure_photos(work, args.count, args.seed, log, args.sides)
     photos = Path(dataset["folder"])
     files = sorted(photos.rglob("*.jpg"))
     if len(files) != args.count:
@@ -680,7 +714,9 @@ def measure(args: argparse.Namespace, work: Path, tmp: Path) -> dict[str, Any]:
             f"{memory['img_per_s']:,.0f} img/s"
         )
     for run in runs:
-        run["targets"] = targets(run, memory)
+        run["targets"] = targets(run)
+    if memory:
+        memory["target"] = memory_target(memory)
     return {
         "dataset": {k: v for k, v in dataset.items() if k != "folder"},
         "runs": runs,

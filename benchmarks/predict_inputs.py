@@ -6,9 +6,9 @@
   ``flower.jpg``, the ``sklearn.datasets.load_sample_images`` files; matplotlib's
   ``grace_hopper.jpg``; any JPEG of 20 kB+ and 200+ px under /usr/share). Image ``i`` is
   drawn with ``numpy.random.default_rng([seed, i])``: a source photo, an output size with
-  each side uniform in 200..640 px, a crop of that aspect covering 35-100% of the largest
-  one that fits, a horizontal flip half the time, resized (bicubic) and saved as a JPEG of
-  quality uniform in 85..95, into ``class<i % 10>/img_<i:06d>.jpg``.
+  each side uniform in 200..640 px (``--sides``), a crop of that aspect covering 35-100% of
+  the largest one that fits, a horizontal flip half the time, resized (bicubic) and saved
+  as a JPEG of quality uniform in 85..95, into ``class<i % 10>/img_<i:06d>.jpg``.
 - **Tiny PNGs** (``tiny-<n>-s<seed>/``): 28x28 greyscale PNGs, Fashion-MNIST's images
   (Debian's dataset-fashion-mnist; a seeded noise pattern where it is absent) with a
   one-pixel random shift, in 100 class-named folders (``class<label>/<k>/``, 10 per class).
@@ -123,18 +123,18 @@ def photo_path(root: Path, i: int) -> Path:
 _SOURCES: dict[str, Any] = {}  # path -> decoded RGB source photo, per generating process
 
 
-def _make_photo(job: tuple[str, list[str], int, int]) -> int:
+def _make_photo(job: tuple[str, list[str], int, int, tuple[int, int]]) -> int:
     """Draw and write photo ``i`` (pool task); returns its size in bytes."""
     from PIL import Image
 
-    root, sources, i, seed = job
+    root, sources, i, seed, sides = job
     rng = np.random.default_rng([seed, i])
     src = sources[int(rng.integers(len(sources)))]
     if src not in _SOURCES:
         with Image.open(src) as im:
             _SOURCES[src] = im.convert("RGB")
     photo = _SOURCES[src]
-    w, h = (int(v) for v in rng.integers(PHOTO_SIDES[0], PHOTO_SIDES[1] + 1, 2))
+    w, h = (int(v) for v in rng.integers(sides[0], sides[1] + 1, 2))
     fit = min(photo.width / w, photo.height / h)  # the largest crop of aspect w:h
     scale = fit * rng.uniform(*CROP_SHARE)
     cw, ch = max(1, round(w * scale)), max(1, round(h * scale))
@@ -199,16 +199,21 @@ def _generate(
     return made | {"reused": False}
 
 
-def ensure_photos(work: Path, count: int, seed: int, log: Log) -> dict[str, Any]:
-    """``work/photos-<count>-s<seed>/photos``: ``count`` real-photo JPEGs (made or reused).
-    The manifest (returned, plus ``folder``) names the source photos and their sha256."""
-    folder = work / f"photos-{count}-s{seed}"
+def ensure_photos(
+    work: Path, count: int, seed: int, log: Log, sides: tuple[int, int] = PHOTO_SIDES
+) -> dict[str, Any]:
+    """``work/photos-<count>-s<seed>/photos``: ``count`` real-photo JPEGs (made or reused),
+    each side uniform in ``sides`` px (other sides than the default: a folder of its own,
+    ``photos-<count>-s<seed>-<min>-<max>``). The manifest (returned, plus ``folder``) names
+    the source photos and their sha256."""
+    suffix = "" if tuple(sides) == PHOTO_SIDES else f"-{sides[0]}-{sides[1]}"
+    folder = work / f"photos-{count}-s{seed}{suffix}"
     photos = folder / "photos"
     want = {
         "images": count,
         "seed": seed,
         "recipe": PHOTO_RECIPE,
-        "sides_px": list(PHOTO_SIDES),
+        "sides_px": list(sides),
         "jpeg_quality": list(PHOTO_QUALITY),
         "crop_share": list(CROP_SHARE),
     }
@@ -223,7 +228,7 @@ def ensure_photos(work: Path, count: int, seed: int, log: Log) -> dict[str, Any]
             {"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in sources
         ]
         names = [str(p) for p in sources]
-        jobs = ((str(photos), names, i, seed) for i in range(count))
+        jobs = ((str(photos), names, i, seed, tuple(sides)) for i in range(count))
     else:
         jobs = iter(())
     from benchmarks.predict_inputs import _make_photo as make  # pickles by importable name

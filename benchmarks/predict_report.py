@@ -23,7 +23,7 @@ def ratios_of(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def targets(run: dict[str, Any], memory: dict[str, Any] | None) -> list[dict[str, Any]]:
+def targets(run: dict[str, Any]) -> list[dict[str, Any]]:
     """One model's targets: {target, measured, ceiling (the most here), met}."""
     out = []
     ceiling = run.get("ceiling_ratios", {})
@@ -48,15 +48,25 @@ def targets(run: dict[str, Any], memory: dict[str, Any] | None) -> list[dict[str
             "met": c["within"],
         }
     )
-    if memory:
-        out.append(
-            {
-                "target": "peak RSS <= start + 1 GiB",
-                "measured": f"{memory['growth_rss'] / 2**20:+,.0f} MiB",
-                "ceiling": "-",
-                "met": memory["within"],
-            }
-        )
+    return out
+
+
+def memory_target(memory: dict[str, Any]) -> dict[str, Any]:
+    """The memory check's target: peak RSS of predict's tree within 1 GiB of its start."""
+    return {
+        "target": "peak RSS <= start + 1 GiB",
+        "measured": f"{memory['growth_rss'] / 2**20:+,.0f} MiB",
+        "ceiling": "-",
+        "met": memory["within"],
+    }
+
+
+def all_targets(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(model, target) for every model's targets, then the memory check's."""
+    out = [(model_name(r["model"]), t) for r in result["runs"] for t in targets(r)]
+    m = result.get("memory")
+    if m:
+        out.append((f"{model_name(m['model'])} (`--million`)", memory_target(m)))
     return out
 
 
@@ -67,8 +77,8 @@ def model_name(info: dict[str, Any]) -> str:
 def table(runs: list[dict[str, Any]]) -> str:
     """Every contender of every model: images, seconds, img/s, and predict's ratio."""
     lines = [
-        "| model | contender | images | seconds | img/s | predict's img/s is |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | contender | images | seconds | img/s | predict's img/s is | load average |",
+        "|---|---|---:|---:|---:|---:|---|",
     ]
     for run in runs:
         name = model_name(run["model"])
@@ -80,9 +90,11 @@ def table(runs: list[dict[str, Any]]) -> str:
             else:
                 label, secs = who, f"{row['seconds']:.1f}"
                 ratio = f"**{run['ratios'][who]:.2f}x**"
+            load = row.get("loadavg")
+            load_text = f"{load[0]:.2f} -> {load[1]:.2f}" if load else "-"
             lines.append(
                 f"| {name} | {label} | {row['images']:,} | {secs} | {row['img_per_s']:,.1f} "
-                f"| {ratio} |"
+                f"| {ratio} | {load_text} |"
             )
     return "\n".join(lines)
 
@@ -125,6 +137,8 @@ def _memory(m: dict[str, Any] | None) -> list[str]:
         ]
     ds, info = m["dataset"], m["model"]
     made = "reused" if ds.get("reused") else f"made in {ds['generation_s']:.0f} s"
+    points = m["curve"][:: max(1, len(m["curve"]) // 12)] + m["curve"][-1:]
+    curve = ", ".join(f"{t:g}: {v:,.0f}" for t, v in points)
     return [
         f"Memory (`--million {m['images']}`): {m['images']:,} {ds['size_px']}x{ds['size_px']} "
         f"greyscale PNGs ({ds['content']}; {ds['bytes'] / 2**20:,.0f} MiB, {made}), "
@@ -137,7 +151,8 @@ def _memory(m: dict[str, Any] | None) -> list[str]:
         f"**{m['growth_rss'] / 2**20:+,.0f} MiB** (limit +1,024 MiB); from a quarter of the "
         f"scoring to its end {m['late_growth_rss'] / 2**20:+,.0f} MiB. Proportional (PSS) "
         f"peak {m['peak_pss'] / 2**20:,.0f} MiB; the command's own process "
-        f"{m['main_start_rss'] / 2**20:,.0f} -> {m['main_peak_rss'] / 2**20:,.0f} MiB.",
+        f"{m['main_start_rss'] / 2**20:,.0f} -> {m['main_peak_rss'] / 2**20:,.0f} MiB. The "
+        f"tree's RSS over time (s: MiB): {curve}.",
         "",
     ]
 
@@ -154,7 +169,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result['command']}` on {result['date']} (commit {result['commit']}): "
         f"{hw['cpu']}, {hw['cores']} cores ({hw['cores_usable']} usable), load average "
         f"{hw['loadavg_start'][0]:.2f} at the start and {hw['loadavg_end'][0]:.2f} at the end "
-        f"(other work on the machine); Python {hw['python']}, Pillow {hw['pillow']}, ONNX "
+        f"(1 minute; the benchmark's own processes count in it); Python {hw['python']}, "
+        f"Pillow {hw['pillow']}, ONNX "
         f"Runtime {hw['onnxruntime']} (CPU); {result['wall_s']:.0f} s in all. "
         "`make bench-predict` runs it (`BENCH_PREDICT_ARGS`).",
         "",
@@ -186,7 +202,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"serve` with params.yaml as it is (`make serve`: serve.workers "
         f"{result['service']['workers']}, batching off) and `TRAINYARD_MODEL` = the model, "
         "a client posting each file to /classify (multipart, one keep-alive `http.client` "
-        "connection per client thread, each waiting for its answer).",
+        "connection per client thread, each waiting for its answer). Load average: the "
+        "1-minute figure before -> after each contender (the contender's own processes count "
+        "in it; more is other work on this shared machine, which slows whoever runs then).",
         "",
         table(runs),
         "",
@@ -217,28 +235,22 @@ def markdown(result: dict[str, Any]) -> str:
         "| model | target | measured | ceiling here | |",
         "|---|---|---:|---:|---|",
     ]
-    for r in runs:
-        for t in r["targets"]:
-            verdict = "met" if t["met"] else "**not met**"
-            lines.append(
-                f"| {model_name(r['model'])} | {t['target']} | {t['measured']} | "
-                f"{t['ceiling']} | {verdict} |"
-            )
+    for name, t in all_targets(result):
+        verdict = "met" if t["met"] else "**not met**"
+        lines.append(f"| {name} | {t['target']} | {t['measured']} | {t['ceiling']} | {verdict} |")
     lines.append("")
     return "\n".join(lines)
 
 
 def print_summary(result: dict[str, Any]) -> None:
-    """The tables and the verdicts, on the console."""
+    """The tables, the ratios and the verdicts, on the console."""
     print(f"\n{table(result['runs'])}\n")
     for run in result["runs"]:
         name = model_name(run["model"])
         for who, value in run["ratios"].items():
             print(f"{name}: predict / {who}: {value:.2f}x")
-        for t in run["targets"]:
-            ceiling = f" (ceiling here {t['ceiling']})" if t["ceiling"] != "-" else ""
-            print(
-                f"{name}: {t['target']}: {t['measured']} {'met' if t['met'] else 'NOT MET'}"
-                f"{ceiling}"
-            )
-        print()
+    print()
+    for name, t in all_targets(result):
+        ceiling = f" (ceiling here {t['ceiling']})" if t["ceiling"] != "-" else ""
+        verdict = "met" if t["met"] else "NOT MET"
+        print(f"{name}: {t['target']}: {t['measured']} {verdict}{ceiling}")
