@@ -90,17 +90,18 @@ bench: venv data
 bench-prepare: venv
 	$(BIN)/python -m benchmarks.bench_prepare
 
-# About 8 min on 2 cores, not part of `make test`: bulk scoring, `python -m trainyard.bulk` with
-# params.yaml's predict defaults, vs a plain loop (PIL open/convert/resize + ONNX Runtime at
-# batch 1) vs posting each file to /classify of `bentoml serve` (params.yaml as it is; 1 client,
-# then 8 threads), on 10,000 JPEGs of real photos (random crops and scales of the sample photos
-# scikit-learn and matplotlib ship; made once under the temp dir) with EfficientNet-Lite0 at
-# 160 px and the small cnn at 64 px (built and exported here, no training); the bulk table's
-# probabilities vs /classify's on 50 files; what one image costs (decode, inference) and the
-# ceiling that sets. reports/bench-predict.json + docs/benchmarks.md ("Bulk scoring").
-# BENCH_PREDICT_ARGS="--million 200000" adds the memory check (200,000 28x28 PNGs scored while
-# the RSS of predict's process tree is sampled; about 4 more minutes, 1 GB of small files);
-# "--count 2000", "--models lite0-160"; --quick: seconds.
+# About 7 min on 2 cores (the first run 1 more: it makes the photos, PNGs and models under the
+# temp dir), not part of `make test`: bulk scoring, `python -m trainyard.bulk` with params.yaml's
+# predict defaults, vs a plain loop (PIL open/convert/resize + ONNX Runtime at batch 1) vs
+# posting each file to /classify of `bentoml serve` (params.yaml as it is; 1 client, then 8
+# threads), on 10,000 JPEGs of real photos (random crops and scales of the sample photos
+# scikit-learn and matplotlib ship) with EfficientNet-Lite0 at 160 px and the small cnn at 64 px
+# (built and exported here, no training); the bulk table's probabilities vs /classify's on 50
+# files; what one image costs (decode, inference) and the ceiling that sets; memory: 200,000
+# 28x28 PNGs scored while the RSS of predict's process tree is sampled (about 1 min; 0.8 GB of
+# small files). reports/bench-predict.json + docs/benchmarks.md ("Bulk scoring").
+# BENCH_PREDICT_ARGS="--million 0" skips the memory check; "--count 2000", "--models lite0-160",
+# "--sides 2000,4000 --count 300" (phone-size photos); --quick: seconds.
 BENCH_PREDICT_ARGS ?=
 bench-predict: venv
 	$(BIN)/python -m benchmarks.bench_predict $(BENCH_PREDICT_ARGS)

@@ -2,7 +2,8 @@
 
     python -m benchmarks.bench_predict                    # make bench-predict: 10,000 JPEGs
     python -m benchmarks.bench_predict --count 2000       # a smaller folder
-    python -m benchmarks.bench_predict --million 200000   # + memory while scoring 200,000 PNGs
+    python -m benchmarks.bench_predict --million 0        # without the memory check
+    python -m benchmarks.bench_predict --sides 2000,4000 --count 300   # phone-size photos
     python -m benchmarks.bench_predict --quick            # seconds; what the tests run
 
 On one folder of real-photo JPEGs (``benchmarks.predict_inputs``: random crops and scales of
@@ -26,7 +27,8 @@ trainyard's code without training), side by side:
 Then (4) the probabilities check: ``--check`` files spread over the folder, scored by
 ``python -m trainyard.bulk`` (a list file, ``--top-k`` = the model's class count) and by
 the service (``?top_k=`` the same): the largest absolute difference between the two
-probability vectors (limit 1e-6). And (5), with ``--million N``, memory: N 28x28 PNGs
+probability vectors (limit 1e-6). And (5), ``--million N`` (default 200,000; 0 skips it),
+memory: N 28x28 PNGs
 scored by ``python -m trainyard.bulk`` with the small cnn while the RSS of its process tree
 (the command, its forkserver and decode workers) is sampled every 0.5 s: start, peak and
 growth (target: peak <= start + 1 GiB, flat).
@@ -82,7 +84,7 @@ FULL = {
     "models": "lite0-160,cnn-64",
     "threads": 8,
     "check": 50,
-    "million": 0,
+    "million": 200_000,
     "cost_seconds": 1.5,
 }
 QUICK = {
@@ -566,7 +568,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--million",
         type=int,
         metavar="N",
-        help="also score N 28x28 PNGs with the small cnn, sampling RSS (default off)",
+        help="the memory check: score N 28x28 PNGs with the small cnn, sampling RSS "
+        "(default 200,000: about 1 min, 0.8 GB of small files in the temp dir; 0: skip)",
     )
     p.add_argument(
         "--sides",

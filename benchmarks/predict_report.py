@@ -131,8 +131,8 @@ def _check(run: dict[str, Any]) -> str:
 def _memory(m: dict[str, Any] | None) -> list[str]:
     if not m:
         return [
-            "Memory: not measured in this run (`--million N` scores N generated 28x28 PNGs "
-            "while sampling the RSS of predict's process tree).",
+            "Memory: not measured in this run (`--million 0`; `--million N` scores N "
+            "generated 28x28 PNGs while sampling the RSS of predict's process tree).",
             "",
         ]
     ds, info = m["dataset"], m["model"]
