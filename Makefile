@@ -8,7 +8,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
-	bench-serve bench-prepare bench-resume bench-recipe soak doctor gpu-wheels clean \
+	bench-serve bench-prepare bench-predict bench-resume bench-recipe soak doctor gpu-wheels clean \
 	tune report exps bench-sweep team-up team-down
 
 help:
@@ -23,6 +23,7 @@ help:
 	@echo "make bench-serve - service load test (wrk): vs reference, p99, cold start, batching: docs/benchmarks.md"
 	@echo "make soak   - 60 s at 64 clients, good and bad requests: 0 errors, RSS growth < 10%/worker: docs/benchmarks.md"
 	@echo "make bench-prepare - prepare on 20,000 generated JPEGs, 1 vs 2 workers: docs/benchmarks.md"
+	@echo "make bench-predict - trainyard predict vs a plain loop vs posting to the service, 10,000 real-photo JPEGs"
 	@echo "make bench-resume - SIGKILL after epoch 2 of 4, rerun resumes: time saved vs an uninterrupted run"
 	@echo "make bench-recipe - trainyard's defaults vs from scratch vs a textbook fine-tune, 3 real folders (~45-60 min)"
 	@echo "make bench-sweep - a 4-experiment DVC queue, -j 1 vs -j 2 wall time (~8 min)"
@@ -88,6 +89,22 @@ bench: venv data
 # workers 1 vs 2, 64 vs 224 px, peak RSS; reports/bench-prepare.json + docs/benchmarks.md.
 bench-prepare: venv
 	$(BIN)/python -m benchmarks.bench_prepare
+
+# About 7 min on 2 cores (the first run 1 more: it makes the photos, PNGs and models under the
+# temp dir), not part of `make test`: bulk scoring, `python -m trainyard.bulk` with params.yaml's
+# predict defaults, vs a plain loop (PIL open/convert/resize + ONNX Runtime at batch 1) vs
+# posting each file to /classify of `bentoml serve` (params.yaml as it is; 1 client, then 8
+# threads), on 10,000 JPEGs of real photos (random crops and scales of the sample photos
+# scikit-learn and matplotlib ship) with EfficientNet-Lite0 at 160 px and the small cnn at 64 px
+# (built and exported here, no training); the bulk table's probabilities vs /classify's on 50
+# files; what one image costs (decode, inference) and the ceiling that sets; memory: 200,000
+# 28x28 PNGs scored while the RSS of predict's process tree is sampled (about 1 min; 0.8 GB of
+# small files). reports/bench-predict.json + docs/benchmarks.md ("Bulk scoring").
+# BENCH_PREDICT_ARGS="--million 0" skips the memory check; "--count 2000", "--models lite0-160",
+# "--sides 2000,4000 --count 300" (phone-size photos); --quick: seconds.
+BENCH_PREDICT_ARGS ?=
+bench-predict: venv
+	$(BIN)/python -m benchmarks.bench_predict $(BENCH_PREDICT_ARGS)
 
 # About 4 Fashion-MNIST epochs x 2 on 2 cores (~5 min): in a clone of the committed repo,
 # dvc repro train SIGKILLed after epoch 2 of 4, rerun (resumes), vs an uninterrupted run;

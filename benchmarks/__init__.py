@@ -4,6 +4,7 @@ Run from the repository root (this package is not in the wheel):
 
     python -m benchmarks                 # make bench: training, data paths, inference
     python -m benchmarks.bench_prepare   # make bench-prepare: the prepare stage on 20,000 JPEGs
+    python -m benchmarks.bench_predict   # make bench-predict: bulk scoring vs a loop vs the service
     python -m benchmarks.bench_resume    # make bench-resume: what a resume after a SIGKILL saves
     python -m benchmarks.bench_serve     # make bench-serve: the service under load (wrk)
     python -m benchmarks.soak            # make soak: good and bad requests, errors and RSS
@@ -11,7 +12,9 @@ Run from the repository root (this package is not in the wheel):
 One module per thing measured: ``bench_training`` (training throughput, GPU utilisation,
 time to a target accuracy), ``bench_datapaths`` (an image folder read four ways),
 ``bench_inference`` (torch vs ONNX Runtime), ``bench_prepare`` (the prepare stage),
-``bench_resume`` (a resume after a SIGKILL); ``main`` runs the first three, ``timing`` is
+``bench_resume`` (a resume after a SIGKILL), ``bench_predict`` (bulk scoring against a plain
+loop and the service, with ``predict_inputs``: its photos, PNGs and models, and
+``predict_report``: its docs section); ``main`` runs the first three, ``timing`` is
 the one clock they all use, ``common`` the data, hardware and docs helpers, ``report`` the
 tables and chart. Serving: ``bench_serve`` (the load test's steps) with ``serve_load``
 (request bodies, servers, wrk), ``serve_models`` (the larger model, ONNX Runtime alone),

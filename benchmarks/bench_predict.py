@@ -1,0 +1,793 @@
+"""Benchmark: bulk scoring (``trainyard predict``) vs what a user writes instead, one run.
+
+    python -m benchmarks.bench_predict                    # make bench-predict: 10,000 JPEGs
+    python -m benchmarks.bench_predict --count 2000       # a smaller folder
+    python -m benchmarks.bench_predict --million 0        # without the memory check
+    python -m benchmarks.bench_predict --sides 2000,4000 --count 300   # phone-size photos
+    python -m benchmarks.bench_predict --quick            # seconds; what the tests run
+
+On one folder of real-photo JPEGs (``benchmarks.predict_inputs``: random crops and scales of
+the photographs this machine's packages ship, 200-640 px sides, JPEG quality 85-95, 10 class
+folders; made once under the temp dir and reused) and one model (``--model``, default the
+default fine-tune's network: EfficientNet-Lite0 at 160x160 RGB, built and exported by
+trainyard's code without training), side by side:
+
+1. **trainyard predict**: ``python -m trainyard.bulk FOLDER --out F.parquet --model M`` as a
+   subprocess with params.yaml's ``predict`` defaults (batch 64 on a CPU, one decode worker
+   per core); img/s from its summary (``speed.img_per_s``: the scoring, after start-up)
+   and the process's wall time (start-up, listing and the final table included);
+2. **a plain loop**, in this process: for each file ``Image.open``, ``.convert(mode)``,
+   ``.resize((W, H))``, normalised by the card's mean/std, ``session.run`` on a batch of one
+   (an ``onnxruntime.InferenceSession`` with default options, CPU provider);
+3. **posting every file to the service**: ``bentoml serve serving.service:ImageClassifier``
+   with params.yaml as it is (``make serve``'s configuration) and ``TRAINYARD_MODEL`` = M,
+   then a client loop posting each file to /classify (multipart ``image``, one keep-alive
+   connection, one request at a time); and the same from ``--threads`` client threads.
+
+Then (4) the probabilities check: ``--check`` files spread over the folder, scored by
+``python -m trainyard.bulk`` (a list file, ``--top-k`` = the model's class count) and by
+the service (``?top_k=`` the same): the largest absolute difference between the two
+probability vectors (limit 1e-6). And (5), ``--million N`` (default 200,000; 0 skips it),
+memory: N 28x28 PNGs
+scored by ``python -m trainyard.bulk`` with the small cnn while the RSS of its process tree
+(the command, its forkserver and decode workers) is sampled every 0.5 s: start, peak and
+growth (target: peak <= start + 1 GiB, flat).
+
+Targets (printed, not asserted): predict / plain loop >= 4x, predict / posting >= 3x (the
+sequential client). Writes reports/bench-predict.json and the "Bulk scoring" section of
+docs/benchmarks.md (``--quick``: reports/bench-predict-quick.json, docs only with
+``--docs``). Never imports torch (the models are exported in a child process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import update_docs
+from benchmarks.predict_inputs import (
+    MODELS,
+    REPO,
+    ensure_models,
+    ensure_photos,
+    ensure_tiny,
+    warm_cache,
+)
+from benchmarks.predict_report import (
+    GROWTH_LIMIT,
+    PROB_LIMIT,
+    markdown,
+    memory_target,
+    print_summary,
+    ratios_of,
+    targets,
+)
+from trainyard.core.host import cpu_name
+
+MODULE = "benchmarks.bench_predict"
+DOCS_KEY = "predict"
+FULL = {
+    "count": 10_000,
+    "models": "lite0-160,cnn-64",
+    "threads": 8,
+    "check": 50,
+    "million": 200_000,
+    "cost_seconds": 1.5,
+}
+QUICK = {
+    "count": 40,
+    "models": "cnn-64",
+    "threads": 4,
+    "check": 12,
+    "million": 400,
+    "cost_seconds": 0.2,
+}
+MILLION_MODEL = "cnn-28"
+SAMPLE_S = 0.5
+BOUNDARY = "trainyardbench"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------- 1. predict
+
+
+def summary_file(out: Path) -> Path:
+    return out.with_name(out.stem + ".summary.json")
+
+
+def clear_output(out: Path) -> None:
+    """Remove an earlier run's table, summary and chunks (a leftover job would resume)."""
+    out.unlink(missing_ok=True)
+    summary_file(out).unlink(missing_ok=True)
+    shutil.rmtree(out.parent / f".{out.name}.parts", ignore_errors=True)
+
+
+def predict_command(source: Path, out: Path, model: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "trainyard.bulk",
+        str(source),
+        "--out",
+        str(out),
+        "--model",
+        str(model),
+        *extra,
+    ]
+
+
+def run_predict(source: Path, out: Path, model: Path, *extra: str) -> dict[str, Any]:
+    """``python -m trainyard.bulk`` as a subprocess from the repository (its params.yaml);
+    its summary plus ``wall_s`` (the whole process) and its log."""
+    clear_output(out)
+    cmd = predict_command(source, out, model, *extra)
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"bench-predict: {' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    summary = json.loads(summary_file(out).read_text())
+    return {
+        "summary": summary,
+        "wall_s": wall,
+        "loadavg": [load, os.getloadavg()[0]],
+        "log": proc.stderr.strip().splitlines()[-3:],
+    }
+
+
+def predict_row(run: dict[str, Any], count: int) -> dict[str, Any]:
+    s, speed = run["summary"], run["summary"]["speed"]
+    if s["scored"] != count:
+        raise SystemExit(f"bench-predict: predict scored {s['scored']} of {count} files")
+    return {
+        "images": s["scored"],
+        "img_per_s": speed["img_per_s"],
+        "seconds": speed["seconds"],
+        "wall_s": run["wall_s"],
+        "wall_img_per_s": s["scored"] / run["wall_s"],
+        "batch_size": speed["batch_size"],
+        "workers": speed["workers"],
+        "provider": speed["provider"],
+        "decode_wait_share": speed["decode_wait_share"],
+        "inference_share": speed["inference_share"],
+        "verdict": speed["verdict"],
+        "loadavg": run["loadavg"],
+    }
+
+
+# ----------------------------------------------------------------------------- 2. plain loop
+
+
+def model_card(model: Path) -> Any:
+    """The dataset card the exported model carries (size, channels, mean/std, classes)."""
+    import onnxruntime as ort
+
+    from trainyard.core.card import card_from_metadata
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    return card_from_metadata(dict(session.get_modelmeta().custom_metadata_map), str(model))
+
+
+def plain_loop(files: list[Path], model: Path, card: Any, keep: set[int]) -> dict[str, Any]:
+    """What a user writes by hand: one file at a time, PIL then ONNX Runtime at batch 1.
+    Returns the row and the probabilities of the files whose index is in ``keep``."""
+    import onnxruntime as ort
+    from PIL import Image
+
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    mode = "L" if card.channels == 1 else "RGB"
+    size = (card.width, card.height)
+    mean = np.asarray(card.mean, np.float32).reshape(-1, 1, 1)
+    std = np.asarray(card.std, np.float32).reshape(-1, 1, 1)
+    session.run(None, {name: np.zeros((1, *card.input_shape), np.float32)})  # warm-up
+    kept: dict[int, list[float]] = {}
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    for i, path in enumerate(files):
+        im = Image.open(path).convert(mode).resize(size)
+        x = np.asarray(im, np.float32) / 255.0
+        x = x[None] if mode == "L" else x.transpose(2, 0, 1)
+        x = (x - mean) / std
+        logits = session.run(None, {name: x[None]})[0][0]
+        if i in keep:
+            e = np.exp(logits - logits.max())
+            kept[i] = (e / e.sum()).tolist()
+    dt = time.perf_counter() - t0
+    row = {
+        "images": len(files),
+        "seconds": dt,
+        "img_per_s": len(files) / dt,
+        "loadavg": [load, os.getloadavg()[0]],
+    }
+    return {"row": row, "probabilities": kept}
+
+
+def _rate(fn: Any, items: int, seconds: float) -> float:
+    """Seconds per item of ``fn()`` (which handles ``items`` items), over ``seconds`` at
+    least and 3 calls at least, after one untimed call."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - t0 < seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - t0) / (calls * items)
+
+
+def costs(files: list[Path], model: Path, card: Any, seconds: float) -> dict[str, Any]:
+    """What one image costs here, each part alone, in this process: the bulk decode
+    (``decode_image`` with predict's limits) and the plain loop's PIL calls on up to 64
+    of the files; ONNX Runtime with predict's session at its batch (64) on one intra-op
+    thread and on one per core, and the plain loop's session at batch 1. ``ceiling``: the
+    img/s of predict if decode and inference shared the cores perfectly: cores / (decode
+    + inference on one core, per image)."""
+    import math
+
+    import onnxruntime as ort
+    from PIL import Image
+
+    from trainyard.runtime.inputs import decode_image
+    from trainyard.runtime.sessions import load_onnx
+
+    sample = [p.read_bytes() for p in files[:64]]
+    mode = "L" if card.channels == 1 else "RGB"
+    size = (card.width, card.height)
+    out: dict[str, Any] = {"files": len(sample)}
+
+    def bulk_decode() -> None:
+        for data in sample:
+            decode_image(data, card, max_pixels=10**9, field="file", max_aspect_ratio=math.inf)
+
+    def plain_decode() -> None:
+        for path in files[: len(sample)]:
+            Image.open(path).convert(mode).resize(size)
+
+    out["decode_ms"] = 1000 * _rate(bulk_decode, len(sample), seconds)
+    out["plain_decode_ms"] = 1000 * _rate(plain_decode, len(sample), seconds)
+    batch = np.zeros((64, *card.input_shape), np.float32)
+    for threads, key in ((1, "infer_b64_1thread_ms"), (0, "infer_b64_ms")):
+        session = load_onnx(model, device="cpu", intra_op_threads=threads, say=False)
+        out[key] = 1000 * _rate(lambda s=session: s.run(batch), len(batch), seconds)
+    plain = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    name, one = plain.get_inputs()[0].name, batch[:1]
+    out["infer_b1_default_ms"] = 1000 * _rate(lambda: plain.run(None, {name: one}), 1, seconds)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    out["cores"] = cores
+    out["ceiling_img_per_s"] = (
+        1000 * (cores or 1) / (out["decode_ms"] + out["infer_b64_1thread_ms"])
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- 3. service
+
+
+def multipart(data: bytes, filename: str, content_type: str) -> bytes:
+    head = (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; '
+        f'filename="{filename}"\r\nContent-Type: {content_type}\r\n\r\n'
+    )
+    return head.encode() + data + f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+class Client:
+    """One keep-alive connection to the service, posting one file per request."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
+
+    def classify(self, path: Path, top_k: int | None = None) -> dict[str, Any]:
+        body = multipart(path.read_bytes(), path.name, "image/jpeg")
+        query = f"?top_k={top_k}" if top_k else ""
+        headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+        self.conn.request("POST", f"/classify{query}", body, headers)
+        resp = self.conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise SystemExit(f"bench-predict: /classify {path}: {resp.status} {data[:300]!r}")
+        return json.loads(data)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def post_all(url: str, files: list[Path], threads: int) -> dict[str, Any]:
+    """Every file posted to /classify by ``threads`` clients (one connection each), each
+    taking the next file when its answer came back; the row."""
+    lock = threading.Lock()
+    nxt = iter(range(len(files)))
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        client = Client(url)
+        try:
+            while True:
+                with lock:
+                    i = next(nxt, None)
+                if i is None:
+                    return
+                client.classify(files[i])
+        except BaseException as err:  # SystemExit too: reported after the join
+            errors.append(err)
+        finally:
+            client.close()
+
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    if threads == 1:
+        worker()
+    else:
+        pool = [threading.Thread(target=worker) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    dt = time.perf_counter() - t0
+    if errors:
+        raise SystemExit(f"bench-predict: posting failed: {errors[0]}")
+    return {
+        "images": len(files),
+        "seconds": dt,
+        "img_per_s": len(files) / dt,
+        "clients": threads,
+        "loadavg": [load, os.getloadavg()[0]],
+    }
+
+
+def service_rows(
+    model: Path, files: list[Path], threads: int, check: list[int], classes: int, tmp: Path
+) -> dict[str, Any]:
+    """Start the service as bench-serve does, warm it up, post every file sequentially and
+    from ``threads`` clients, then ask for the ``check`` files' full probabilities."""
+    from benchmarks.serve_load import start_server, stop_server
+
+    log("3. the service: bentoml serve (params.yaml as it is), TRAINYARD_MODEL = the model")
+    proc, url, ready_s = start_server(REPO / "params.yaml", model, tmp / f"serve-{model.stem}.log")
+    log(f"   ready in {ready_s:.1f} s at {url}")
+    out: dict[str, Any] = {"ready_s": ready_s}
+    try:
+        warm = files[: min(len(files), 16)]
+        post_all(url, warm, 1)
+        post_all(url, warm, max(threads, 1))
+        out["sequential"] = post_all(url, files, 1)
+        log(f"   posting, sequential:    {out['sequential']['img_per_s']:8.1f} img/s")
+        if threads > 1:
+            out["threads"] = post_all(url, files, threads)
+            log(f"   posting, {threads} threads:     {out['threads']['img_per_s']:8.1f} img/s")
+        client = Client(url)
+        try:
+            out["answers"] = {i: client.classify(files[i], top_k=classes) for i in check}
+        finally:
+            client.close()
+    finally:
+        stop_server(proc)
+    return out
+
+
+# ----------------------------------------------------------------------------- 4. check
+
+
+def check_files(count: int, n: int) -> list[int]:
+    """``n`` indices spread evenly over the folder's sorted files."""
+    n = min(n, count)
+    return sorted({round(k * (count - 1) / max(n - 1, 1)) for k in range(n)})
+
+
+def bulk_probabilities(table: Path, classes: list[str]) -> dict[str, np.ndarray]:
+    """path -> the full probability vector in class order, from a table with top_k = classes."""
+    import pyarrow.parquet as pq
+
+    cols = pq.read_table(table, columns=["path", "top_labels", "top_probabilities"]).to_pydict()
+    index = {c: i for i, c in enumerate(classes)}
+    out = {}
+    for path, labels, probs in zip(
+        cols["path"], cols["top_labels"], cols["top_probabilities"], strict=True
+    ):
+        vec = np.full(len(classes), np.nan)
+        for label, p in zip(labels, probs, strict=True):
+            vec[index[label]] = p
+        out[path] = vec
+    return out
+
+
+def compare(
+    files: list[Path],
+    check: list[int],
+    bulk: dict[str, np.ndarray],
+    answers: dict[int, dict[str, Any]],
+    plain: dict[int, list[float]],
+) -> dict[str, Any]:
+    """The bulk table against the service's answers (and the plain loop's top-1)."""
+    diffs, same_label, plain_same = [], 0, 0
+    for i in check:
+        served = np.asarray(answers[i]["probabilities"], dtype=np.float64)
+        mine = bulk[str(files[i])]
+        if np.isnan(mine).any():
+            raise SystemExit(f"bench-predict: {files[i]}: the table lacks some classes")
+        diffs.append(float(np.abs(served - mine).max()))
+        same_label += int(np.argmax(mine)) == answers[i]["class_id"]
+        plain_same += int(np.argmax(plain[i])) == answers[i]["class_id"]
+    worst = max(diffs)
+    return {
+        "files": len(check),
+        "max_abs_diff": worst,
+        "mean_max_abs_diff": float(np.mean(diffs)),
+        "limit": PROB_LIMIT,
+        "within": worst <= PROB_LIMIT,
+        "top1_agree": same_label,
+        "plain_loop_top1_agree": plain_same,
+    }
+
+
+def run_check(
+    files: list[Path], check: list[int], model: Path, classes: int, work: Path
+) -> dict[str, Any]:
+    """``python -m trainyard.bulk`` on a list file of the check files, top_k = classes."""
+    work.mkdir(parents=True, exist_ok=True)
+    listing = work / "check.txt"
+    listing.write_text("".join(f"{files[i]}\n" for i in check))
+    out = work / "check.parquet"
+    run = run_predict(listing, out, model, "--top-k", str(classes))
+    return {"table": out, "summary": run["summary"]}
+
+
+# ----------------------------------------------------------------------------- 5. memory
+
+
+def tree_memory(pid: int) -> tuple[int, int, int, int]:
+    """(RSS summed over the process tree, PSS summed, processes, RSS of ``pid`` itself)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0, 0, 0, 0
+    rss = pss = own = 0
+    for p in procs:
+        try:
+            r = p.memory_info().rss
+        except psutil.Error:
+            continue
+        rss += r
+        own = r if p.pid == pid else own
+        try:
+            for line in Path(f"/proc/{p.pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    pss += int(line.split()[1]) * 1024
+                    break
+        except (OSError, ValueError):
+            pss += r
+    return rss, pss, len(procs), own
+
+
+def memory_run(tiny: Path, count: int, model: Path, work: Path) -> dict[str, Any]:
+    """Score the tiny folder with ``python -m trainyard.bulk`` while sampling its tree."""
+    out = work / "million.parquet"
+    clear_output(out)
+    cmd = predict_command(tiny, out, model)
+    samples: list[tuple[float, int, int, int, int]] = []
+    t0 = time.perf_counter()
+    with open(work / "million.log", "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+        while proc.poll() is None:
+            rss, pss, n, own = tree_memory(proc.pid)
+            if n:
+                samples.append((time.perf_counter() - t0, rss, pss, n, own))
+            time.sleep(SAMPLE_S)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"bench-predict: {' '.join(cmd)} failed:\n{(work / 'million.log').read_text()[-3000:]}"
+        )
+    summary = json.loads(summary_file(out).read_text())
+    return memory_figures(samples, summary, wall, count)
+
+
+def memory_figures(
+    samples: list[tuple[float, int, int, int, int]],
+    summary: dict[str, Any],
+    wall: float,
+    count: int,
+) -> dict[str, Any]:
+    """Start, peak and growth of the tree's RSS. Scoring runs while the decode workers are
+    up: the window is the samples with the most processes; start = its first sample."""
+    if not samples:
+        raise SystemExit("bench-predict: no memory sample taken")
+    most = max(s[3] for s in samples)
+    window = [s for s in samples if s[3] == most]
+    start, peak = window[0], max(samples, key=lambda s: s[1])
+    quarter = window[len(window) // 4]
+    end = window[-1]
+    return {
+        "images": count,
+        "scored": summary["scored"],
+        "img_per_s": summary["speed"]["img_per_s"],
+        "seconds": summary["speed"]["seconds"],
+        "wall_s": wall,
+        "processes": most,
+        "samples": len(samples),
+        "sample_every_s": SAMPLE_S,
+        "start_rss": start[1],
+        "start_pss": start[2],
+        "peak_rss": peak[1],
+        "peak_pss": max(s[2] for s in samples),
+        "growth_rss": peak[1] - start[1],
+        "late_growth_rss": end[1] - quarter[1],  # the last quarter-to-end of scoring: flat?
+        "main_start_rss": start[4],
+        "main_peak_rss": max(s[4] for s in samples),
+        "limit": GROWTH_LIMIT,
+        "within": peak[1] - start[1] <= GROWTH_LIMIT,
+        # A few points of the curve for the report: (s, MiB), at most 40.
+        "curve": [
+            (round(s[0], 1), round(s[1] / 2**20, 1)) for s in samples[:: max(1, len(samples) // 40)]
+        ],
+    }
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--count", type=int, help=f"JPEGs in the folder (default {FULL['count']:,})")
+    p.add_argument(
+        "--models",
+        help=f"comma-separated, the models the JPEGs are scored with, each by every "
+        f"contender: {', '.join(MODELS)} (default {FULL['models']})",
+    )
+    p.add_argument(
+        "--threads", type=int, help="client threads for the concurrent posting; 1: skip it"
+    )
+    p.add_argument("--check", type=int, help="files in the probabilities check (default 50)")
+    p.add_argument(
+        "--million",
+        type=int,
+        metavar="N",
+        help="the memory check: score N 28x28 PNGs with the small cnn, sampling RSS "
+        "(default 200,000: about 1 min, 0.8 GB of small files in the temp dir; 0: skip)",
+    )
+    p.add_argument(
+        "--sides",
+        default="200,640",
+        metavar="MIN,MAX",
+        help="px range of each side of the JPEGs (default 200,640; 2000,4000: phone photos)",
+    )
+    p.add_argument("--cost-seconds", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="seconds: 40 JPEGs, small cnn, 400 PNGs")
+    p.add_argument("--work", help="folder for the images, models and outputs (default: temp dir)")
+    p.add_argument("--out", help="JSON results (default reports/bench-predict.json)")
+    p.add_argument(
+        "--docs",
+        help="markdown file whose 'Bulk scoring' section is replaced (default "
+        "docs/benchmarks.md; not written with --quick unless given); '' to skip",
+    )
+    p.add_argument("--render", action="store_true", help="only rewrite the docs from --out")
+    p.add_argument("--build-model", nargs="+", metavar="KIND=PATH", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    base = QUICK if args.quick else FULL
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or not args.models:
+        p.error(f"--models: {', '.join(unknown) or 'none'}; choose from {', '.join(MODELS)}")
+    try:
+        low, high = (int(v) for v in args.sides.split(","))
+    except ValueError:
+        low = high = 0
+    if not 16 <= low <= high:
+        p.error("--sides: MIN,MAX px with 16 <= MIN <= MAX")
+    args.sides = (low, high)
+    if args.count < 10:
+        p.error("--count must be at least 10 (one per class folder)")
+    return args
+
+
+def machine() -> dict[str, Any]:
+    import onnxruntime as ort
+    from PIL import __version__ as pillow
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "cores_usable": usable,
+        "python": platform.python_version(),
+        "pillow": pillow,
+        "onnxruntime": ort.__version__,
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def measure_model(
+    entry: dict[str, Any], files: list[Path], photos: Path, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    """Every contender on the folder with one model, then the probabilities check."""
+    model = Path(entry["path"])
+    info = entry["info"]
+    card = model_card(model)
+    classes = list(card.classes)
+    check = check_files(len(files), args.check)
+    log(f"== {info['arch']} {info['input']} ({info['weights']})")
+
+    log(f"1. trainyard predict: python -m trainyard.bulk on {len(files):,} JPEGs")
+    run = run_predict(photos, tmp / f"{info['kind']}.parquet", model)
+    rows = {"predict": predict_row(run, len(files))}
+    r = rows["predict"]
+    log(
+        f"   {r['img_per_s']:8.1f} img/s ({r['seconds']:.1f} s scoring, {r['wall_s']:.1f} s "
+        f"wall: {r['wall_img_per_s']:.1f} img/s), batch {r['batch_size']}, {r['workers']} "
+        f"decode workers; {r['verdict']}"
+    )
+    log(f"4. the check files: python -m trainyard.bulk on {len(check)}, --top-k {len(classes)}")
+    checked = run_check(files, check, model, len(classes), tmp / info["kind"])
+
+    log("2. a plain loop: PIL open/convert/resize, ONNX Runtime at batch 1")
+    plain = plain_loop(files, model, card, set(check))
+    rows["plain loop"] = plain["row"]
+    log(f"   {plain['row']['img_per_s']:8.1f} img/s")
+    log("   what one image costs here, each part alone (in this process)")
+    cost = costs(files, model, card, args.cost_seconds)
+    log(
+        f"   decode: predict's {cost['decode_ms']:.2f} ms, the plain loop's PIL calls "
+        f"{cost['plain_decode_ms']:.2f} ms; ONNX Runtime batch 64: {cost['infer_b64_ms']:.2f} "
+        f"ms/img ({cost['infer_b64_1thread_ms']:.2f} on one thread), batch 1 (default "
+        f"options) {cost['infer_b1_default_ms']:.2f} ms; predict's ceiling on "
+        f"{cost['cores']} cores {cost['ceiling_img_per_s']:.0f} img/s"
+    )
+
+    service = service_rows(model, files, args.threads, check, len(classes), tmp)
+    rows["posting, sequential"] = service["sequential"]
+    if "threads" in service:
+        rows[f"posting, {args.threads} threads"] = service["threads"]
+    bulk = bulk_probabilities(checked["table"], classes)
+    agreement = compare(files, check, bulk, service["answers"], plain["probabilities"])
+    log(
+        f"4. probabilities, {agreement['files']} files: bulk table vs /classify max |diff| "
+        f"{agreement['max_abs_diff']:.2e} (limit {PROB_LIMIT:g}); top-1 agrees on "
+        f"{agreement['top1_agree']}, the plain loop's on {agreement['plain_loop_top1_agree']}"
+    )
+    return {
+        "model": info | {"reused": entry["reused"]},
+        "service_ready_s": service["ready_s"],
+        "rows": rows,
+        "ratios": ratios_of(rows),
+        "costs": cost,
+        "ceiling_ratios": {
+            name: cost["ceiling_img_per_s"] / row["img_per_s"]
+            for name, row in rows.items()
+            if name != "predict"
+        },
+        "check": agreement,
+    }
+
+
+def measure(args: argparse.Namespace, work: Path, tmp: Path) -> dict[str, Any]:
+    """Every part of the run; what the result records."""
+    kinds = list(dict.fromkeys(args.models + ([MILLION_MODEL] if args.million else [])))
+    models = ensure_models(work, kinds, MODULE, log)
+    dataset = ensure_photos(work, args.count, args.seed, log, args.sides)
+    photos = Path(dataset["folder"])
+    files = sorted(photos.rglob("*.jpg"))
+    if len(files) != args.count:
+        raise SystemExit(f"bench-predict: {len(files)} JPEGs in {photos}, expected {args.count}")
+    warm_cache(photos)
+    runs = [measure_model(models[kind], files, photos, args, tmp) for kind in args.models]
+
+    memory = None
+    if args.million:
+        tiny = ensure_tiny(work, args.million, args.seed, log)
+        warm_cache(Path(tiny["folder"]))
+        log(f"5. memory: python -m trainyard.bulk on {args.million:,} PNGs, RSS every {SAMPLE_S} s")
+        memory = memory_run(
+            Path(tiny["folder"]), args.million, Path(models[MILLION_MODEL]["path"]), tmp
+        )
+        memory["dataset"] = {k: v for k, v in tiny.items() if k != "folder"}
+        memory["model"] = models[MILLION_MODEL]["info"]
+        log(
+            f"   start {memory['start_rss'] / 2**20:,.0f} MiB, peak "
+            f"{memory['peak_rss'] / 2**20:,.0f} MiB (+{memory['growth_rss'] / 2**20:,.0f} MiB), "
+            f"{memory['img_per_s']:,.0f} img/s"
+        )
+    for run in runs:
+        run["targets"] = targets(run)
+    if memory:
+        memory["target"] = memory_target(memory)
+    return {
+        "dataset": {k: v for k, v in dataset.items() if k != "folder"},
+        "runs": runs,
+        "memory": memory,
+    }
+
+
+def commit() -> str:
+    proc = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    )
+    return proc.stdout.strip() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """``python -m benchmarks.bench_predict``: the run, its JSON and docs section; returns
+    the result (``--render``: only the docs section, from the JSON)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    out = Path(args.out or f"reports/bench-predict{'-quick' if args.quick else ''}.json")
+    docs = args.docs if args.docs is not None else ("" if args.quick else "docs/benchmarks.md")
+    if args.build_model:
+        from benchmarks.predict_inputs import build_model
+        from trainyard.core.config import load_params
+
+        opset = load_params(REPO / "params.yaml").export.opset
+        for spec in args.build_model:
+            kind, path = spec.split("=", 1)
+            print(json.dumps(build_model(kind, Path(path), opset)), flush=True)
+        return {}
+    if args.render:
+        result = json.loads(out.read_text())
+        if docs:
+            update_docs(Path(docs), DOCS_KEY, markdown(result))
+        print_summary(result)
+        return result  # type: ignore[no-any-return]
+    from trainyard.core.config import load_params
+
+    work = Path(args.work or Path(tempfile.gettempdir()) / "trainyard-bench-predict")
+    work.mkdir(parents=True, exist_ok=True)
+    hw = machine()
+    log(f"bench-predict: {hw['cpu']}, {hw['cores']} cores, load {hw['loadavg_start'][0]:.2f}")
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-predict-", dir=work) as tmp:
+        measured = measure(args, work, Path(tmp))
+    hw["loadavg_end"] = list(os.getloadavg())
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": f"python -m {MODULE} {' '.join(argv)}".strip(),
+        "commit": commit(),
+        "machine": hw,
+        "wall_s": round(time.perf_counter() - began, 1),
+        "work": str(work),
+        "service": {
+            "params": "params.yaml",
+            "workers": load_params(REPO / "params.yaml").serve.workers,
+        },
+        **measured,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"bench-predict: wrote {out}")
+    if docs:
+        update_docs(Path(docs), DOCS_KEY, markdown(result))
+        log(f"bench-predict: updated {docs}")
+    print_summary(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
