@@ -348,3 +348,45 @@ def test_phone_formats_and_urls_are_scored_like_files(model, tmp_path):
         assert by_url[f"{base}/{name}"]["top_probabilities"] == by_file[f"circle/{name}"]
     assert "HTTP 404" in by_url[f"{base}/gone.jpg"]["error"]
     assert urls["bad_files"] == 1 and urls["labels"]["accuracy"] is not None
+
+
+def test_a_worker_that_dies_is_an_error_that_says_how_to_continue(model, many, tmp_path):
+    """A decode worker killed mid-run (the OOM killer, an operator): one line naming it,
+    exit 1, the chunks kept; the rerun continues."""
+    out = tmp_path / "w.parquet"
+    args = [str(many), "--out", str(out), "--model", str(model), "--chunk-rows", "20"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainyard.bulk", *args, "--workers", "1"],
+        env=stage_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    parts = tmp_path / ".w.parquet.parts"
+    deadline = time.monotonic() + 120
+    while len(list(parts.glob("chunk-*.parquet"))) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    servers = children_of(proc.pid)  # the forkserver (and resource tracker)
+    workers = [pid for server in servers for pid in children_of(server)]
+    assert workers, "no decode worker found"
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert "a decode worker died" in err and "rerun the same command to continue" in err
+    assert "Traceback" not in err
+    rerun = run_cli(*args)
+    assert rerun.returncode == 0 and "continuing an interrupted run" in rerun.stderr
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found

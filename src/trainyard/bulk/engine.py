@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,7 +272,15 @@ def run(job: Job, progress_stream: Any = None) -> dict[str, Any]:
                 for c in todo:
                     lo = start + c * job.chunk_rows
                     hi = min(lo + job.chunk_rows, stop)
-                    store.write(c, _score_chunk(job, scorer, results, lo, hi, clock))
+                    try:
+                        table = _score_chunk(job, scorer, results, lo, hi, clock)
+                    except BrokenProcessPool:
+                        raise DataError(
+                            "a decode worker died (killed, or out of memory) while scoring rows "
+                            f"{lo:,}-{hi:,}; the chunks scored so far are kept: rerun the same "
+                            "command to continue"
+                        ) from None
+                    store.write(c, table)
                     bar.update(hi - lo)
     finally:
         if pool is not None:
