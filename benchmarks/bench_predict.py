@@ -236,10 +236,10 @@ def _rate(fn: Any, items: int, seconds: float) -> float:
 def costs(files: list[Path], model: Path, card: Any, seconds: float) -> dict[str, Any]:
     """What one image costs here, each part alone, in this process: the bulk decode
     (``decode_image`` with predict's limits) and the plain loop's PIL calls on up to 64
-    of the files; ONNX Runtime with predict's session at its batch (64) on one intra-op
-    thread and on one per core, and the plain loop's session at batch 1. ``ceiling``: the
-    img/s of predict if decode and inference shared the cores perfectly: cores / (decode
-    + inference on one core, per image)."""
+    of the files; ONNX Runtime at batch 64 on one intra-op thread and on one per core, at
+    batch 1 on one thread, and the plain loop's session at batch 1. ``ceiling``: the img/s
+    of predict if decode and inference shared the cores perfectly: cores / (decode + the
+    better of batch 1 and 64 on one thread, per image)."""
     import math
 
     import onnxruntime as ort
@@ -267,14 +267,16 @@ def costs(files: list[Path], model: Path, card: Any, seconds: float) -> dict[str
     for threads, key in ((1, "infer_b64_1thread_ms"), (0, "infer_b64_ms")):
         session = load_onnx(model, device="cpu", intra_op_threads=threads, say=False)
         out[key] = 1000 * _rate(lambda s=session: s.run(batch), len(batch), seconds)
+    single = load_onnx(model, device="cpu", intra_op_threads=1, say=False)
+    out["infer_b1_1thread_ms"] = 1000 * _rate(lambda: single.run(batch[:1]), 1, seconds)
+    # predict's workers run one thread each at the batch its probe finds fastest
+    out["infer_1thread_ms"] = min(out["infer_b1_1thread_ms"], out["infer_b64_1thread_ms"])
     plain = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     name, one = plain.get_inputs()[0].name, batch[:1]
     out["infer_b1_default_ms"] = 1000 * _rate(lambda: plain.run(None, {name: one}), 1, seconds)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     out["cores"] = cores
-    out["ceiling_img_per_s"] = (
-        1000 * (cores or 1) / (out["decode_ms"] + out["infer_b64_1thread_ms"])
-    )
+    out["ceiling_img_per_s"] = 1000 * (cores or 1) / (out["decode_ms"] + out["infer_1thread_ms"])
     return out
 
 

@@ -99,20 +99,34 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _where(p: dict[str, Any]) -> str:
+    """Where predict's time went: scored in its workers (a CPU), or batched in its process."""
+    if p.get("inference_share") is None:
+        return (
+            f"predict scored in its {p['workers']} decode workers, one ONNX Runtime thread "
+            f"each, {p['batch_size']} image(s) a call"
+        )
+    return (
+        f"predict waited on decode {p['decode_wait_share']:.0%} of its scoring time and ran "
+        f"ONNX Runtime {p['inference_share']:.0%}"
+    )
+
+
 def _costs(run: dict[str, Any]) -> str:
     k, p = run["costs"], run["rows"][PREDICT]
     ceil = ", ".join(f"{v:.2f}x {n}" for n, v in run["ceiling_ratios"].items())
     return (
-        f"{model_name(run['model'])}: predict waited on decode {p['decode_wait_share']:.0%} "
-        f"of its scoring time and ran ONNX Runtime {p['inference_share']:.0%} ({p['verdict']}). "
+        f"{model_name(run['model'])}: {_where(p)} ({p['verdict']}). "
         f"Each part alone (in the benchmark's process, on {k['files']} of the files): "
         f"predict's decode (`decode_image`: JPEG draft, box reduce) {k['decode_ms']:.2f} ms "
         f"per image, the plain loop's PIL calls {k['plain_decode_ms']:.2f} ms; ONNX Runtime "
-        f"with predict's session at batch 64 {k['infer_b64_1thread_ms']:.2f} ms per image on "
-        f"one intra-op thread ({k['infer_b64_ms']:.2f} ms with one per core), the plain "
+        f"on one intra-op thread {k.get('infer_b1_1thread_ms', float('nan')):.2f} ms per "
+        f"image at batch 1 and {k['infer_b64_1thread_ms']:.2f} ms at batch 64 "
+        f"({k['infer_b64_ms']:.2f} ms at batch 64 with one thread per core), the plain "
         f"loop's session at batch 1 {k['infer_b1_default_ms']:.2f} ms. Sharing the "
         f"{k['cores']} cores perfectly, predict would score {k['cores']} / "
-        f"({k['decode_ms']:.2f} + {k['infer_b64_1thread_ms']:.2f} ms) = "
+        f"({k['decode_ms']:.2f} + {k.get('infer_1thread_ms', k['infer_b64_1thread_ms']):.2f} "
+        "ms) = "
         f"**{k['ceiling_img_per_s']:,.0f} img/s** ({ceil}): the most any scorer of this "
         "model can gain here."
     )
