@@ -42,15 +42,12 @@ docs/benchmarks.md (``--quick``: reports/bench-predict-quick.json, docs only wit
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +55,12 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import update_docs
+from benchmarks.predict_contenders import (
+    memory_run,
+    predict_row,
+    run_predict,
+    service_rows,
+)
 from benchmarks.predict_inputs import (
     MODELS,
     REPO,
@@ -67,7 +70,6 @@ from benchmarks.predict_inputs import (
     warm_cache,
 )
 from benchmarks.predict_report import (
-    GROWTH_LIMIT,
     PROB_LIMIT,
     markdown,
     memory_target,
@@ -102,74 +104,6 @@ BOUNDARY = "trainyardbench"
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-# ----------------------------------------------------------------------------- 1. predict
-
-
-def summary_file(out: Path) -> Path:
-    return out.with_name(out.stem + ".summary.json")
-
-
-def clear_output(out: Path) -> None:
-    """Remove an earlier run's table, summary and chunks (a leftover job would resume)."""
-    out.unlink(missing_ok=True)
-    summary_file(out).unlink(missing_ok=True)
-    shutil.rmtree(out.parent / f".{out.name}.parts", ignore_errors=True)
-
-
-def predict_command(source: Path, out: Path, model: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "trainyard.bulk",
-        str(source),
-        "--out",
-        str(out),
-        "--model",
-        str(model),
-        *extra,
-    ]
-
-
-def run_predict(source: Path, out: Path, model: Path, *extra: str) -> dict[str, Any]:
-    """``python -m trainyard.bulk`` as a subprocess from the repository (its params.yaml);
-    its summary plus ``wall_s`` (the whole process) and its log."""
-    clear_output(out)
-    cmd = predict_command(source, out, model, *extra)
-    load = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"bench-predict: {' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-    summary = json.loads(summary_file(out).read_text())
-    return {
-        "summary": summary,
-        "wall_s": wall,
-        "loadavg": [load, os.getloadavg()[0]],
-        "log": proc.stderr.strip().splitlines()[-3:],
-    }
-
-
-def predict_row(run: dict[str, Any], count: int) -> dict[str, Any]:
-    s, speed = run["summary"], run["summary"]["speed"]
-    if s["scored"] != count:
-        raise SystemExit(f"bench-predict: predict scored {s['scored']} of {count} files")
-    return {
-        "images": s["scored"],
-        "img_per_s": speed["img_per_s"],
-        "seconds": speed["seconds"],
-        "wall_s": run["wall_s"],
-        "wall_img_per_s": s["scored"] / run["wall_s"],
-        "batch_size": speed["batch_size"],
-        "workers": speed["workers"],
-        "provider": speed["provider"],
-        "decode_wait_share": speed["decode_wait_share"],
-        "inference_share": speed["inference_share"],
-        "verdict": speed["verdict"],
-        "loadavg": run["loadavg"],
-    }
 
 
 # ----------------------------------------------------------------------------- 2. plain loop
@@ -280,112 +214,6 @@ def costs(files: list[Path], model: Path, card: Any, seconds: float) -> dict[str
     return out
 
 
-# ----------------------------------------------------------------------------- 3. service
-
-
-def multipart(data: bytes, filename: str, content_type: str) -> bytes:
-    head = (
-        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; '
-        f'filename="{filename}"\r\nContent-Type: {content_type}\r\n\r\n'
-    )
-    return head.encode() + data + f"\r\n--{BOUNDARY}--\r\n".encode()
-
-
-class Client:
-    """One keep-alive connection to the service, posting one file per request."""
-
-    def __init__(self, url: str) -> None:
-        host, port = url.removeprefix("http://").split(":")
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
-
-    def classify(self, path: Path, top_k: int | None = None) -> dict[str, Any]:
-        body = multipart(path.read_bytes(), path.name, "image/jpeg")
-        query = f"?top_k={top_k}" if top_k else ""
-        headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
-        self.conn.request("POST", f"/classify{query}", body, headers)
-        resp = self.conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise SystemExit(f"bench-predict: /classify {path}: {resp.status} {data[:300]!r}")
-        return json.loads(data)  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-def post_all(url: str, files: list[Path], threads: int) -> dict[str, Any]:
-    """Every file posted to /classify by ``threads`` clients (one connection each), each
-    taking the next file when its answer came back; the row."""
-    lock = threading.Lock()
-    nxt = iter(range(len(files)))
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        client = Client(url)
-        try:
-            while True:
-                with lock:
-                    i = next(nxt, None)
-                if i is None:
-                    return
-                client.classify(files[i])
-        except BaseException as err:  # SystemExit too: reported after the join
-            errors.append(err)
-        finally:
-            client.close()
-
-    load = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    if threads == 1:
-        worker()
-    else:
-        pool = [threading.Thread(target=worker) for _ in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-    dt = time.perf_counter() - t0
-    if errors:
-        raise SystemExit(f"bench-predict: posting failed: {errors[0]}")
-    return {
-        "images": len(files),
-        "seconds": dt,
-        "img_per_s": len(files) / dt,
-        "clients": threads,
-        "loadavg": [load, os.getloadavg()[0]],
-    }
-
-
-def service_rows(
-    model: Path, files: list[Path], threads: int, check: list[int], classes: int, tmp: Path
-) -> dict[str, Any]:
-    """Start the service as bench-serve does, warm it up, post every file sequentially and
-    from ``threads`` clients, then ask for the ``check`` files' full probabilities."""
-    from benchmarks.serve_load import start_server, stop_server
-
-    log("3. the service: bentoml serve (params.yaml as it is), TRAINYARD_MODEL = the model")
-    proc, url, ready_s = start_server(REPO / "params.yaml", model, tmp / f"serve-{model.stem}.log")
-    log(f"   ready in {ready_s:.1f} s at {url}")
-    out: dict[str, Any] = {"ready_s": ready_s}
-    try:
-        warm = files[: min(len(files), 16)]
-        post_all(url, warm, 1)
-        post_all(url, warm, max(threads, 1))
-        out["sequential"] = post_all(url, files, 1)
-        log(f"   posting, sequential:    {out['sequential']['img_per_s']:8.1f} img/s")
-        if threads > 1:
-            out["threads"] = post_all(url, files, threads)
-            log(f"   posting, {threads} threads:     {out['threads']['img_per_s']:8.1f} img/s")
-        client = Client(url)
-        try:
-            out["answers"] = {i: client.classify(files[i], top_k=classes) for i in check}
-        finally:
-            client.close()
-    finally:
-        stop_server(proc)
-    return out
-
-
 # ----------------------------------------------------------------------------- 4. check
 
 
@@ -451,100 +279,6 @@ def run_check(
     out = work / "check.parquet"
     run = run_predict(listing, out, model, "--top-k", str(classes))
     return {"table": out, "summary": run["summary"]}
-
-
-# ----------------------------------------------------------------------------- 5. memory
-
-
-def tree_memory(pid: int) -> tuple[int, int, int, int]:
-    """(RSS summed over the process tree, PSS summed, processes, RSS of ``pid`` itself)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0, 0, 0, 0
-    rss = pss = own = 0
-    for p in procs:
-        try:
-            r = p.memory_info().rss
-        except psutil.Error:
-            continue
-        rss += r
-        own = r if p.pid == pid else own
-        try:
-            for line in Path(f"/proc/{p.pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    pss += int(line.split()[1]) * 1024
-                    break
-        except (OSError, ValueError):
-            pss += r
-    return rss, pss, len(procs), own
-
-
-def memory_run(tiny: Path, count: int, model: Path, work: Path) -> dict[str, Any]:
-    """Score the tiny folder with ``python -m trainyard.bulk`` while sampling its tree."""
-    out = work / "million.parquet"
-    clear_output(out)
-    cmd = predict_command(tiny, out, model)
-    samples: list[tuple[float, int, int, int, int]] = []
-    t0 = time.perf_counter()
-    with open(work / "million.log", "wb") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
-        while proc.poll() is None:
-            rss, pss, n, own = tree_memory(proc.pid)
-            if n:
-                samples.append((time.perf_counter() - t0, rss, pss, n, own))
-            time.sleep(SAMPLE_S)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"bench-predict: {' '.join(cmd)} failed:\n{(work / 'million.log').read_text()[-3000:]}"
-        )
-    summary = json.loads(summary_file(out).read_text())
-    return memory_figures(samples, summary, wall, count)
-
-
-def memory_figures(
-    samples: list[tuple[float, int, int, int, int]],
-    summary: dict[str, Any],
-    wall: float,
-    count: int,
-) -> dict[str, Any]:
-    """Start, peak and growth of the tree's RSS. Scoring runs while the decode workers are
-    up: the window is the samples with the most processes; start = its first sample."""
-    if not samples:
-        raise SystemExit("bench-predict: no memory sample taken")
-    most = max(s[3] for s in samples)
-    window = [s for s in samples if s[3] == most]
-    start, peak = window[0], max(samples, key=lambda s: s[1])
-    quarter = window[len(window) // 4]
-    end = window[-1]
-    return {
-        "images": count,
-        "scored": summary["scored"],
-        "img_per_s": summary["speed"]["img_per_s"],
-        "seconds": summary["speed"]["seconds"],
-        "wall_s": wall,
-        "processes": most,
-        "samples": len(samples),
-        "sample_every_s": SAMPLE_S,
-        "start_rss": start[1],
-        "start_pss": start[2],
-        "peak_rss": peak[1],
-        "peak_pss": max(s[2] for s in samples),
-        "growth_rss": peak[1] - start[1],
-        "late_growth_rss": end[1] - quarter[1],  # the last quarter-to-end of scoring: flat?
-        "main_start_rss": start[4],
-        "main_peak_rss": max(s[4] for s in samples),
-        "limit": GROWTH_LIMIT,
-        "within": peak[1] - start[1] <= GROWTH_LIMIT,
-        # A few points of the curve for the report: (s, MiB), at most 40.
-        "curve": [
-            (round(s[0], 1), round(s[1] / 2**20, 1)) for s in samples[:: max(1, len(samples) // 40)]
-        ],
-    }
 
 
 # ----------------------------------------------------------------------------- the run

@@ -171,13 +171,14 @@ def _memory(m: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def markdown(result: dict[str, Any]) -> str:
-    """The "Bulk scoring" section of docs/benchmarks.md."""
+def _intro(result: dict[str, Any]) -> list[str]:
+    """The section's heading and what was measured: the machine, the folder, the models
+    and the contenders."""
     hw, ds, runs = result["machine"], result["dataset"], result["runs"]
     sources = ", ".join(Path(s["path"]).name for s in ds.get("sources", []))
     first = runs[0]["rows"][PREDICT]
     made = "reused" if ds.get("reused") else f"made in {ds['generation_s']:.0f} s"
-    lines = [
+    return [
         "## Bulk scoring: `trainyard predict` vs a plain loop vs posting to the service",
         "",
         f"`{result['command']}` on {result['date']} (commit {result['commit']}): "
@@ -220,6 +221,14 @@ def markdown(result: dict[str, Any]) -> str:
         "1-minute figure before -> after each contender (the contender's own processes count "
         "in it; more is other work on this shared machine, which slows whoever runs then).",
         "",
+    ]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The "Bulk scoring" section of docs/benchmarks.md."""
+    runs = result["runs"]
+    lines = [
+        *_intro(result),
         table(runs),
         "",
         "On predict's wall time instead of its scoring time: "
