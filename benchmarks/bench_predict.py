@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -54,8 +53,11 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.bench_prepare import hardware
 from benchmarks.common import update_docs
 from benchmarks.predict_contenders import (
+    SAMPLE_S,
+    log,
     memory_run,
     predict_row,
     run_predict,
@@ -77,7 +79,6 @@ from benchmarks.predict_report import (
     ratios_of,
     targets,
 )
-from trainyard.core.host import cpu_name
 
 MODULE = "benchmarks.bench_predict"
 DOCS_KEY = "predict"
@@ -98,14 +99,6 @@ QUICK = {
     "cost_seconds": 0.2,
 }
 MILLION_MODEL = "cnn-28"
-SAMPLE_S = 0.5
-BOUNDARY = "trainyardbench"
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 # ----------------------------------------------------------------------------- 2. plain loop
 
 
@@ -347,19 +340,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def machine() -> dict[str, Any]:
+    """bench-prepare's hardware line, with ONNX Runtime's version and the load average."""
     import onnxruntime as ort
-    from PIL import __version__ as pillow
 
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
-        "cores_usable": usable,
-        "python": platform.python_version(),
-        "pillow": pillow,
-        "onnxruntime": ort.__version__,
-        "loadavg_start": list(os.getloadavg()),
-    }
+    hw = hardware()
+    hw.pop("numpy", None)
+    return hw | {"onnxruntime": ort.__version__, "loadavg_start": list(os.getloadavg())}
 
 
 def measure_model(

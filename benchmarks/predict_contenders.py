@@ -17,6 +17,7 @@ from typing import Any
 
 from benchmarks.predict_inputs import REPO
 from benchmarks.predict_report import GROWTH_LIMIT
+from trainyard.bulk.table import summary_path
 
 MODULE = "benchmarks.bench_predict"
 SAMPLE_S = 0.5
@@ -30,14 +31,10 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------- 1. predict
 
 
-def summary_file(out: Path) -> Path:
-    return out.with_name(out.stem + ".summary.json")
-
-
 def clear_output(out: Path) -> None:
     """Remove an earlier run's table, summary and chunks (a leftover job would resume)."""
     out.unlink(missing_ok=True)
-    summary_file(out).unlink(missing_ok=True)
+    summary_path(out).unlink(missing_ok=True)
     shutil.rmtree(out.parent / f".{out.name}.parts", ignore_errors=True)
 
 
@@ -66,7 +63,7 @@ def run_predict(source: Path, out: Path, model: Path, *extra: str) -> dict[str, 
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"bench-predict: {' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-    summary = json.loads(summary_file(out).read_text())
+    summary = json.loads(summary_path(out).read_text())
     return {
         "summary": summary,
         "wall_s": wall,
@@ -250,7 +247,7 @@ def memory_run(tiny: Path, count: int, model: Path, work: Path) -> dict[str, Any
         raise SystemExit(
             f"bench-predict: {' '.join(cmd)} failed:\n{(work / 'million.log').read_text()[-3000:]}"
         )
-    summary = json.loads(summary_file(out).read_text())
+    summary = json.loads(summary_path(out).read_text())
     return memory_figures(samples, summary, wall, count)
 
 
