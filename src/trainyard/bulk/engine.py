@@ -71,6 +71,12 @@ class Job:
         """This shard's rows [start, stop) of the source."""
         return shard_range(len(self.inputs), *self.shard)
 
+    def chunk(self, c: int) -> tuple[int, int]:
+        """Rows [lo, hi) of the source in this shard's chunk ``c``."""
+        start, stop = self.rows
+        lo = start + c * self.chunk_rows
+        return lo, min(lo + self.chunk_rows, stop)
+
     def identity(self) -> dict[str, Any]:
         """What must be equal for a rerun to continue an earlier run's chunks."""
         start, stop = self.rows
@@ -170,9 +176,8 @@ class _Scorer:
 
 
 def _tasks(job: Job, chunks: list[int]) -> Iterator[tuple[list[str], list[str | None]]]:
-    start, stop = job.rows
     for c in chunks:
-        lo, hi = start + c * job.chunk_rows, min(start + (c + 1) * job.chunk_rows, stop)
+        lo, hi = job.chunk(c)
         for a in range(lo, hi, TASK_IMAGES):
             b = min(a + TASK_IMAGES, hi)
             yield (
@@ -253,7 +258,7 @@ def run(job: Job, progress_stream: Any = None) -> dict[str, Any]:
     store = ChunkStore(job.out, job.identity())
     done = store.open()
     todo = [c for c in range(count) if c not in done]
-    resumed = sum(min(job.chunk_rows, stop - start - c * job.chunk_rows) for c in done)
+    resumed = sum(hi - lo for lo, hi in map(job.chunk, done))
     if done:
         log.info(
             "continuing an interrupted run: %d of %d chunk(s) already scored", len(done), count
@@ -270,8 +275,7 @@ def run(job: Job, progress_stream: Any = None) -> dict[str, Any]:
                 if sampler is not None:
                     sampler.window(True)
                 for c in todo:
-                    lo = start + c * job.chunk_rows
-                    hi = min(lo + job.chunk_rows, stop)
+                    lo, hi = job.chunk(c)
                     try:
                         table = _score_chunk(job, scorer, results, lo, hi, clock)
                     except BrokenProcessPool:
@@ -288,7 +292,7 @@ def run(job: Job, progress_stream: Any = None) -> dict[str, Any]:
         gpu = sampler.close() if sampler is not None else None
     elapsed = time.perf_counter() - t0
     store.finish(count, job.fmt)
-    summary = _summary(job, store, count, elapsed, stop - start - resumed, clock, scorer, gpu)
+    summary = _summary(job, elapsed, stop - start - resumed, clock, scorer, gpu)
     summary["resumed_rows"] = resumed
     atomic_write_json(summary_path(job.out), summary)
     return summary
@@ -296,8 +300,6 @@ def run(job: Job, progress_stream: Any = None) -> dict[str, Any]:
 
 def _summary(
     job: Job,
-    store: ChunkStore,
-    count: int,
     elapsed: float,
     scored_now: int,
     clock: dict[str, float],
