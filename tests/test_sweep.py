@@ -21,14 +21,55 @@ pytestmark = pytest.mark.slow
 LRS = ("0.002", "0.004")
 
 
-def wait_for_queue(repo: Path, timeout: float = 900) -> str:
-    """Poll ``dvc queue status`` until nothing is queued or running; its last output."""
+def start_queue(repo: Path, jobs: int, log: Path) -> None:
+    """``dvc queue start -j N`` as a user types it: it returns at once. Its workers keep the
+    stdio they inherit (dvc-task forks them), so with captured pipes ``communicate`` would
+    wait for the whole sweep; they write to ``log`` instead."""
+    with log.open("a") as out:
+        proc = subprocess.run(
+            ["dvc", "queue", "start", "-j", str(jobs)],
+            cwd=repo,
+            env=stage_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=120,
+        )
+    assert proc.returncode == 0, log.read_text()
+
+
+def queue_report(repo: Path, status: str, log: Path) -> str:
+    """What a user would look at when a queue stalls: the status, each task's log and the
+    workers' output."""
+    parts = [status, f"--- {log.name}", log.read_text()]
+    for line in status.splitlines():
+        words = line.split()
+        if words and words[-1] in ("Running", "Queued", "Failed"):
+            logs = dvc(repo, "queue", "logs", words[0], check=False)
+            parts += [f"--- dvc queue logs {words[0]}", logs.stdout[-3000:], logs.stderr[-1000:]]
+    return "\n".join(parts)
+
+
+def wait_for_queue(repo: Path, jobs: int, log: Path, timeout: float = 900) -> str:
+    """Poll ``dvc queue status`` until nothing is queued or running; its last output.
+
+    A task left queued with no worker alive (DVC's own bug, treeverse/dvc#10562: a worker
+    may stop with tasks left) gets what DVC's docs tell a user to do, one more
+    ``dvc queue start``; the test still needs every task to succeed."""
     deadline = time.monotonic() + timeout
+    restarted = False
     while True:
         status = dvc(repo, "queue", "status").stdout
         if not any(word in status for word in ("Queued", "Running")):
             return status
-        assert time.monotonic() < deadline, f"the queue did not finish:\n{status}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the queue did not finish:\n{queue_report(repo, status, log)}")
+        stalled = "Running" not in status and "0 active, 0 idle" in status
+        if stalled and not restarted:
+            time.sleep(15)  # a worker between two tasks also shows this for a moment
+            if "0 active, 0 idle" in dvc(repo, "queue", "status").stdout:
+                start_queue(repo, jobs, log)
+                restarted = True
         time.sleep(3)
 
 
@@ -47,8 +88,9 @@ def swept(tmp_path_factory) -> dict:
     subprocess.run(["git", "commit", "-qam", "sweep params"], cwd=repo, check=True, env=stage_env())
     dvc(repo, "exp", "run", "--queue", "-S", f"train.lr={','.join(LRS)}", **env)
     t0 = time.monotonic()
-    dvc(repo, "queue", "start", "-j", "2")
-    status = wait_for_queue(repo)
+    log = repo.parent / "queue-start.log"
+    start_queue(repo, 2, log)
+    status = wait_for_queue(repo, 2, log)
     shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
     exps = {
         exp["name"]: rev["data"]
