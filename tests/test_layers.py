@@ -37,7 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     "training": {"core", "data", "model", "track"},
     "export": {"core", "data", "model", "runtime"},
     "evaluation": {"core", "data", "runtime"},
-    "serve": {"core", "runtime"},
+    "watch": {"core"},
+    "serve": {"core", "runtime", "watch"},
     "bulk": {"core", "data", "runtime"},
     "stages": {
         "core",
@@ -49,6 +50,7 @@ ALLOWED: dict[str, set[str]] = {
         "export",
         "evaluation",
         "bulk",
+        "watch",
     },
     "doctor": {
         "core",
@@ -61,6 +63,7 @@ ALLOWED: dict[str, set[str]] = {
         "evaluation",
         "serve",
         "bulk",
+        "watch",
     },
     "experiments": {
         "core",
@@ -95,6 +98,8 @@ FORBIDDEN: dict[str, set[str]] = {
     "runtime": HEAVY | {"bentoml", "starlette"},
     "serve": HEAVY,
     "bulk": HEAVY | {"bentoml", "starlette"},
+    # matplotlib only in watch/plots.py (the drift report), which the service never imports.
+    "watch": (HEAVY - {"matplotlib"}) | {"onnxruntime", "bentoml", "starlette"},
     "data": {"mlflow", "dvc", "onnx", "onnxruntime", "bentoml"},
     "model": {"mlflow", "dvc", "onnxruntime", "bentoml"},
 }
@@ -107,7 +112,7 @@ HOMES = {
     "optuna_integration": "experiments/study.py",
 }
 # serving/ (the bento's entry) may import these layers; trainyard.track only as a probe.
-SERVING_LAYERS = {"core", "runtime", "serve"}
+SERVING_LAYERS = {"core", "runtime", "serve", "watch"}
 
 
 def layer_of(path: Path, package: Path = PACKAGE) -> str | None:
@@ -397,9 +402,13 @@ CAUGHT = [
     (
         "serving/service.py",
         "from trainyard.training import fit\n",
-        "trainyard.core/runtime/serve only",
+        "trainyard.core/runtime/serve/watch only",
     ),
-    ("serving/service.py", "from trainyard import presets\n", "trainyard.core/runtime/serve only"),
+    (
+        "serving/service.py",
+        "from trainyard import presets\n",
+        "trainyard.core/runtime/serve/watch only",
+    ),
     ("serving/service.py", "from trainyard.track.registry import f\n", "ImportError probe"),
     (
         "serving/service.py",

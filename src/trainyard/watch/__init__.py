@@ -1,0 +1,1 @@
+"""Watching a served model: the prediction log, the model's reference, drift."""

@@ -1,0 +1,239 @@
+"""The prediction log: one row per answered request, in rotating Parquet files.
+
+The service hands each answer's row to ``PredictionLog.offer`` on the request's own path;
+that only puts it on a bounded queue (never waits: a full queue drops the row and says
+so), and one writer thread per process turns the queue into Parquet files. A file is
+written whole under a temporary name and renamed, so a reader (``read_log``, ``trainyard
+drift``) never sees half a file, and the folder is kept under ``max_bytes`` by deleting
+the oldest files. Each worker process writes its own files (its pid in the name).
+
+The columns that drift reads (``label``, ``probability``, ``embedding``) are named as in
+a ``trainyard predict`` table, so one reader serves both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
+
+PATTERN = "predictions-*.parquet"
+
+# One row per request. Every shadow_* column is null when no shadow model runs; embedding
+# is null for a model exported without its embedding output; image only with log_images.
+SCHEMA = pa.schema(
+    [
+        ("time", pa.timestamp("us", tz="UTC")),
+        ("route", pa.string()),
+        ("model_version", pa.string()),  # the first 12 hex digits of the model's sha256
+        ("registry_version", pa.string()),  # "NAME/N", or "local"
+        ("label", pa.string()),  # top-1
+        ("class_id", pa.int32()),
+        ("probability", pa.float32()),  # top-1's
+        ("top_k_labels", pa.list_(pa.string())),
+        ("top_k_probs", pa.list_(pa.float32())),
+        ("width", pa.int32()),  # the uploaded image, before any resize
+        ("height", pa.int32()),
+        ("format", pa.string()),  # PNG, JPEG, ... (null for pixel arrays)
+        ("latency_ms", pa.float32()),  # decode + inference of the answering model
+        ("embedding", pa.list_(pa.float32())),
+        ("shadow_model_version", pa.string()),
+        ("shadow_registry_version", pa.string()),
+        ("shadow_label", pa.string()),
+        ("shadow_probability", pa.float32()),
+        ("shadow_latency_ms", pa.float32()),
+        ("image", pa.binary()),
+    ]
+)
+COLUMNS = tuple(SCHEMA.names)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class LogCounts:
+    """What this process's log did: rows written to files, rows dropped (queue full or a
+    failed write), files written, files deleted to stay under the disk bound."""
+
+    written: int = 0
+    dropped: int = 0
+    files: int = 0
+    deleted: int = 0
+    last_error: str = ""
+
+
+@dataclass
+class PredictionLog:
+    """A bounded queue and its writer thread (started by ``start``, stopped by ``close``).
+
+    ``rotate_rows`` / ``rotate_s``: a file is written when this many rows are waiting, or
+    this long after the first of them; ``max_bytes``: the folder's bound (oldest files
+    deleted first); ``queue_rows``: rows that may wait before ``offer`` drops.
+    """
+
+    folder: Path
+    rotate_rows: int = 5000
+    rotate_s: float = 60.0
+    max_bytes: int = 1 << 30
+    queue_rows: int = 10000
+    counts: LogCounts = field(default_factory=LogCounts)
+
+    def __post_init__(self) -> None:
+        self.folder = Path(self.folder)
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(self.queue_rows)
+        self._thread: threading.Thread | None = None
+        self._seq = 0
+
+    def start(self) -> PredictionLog:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name="prediction-log", daemon=True)
+        self._thread.start()
+        return self
+
+    def offer(self, row: Mapping[str, Any]) -> bool:
+        """Queue one row for writing; False (and counted) when the queue is full."""
+        try:
+            self._queue.put_nowait(dict(row))
+        except queue.Full:
+            self.counts.dropped += 1
+            return False
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued, then stop the thread."""
+        if self._thread is None:
+            return
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:  # the writer is stuck: what is queued is lost, and counted
+            self.counts.dropped += self._queue.qsize()
+            return
+        self._thread.join(timeout)
+        self._thread = None
+
+    # ------------------------------------------------------------------ the writer thread
+
+    def _run(self) -> None:
+        rows: list[dict[str, Any]] = []
+        first = 0.0
+        while True:
+            wait = self.rotate_s - (time.monotonic() - first) if rows else None
+            try:
+                row = self._queue.get(timeout=max(wait, 0.0) if wait is not None else None)
+            except queue.Empty:
+                row = {}  # the file's time is up
+            if row is None:  # close(): write what is left, stop
+                self._flush(rows)
+                return
+            if row:
+                if not rows:
+                    first = time.monotonic()
+                rows.append(row)
+            due = rows and (
+                len(rows) >= self.rotate_rows or time.monotonic() - first >= self.rotate_s
+            )
+            if due:
+                self._flush(rows)
+                rows = []
+
+    def _flush(self, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        self._seq += 1
+        stamp = utc_now().strftime("%Y%m%dT%H%M%S%f")
+        path = self.folder / f"predictions-{stamp}-{os.getpid()}-{self._seq:06d}.parquet"
+        tmp = path.with_name("." + path.name + ".tmp")
+        try:
+            pq.write_table(rows_table(rows), tmp, compression="zstd")
+            os.replace(tmp, path)
+        except (OSError, pa.ArrowException) as err:  # a full disk: the rows are dropped, counted
+            tmp.unlink(missing_ok=True)
+            self.counts.dropped += len(rows)
+            self.counts.last_error = f"{type(err).__name__}: {err}"
+            log.warning(
+                "prediction log: %d rows dropped, cannot write %s: %s", len(rows), path, err
+            )
+            return
+        self.counts.written += len(rows)
+        self.counts.files += 1
+        self.counts.deleted += keep_under(self.folder, self.max_bytes)
+
+
+def rows_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Rows (dicts with any subset of the schema's columns) -> a table of the full schema."""
+    return pa.Table.from_pydict(
+        {name: [row.get(name) for row in rows] for name in COLUMNS}, schema=SCHEMA
+    )
+
+
+def log_files(folder: Path) -> list[Path]:
+    """The log's complete files, oldest first (their names start with the UTC time)."""
+    return sorted(Path(folder).glob(PATTERN))
+
+
+def keep_under(folder: Path, max_bytes: int) -> int:
+    """Delete the oldest log files until the folder's files total at most ``max_bytes``
+    (the newest file always stays); the number deleted."""
+    files = log_files(folder)
+    sizes = []
+    for path in files:
+        try:
+            sizes.append(path.stat().st_size)
+        except FileNotFoundError:  # another worker's cleanup took it
+            sizes.append(0)
+    total, deleted = sum(sizes), 0
+    for path, size in zip(files[:-1], sizes[:-1], strict=True):
+        if total <= max_bytes:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
+        deleted += 1
+    return deleted
+
+
+def read_log(
+    folder: Path, since: datetime | None = None, until: datetime | None = None
+) -> pa.Table:
+    """Every row of the log in ``folder`` (all processes' files), optionally only those
+    with ``since <= time < until``, in time order."""
+    files = log_files(folder)
+    if not files:
+        return SCHEMA.empty_table()
+    tables = []
+    for path in files:
+        try:
+            tables.append(pq.read_table(path, schema=SCHEMA))
+        except FileNotFoundError:  # deleted by the disk bound while we listed
+            continue
+    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+    if since is not None or until is not None:
+        times = table.column("time").to_numpy(zero_copy_only=False)
+        keep = times == times  # all True, NaT excluded below
+        if since is not None:
+            keep &= times >= _np_time(since)
+        if until is not None:
+            keep &= times < _np_time(until)
+        table = table.filter(pa.array(keep))
+    return table.sort_by("time")
+
+
+def _np_time(t: datetime) -> Any:
+    import numpy as np
+
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return np.datetime64(t.astimezone(UTC).replace(tzinfo=None), "us")
