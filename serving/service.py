@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,16 @@ from trainyard.serve.api import (
 from trainyard.serve.app import build_app
 from trainyard.serve.guard import INTERNAL_HEADER, RequestGuard
 from trainyard.serve.lifecycle import freeze_heap, stop_listening_on_sigterm
+from trainyard.serve.observe import build_observer
 from trainyard.serve.parsing import Refused, overloaded
 from trainyard.serve.predictor import Predictor
 from trainyard.serve.settings import (
+    log_folder,
     model_provenance,
     read_settings,
     registry_unavailable,
     resolve_model,
+    resolve_shadow,
     trace_headers,
     verify_model,
 )
@@ -79,6 +83,12 @@ MODEL_PATH, _SOURCE = resolve_model(SETTINGS, fetch_registered)
 MODEL_SHA256 = verify_model(MODEL_PATH)
 choose_providers(PARAMS.device)
 PROVENANCE = model_provenance(MODEL_PATH, _SOURCE)
+# The challenger scoring the same requests off the answer path (serve.shadow), checked here
+# like the served model; and where the prediction log goes (serve.log_predictions).
+SHADOW = resolve_shadow(SETTINGS, fetch_registered)
+if SHADOW is not None:
+    verify_model(SHADOW[0])
+LOG_DIR = log_folder(SETTINGS)
 # The batchable method answers only this process's own client (the guard 404s the rest).
 INTERNAL_ROUTE, INTERNAL_TOKEN = "/probabilities", secrets.token_urlsafe(24)
 PAGES = build_app()  # GET /metadata, /ui, /docs, / and the JSON 404 (trainyard.serve.app)
@@ -104,8 +114,15 @@ class ImageClassifier:
 
     def __init__(self) -> None:
         self.predictor = Predictor.load(MODEL_PATH, PARAMS, PROVENANCE)
+        self.predictor.observer = build_observer(PARAMS, self.predictor.card, LOG_DIR, SHADOW)
         freeze_heap()  # after the model: what start-up built stays for the process's life
         log.info("%s", self.predictor.startup_message(SETTINGS.params_file))
+
+    @bentoml.on_shutdown
+    def close_observer(self) -> None:
+        """The shadow's queue scored and the prediction log's last rows written."""
+        if self.predictor.observer is not None:
+            self.predictor.observer.close()
 
     @bentoml.on_startup
     def warm_up(self) -> None:
@@ -133,9 +150,21 @@ class ImageClassifier:
             ask = await read_classify(ctx.request, self.predictor.card, PARAMS)
             if not PARAMS.batching:
                 return answer(await self.predictor.classify(ask.image, ask.top_k, ask.invert))
-            pixels = await self.predictor.decode_one(ask.image, ask.invert)
+            start, info = time.perf_counter(), {}
+            pixels = await self.predictor.decode_one(ask.image, ask.invert, info)
             probs = await self._batched(pixels.tobytes())
-            return answer(self.predictor.prediction(probs, ask.top_k))
+            prediction = self.predictor.prediction(probs, ask.top_k)
+            # The batchable method returns probabilities only: no embedding in the log.
+            self.predictor.observe(
+                "/classify",
+                prediction,
+                start,
+                info,
+                pixels=pixels,
+                image=ask.image,
+                invert=ask.invert,
+            )
+            return answer(prediction)
         except Refused as err:
             return err.answer(ctx)
 

@@ -263,6 +263,19 @@ class ServeParams(_Strict):
     max_header_bytes: int = Field(16_384, ge=1024, le=1024**2)
     header_timeout_s: float = Field(10.0, gt=0, le=3600)
     body_timeout_s: float = Field(8.0, gt=0, le=3600)
+    # Watching the served model (docs/monitoring.md): the prediction log and the shadow.
+    log_predictions: bool = False
+    log_dir: str = Field("logs/predictions", min_length=1)  # relative: to the params file
+    log_images: bool = False
+    log_image_max_bytes: int = Field(262_144, ge=0, le=64 * 1024**2)
+    log_max_bytes: int = Field(1024**3, ge=1024**2, le=1024**5)
+    log_rotate_rows: int = Field(5000, ge=1, le=10_000_000)
+    log_rotate_s: float = Field(60.0, gt=0, le=86_400)
+    log_queue_rows: int = Field(10_000, ge=1, le=10_000_000)
+    shadow: str | None = Field(None, min_length=1)  # an alias, models:/ URI or .onnx path
+    shadow_share: float = Field(1.0, gt=0, le=1)
+    shadow_queue: int = Field(256, ge=1, le=1_000_000)
+    reload_s: float = Field(10.0, ge=0, le=86_400)  # models:/NAME@ALIAS re-read; 0: never
 
     @model_validator(mode="after")
     def _body_timeout_first(self) -> ServeParams:

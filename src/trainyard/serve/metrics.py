@@ -23,6 +23,10 @@ class Metrics:
     refused: Any
     image_pixels: Any
     batch_size: Any
+    model_latency: Any
+    log_rows: Any
+    shadow_predictions: Any
+    shadow_skipped: Any
 
 
 @functools.cache
@@ -55,6 +59,26 @@ def metrics() -> Metrics:
             name="trainyard_batch_size",
             documentation="Images per ONNX Runtime run (adaptive batches and /classify_batch)",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
+        ),
+        model_latency=bentoml.metrics.Histogram(
+            name="trainyard_model_seconds",
+            documentation="Decode + inference per image; role: answer (served model) or shadow",
+            labelnames=["role"],
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+        ),
+        log_rows=bentoml.metrics.Counter(
+            name="trainyard_prediction_log_rows",
+            documentation="Prediction log rows, by outcome: written, or dropped (writer behind)",
+            labelnames=["outcome"],
+        ),
+        shadow_predictions=bentoml.metrics.Counter(
+            name="trainyard_shadow_predictions",
+            documentation="Requests the shadow scored, by agreement of its top-1 with the answer",
+            labelnames=["agreement"],
+        ),
+        shadow_skipped=bentoml.metrics.Counter(
+            name="trainyard_shadow_skipped",
+            documentation="Requests the shadow skipped because its queue was full",
         ),
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from trainyard.runtime.inputs import (
 )
 from trainyard.runtime.sessions import OnnxModel
 from trainyard.serve.metrics import metrics
+from trainyard.serve.observe import Observer, Seen
 from trainyard.serve.parsing import BATCH_USAGE, CLASSIFY_USAGE, Refused
 from trainyard.serve.settings import load_model
 
@@ -57,6 +59,10 @@ class Predictor:
         self.version = sha256[:12]
         self.metrics = metrics()  # created here, in the worker, not at import
         self._limiter: anyio.CapacityLimiter | None = None  # made on this worker's loop
+        # The prediction log and the shadow (serve.observe); None: neither is on.
+        self.observer: Observer | None = None
+        name, number = provenance.get("registry_model"), provenance.get("registry_version")
+        self.registry_version = f"{name}/{number}" if name and number else "local"
 
     @classmethod
     def load(cls, path: Path, params: ServeParams, provenance: dict[str, str]) -> Predictor:
@@ -75,6 +81,7 @@ class Predictor:
             f"{' with IO binding' if self.model.io_binding else ''}; params {params_file}; "
             f"{p.model_threads()} ONNX Runtime thread(s), {p.concurrent_inferences()} "
             f"inference(s) at once; batching {batching}"
+            + (f"; {self.observer.describe()}" if self.observer is not None else "")
         )
 
     def warm_up(self) -> None:
@@ -99,13 +106,42 @@ class Predictor:
 
     def probabilities(self, pixels: np.ndarray) -> np.ndarray:
         """Pixels 0–255 [N,C,H,W] -> softmax probabilities [N,classes] (float32)."""
+        return self.scores(pixels)[0]
+
+    def scores(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Pixels 0–255 [N,C,H,W] -> (probabilities [N,classes], the embeddings [N,D] when
+        the prediction log keeps them and the model has them, else None)."""
         if pixels.ndim != 4 or pixels.shape[1:] != self.card.input_shape:
             raise ValueError(
                 f"pixels must be [N,{','.join(map(str, self.card.input_shape))}], "
                 f"got {list(pixels.shape)}"
             )
         self.metrics.batch_size.observe(pixels.shape[0])
-        return softmax(self.model.run(model_input(pixels, self.card)))
+        x = model_input(pixels, self.card)
+        if (
+            self.observer is not None
+            and self.observer.log is not None
+            and getattr(self.model, "has_embedding", False)
+        ):
+            logits, embedding = self.model.run_with_embedding(x)
+            return softmax(logits), embedding
+        return softmax(self.model.run(x)), None
+
+    def observe(
+        self,
+        route: str,
+        answer: dict[str, Any],
+        start: float,
+        info: dict[str, Any],
+        **seen: Any,
+    ) -> None:
+        """Hand an answered image to the observer (when on): queued, never waited for."""
+        if self.observer is None:
+            return
+        latency_ms = (time.perf_counter() - start) * 1e3
+        if not self.observer.keeps_images:
+            seen.pop("image", None)
+        self.observer.seen(Seen(route, answer, self.registry_version, latency_ms, info, **seen))
 
     def prediction(self, probs: np.ndarray | Sequence[float], top_k: int) -> dict[str, Any]:
         """The answer for one image: top-1 label, every probability, the top ``top_k``."""
@@ -126,9 +162,12 @@ class Predictor:
             "model_version": self.version,
         }
 
-    def decode(self, data: bytes, field: str, invert: bool) -> np.ndarray:
-        """Image bytes -> uint8 [C,H,W] by the card (the function prepare used)."""
-        info: dict[str, Any] = {}
+    def decode(
+        self, data: bytes, field: str, invert: bool, info: dict[str, Any] | None = None
+    ) -> np.ndarray:
+        """Image bytes -> uint8 [C,H,W] by the card (the function prepare used); ``info``
+        receives the upload's format, width and height."""
+        info = {} if info is None else info
         try:
             return decode_image(
                 data,
@@ -154,12 +193,27 @@ class Predictor:
         return await self.in_thread(self._classify_now, image, top_k, invert)
 
     def _classify_now(self, image: bytes, top_k: int, invert: bool) -> dict[str, Any]:
-        pixels = self.decode(image, "image", invert)
-        return self.prediction(self.probabilities(pixels[None].astype(np.float32))[0], top_k)
+        start, info = time.perf_counter(), {}
+        pixels = self.decode(image, "image", invert, info)
+        probs, embedding = self.scores(pixels[None].astype(np.float32))
+        answer = self.prediction(probs[0], top_k)
+        self.observe(
+            "/classify",
+            answer,
+            start,
+            info,
+            embedding=None if embedding is None else embedding[0],
+            pixels=pixels,
+            image=image,
+            invert=invert,
+        )
+        return answer
 
-    async def decode_one(self, image: bytes, invert: bool) -> np.ndarray:
+    async def decode_one(
+        self, image: bytes, invert: bool, info: dict[str, Any] | None = None
+    ) -> np.ndarray:
         """One image -> uint8 [C,H,W], on a worker thread (for the adaptive batcher)."""
-        return await self.in_thread(self.decode, image, "image", invert)  # type: ignore[no-any-return]
+        return await self.in_thread(self.decode, image, "image", invert, info)  # type: ignore[no-any-return]
 
     def probabilities_of_raw(self, raw: Sequence[bytes]) -> np.ndarray:
         """Decoded images as raw uint8 bytes (``decode_one(...).tobytes()``) -> probabilities
@@ -172,18 +226,34 @@ class Predictor:
         self, images: Sequence[bytes] | np.ndarray, top_k: int, invert: bool
     ) -> list[dict[str, Any]]:
         """Encoded images (decoded here, by the card) or pixels [N,C,H,W] -> one answer each."""
+        start = time.perf_counter()
+        infos: list[dict[str, Any]] = [{} for _ in images]
         if isinstance(images, np.ndarray):
             pixels = images
         else:
-            pixels = await self.in_thread(self._decode_all, images, invert)
-        probs = await self.in_thread(self.probabilities, pixels)
-        return [self.prediction(row, top_k) for row in probs]
+            pixels = await self.in_thread(self._decode_all, images, invert, infos)
+        probs, embeddings = await self.in_thread(self.scores, pixels)
+        answers = [self.prediction(row, top_k) for row in probs]
+        for i, answer in enumerate(answers if self.observer is not None else ()):
+            self.observe(
+                "/classify_batch",
+                answer,
+                start,
+                infos[i],
+                embedding=None if embeddings is None else embeddings[i],
+                pixels=pixels[i].astype(np.uint8),
+                image=None if isinstance(images, np.ndarray) else images[i],
+                invert=invert,
+            )
+        return answers
 
-    def _decode_all(self, files: Sequence[bytes], invert: bool) -> np.ndarray:
+    def _decode_all(
+        self, files: Sequence[bytes], invert: bool, infos: list[dict[str, Any]]
+    ) -> np.ndarray:
         c, h, w = self.card.input_shape
         out = np.empty((len(files), c, h, w), dtype=np.float32)
         for i, data in enumerate(files):
-            out[i] = self.decode(data, f"images[{i}]", invert)
+            out[i] = self.decode(data, f"images[{i}]", invert, infos[i])
         return out
 
     def describe(self) -> dict[str, Any]:

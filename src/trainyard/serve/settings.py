@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnxruntime as ort
@@ -24,6 +24,7 @@ from trainyard.runtime.sessions import OnnxModel
 __all__ = ["ORT_LOAD_ERRORS", "verify_model"]  # also read from here by the service
 
 PARAMS_ENV, MODEL_ENV, API_KEY_ENV = "TRAINYARD_PARAMS", "TRAINYARD_MODEL", "TRAINYARD_API_KEY"
+SHADOW_ENV = "TRAINYARD_SHADOW"
 CACHE_ENV = "TRAINYARD_MODEL_CACHE"
 REGISTRY_SCHEME = "models:/"
 
@@ -85,6 +86,42 @@ def resolve_model(
     if not model.is_absolute():
         model = settings.params_file.parent / model
     return model, {"model_source": str(model)}
+
+
+def shadow_source(settings: Settings, environ: Mapping[str, str] | None = None) -> str | None:
+    """$TRAINYARD_SHADOW or serve.shadow as a model source: a models:/ URI or a path as
+    written; a bare alias (``challenger``) names an alias of serve.model's registry model."""
+    env = os.environ if environ is None else environ
+    shadow = env.get(SHADOW_ENV) or settings.params.shadow
+    if shadow is None or is_registry_uri(shadow) or shadow.endswith(".onnx") or "/" in shadow:
+        return shadow
+    if not settings.from_registry:
+        raise ModelError(
+            f"serve.shadow: {shadow!r} is an alias, which needs serve.model to be a registry "
+            f"model (models:/NAME@champion), not {settings.model_source}; or set serve.shadow "
+            f"to models:/NAME@{shadow}, models:/NAME/N or an .onnx file"
+        )
+    name = settings.model_source[len(REGISTRY_SCHEME) :].split("@")[0].split("/")[0]
+    return f"{REGISTRY_SCHEME}{name}@{shadow}"
+
+
+def resolve_shadow(
+    settings: Settings, fetch_registered: FetchRegistered | None = None
+) -> tuple[Path, dict[str, str]] | None:
+    """(path, provenance) of the shadow model, resolved like the served one; None: none."""
+    source = shadow_source(settings)
+    if source is None:
+        return None
+    return resolve_model(replace(settings, model_source=source), fetch_registered)
+
+
+def log_folder(settings: Settings) -> Path | None:
+    """Where the prediction log goes (serve.log_dir, relative to the params file); None
+    when serve.log_predictions is off."""
+    if not settings.params.log_predictions:
+        return None
+    folder = Path(settings.params.log_dir).expanduser()
+    return folder if folder.is_absolute() else settings.params_file.parent / folder
 
 
 def registry_unavailable(source: str, why: object) -> ModelError:

@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -60,6 +60,9 @@ SCHEMA = pa.schema(
 COLUMNS = tuple(SCHEMA.names)
 
 
+_TIME_UP = object()  # the writer's wake-up when a file's rotate_s has passed
+
+
 def utc_now() -> datetime:
     return datetime.now(UTC)
 
@@ -91,10 +94,14 @@ class PredictionLog:
     max_bytes: int = 1 << 30
     queue_rows: int = 10000
     counts: LogCounts = field(default_factory=LogCounts)
+    # Told ("written" | "dropped", rows) as it happens: the service counts them on /metrics.
+    listener: Callable[[str, int], None] | None = None
+    # What ``offer`` was given -> its row, run on the writer thread (not the caller's path).
+    convert: Callable[[Any], Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(self.queue_rows)
+        self._queue: queue.Queue[Any] = queue.Queue(self.queue_rows)
         self._thread: threading.Thread | None = None
         self._seq = 0
 
@@ -104,14 +111,23 @@ class PredictionLog:
         self._thread.start()
         return self
 
-    def offer(self, row: Mapping[str, Any]) -> bool:
-        """Queue one row for writing; False (and counted) when the queue is full."""
+    def offer(self, row: Any) -> bool:
+        """Queue one row (or what ``convert`` makes one of) for writing; False, and
+        counted, when the queue is full."""
         try:
-            self._queue.put_nowait(dict(row))
+            self._queue.put_nowait(row)
         except queue.Full:
-            self.counts.dropped += 1
+            self._count("dropped", 1)
             return False
         return True
+
+    def _count(self, outcome: str, rows: int) -> None:
+        if outcome == "written":
+            self.counts.written += rows
+        else:
+            self.counts.dropped += rows
+        if self.listener is not None:
+            self.listener(outcome, rows)
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued, then stop the thread."""
@@ -120,7 +136,7 @@ class PredictionLog:
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:  # the writer is stuck: what is queued is lost, and counted
-            self.counts.dropped += self._queue.qsize()
+            self._count("dropped", self._queue.qsize())
             return
         self._thread.join(timeout)
         self._thread = None
@@ -128,18 +144,18 @@ class PredictionLog:
     # ------------------------------------------------------------------ the writer thread
 
     def _run(self) -> None:
-        rows: list[dict[str, Any]] = []
+        rows: list[Any] = []
         first = 0.0
         while True:
             wait = self.rotate_s - (time.monotonic() - first) if rows else None
             try:
                 row = self._queue.get(timeout=max(wait, 0.0) if wait is not None else None)
             except queue.Empty:
-                row = {}  # the file's time is up
+                row = _TIME_UP
             if row is None:  # close(): write what is left, stop
                 self._flush(rows)
                 return
-            if row:
+            if row is not _TIME_UP:
                 if not rows:
                     first = time.monotonic()
                 rows.append(row)
@@ -150,7 +166,7 @@ class PredictionLog:
                 self._flush(rows)
                 rows = []
 
-    def _flush(self, rows: list[dict[str, Any]]) -> None:
+    def _flush(self, rows: list[Any]) -> None:
         if not rows:
             return
         self._seq += 1
@@ -158,17 +174,21 @@ class PredictionLog:
         path = self.folder / f"predictions-{stamp}-{os.getpid()}-{self._seq:06d}.parquet"
         tmp = path.with_name("." + path.name + ".tmp")
         try:
+            if self.convert is not None:
+                rows = [self.convert(row) for row in rows]
             pq.write_table(rows_table(rows), tmp, compression="zstd")
             os.replace(tmp, path)
-        except (OSError, pa.ArrowException) as err:  # a full disk: the rows are dropped, counted
+        # A full disk, or a row the schema cannot hold: those rows are dropped and counted,
+        # the writer goes on.
+        except (OSError, ValueError, TypeError, KeyError, pa.ArrowException) as err:
             tmp.unlink(missing_ok=True)
-            self.counts.dropped += len(rows)
+            self._count("dropped", len(rows))
             self.counts.last_error = f"{type(err).__name__}: {err}"
             log.warning(
                 "prediction log: %d rows dropped, cannot write %s: %s", len(rows), path, err
             )
             return
-        self.counts.written += len(rows)
+        self._count("written", len(rows))
         self.counts.files += 1
         self.counts.deleted += keep_under(self.folder, self.max_bytes)
 
