@@ -26,6 +26,7 @@ from PIL import Image
 
 from trainyard.core.io import sha256_file
 from trainyard.data.idx import read_idx
+from trainyard.watch.log import read_log
 
 from conftest import REPO, VENV_BIN, has_cuda, stop_group, train_checkpoint
 
@@ -177,11 +178,21 @@ def server(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory, model_dir):
-    """Batching off, an API key, and room for only 2 requests in flight."""
+    """Batching off, an API key, and room for only 2 requests in flight; the prediction log
+    on, with the same model as its shadow (so they must agree on every request)."""
     tmp = tmp_path_factory.mktemp("keyed-server")
-    params = write_params(tmp / "params.yaml", batching=False, max_concurrency=2)
+    params = write_params(
+        tmp / "params.yaml",
+        batching=False,
+        max_concurrency=2,
+        log_predictions=True,
+        log_dir=str(tmp / "log"),
+        log_rotate_s=0.3,
+        shadow=str(model_dir / "model.onnx"),
+    )
     env = server_env(params, model_dir / "model.onnx", TRAINYARD_API_KEY=API_KEY)
     srv = Server(env, tmp / "serve.log")
+    srv.log_dir = tmp / "log"
     try:
         srv.wait_ready()
         yield srv
@@ -767,6 +778,33 @@ def test_api_key_guards_predictions_and_leaves_probes_open(keyed_server, test_se
     resp = requests.post(f"{url}/classify_batch", json=batch([ZERO]), headers=key, timeout=10)
     assert resp.status_code == 200 and resp.json()[0]["label"]
     assert metric_values(url)['trainyard_requests_refused_total{reason="unauthorized"}'] >= 5
+
+
+def test_the_log_and_the_shadow_see_every_answer_off_its_path(keyed_server, test_set, offline):
+    """A real `bentoml serve` with serve.log_predictions and serve.shadow: each answer
+    becomes one log row carrying the shadow's answer (here the same model: they agree);
+    /metrics counts the rows and the agreement."""
+    url, key = keyed_server.url, {"Authorization": f"Bearer {API_KEY}"}
+    images = test_set[0][:8]
+    answers = [classify(url, png(img), headers=key).json() for img in images]
+    assert [a["class_id"] for a in answers] == [int(np.argmax(p)) for p in offline[:8]]
+    deadline, rows = time.monotonic() + 20, []
+    while len(rows) < len(images) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        rows = [r for r in read_log(keyed_server.log_dir).to_pylist() if r["route"] == "/classify"]
+    assert len(rows) >= len(images), rows
+    assert {a["label"] for a in answers} <= {r["label"] for r in rows}
+    for row in rows:
+        assert (row["shadow_label"], row["shadow_model_version"]) == (
+            row["label"],
+            row["model_version"],
+        )
+        assert (row["width"], row["height"], row["format"]) == (28, 28, "PNG")
+    series = metric_values(url)
+    assert series['trainyard_shadow_predictions_total{agreement="true"}'] >= len(images)
+    assert series.get('trainyard_shadow_predictions_total{agreement="false"}', 0) == 0
+    assert series['trainyard_prediction_log_rows_total{outcome="written"}'] >= len(images)
+    assert series['trainyard_model_seconds_count{role="shadow"}'] >= len(images)
 
 
 def test_over_concurrency_gets_a_fast_429_not_a_hang(keyed_server, test_set):
