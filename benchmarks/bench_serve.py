@@ -81,6 +81,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--docs", default=str(REPO / "docs/benchmarks.md"))
     p.add_argument("--json", default=str(REPO / "reports/bench-serve.json"))
     p.add_argument("--render", action="store_true", help="only rewrite the docs from --json")
+    p.add_argument(
+        "--watching-only",
+        action="store_true",
+        help="only section 5 (log + shadow off/on), printed; the docs and JSON are left alone",
+    )
     p.add_argument("--build-large", metavar="PATH", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -133,6 +138,25 @@ def load_servers(
         bench.run("batching", **large, levels=BATCH_LEVELS, batching=batching)
 
 
+def load_watching(bench: Bench, fashion: dict[str, Any], tmp: Path) -> None:
+    """5. the prediction log and a shadow (the same model, so both do the full work) off,
+    then on: the answer path's p99 must not change."""
+    print("5. prediction log + shadow off / on, workers cpu_count", flush=True)
+    for on in (False, True):
+        watch = {"log_predictions": True, "log_dir": str(tmp / "prediction-log")}
+        watch["shadow"] = str(fashion["model"])
+        name = f"watching-{'on' if on else 'off'}"
+        params = bench.params(name, workers="cpu_count", batching=False, **(watch if on else {}))
+        bench.run(
+            "watching",
+            **fashion,
+            levels=(LATENCY_CLIENTS,),
+            workers="cpu_count",
+            params=params,
+            label={"watching": on},
+        )
+
+
 def in_process(
     settings: Any, models: list[tuple[str, Path, list[bytes]]], seconds: float
 ) -> tuple[dict[str, Any], dict[str, float], str]:
@@ -152,18 +176,23 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
     from trainyard.core.io import sha256_file
 
     fashion, large = REPO / "models/model.onnx", tmp / f"{LARGE}-{LARGE_SIZE}.onnx"
-    build_s = build_large(large)
     pngs = png_images(test_images(args.images))
-    photos = photo_jpegs(args.images)
-    fashion_script = wrk_script(pngs, "image/png", tmp, FASHION)
-    large_script = wrk_script(photos, "image/jpeg", tmp, LARGE)
+    fashion_load = {
+        "model_name": FASHION,
+        "model": fashion,
+        "script": wrk_script(pngs, "image/png", tmp, FASHION),
+    }
     bench = Bench(tmp, args.seconds, args.warmup, args.first_seconds)
+    if args.watching_only:
+        load_watching(bench, fashion_load, tmp)
+        return {"bench": bench}
+    build_s = build_large(large)
+    photos = photo_jpegs(args.images)
+    large_script = wrk_script(photos, "image/jpeg", tmp, LARGE)
     load_servers(
-        bench,
-        settings,
-        {"model_name": FASHION, "model": fashion, "script": fashion_script},
-        {"model_name": LARGE, "model": large, "script": large_script},
+        bench, settings, fashion_load, {"model_name": LARGE, "model": large, "script": large_script}
     )
+    load_watching(bench, fashion_load, tmp)
     ort, decode, provider = in_process(
         settings, [(FASHION, fashion, pngs), (LARGE, large, photos)], args.ort_seconds
     )
@@ -230,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
         run = measure_all(args, settings, Path(tmp_name))
     bench = run["bench"]
+    if args.watching_only:
+        off, on = (r["p99_ms"] for r in bench.rows)
+        print(f"p99 log + shadow on / off: {on:.1f} / {off:.1f} ms = {on / off:.2f}x")
+        return 0
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": command,

@@ -41,6 +41,13 @@ TARGETS: dict[str, dict[str, Any]] = {
         "limit": 1.0,
         "unit": "x",
     },
+    "watching": {
+        "text": "p99 with the prediction log and a shadow on / off: service, workers "
+        f"cpu_count, batching off, {LATENCY_CLIENTS} clients",
+        "op": "<=",
+        "limit": 1.1,
+        "unit": "x",
+    },
 }
 
 
@@ -106,7 +113,11 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         out["batching"][model] = {
             c: ratio(pick(on, clients=c), pick(off, clients=c)) for c in BATCH_LEVELS
         }
+    watched = [pick(rows, section="watching", watching=on) for on in (True, False)]
+    out["watching_p99_ms"] = [r["p99_ms"] if r else None for r in watched]
+    on_ms, off_ms = out["watching_p99_ms"]
     values = {
+        "watching": on_ms / off_ms if on_ms and off_ms else None,
         "throughput": out["throughput"][LATENCY_CLIENTS],
         "latency": out["latency_p99_ms"],
         "cold_start": out["cold_ratio"],

@@ -330,6 +330,7 @@ class Bench:
         batching: bool = False,
         params: Path | None = None,
         first: bool = False,
+        label: dict[str, Any] | None = None,
     ) -> None:
         """Start one server, optionally load it for ``first_seconds`` at once (cold start),
         warm it up, then wrk at each level; stop it."""
@@ -345,6 +346,7 @@ class Bench:
             "server": "reference" if reference else "service",
             "workers": n_workers,
             "batching": None if reference else batching,
+            **(label or {}),
         }
         overrides = "" if reference else f"serve.workers={workers} serve.batching={batching}"
         print(f"{name}: starting", flush=True)
