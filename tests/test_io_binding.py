@@ -300,3 +300,17 @@ def test_cuda_session_binds_and_agrees_with_plain_run(tmp_path):
     np.testing.assert_allclose(
         out.numpy(), model.session.run(None, {"image": x})[0], rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.gpu
+def test_cuda_binds_the_logits_alone_or_with_the_embedding(tmp_path):
+    if CUDA not in ort.get_available_providers():
+        pytest.skip("onnxruntime without the CUDA provider")
+    path, _, x, _ = tiny(tmp_path, embedding=True)
+    model = load_onnx(path, "cuda")
+    assert model.bind_device == "cuda" and model.has_embedding
+    plain_logits, plain_embedding = model.session.run(["logits", "embedding"], {"input": x})
+    np.testing.assert_allclose(model.run(x), plain_logits, rtol=1e-5, atol=1e-4)
+    logits, embedding = model.run_with_embedding(x)
+    np.testing.assert_allclose(logits, plain_logits, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(embedding, plain_embedding, rtol=1e-5, atol=1e-4)
