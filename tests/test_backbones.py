@@ -20,6 +20,7 @@ from trainyard.export.onnx_export import check_parity, export_onnx
 from trainyard.model.backbones import BACKBONES
 from trainyard.model.classifier import Classifier
 from trainyard.model.networks import build_model
+from trainyard.runtime.sessions import load_onnx
 
 torchvision = pytest.importorskip("torchvision")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -77,7 +78,13 @@ def test_every_backbone_exports_to_onnx_with_parity(tmp_path, arch):
     export_onnx(model, path, ExportParams().opset, {"arch": arch})
     images = np.random.default_rng(0).integers(0, 256, (4, 1, 32, 32), dtype=np.uint8)
     report = check_parity(model, path, images, ExportParams().max_abs_diff)
-    assert report["passed"], report
+    assert report["passed"], report  # the embedding's parity included
+    # The embedding is what the new head (torchvision's classification Linear) sees.
+    dim = model.net.get_submodule(BACKBONES[arch][1]).in_features
+    outputs = [
+        (o.name, o.shape[1]) for o in load_onnx(path, "cpu", say=False).session.get_outputs()
+    ]
+    assert outputs == [("logits", 3), ("embedding", dim)]
 
 
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])

@@ -1,4 +1,5 @@
-"""ONNX export of a real Lightning checkpoint: metadata, dynamic batch, the parity gate."""
+"""ONNX export of a real Lightning checkpoint: metadata, dynamic batch, the logits and
+embedding outputs, the parity gate."""
 
 from __future__ import annotations
 
@@ -7,9 +8,17 @@ import json
 import numpy as np
 import onnx
 import pytest
+import torch
+from onnx import helper, numpy_helper
 
+from trainyard.core.card import normalize_pixels
 from trainyard.core.errors import ExportError
-from trainyard.export.onnx_export import export_and_verify, load_checkpoint
+from trainyard.export.onnx_export import (
+    check_parity,
+    export_and_verify,
+    load_checkpoint,
+    parity_failures,
+)
 from trainyard.runtime.sessions import load_onnx
 
 from conftest import train_checkpoint
@@ -38,8 +47,10 @@ def test_lightning_checkpoint_loads_weights_only(checkpoint):
     assert model.card.classes[0] == "T-shirt/top" and model.card.input_shape == (1, 28, 28)
 
 
-def test_export_metadata_dynamic_batch_and_parity(checkpoint, test_images, tmp_path):
-    out = tmp_path / "model.onnx"
+@pytest.fixture(scope="module")
+def exported(checkpoint, test_images, tmp_path_factory):
+    """(model.onnx, its report): the checkpoint through ``export_and_verify`` once."""
+    out = tmp_path_factory.mktemp("export") / "model.onnx"
     report = export_and_verify(
         checkpoint,
         out,
@@ -49,9 +60,14 @@ def test_export_metadata_dynamic_batch_and_parity(checkpoint, test_images, tmp_p
         run_id="run123",
         data_sha256="d" * 64,
     )
+    return out, report
+
+
+def test_export_metadata_dynamic_batch_and_parity(exported, checkpoint):
+    out, report = exported
     assert report["passed"] and report["argmax_agreement"] == 1.0
     assert report["max_abs_diff"] <= 1e-4 and report["samples"] == 300
-    assert (tmp_path / "model.onnx.sha256").read_text().split()[0] == report["onnx_sha256"]
+    assert out.with_name("model.onnx.sha256").read_text().split()[0] == report["onnx_sha256"]
 
     meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
     assert json.loads(meta["classes"])[0] == "T-shirt/top"
@@ -69,10 +85,64 @@ def test_export_metadata_dynamic_batch_and_parity(checkpoint, test_images, tmp_p
         assert model.run(x).shape == (batch, 10)
 
 
+def test_the_embedding_is_the_heads_input_as_a_second_output(exported, checkpoint, test_images):
+    """logits first (every one-output reader's output 0), then the embedding: what the
+    classifier head (the cnn's last Linear, 128 -> 10) sees, equal to PyTorch's."""
+    out, report = exported
+    meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert (meta["embedding_output"], meta["embedding_dim"]) == ("embedding", "128")
+    model = load_onnx(out, device="cpu")
+    outputs = [(o.name, o.shape[1]) for o in model.session.get_outputs()]
+    assert outputs == [("logits", 10), ("embedding", 128)]
+
+    torch_model = load_checkpoint(checkpoint)
+    head = torch_model.net.head[-1]  # the cnn's own layout, named here, not searched for
+    seen = []
+    head.register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
+    x = normalize_pixels(test_images[:37], torch_model.card.mean, torch_model.card.std)
+    with torch.inference_mode():
+        torch_logits = torch_model(torch.from_numpy(x)).numpy()
+    logits, embedding = model.run_with_embedding(x)
+    assert embedding is not None and embedding.shape == (37, 128)
+    assert embedding.dtype == np.float32 and np.abs(embedding).max() > 0.1
+    np.testing.assert_allclose(embedding, seen[0].numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(logits, torch_logits, rtol=1e-4, atol=1e-5)
+    # The gate measured it, against a limit scaled to the features' size (>= max_abs_diff).
+    assert report["embedding_max_abs_diff"] <= report["threshold_embedding_max_abs_diff"]
+    assert report["threshold_embedding_max_abs_diff"] >= 1e-4
+
+
+def skew_embedding(src, dest, factor: float) -> None:
+    """A copy of the model whose embedding output is scaled by ``factor`` (the logits are
+    untouched): an export that tapped the wrong tensor."""
+    proto = onnx.load(str(src))
+    for node in proto.graph.node:
+        node.output[:] = ["raw_embedding" if o == "embedding" else o for o in node.output]
+        node.input[:] = ["raw_embedding" if i == "embedding" else i for i in node.input]
+    proto.graph.initializer.append(numpy_helper.from_array(np.float32(factor), "skew"))
+    proto.graph.node.append(helper.make_node("Mul", ["raw_embedding", "skew"], ["embedding"]))
+    onnx.save(proto, str(dest))
+
+
+def test_parity_gate_names_an_embedding_that_disagrees(exported, checkpoint, test_images, tmp_path):
+    out, _ = exported
+    model = load_checkpoint(checkpoint)
+    bad = tmp_path / "skewed.onnx"
+    skew_embedding(out, bad, 1.01)
+    report = check_parity(model, bad, test_images, 1e-4)
+    assert not report["passed"]
+    assert report["max_abs_diff"] <= 1e-4 and report["argmax_agreement"] == 1.0  # logits fine
+    failures = parity_failures(report)
+    assert len(failures) == 1 and failures[0].startswith("embedding: max abs diff")
+    # The same edit at no scale at all passes: the comparison itself is sound.
+    skew_embedding(out, bad, 1.0)
+    assert check_parity(model, bad, test_images, 1e-4)["passed"]
+
+
 def test_parity_gate_rejects_and_removes_disagreeing_model(checkpoint, test_images, tmp_path):
     out = tmp_path / "model.onnx"
     # A threshold no fp32 kernel pair can meet: the gate must fail and leave no model behind.
-    with pytest.raises(ExportError, match="parity gate failed on 300 test images"):
+    with pytest.raises(ExportError, match="failed on 300 test images: logits: max abs diff"):
         export_and_verify(
             checkpoint, out, test_images, opset=18, max_abs_diff=1e-12, run_id="r", data_sha256="d"
         )

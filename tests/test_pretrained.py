@@ -124,6 +124,9 @@ def test_lite_exports_with_parity_and_records_its_weights(tmp_path: Path) -> Non
     images = np.random.default_rng(0).integers(0, 256, (4, 1, 40, 40), dtype=np.uint8)
     report = check_parity(model, path, images, ExportParams().max_abs_diff)
     assert report["passed"], report
+    # ImageNet features (1280, the head's input) at the relative limit, not a vacuous one.
+    assert meta["embedding_dim"] == "1280" and report["embedding_max_abs_diff"] is not None
+    assert report["threshold_embedding_max_abs_diff"] > ExportParams().max_abs_diff
     # rebuilt from its hyperparameters (what export does with a checkpoint): the record stays
     again = Classifier(**dict(model.hparams))
     assert again.pretrained_info == model.pretrained_info

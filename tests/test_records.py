@@ -82,6 +82,10 @@ EXPORT = {
     "samples": 1000,
     "threshold_max_abs_diff": 0.0001,
 }
+EMBEDDING_PARITY = {
+    "embedding_max_abs_diff": 3.814697265625e-06,
+    "threshold_embedding_max_abs_diff": 0.00061,
+}
 REGISTERED = {
     "alias": "champion",
     "already_registered": False,
@@ -100,6 +104,7 @@ CASES = [
     (TrainRecord, TRAIN | {"gpu_busy": GPU_BUSY}),
     (TrainRecord, TRAIN | {"gpu_busy": NO_GPU}),
     (ExportRecord, EXPORT),
+    (ExportRecord, EXPORT | EMBEDDING_PARITY),
     (RegistryRecord, REGISTERED),
     (RegistryRecord, REGISTERED | {"previous_champion": 1, "already_registered": True}),
     (RegistryRecord, {"enabled": False}),
@@ -127,6 +132,11 @@ def test_the_typed_fields():
     assert isinstance(busy, GpuBusy) and (busy.mean_pct, busy.samples) == (87.5, 412)
     cpu = TrainRecord.from_json(TRAIN | {"gpu_busy": NO_GPU}).gpu_busy
     assert cpu is not None and cpu.mean_pct is None and cpu.reason == "no CUDA device"
+    old_export = ExportRecord.from_json(EXPORT)  # from before the embedding output
+    assert old_export.embedding_max_abs_diff is None
+    assert "embedding_max_abs_diff" not in old_export.to_json()
+    export = ExportRecord.from_json(EXPORT | EMBEDDING_PARITY)
+    assert export.threshold_embedding_max_abs_diff == 0.00061
     registry = RegistryRecord.from_json(REGISTERED)
     assert isinstance(registry.registration, Registration)
     assert (registry.registration.version, registry.registration.alias) == (1, "champion")

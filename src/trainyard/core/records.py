@@ -158,6 +158,18 @@ class ExportRecord(Record):
     passed: bool
     onnx_sha256: str
     mlflow_model_uri: str
+    # The embedding output's parity (None only in a record from before the model had it,
+    # written back without): its max abs diff and the limit it met, relative to its scale.
+    embedding_max_abs_diff: float | None = None
+    threshold_embedding_max_abs_diff: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written to disk (an older record's keys stay as they were)."""
+        raw = super().to_json()
+        for key in ("embedding_max_abs_diff", "threshold_embedding_max_abs_diff"):
+            if raw[key] is None:
+                del raw[key]
+        return raw
 
 
 class Registration(_Frozen):

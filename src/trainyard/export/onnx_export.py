@@ -1,11 +1,14 @@
 """Export stage: checkpoint -> ONNX (dynamic batch, metadata inside), gated on parity.
 
 The ONNX file carries its own contract (classes, input shape, normalisation, provenance) so
-the service reads it from the model and never from a copy.
+the service reads it from the model and never from a copy. Its outputs are ``logits``
+(first, as before) and ``embedding``: the input of the classifier head (the net's last
+``nn.Linear``), the features drift detection and the prediction log compare.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -14,16 +17,18 @@ from typing import Any
 import numpy as np
 import onnx
 import torch
+from torch import nn
 
 from trainyard import __version__
 from trainyard.core.card import METADATA_KEY, card_from_metadata, normalize_pixels
 from trainyard.core.errors import ExportError
 from trainyard.core.io import atomic_file, atomic_write_text, sha256_file
 from trainyard.model.classifier import Classifier
-from trainyard.runtime.sessions import load_onnx
+from trainyard.runtime.sessions import EMBEDDING_OUTPUT, LOGITS_OUTPUT, OnnxModel, load_onnx
 
 INPUT_NAME = "image"
-OUTPUT_NAME = "logits"
+OUTPUT_NAME = LOGITS_OUTPUT  # output 0: what every reader of a one-output model took
+EMBEDDING_NAME = EMBEDDING_OUTPUT  # output 1: [N, D] float32
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Any:
@@ -45,20 +50,56 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
     return model.eval()
 
 
+def classifier_head(model: nn.Module) -> tuple[str, nn.Linear]:
+    """(submodule path, module) of ``model``'s classifier head: its last ``nn.Linear`` in
+    module order, as for the fine-tune's head (``Classifier._param_groups``). Every net
+    ``build_model`` makes ends in it; the parity gate proves the head is the last step
+    (the exported logits, computed as head(embedding), must equal the model's own)."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ExportError(f"{type(model).__name__} has no nn.Linear head to take an embedding from")
+    return linears[-1]
+
+
+class LogitsAndEmbedding(nn.Module):
+    """Export-only view of a classifier: ``forward(x) -> (logits, embedding)``, where the
+    embedding is what the head sees and the logits are the head applied to it.
+
+    The body is a copy of the model with its head replaced by ``nn.Identity`` (the model
+    itself is left as it was): a plain graph with no hooks or side effects, which
+    ``torch.export`` traces like any net. The head is the model's own module.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        path, head = classifier_head(model)
+        body = copy.deepcopy(model)
+        parent, _, name = path.rpartition(".")
+        setattr(body.get_submodule(parent) if parent else body, name, nn.Identity())
+        self.body = body
+        self.head = head
+        self.train(model.training)  # in the model's mode (eval, to export): no mode warning
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        embedding = self.body(x)
+        return self.head(embedding), embedding
+
+
 def export_onnx(
     model: Any, path: str | os.PathLike[str], opset: int, metadata: dict[str, str]
 ) -> None:
-    """Write ``model`` (a Classifier in eval mode) to ONNX with a dynamic batch dimension."""
+    """Write ``model`` (a Classifier in eval mode) to ONNX with a dynamic batch dimension
+    and two outputs: ``logits`` [N, classes], then ``embedding`` [N, D] (the head's input)."""
 
     example = torch.zeros(2, *model.card.input_shape)
     with atomic_file(path) as tmp:
         torch.onnx.export(
-            model,
+            LogitsAndEmbedding(model),
             (example,),
             str(tmp),
             dynamo=True,
             input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME],
+            output_names=[OUTPUT_NAME, EMBEDDING_NAME],
             dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
             opset_version=opset,
             external_data=False,
@@ -101,31 +142,97 @@ def model_metadata(model: Any, ckpt_sha256: str, run_id: str, data_sha256: str) 
         "data_sha256": data_sha256,
         # The ImageNet weights the fit started from ({} from scratch): source, sha256, licence.
         "pretrained": json.dumps(getattr(model, "pretrained_info", {}) or {}, sort_keys=True),
+        # The second output: the classifier head's input, [N, embedding_dim] float32.
+        "embedding_output": EMBEDDING_NAME,
+        "embedding_dim": str(classifier_head(model)[1].in_features),
     }
 
 
 def check_parity(
     model: Any, onnx_path: str | os.PathLike[str], images: np.ndarray, max_abs_diff: float
 ) -> dict[str, Any]:
-    """Compare ONNX Runtime (CPU, fp32) with PyTorch on the same normalised images."""
+    """Compare ONNX Runtime (CPU, fp32) with PyTorch on the same normalised images: the
+    logits (max abs diff <= ``max_abs_diff``, 100% argmax agreement) and the embedding.
+
+    The embedding's limit is relative to its scale, ``max_abs_diff * max(1, max|ref|)``:
+    features are not normalised like logits (post-ReLU activations can reach tens), and
+    fp32 rounding grows with the magnitude; at a scale <= 1 it is the logits' own limit.
+    The PyTorch embedding comes from a forward hook on the head, not from the exported
+    view, so a wrong tap in the export fails here. ``parity_failures`` says what failed.
+    """
 
     # numpy normalisation: exactly what evaluate and the service feed ONNX Runtime.
     x = normalize_pixels(images, model.card.mean, model.card.std)
-    with torch.inference_mode():
-        ref = model(torch.from_numpy(x)).numpy()
+    ref, ref_embedding = _torch_outputs(model, x)
     ort_model = load_onnx(onnx_path, device="cpu")
-    got = ort_model.predict_logits(x, batch_size=256)
+    got, embedding = _ort_outputs(ort_model, x, batch_size=256)
     diff = float(np.abs(ref - got).max())
     agreement = float((ref.argmax(1) == got.argmax(1)).mean())
+    emb_limit = max_abs_diff * max(1.0, float(np.abs(ref_embedding).max()))
+    emb_diff = None
+    if embedding is not None and embedding.shape == ref_embedding.shape:
+        emb_diff = float(np.abs(ref_embedding - embedding).max())
     report = {
         "samples": int(images.shape[0]),
         "max_abs_diff": diff,
         "argmax_agreement": agreement,
         "threshold_max_abs_diff": max_abs_diff,
+        "embedding_max_abs_diff": emb_diff,  # None: no embedding output of the right shape
+        "threshold_embedding_max_abs_diff": emb_limit,
         "provider": ort_model.provider,
-        "passed": bool(diff <= max_abs_diff and agreement == 1.0),
     }
+    report["passed"] = not parity_failures(report)
     return report
+
+
+def parity_failures(report: dict[str, Any]) -> list[str]:
+    """What a ``check_parity`` report fails on, one phrase per failure naming the output
+    (``logits: ...``, ``embedding: ...``); empty when it passes."""
+    failures = []
+    if not report["max_abs_diff"] <= report["threshold_max_abs_diff"]:  # NaN fails too
+        failures.append(
+            f"logits: max abs diff {report['max_abs_diff']:.3g} "
+            f"(limit {report['threshold_max_abs_diff']:g})"
+        )
+    if report["argmax_agreement"] != 1.0:
+        failures.append(f"logits: argmax agreement {report['argmax_agreement']:.4%} (need 100%)")
+    emb_diff, emb_limit = (
+        report["embedding_max_abs_diff"],
+        report["threshold_embedding_max_abs_diff"],
+    )
+    if emb_diff is None:
+        failures.append(f"embedding: no '{EMBEDDING_NAME}' output of the head's input shape")
+    elif not emb_diff <= emb_limit:
+        failures.append(
+            f"embedding: max abs diff {emb_diff:.3g} (limit {emb_limit:.3g}: "
+            f"{report['threshold_max_abs_diff']:g} x max(1, max |embedding|))"
+        )
+    return failures
+
+
+def _torch_outputs(model: nn.Module, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(logits, the head's input) from ``model`` itself, the input caught by a hook."""
+    seen: list[torch.Tensor] = []
+    hook = classifier_head(model)[1].register_forward_hook(
+        lambda _module, args, _out: seen.append(args[0])
+    )
+    try:
+        with torch.inference_mode():
+            logits = model(torch.from_numpy(x))
+    finally:
+        hook.remove()
+    return logits.numpy(), seen[-1].numpy()
+
+
+def _ort_outputs(
+    model: OnnxModel, x: np.ndarray, batch_size: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(logits, embedding or None) from ONNX Runtime, ``batch_size`` images a run."""
+    parts = [model.run_with_embedding(x[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+    logits = np.concatenate([p[0] for p in parts])
+    if any(p[1] is None for p in parts):
+        return logits, None
+    return logits, np.concatenate([p[1] for p in parts])
 
 
 def export_and_verify(
@@ -146,9 +253,8 @@ def export_and_verify(
     if not report["passed"]:
         onnx_path.unlink(missing_ok=True)  # a model that disagrees must not reach later stages
         raise ExportError(
-            f"ONNX parity gate failed on {report['samples']} test images: max abs diff "
-            f"{report['max_abs_diff']:.3g} (limit {max_abs_diff:g}), argmax agreement "
-            f"{report['argmax_agreement']:.4%} (need 100%)"
+            f"ONNX parity gate failed on {report['samples']} test images: "
+            + "; ".join(parity_failures(report))
         )
     sha = sha256_file(onnx_path)
     atomic_write_text(onnx_path.with_name(onnx_path.name + ".sha256"), f"{sha}  {onnx_path.name}\n")

@@ -41,10 +41,13 @@ def run(params: Params, args: argparse.Namespace) -> None:
         info.data_sha256,
     )
     log.info(
-        "parity ok on %d images, max abs diff %.2e, agreement %.2f%%",
+        "parity ok on %d images, max abs diff %.2e, agreement %.2f%%, embedding max abs "
+        "diff %.2e (limit %.2e)",
         report["samples"],
         report["max_abs_diff"],
         100 * report["argmax_agreement"],
+        report["embedding_max_abs_diff"],
+        report["threshold_embedding_max_abs_diff"],
     )
     example = normalized_example(onnx_path, images[:1])
     with logging_into(run_id, "export"):
@@ -54,6 +57,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
             metrics={
                 "export/max_abs_diff": report["max_abs_diff"],
                 "export/argmax_agreement": report["argmax_agreement"],
+                "export/embedding_max_abs_diff": report["embedding_max_abs_diff"],
             },
             tags={"onnx.sha256": report["onnx_sha256"]},
         )
