@@ -46,12 +46,16 @@ OTHER = Card(
 )
 
 
-def answer_of(weights: dict, card: Card, image: Image.Image) -> tuple[str, float]:
-    """The tiny model's top-1 for ``image``, computed here (x @ W + b) on the pixels the
-    pipeline's own decode gives for ``card``."""
+def model_input(card: Card, image: Image.Image) -> np.ndarray:
+    """The flat, normalised input the pipeline's own decode gives for ``card``."""
     pixels = decode_image(png(image), card)
     x = (pixels / 255.0 - np.array(card.mean)[:, None, None]) / np.array(card.std)[:, None, None]
-    logits = x.reshape(-1).astype(np.float32) @ weights["weight"] + weights["bias"]
+    return x.reshape(-1).astype(np.float32)
+
+
+def answer_of(weights: dict, card: Card, image: Image.Image) -> tuple[str, float]:
+    """The tiny model's top-1 for ``image``, computed here: x @ W + b."""
+    logits = model_input(card, image) @ weights["weight"] + weights["bias"]
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
     best = int(probs.argmax())
@@ -73,7 +77,8 @@ def png(image: Image.Image) -> bytes:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("observe")
-    served, served_w = write_tiny_onnx(root / "served", CARD, seed=1)
+    # The served model has the embedding output (the log keeps it); the shadows do not.
+    served, served_w = write_tiny_onnx(root / "served", CARD, seed=1, embedding=True)
     twin, twin_w = write_tiny_onnx(root / "twin", CARD, seed=2)
     other, other_w = write_tiny_onnx(root / "other", OTHER, seed=3)
     return {
@@ -127,7 +132,8 @@ def test_every_answer_is_logged_once_with_the_shadows_own_answer(models, shadow_
         assert row["shadow_registry_version"] == row["registry_version"] == "local"
         assert row["shadow_model_version"] != row["model_version"]
         assert row["latency_ms"] > 0 and row["shadow_latency_ms"] > 0
-        assert row["embedding"] is None  # the tiny model has no embedding output
+        embedding = model_input(CARD, image) @ served_w["embedding_weight"]
+        assert np.allclose(row["embedding"], embedding, atol=1e-4)
         assert row["image"] is None  # serve.log_images is off
 
 

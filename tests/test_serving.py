@@ -26,6 +26,7 @@ from PIL import Image
 
 from trainyard.core.io import sha256_file
 from trainyard.data.idx import read_idx
+from trainyard.runtime.sessions import load_onnx
 from trainyard.watch.log import read_log
 
 from conftest import REPO, VENV_BIN, has_cuda, stop_group, train_checkpoint
@@ -193,6 +194,7 @@ def keyed_server(tmp_path_factory, model_dir):
     env = server_env(params, model_dir / "model.onnx", TRAINYARD_API_KEY=API_KEY)
     srv = Server(env, tmp / "serve.log")
     srv.log_dir = tmp / "log"
+    srv.embedding_dim = load_onnx(model_dir / "model.onnx", "cpu").metadata["embedding_dim"]
     try:
         srv.wait_ready()
         yield srv
@@ -800,6 +802,7 @@ def test_the_log_and_the_shadow_see_every_answer_off_its_path(keyed_server, test
             row["model_version"],
         )
         assert (row["width"], row["height"], row["format"]) == (28, 28, "PNG")
+        assert len(row["embedding"]) == int(keyed_server.embedding_dim)
     series = metric_values(url)
     assert series['trainyard_shadow_predictions_total{agreement="true"}'] >= len(images)
     assert series.get('trainyard_shadow_predictions_total{agreement="false"}', 0) == 0
