@@ -277,10 +277,18 @@ def train_checkpoint(
 
 
 def write_tiny_onnx(
-    folder: Path, card: Any, seed: int = 0, run_id: str = "tiny-run", data_sha: str = "d" * 64
+    folder: Path,
+    card: Any,
+    seed: int = 0,
+    run_id: str = "tiny-run",
+    data_sha: str = "d" * 64,
+    embedding: bool = False,
 ) -> tuple[Path, dict]:
     """model.onnx (flatten -> matmul -> add: logits) carrying ``card``, plus its .sha256.
-    Returns (path, weights) so a test can compute the expected answer itself."""
+    Returns (path, weights) so a test can compute the expected answer itself.
+
+    One output, as models were exported before the embedding; ``embedding=True`` adds a
+    second output, ``embedding`` = flat input @ weights["embedding_weight"] ([N, 4]), as now."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -289,21 +297,27 @@ def write_tiny_onnx(
 
     rng = np.random.default_rng(seed)
     c, h, w = card.input_shape
-    weight = rng.normal(0, 1, (c * h * w, card.num_classes)).astype(np.float32)
-    bias = rng.normal(0, 1, card.num_classes).astype(np.float32)
+    weights = {
+        "weight": rng.normal(0, 1, (c * h * w, card.num_classes)).astype(np.float32),
+        "bias": rng.normal(0, 1, card.num_classes).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Flatten", ["input"], ["flat"], axis=1),
+        helper.make_node("MatMul", ["flat", "weight"], ["product"]),
+        helper.make_node("Add", ["product", "bias"], ["logits"]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", card.num_classes])]
+    if embedding:
+        weights["embedding_weight"] = rng.normal(0, 1, (c * h * w, 4)).astype(np.float32)
+        nodes.append(helper.make_node("MatMul", ["flat", "embedding_weight"], ["embedding"]))
+        outputs.append(helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", 4]))
+    initializer = [numpy_helper.from_array(v, k) for k, v in weights.items()]
     graph = helper.make_graph(
-        [
-            helper.make_node("Flatten", ["input"], ["flat"], axis=1),
-            helper.make_node("MatMul", ["flat", "weight"], ["product"]),
-            helper.make_node("Add", ["product", "bias"], ["logits"]),
-        ],
+        nodes,
         "tiny",
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", c, h, w])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", card.num_classes])],
-        initializer=[
-            numpy_helper.from_array(weight, "weight"),
-            numpy_helper.from_array(bias, "bias"),
-        ],
+        outputs,
+        initializer=initializer,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -322,7 +336,7 @@ def write_tiny_onnx(
     path = folder / "model.onnx"
     onnx.save(model, path)
     path.with_name("model.onnx.sha256").write_text(f"{sha256_file(path)}  model.onnx\n")
-    return path, {"weight": weight, "bias": bias}
+    return path, weights
 
 
 def small_pipeline_repo(dest: Path, fashion_dir: Path) -> Path:

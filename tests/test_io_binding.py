@@ -2,7 +2,9 @@
 
 The binding function takes its device as a parameter, so the very code CUDA runs is run
 here on the CPU device and must give ``session.run``'s outputs bit for bit. The CUDA run
-itself is the GPU-marked test at the end (skipped without a GPU).
+itself is the GPU-marked test at the end (skipped without a GPU). Both paths return the
+logits by name and the embedding only when asked, and a one-output model (exported before
+the embedding) runs on both.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from trainyard.runtime import sessions
 from trainyard.runtime.inputs import model_input, softmax
 from trainyard.runtime.sessions import CPU, CUDA, binding_device, load_onnx, run_bound
 from trainyard.serve.predictor import Predictor
+
+from conftest import write_tiny_onnx
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainyard"
 CARD = Card("folder", tuple(f"c{i}" for i in range(5)), 1, 12, 12, (0.3,), (0.2,))
@@ -65,11 +69,11 @@ def count_bound_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Batch sizes that went through ``run_bound`` (still run by it): proves the path taken."""
     seen: list[int] = []
 
-    def counted(session, feeds, device, device_id=0):
+    def counted(session, feeds, device, device_id=0, outputs=None):
         value = next(iter(feeds.values()))
         shape = value.shape() if isinstance(value, ort.OrtValue) else value.shape
         seen.append(shape[0])
-        return run_bound(session, feeds, device, device_id)
+        return run_bound(session, feeds, device, device_id, outputs)
 
     monkeypatch.setattr(sessions, "run_bound", counted)
     return seen
@@ -148,6 +152,70 @@ def test_a_bound_model_runs_like_a_plain_one(tmp_path, monkeypatch):
     x = batch(2500)
     np.testing.assert_array_equal(bound.predict_logits(x), plain.predict_logits(x))
     assert seen == [1, 300, 7, 1024, 1024, 452]  # the plain model never binds
+
+
+# ---------------------------------------------------------------------------- the outputs
+
+
+def tiny(folder: Path, embedding: bool) -> tuple[Path, dict, np.ndarray, np.ndarray]:
+    """A tiny model (one output, or logits + embedding), a batch, and its flat input."""
+    path, weights = write_tiny_onnx(folder, CARD, seed=4, embedding=embedding)
+    x = batch(6, seed=4)
+    return path, weights, x, x.reshape(6, -1)
+
+
+@pytest.mark.parametrize("bind", [None, "cpu"], ids=["plain", "bound"])
+def test_a_one_output_model_still_runs_and_has_no_embedding(tmp_path, bind):
+    """A model exported before the embedding output: logits as before, embedding None."""
+    path, weights, x, flat = tiny(tmp_path, embedding=False)
+    model = replace(load_onnx(path, "cpu", say=False), bind_device=bind)
+    assert not model.has_embedding and model.embedding_output is None
+    expected = flat @ weights["weight"] + weights["bias"]
+    np.testing.assert_allclose(model.run(x), expected, rtol=1e-5, atol=1e-4)
+    logits, embedding = model.run_with_embedding(x)
+    assert embedding is None
+    np.testing.assert_array_equal(logits, model.run(x))
+
+
+@pytest.mark.parametrize("bind", [None, "cpu"], ids=["plain", "bound"])
+def test_run_gives_the_logits_and_run_with_embedding_both(tmp_path, bind):
+    path, weights, x, flat = tiny(tmp_path, embedding=True)
+    model = replace(load_onnx(path, "cpu", say=False), bind_device=bind)
+    assert model.has_embedding and (model.logits_output, model.embedding_output) == (
+        "logits",
+        "embedding",
+    )
+    expected = flat @ weights["weight"] + weights["bias"]
+    np.testing.assert_allclose(model.run(x), expected, rtol=1e-5, atol=1e-4)
+    logits, embedding = model.run_with_embedding(x)
+    np.testing.assert_array_equal(logits, model.run(x))
+    assert embedding is not None and embedding.shape == (6, 4) and embedding.dtype == np.float32
+    np.testing.assert_allclose(embedding, flat @ weights["embedding_weight"], rtol=1e-5, atol=1e-4)
+
+
+def test_logits_are_found_by_name_not_position(tmp_path):
+    """A model whose first output is the embedding still gives logits from ``run``."""
+    path, weights, x, flat = tiny(tmp_path, embedding=True)
+    proto = onnx.load(str(path))
+    outputs = list(proto.graph.output)
+    del proto.graph.output[:]
+    proto.graph.output.extend(reversed(outputs))
+    onnx.save(proto, str(path))
+    model = load_onnx(path, "cpu", say=False)
+    assert model.session.get_outputs()[0].name == "embedding"
+    expected = flat @ weights["weight"] + weights["bias"]
+    np.testing.assert_allclose(model.run(x), expected, rtol=1e-5, atol=1e-4)
+    _, embedding = model.run_with_embedding(x)
+    np.testing.assert_allclose(embedding, flat @ weights["embedding_weight"], rtol=1e-5, atol=1e-4)
+
+
+def test_a_bound_run_binds_only_the_outputs_asked_for(tmp_path):
+    path, _, x, _ = tiny(tmp_path, embedding=True)
+    session = load_onnx(path, "cpu", say=False).session
+    assert len(run_bound(session, {"input": x}, "cpu").get_outputs()) == 2  # default: all
+    only = run_bound(session, {"input": x}, "cpu", outputs=["embedding"]).get_outputs()
+    assert len(only) == 1 and only[0].shape() == [6, 4]
+    np.testing.assert_array_equal(only[0].numpy(), session.run(["embedding"], {"input": x})[0])
 
 
 # ---------------------------------------------------------------------------- the users

@@ -8,6 +8,10 @@ On CUDA a session runs through IO binding (``run_bound``): a plain ``session.run
 host arrays and returns host arrays, so every call pays its own copies and synchronisations
 around the kernels; bound, the input crosses the bus once, the outputs are allocated on the
 device by ORT's arena, and the caller decides whether (and when) they come back.
+
+A trainyard model's outputs are ``logits`` and, from the export that added it,
+``embedding`` (the classifier head's input, for drift and the prediction log). Readers
+ask for an output by name, so a model exported before it (logits only) runs everywhere.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +35,9 @@ log = logging.getLogger(__name__)
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 Device = Literal["auto", "cpu", "cuda"]
+# The exported model's output names (trainyard.export writes them, every reader asks by them).
+LOGITS_OUTPUT = "logits"
+EMBEDDING_OUTPUT = "embedding"
 
 
 def cuda_device_count() -> int:
@@ -77,10 +84,13 @@ def run_bound(
     feeds: Mapping[str, np.ndarray | ort.OrtValue],
     device: str,
     device_id: int = 0,
+    outputs: Sequence[str] | None = None,
 ) -> Any:
     """Run ``session`` once through IO binding on ``device`` ('cuda', or 'cpu' for tests);
     returns the ``IOBinding``: ``.get_outputs()`` leaves the outputs on the device,
-    ``.copy_outputs_to_cpu()`` brings them back as numpy arrays.
+    ``.copy_outputs_to_cpu()`` brings them back as numpy arrays, in ``outputs``' order.
+    ``outputs``: the output names to bind (None: all); ORT neither allocates nor returns
+    an output left unbound.
 
     A numpy feed is copied to the device once; an ``OrtValue`` already there is bound as
     is (no copy). Outputs are bound by device only, so ORT allocates them from its arena
@@ -95,8 +105,9 @@ def run_bound(
         if not isinstance(value, ort.OrtValue):
             value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), device, device_id)
         binding.bind_ortvalue_input(name, value)
-    for out in session.get_outputs():
-        binding.bind_output(out.name, device, device_id)
+    names = [out.name for out in session.get_outputs()] if outputs is None else outputs
+    for name in names:
+        binding.bind_output(name, device, device_id)
     session.run_with_iobinding(binding)
     return binding
 
@@ -106,13 +117,22 @@ class OnnxModel:
     """An ONNX Runtime session plus the model's own metadata (classes, normalisation...).
 
     ``bind_device`` ('cuda', from ``binding_device``): ``run`` goes through IO binding
-    there; None: plain ``session.run``."""
+    there; None: plain ``session.run``. ``logits_output`` is the output named ``logits``
+    (else the first: any classifier); ``embedding_output`` the one named ``embedding``,
+    None for a model exported without it."""
 
     session: Any
     provider: str
     metadata: dict[str, str]
     input_name: str
     bind_device: str | None = None
+    logits_output: str = field(init=False)
+    embedding_output: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        names = [out.name for out in self.session.get_outputs()]
+        self.logits_output = LOGITS_OUTPUT if LOGITS_OUTPUT in names else names[0]
+        self.embedding_output = EMBEDDING_OUTPUT if EMBEDDING_OUTPUT in names else None
 
     @property
     def classes(self) -> list[str]:
@@ -123,14 +143,33 @@ class OnnxModel:
         """Whether ``run`` binds inputs and outputs on the device (reported beside the provider)."""
         return self.bind_device is not None
 
+    @property
+    def has_embedding(self) -> bool:
+        """Whether the model has the ``embedding`` output (models exported before it: no)."""
+        return self.embedding_output is not None
+
     def run(self, x: np.ndarray) -> np.ndarray:
         """Logits for a normalised float32 batch [B,C,H,W], as a host array: bound, the
-        batch goes to the device once and only the logits (B x classes) come back."""
+        batch goes to the device once and only the logits (B x classes) come back. Only
+        the logits are asked for: an embedding output is neither copied nor returned."""
+        return self._run(x, [self.logits_output])[0]
+
+    def run_with_embedding(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(logits, embedding [B, D] float32) for a normalised float32 batch, both host
+        arrays from one run; the embedding is None for a model exported without it."""
+        if self.embedding_output is None:
+            return self.run(x), None
+        logits, embedding = self._run(x, [self.logits_output, self.embedding_output])
+        return logits, embedding
+
+    def _run(self, x: np.ndarray, names: list[str]) -> list[np.ndarray]:
         x = np.ascontiguousarray(x, np.float32)
         if self.bind_device is not None:
-            binding = run_bound(self.session, {self.input_name: x}, self.bind_device)
-            return binding.copy_outputs_to_cpu()[0]
-        return self.session.run(None, {self.input_name: x})[0]
+            feeds = {self.input_name: x}
+            return run_bound(
+                self.session, feeds, self.bind_device, outputs=names
+            ).copy_outputs_to_cpu()
+        return self.session.run(names, {self.input_name: x})
 
     def predict_logits(self, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
         return np.concatenate(
