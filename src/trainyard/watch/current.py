@@ -106,7 +106,7 @@ def window_from_table(table: pa.Table, source: str, model_sha256: str = "") -> W
     if "error" in table.column_names:
         has_error = pc.fill_null(pc.not_equal(table.column("error"), ""), False)
         keep = pc.and_(keep, pc.invert(has_error))
-    skipped["unreadable (an error, no prediction)"] = table.num_rows - pc.sum(keep).as_py()
+    skipped["unreadable (an error, no prediction)"] = table.num_rows - (pc.sum(keep).as_py() or 0)
     if model_sha256 and "model_version" in table.column_names:
         version = model_sha256[:12]
         mine = pc.fill_null(pc.equal(table.column("model_version"), version), False)
