@@ -1,4 +1,4 @@
-"""The ``trainyard`` command: ``trainyard <command> ...`` (doctor, tune, report, predict, exps)."""
+"""The ``trainyard`` command: ``trainyard <command> ...`` (doctor, tune, ..., drift)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from trainyard.bulk import command as bulk
 from trainyard.doctor import command as doctor
 from trainyard.experiments import exps, report, tune
-from trainyard.stages import predict
+from trainyard.stages import drift, predict
 
 # name -> (help, add_arguments(parser), run(args) -> exit code).
 COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace], int]]] = {
@@ -38,6 +38,11 @@ COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace]
         "merge the outputs of a job's --shard K/N runs into one table",
         bulk.add_merge_arguments,
         predict.cli_merge,
+    ),
+    "drift": (
+        "a prediction log or predict table against the model's reference (docs/drift.md)",
+        drift.add_cli_arguments,
+        drift.cli_run,
     ),
     "exps": (
         "the DVC experiments table with only the columns people compare",

@@ -305,6 +305,38 @@ class PredictParams(_Strict):
     chunk_rows: int = Field(4096, ge=16, le=1_000_000)
 
 
+class DriftParams(_Strict):
+    """``trainyard drift`` and the model's reference (docs/drift.md). The thresholds were
+    calibrated by measurement (tests/test_drift.py holds them to it): a window of the test
+    distribution is flagged at most once in 20, every shift the tests make always."""
+
+    # p-value below which a measure's test says "differs"; one per measure, Bonferroni-like
+    # for the three measures (a window of unchanged inputs: ~3 x alpha false alarms).
+    alpha: float = Field(0.001, gt=0, lt=0.5)
+    # class mix drifts only when its chi-square says so AND its PSI is above this: chi-square
+    # alone flags a 1% change in a class's share once the window holds ten thousand rows.
+    psi: float = Field(0.1, gt=0, le=10)
+    # confidence drifts only when KS says so AND its statistic (the CDFs' gap) is above this.
+    ks_statistic: float = Field(0.1, gt=0, lt=1)
+    min_rows: int = Field(50, ge=10, le=10_000_000)  # fewer rows in a window: no verdict
+    permutations: int = Field(2000, ge=20, le=1_000_000)  # the embedding test's p-value
+    mmd_rows: int = Field(500, ge=20, le=5000)  # rows of each side the embedding test uses
+    reference_sample: int = Field(2000, ge=100, le=1_000_000)  # evaluate keeps this many
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # the samples' and permutations' seed
+
+    @model_validator(mode="after")
+    def _permutations_reach_alpha(self) -> DriftParams:
+        # A permutation p-value is never below 1 / (permutations + 1): fewer could not
+        # ever flag the embedding measure.
+        if 1 / (self.permutations + 1) >= self.alpha:
+            raise ValueError(
+                f"permutations ({self.permutations}) must exceed 1 / alpha - 1 "
+                f"({1 / self.alpha - 1:g}): the embedding test's smallest p-value is "
+                "1 / (permutations + 1)"
+            )
+        return self
+
+
 class TuneRange(_Strict):
     """A numeric range of one param: ints when both ends are ints, else floats."""
 
@@ -412,6 +444,7 @@ class Params(_Strict):
     serve: ServeParams = Field(default_factory=ServeParams)
     tune: TuneParams = Field(default_factory=TuneParams)
     predict: PredictParams = Field(default_factory=PredictParams)
+    drift: DriftParams = Field(default_factory=DriftParams)
 
     def dataset_name(self) -> str:
         """The data's short name: ``fashion-mnist``, the image folder's own name, or the
@@ -441,8 +474,8 @@ class Params(_Strict):
     def flat(self) -> dict[str, Any]:
         """Dotted keys (``train.lr``) for MLflow params; the search space (``tune``) and bulk
         scoring (``predict``) shape no single training (the study's parent run and the
-        predict run record them)."""
-        return flatten(self.model_dump(exclude={"tune", "predict"}))
+        predict run record them), nor does watching the served model (``drift``)."""
+        return flatten(self.model_dump(exclude={"tune", "predict", "drift"}))
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

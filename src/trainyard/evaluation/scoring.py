@@ -135,12 +135,18 @@ def _predict(
     std: tuple[float, ...],
     batch_size: int,
     num_classes: int,
-) -> tuple[np.ndarray, np.ndarray]:
+    embedding_rows: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Argmax class (int64 ``[N]``) of each image and its softmax probability (float32
-    ``[N]``, the confidence the service reports), normalising one batch at a time."""
+    ``[N]``, the confidence the service reports), normalising one batch at a time; and the
+    embeddings of the sorted ``embedding_rows`` only (None without rows, or for a model
+    exported without its embedding output): a large test split's never sit in memory."""
     n = images.shape[0]
     preds = np.empty(n, dtype=np.int64)
     confidence = np.empty(n, dtype=np.float32)
+    kept: list[np.ndarray] = []
+    run_with_embedding = getattr(model, "run_with_embedding", None)
+    want = embedding_rows is not None and run_with_embedding is not None
 
     def prepare(start: int) -> np.ndarray:
         # Slicing a memmap reads only this batch; normalize_pixels makes its float copy.
@@ -155,7 +161,15 @@ def _predict(
             x = pending.result()
             nxt = start + batch_size
             pending = pool.submit(prepare, nxt) if nxt < n else None
-            logits = model.run(x)
+            embedding = None
+            if want:
+                logits, embedding = run_with_embedding(x)
+                want = embedding is not None  # a model without the output: logits from now on
+            else:
+                logits = model.run(x)
+            if embedding is not None:
+                lo, hi = np.searchsorted(embedding_rows, [start, start + x.shape[0]])
+                kept.append(np.asarray(embedding[embedding_rows[lo:hi] - start], np.float32))
             if logits.ndim != 2 or logits.shape != (x.shape[0], num_classes):
                 raise ModelError(
                     f"the model returned {logits.shape} for a batch of {x.shape[0]}; its card "
@@ -164,7 +178,7 @@ def _predict(
                 )
             preds[start : start + x.shape[0]] = logits.argmax(axis=1)
             confidence[start : start + x.shape[0]] = softmax(logits).max(axis=1)
-    return preds, confidence
+    return preds, confidence, (np.concatenate(kept) if kept else None)
 
 
 def evaluate_onnx(
@@ -173,13 +187,16 @@ def evaluate_onnx(
     labels: np.ndarray,
     batch_size: int,
     device: Device = "auto",
+    embedding_rows: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Run the ONNX model on uint8 images ``[N, C, H, W]`` with integer labels ``[N]``.
 
     ``images`` may be a read-only memmap of any size: it is read and normalised one batch
     at a time. Returns ``{"metrics": {..., "samples", "provider", "io_binding"},
     "predictions": int64 [N], "confidence": float32 [N] (softmax probability of the
-    prediction), "classes": the card's class names, "card"}``.
+    prediction), "embeddings": float32 [len(embedding_rows), D] (the model's embedding of
+    those test images, sorted row indices; None without rows or without the model's
+    embedding output), "classes": the card's class names, "card"}``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -205,7 +222,10 @@ def evaluate_onnx(
             f"test labels go from {labels.min()} to {labels.max()}, "
             f"model has {len(classes)} classes"
         )
-    preds, confidence = _predict(model, images, card.mean, card.std, batch_size, len(classes))
+    rows = None if embedding_rows is None else np.sort(np.asarray(embedding_rows, np.int64))
+    preds, confidence, embeddings = _predict(
+        model, images, card.mean, card.std, batch_size, len(classes), rows
+    )
     metrics = classification_metrics(labels.astype(np.int64), preds, classes)
     metrics["samples"] = int(labels.shape[0])
     metrics["provider"] = model.provider
@@ -214,6 +234,7 @@ def evaluate_onnx(
         "metrics": metrics,
         "predictions": preds,
         "confidence": confidence,
+        "embeddings": embeddings,
         "classes": classes,
         "card": card,
     }

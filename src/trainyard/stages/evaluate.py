@@ -9,15 +9,16 @@ from typing import Any
 import numpy as np
 
 from trainyard.core.config import Params
-from trainyard.core.io import atomic_write_json
+from trainyard.core.io import atomic_write_json, sha256_file
 from trainyard.core.records import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.data.datamodule import load_split
 from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.runner import stage_main
-from trainyard.track.registry import register_and_promote
+from trainyard.track.registry import REFERENCE_ARTIFACT, register_and_promote, tag_reference
 from trainyard.track.runs import log_to_open_run, logging_into, open_run
 from trainyard.track.store import DVC_EXP_NAME, in_temp_workspace, tracking_client
 from trainyard.training.history import HISTORY_FILE, read_history
+from trainyard.watch.reference import reference_from_predictions, sample_rows, save_reference
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
 # INFO lines the stage shows (stages.common.configure_logging).
@@ -25,6 +26,7 @@ log = logging.getLogger("trainyard.stages.evaluate")
 # MLflow artifact folders of the train run: the data files, and the pictures to look at.
 EVALUATION_ARTIFACTS = "evaluation"
 REPORT_ARTIFACTS = "report"
+REFERENCE_FILE = "model.reference.npz"  # beside model.onnx: what `trainyard drift` reads
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -35,23 +37,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
-    """Evaluate the ONNX model, write the reports, log them, register the model."""
+    """Evaluate the ONNX model, write the reports and the model's drift reference, log them,
+    register the model (its version tagged with the reference's sha256)."""
     info = TrainRecord.read(TrainRecord.path_in(args.models))
     run_id = open_run(info.run_id)
     exported = ExportRecord.read(ExportRecord.path_in(args.reports))
     images, labels = load_split(args.data, "test")
+    rows = sample_rows(labels.shape[0], params.drift.reference_sample, params.drift.seed)
     result = evaluate_onnx(
         Path(args.models, "model.onnx"),
         images,
         labels,
         params.evaluate.batch_size,
         params.evaluate.device,
+        embedding_rows=rows,
     )
     history = training_history(Path(args.models, HISTORY_FILE))
     paths = write_metrics(result, images, labels, args.reports, info, exported, history)
-    log_evaluation(run_id, result, paths)
+    reference = write_reference(params, result, exported, Path(args.models, REFERENCE_FILE))
+    log_evaluation(run_id, result, paths, reference)
     enabled = params.registry.enabled
     registration = register(params, run_id, result, info, exported) if enabled else None
+    if registration is not None:
+        tag_reference(
+            tracking_client(), registration.model_name, registration.version, sha256_file(reference)
+        )
     record = RegistryRecord(enabled=enabled, registration=registration)
     record.write(RegistryRecord.path_in(args.reports))
 
@@ -96,8 +106,30 @@ def write_metrics(
     return paths
 
 
-def log_evaluation(run_id: str, result: dict[str, Any], paths: dict[str, Path]) -> None:
-    """Test accuracy, macro and per-class F1, and the reports, into the train run."""
+def write_reference(
+    params: Params, result: dict[str, Any], exported: ExportRecord, path: Path
+) -> Path:
+    """The model's drift reference (trainyard.watch.reference) from the test split's
+    predictions, confidences and sampled embeddings."""
+    reference = reference_from_predictions(
+        result["classes"],
+        result["predictions"],
+        result["confidence"],
+        result["embeddings"],
+        model_sha256=exported.onnx_sha256,
+        sample=params.drift.reference_sample,
+        seed=params.drift.seed,
+    )
+    if reference.embeddings is None:
+        log.info("the model has no embedding output: its drift reference has none")
+    return save_reference(reference, path)
+
+
+def log_evaluation(
+    run_id: str, result: dict[str, Any], paths: dict[str, Path], reference: Path
+) -> None:
+    """Test accuracy, macro and per-class F1, the reports and the drift reference, into
+    the train run."""
     m = result["metrics"]
     with logging_into(run_id, "evaluate"):
         log.info(
@@ -118,7 +150,8 @@ def log_evaluation(run_id: str, result: dict[str, Any], paths: dict[str, Path]) 
             artifacts={
                 path: REPORT_ARTIFACTS if path.suffix == ".png" else EVALUATION_ARTIFACTS
                 for path in paths.values()
-            },
+            }
+            | {reference: str(Path(REFERENCE_ARTIFACT).parent)},
         )
 
 

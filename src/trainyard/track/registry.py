@@ -60,6 +60,10 @@ log = logging.getLogger(__name__)
 CHAMPION, CHALLENGER = "champion", "challenger"
 ACCURACY_TAG, DATA_TAG, SHA_TAG = "test_accuracy", "data_version", "onnx_sha256"
 DECISION_TAG, PENDING = "decision", "pending"
+# The model's drift reference (trainyard.watch.reference): logged in the run under
+# REFERENCE_ARTIFACT, its sha256 tagged on the version so a download can be checked.
+REFERENCE_TAG = "reference_sha256"
+REFERENCE_ARTIFACT = "reference/model.reference.npz"
 # A registration waits only for lower pending versions, each of which waits only for lower
 # ones and then decides in milliseconds: a version pending this long was killed.
 STALE_AFTER_S = 600.0
@@ -518,3 +522,61 @@ def fetch_model(uri: str, cache_dir: str | os.PathLike[str]) -> tuple[Any, dict[
     newest = max(versions, key=lambda v: int(v.version))
     path, provenance = fetch_registered_onnx(f"models:/{newest.name}/{newest.version}", cache_dir)
     return path, provenance | {"model_source": uri}
+
+
+def tag_reference(client: Any, name: str, version: int | str, reference_sha256: str) -> None:
+    """Tag a registered version with its drift reference's sha256 (``fetch_reference``
+    checks a download against it)."""
+    try:
+        client.set_model_version_tag(name, str(version), REFERENCE_TAG, reference_sha256)
+    except MlflowException as err:
+        raise TrackingError(f"tagging {name} v{version}'s reference: {err.message}") from None
+
+
+def fetch_reference(uri: str, cache_dir: str | os.PathLike[str]) -> Path:
+    """The drift reference of the version ``models:/NAME@ALIAS`` or ``models:/NAME/N``
+    names: its run's ``REFERENCE_ARTIFACT``, downloaded into ``cache_dir`` and checked
+    against the version's ``reference_sha256`` tag (a version without it is refused)."""
+    name, alias, version = parse_model_uri(uri)
+    tracking_uri = resolve_tracking_uri()
+    check_tracking_uri(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    try:
+        mv = (
+            client.get_model_version_by_alias(name, alias)
+            if alias
+            else client.get_model_version(name, version)
+        )
+    except MlflowException as err:
+        raise TrackingError(
+            f"--reference {uri}: not found in the registry at {tracking_uri} ({err.message})"
+        ) from None
+    expected = mv.tags.get(REFERENCE_TAG)
+    if not expected or not mv.run_id:
+        raise TrackingError(
+            f"--reference {uri} (v{mv.version}) has no {REFERENCE_TAG} tag: it was registered "
+            "before evaluate stored a reference; rerun `dvc repro evaluate` for that model"
+        )
+    dest = Path(cache_dir) / name / str(mv.version) / "model.reference.npz"
+    if dest.is_file() and sha256_file(dest) == expected:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        try:
+            got = Path(
+                mlflow.artifacts.download_artifacts(
+                    artifact_uri=f"runs:/{mv.run_id}/{REFERENCE_ARTIFACT}",
+                    dst_path=tmp,
+                    tracking_uri=tracking_uri,
+                )
+            )
+        except MlflowException as err:
+            raise TrackingError(f"--reference {uri} (v{mv.version}): {err.message}") from None
+        actual = sha256_file(got)
+        if actual != expected:
+            raise TrackingError(
+                f"--reference {uri} (v{mv.version}): the downloaded reference has sha256 "
+                f"{actual}, the registry records {expected}; refusing it"
+            )
+        shutil.move(str(got), dest)
+    return dest

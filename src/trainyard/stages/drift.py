@@ -1,0 +1,94 @@
+"""``trainyard drift SOURCE``: a prediction-log folder or a ``trainyard predict`` table
+against the model's reference (docs/drift.md).
+
+Prints one line (what drifted, or that nothing did), writes ``report.md`` + ``report.json``
++ pictures into ``--out``, and exits 0 (no drift), 1 (drift) or 2 (bad input: the message
+names the file or option), for a cron job or a CI step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from trainyard.core.config import DEFAULT_PARAMS, load_params
+from trainyard.core.errors import TrainyardError
+from trainyard.stages.runner import configure_logging
+from trainyard.track.registry import fetch_reference
+from trainyard.watch.current import parse_duration, parse_time, read_window
+from trainyard.watch.drift import compare
+from trainyard.watch.log import utc_now
+from trainyard.watch.reference import DEFAULT_PATH, Reference, load_reference
+from trainyard.watch.report import write_report
+
+log = logging.getLogger("trainyard.stages.drift")
+NO_DRIFT, DRIFT, BAD_INPUT = 0, 1, 2
+
+
+def add_cli_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``trainyard drift``'s options."""
+    p.add_argument("source", help="a prediction-log folder, or a `trainyard predict` table")
+    p.add_argument(
+        "--reference",
+        default=str(DEFAULT_PATH),
+        help="the model's reference: a .npz (default %(default)s, written by evaluate) or "
+        "models:/NAME@ALIAS, models:/NAME/N (the registered version's)",
+    )
+    p.add_argument("--out", default="reports/drift", help="report folder (default %(default)s)")
+    window = p.add_mutually_exclusive_group()
+    window.add_argument("--last", help="a log folder's last DURATION (90m, 24h, 7d)")
+    window.add_argument("--since", help="a log folder's rows from this ISO time (UTC default)")
+    p.add_argument("--until", help="... up to this ISO time (default: now)")
+    p.add_argument("--params", default=str(DEFAULT_PARAMS), help="params file (its drift: keys)")
+    return p
+
+
+def time_window(args: argparse.Namespace) -> tuple[datetime | None, datetime | None]:
+    """(since, until) from --last, or --since/--until; (None, None) for everything."""
+    until = parse_time(args.until, "--until") if args.until else None
+    if args.last:
+        if until is not None:
+            raise TrainyardError("--last and --until: give --since/--until for a past window")
+        return utc_now() - parse_duration(args.last), None
+    since = parse_time(args.since, "--since") if args.since else None
+    if since is not None and until is not None and since >= until:
+        raise TrainyardError(f"--since {args.since} is not before --until {args.until}")
+    return since, until
+
+
+def reference_of(spec: str, params_file: Path) -> Reference:
+    """The reference a ``--reference`` names: a file, or a registered version's."""
+    if spec.startswith("models:/"):
+        return load_reference(fetch_reference(spec, params_file.parent / ".cache" / "registry"))
+    return load_reference(spec)
+
+
+def drift(args: argparse.Namespace) -> int:
+    """Compare, report, print the line; the exit code (0 or 1). Raises TrainyardError."""
+    params = load_params(args.params)
+    since, until = time_window(args)
+    reference = reference_of(args.reference, Path(args.params))
+    window = read_window(args.source, model_sha256=reference.model_sha256, since=since, until=until)
+    result = compare(reference, window, params.drift)
+    paths = write_report(result, reference, window, args.out)
+    log.info("report: %s", paths["report.md"])
+    print(result.summary)
+    return DRIFT if result.drifted else NO_DRIFT
+
+
+def cli_run(args: argparse.Namespace) -> int:
+    """``trainyard drift``: bad input of any kind exits 2 with a message naming it."""
+    configure_logging("drift")
+    try:
+        return drift(args)
+    except TrainyardError as err:
+        print(f"trainyard drift: error: {err}", file=sys.stderr)
+        return BAD_INPUT
+
+
+if __name__ == "__main__":
+    parser = add_cli_arguments(argparse.ArgumentParser(prog="trainyard drift"))
+    sys.exit(cli_run(parser.parse_args()))

@@ -1,0 +1,153 @@
+"""The current window drift compares: a prediction-log folder, or a ``trainyard predict``
+table (.parquet or .csv), read with pyarrow alone (watch does not import bulk).
+
+Both name their columns alike: ``label`` (top-1), ``probability`` (its probability), and
+``embedding`` (list<float32>) where the model has one. A predict table's rows with an
+``error`` (a file that could not be read) carry no prediction and are skipped, as are the
+log's rows of another model than the reference's (after a champion swap).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from trainyard.core.errors import DataError
+from trainyard.watch.drift import Window
+from trainyard.watch.log import log_files, read_log
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_duration(text: str, option: str = "--last") -> timedelta:
+    """``90m``, ``24h``, ``7d``, ``1w`` -> a timedelta; a DataError naming ``option``."""
+    m = _DURATION.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise DataError(f"{option} {text!r}: expected a positive duration such as 90m, 24h, 7d")
+    return timedelta(**{_UNITS[m.group(2)]: float(m.group(1))})
+
+
+def parse_time(text: str, option: str) -> datetime:
+    """An ISO 8601 time (UTC when it names no zone); a DataError naming ``option``."""
+    try:
+        t = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise DataError(
+            f"{option} {text!r}: expected an ISO 8601 time such as 2025-06-01T00:00 "
+            "(UTC unless it names a zone)"
+        ) from None
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+def read_window(
+    source: str | Path,
+    *,
+    model_sha256: str = "",
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> Window:
+    """The predictions in ``source``: a prediction-log folder (rows with ``since <= time <
+    until``, of the model whose sha256 is ``model_sha256`` when given), or a predict table
+    (.parquet, .pq, .csv). A DataError naming the source when it cannot be read."""
+    path = Path(source)
+    if path.is_dir():
+        if not log_files(path):
+            raise DataError(
+                f"{path}: no prediction log files (predictions-*.parquet) in this folder; "
+                "the service writes them with serve.log_predictions"
+            )
+        try:
+            table = read_log(path, since, until)
+        except (OSError, pa.ArrowException) as err:
+            raise DataError(f"{path}: cannot read the prediction log: {err}") from None
+        return window_from_table(table, f"{path} (prediction log)", model_sha256)
+    if since is not None or until is not None:
+        raise DataError(
+            f"{path}: --last/--since/--until select a window of a prediction-log folder; "
+            "a predict table is compared whole"
+        )
+    return window_from_table(read_table(path), str(path))
+
+
+def read_table(path: Path) -> pa.Table:
+    """A predict output table, by its extension."""
+    if not path.is_file():
+        raise DataError(f"{path}: not found (expected a prediction-log folder or a .parquet/.csv)")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".parquet", ".pq"):
+            return pq.read_table(path)
+        if suffix == ".csv":
+            return pa_csv.read_csv(path)
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(f"{path}: not a readable predictions table ({err})") from None
+    raise DataError(f"{path}: expected a .parquet or .csv predictions table, or a log folder")
+
+
+def window_from_table(table: pa.Table, source: str, model_sha256: str = "") -> Window:
+    """The window of a log or predict table: rows with a prediction and no error."""
+    missing = [c for c in ("label", "probability") if c not in table.column_names]
+    if missing:
+        raise DataError(
+            f"{source}: no {' or '.join(missing)} column: not a prediction log or a "
+            "`trainyard predict` table"
+        )
+    skipped: dict[str, int] = {}
+    keep = pc.is_valid(table.column("label"))
+    if "error" in table.column_names:
+        has_error = pc.fill_null(pc.not_equal(table.column("error"), ""), False)
+        keep = pc.and_(keep, pc.invert(has_error))
+    skipped["unreadable (an error, no prediction)"] = table.num_rows - (pc.sum(keep).as_py() or 0)
+    if model_sha256 and "model_version" in table.column_names:
+        version = model_sha256[:12]
+        mine = pc.fill_null(pc.equal(table.column("model_version"), version), False)
+        skipped[f"another model than the reference's ({version})"] = (
+            pc.sum(pc.and_(keep, pc.invert(mine))).as_py() or 0
+        )
+        keep = pc.and_(keep, mine)
+    table = table.filter(keep)
+    probs = table.column("probability").to_numpy(zero_copy_only=False).astype(np.float32)
+    if probs.size and (np.isnan(probs).any() or probs.min() < 0 or probs.max() > 1):
+        raise DataError(f"{source}: probability column holds values outside 0..1")
+    labels = np.asarray(table.column("label").to_pylist(), dtype=object)
+    return Window(
+        labels=labels.astype(str) if labels.size else np.array([], str),
+        probabilities=probs,
+        embeddings=_embeddings(table, source),
+        source=source,
+        skipped={why: int(n) for why, n in skipped.items() if n},
+    )
+
+
+def _embeddings(table: pa.Table, source: str) -> np.ndarray | None:
+    """The ``embedding`` column as [n, D] float32; None when absent or null on every row.
+    A CSV holds it as JSON lists. Some rows without one (a model swapped mid-window) is
+    an error: the window mixes two models."""
+    if "embedding" not in table.column_names or table.num_rows == 0:
+        return None
+    column = table.column("embedding")
+    if column.null_count == table.num_rows:
+        return None
+    if column.null_count:
+        raise DataError(
+            f"{source}: {column.null_count} of {table.num_rows} rows have no embedding: the "
+            "window mixes a model with an embedding output and one without; narrow it"
+        )
+    text = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+    try:
+        rows = [json.loads(v) for v in column.to_pylist()] if text else column.to_pylist()
+        out = np.asarray(rows, dtype=np.float32)
+    except ValueError:
+        raise DataError(f"{source}: embeddings of different lengths: two models' rows") from None
+    if out.ndim != 2 or not np.isfinite(out).all():
+        raise DataError(f"{source}: the embedding column is not finite [n, D] numbers")
+    return out
