@@ -30,6 +30,7 @@ import bentoml
 from bentoml.exceptions import ServiceUnavailable
 from starlette.responses import Response
 
+from trainyard.core.errors import TrainyardError
 from trainyard.runtime.sessions import choose_providers
 from trainyard.serve.api import (
     BatchForm,
@@ -42,6 +43,7 @@ from trainyard.serve.api import (
     read_classify,
 )
 from trainyard.serve.app import build_app
+from trainyard.serve.drift_watch import reference_beside
 from trainyard.serve.guard import INTERNAL_HEADER, RequestGuard
 from trainyard.serve.lifecycle import freeze_heap, stop_listening_on_sigterm
 from trainyard.serve.observe import build_observer
@@ -73,6 +75,21 @@ def fetch_registered(uri: str, cache: Path) -> tuple[Path, dict[str, str]]:
     return fetch_registered_onnx(uri, cache)
 
 
+def fetch_registered_reference(uri: str, cache: Path) -> Path | None:
+    """The reference evaluate stored with a registered version (drift on /metrics); None
+    where MLflow is absent (a bento ships its model's reference file) or the version has
+    none (registered before references existed)."""
+    try:
+        from trainyard.track.registry import fetch_reference
+    except ImportError:
+        return None
+    try:
+        return fetch_reference(uri, cache)
+    except TrainyardError as err:
+        log.info("trainyard: %s: no reference (%s)", uri, err)
+        return None
+
+
 SETTINGS = read_settings()
 PARAMS = SETTINGS.params
 MODEL_PATH, _SOURCE = resolve_model(SETTINGS, fetch_registered)
@@ -89,6 +106,12 @@ SHADOW = resolve_shadow(SETTINGS, fetch_registered)
 if SHADOW is not None:
     verify_model(SHADOW[0])
 LOG_DIR = log_folder(SETTINGS)
+# What the model saw on its test split (evaluate's model.reference.npz), for the drift score.
+REFERENCE = (
+    fetch_registered_reference(SETTINGS.model_source, SETTINGS.cache_dir)
+    if SETTINGS.from_registry
+    else reference_beside(MODEL_PATH)
+)
 # The batchable method answers only this process's own client (the guard 404s the rest).
 INTERNAL_ROUTE, INTERNAL_TOKEN = "/probabilities", secrets.token_urlsafe(24)
 PAGES = build_app()  # GET /metadata, /ui, /docs, / and the JSON 404 (trainyard.serve.app)
@@ -114,7 +137,9 @@ class ImageClassifier:
 
     def __init__(self) -> None:
         self.predictor = Predictor.load(MODEL_PATH, PARAMS, PROVENANCE)
-        self.predictor.observer = build_observer(PARAMS, self.predictor.card, LOG_DIR, SHADOW)
+        self.predictor.observer = build_observer(
+            PARAMS, self.predictor.card, LOG_DIR, SHADOW, REFERENCE, SETTINGS.drift
+        )
         freeze_heap()  # after the model: what start-up built stays for the process's life
         log.info("%s", self.predictor.startup_message(SETTINGS.params_file))
 

@@ -23,6 +23,7 @@ from trainyard.watch.log import PredictionLog, keep_under, log_files, read_log
 
 from conftest import write_tiny_onnx
 
+PNG = {"Content-Type": "image/png"}
 CARD = Card(
     source="folder",
     classes=("circle", "square", "triangle"),
@@ -226,3 +227,60 @@ def test_log_files_appear_whole(tmp_path):
     plog.close()
     assert all(not p.name.startswith(".") for p in tmp_path.iterdir())
     assert len(log_files(tmp_path)) == 2
+
+
+def scored(path: Path, images: list[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
+    """(probabilities, embeddings) of the model at ``path`` for ``images``, by the runtime
+    the service uses: what its reference holds."""
+    from trainyard.runtime.inputs import model_input as to_input
+    from trainyard.runtime.inputs import softmax
+    from trainyard.runtime.sessions import load_onnx
+
+    model = load_onnx(path, "cpu", say=False)
+    pixels = np.stack([decode_image(png(im), CARD) for im in images]).astype(np.float32)
+    logits, embeddings = model.run_with_embedding(to_input(pixels, CARD))
+    return softmax(logits), embeddings
+
+
+def noise(n: int, seed: int, low: int = 0, high: int = 256) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(low, high, (8, 8, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def test_the_drift_score_flags_shifted_answers_and_not_the_reference_distribution(models, tmp_path):
+    """serve.drift_window: the service's last answers against the reference beside the
+    model (evaluate's model.reference.npz). Answers like the reference's: no drift; dark
+    images (another input distribution): drift, the measures named."""
+    import shutil
+
+    from trainyard.serve.drift_watch import reference_beside
+    from trainyard.watch.reference import build_reference, save_reference
+
+    folder = tmp_path / "model"
+    shutil.copytree(models["served"][0].parent, folder)
+    model = folder / "model.onnx"
+    probs, embeddings = scored(model, noise(600, seed=10))
+    sha = model.with_name("model.onnx.sha256").read_text().split()[0]
+    save_reference(
+        build_reference(CARD.classes, probs, embeddings, model_sha256=sha), reference_beside(model)
+    )
+    settings = {"drift_window": 150, "drift_every_s": 3600}  # checked by the test, not a timer
+    for client in service_client(model, **settings):
+        watch = client.predictor.observer.drift
+        for image in noise(150, seed=11):
+            assert client.post("/classify", content=png(image), headers=PNG).status_code == 200
+        same = watch.check()
+        for image in noise(150, seed=12, high=60):
+            assert client.post("/classify", content=png(image), headers=PNG).status_code == 200
+        dark = watch.check()
+    assert same is not None and not same.drifted, same.summary
+    assert dark is not None and dark.drifted, dark.summary
+    assert "embedding" in dark.drifted_measures, dark.summary
+    assert {m.name for m in same.measures} == {"class_mix", "confidence", "embedding"}
+
+
+def test_no_reference_beside_the_model_means_no_drift_score_said_once(models, caplog):
+    with caplog.at_level("INFO"):
+        for client in service_client(models["served"][0], drift_window=100):
+            assert client.predictor.observer is None  # nothing else is on either
+    assert "no reference at" in caplog.text and "no drift score" in caplog.text

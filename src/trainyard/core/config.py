@@ -276,6 +276,8 @@ class ServeParams(_Strict):
     shadow_share: float = Field(1.0, gt=0, le=1)
     shadow_queue: int = Field(256, ge=1, le=1_000_000)
     reload_s: float = Field(10.0, ge=0, le=86_400)  # models:/NAME@ALIAS re-read; 0: never
+    drift_window: int = Field(1000, ge=0, le=1_000_000)  # answers compared; 0: no drift score
+    drift_every_s: float = Field(60.0, gt=0, le=86_400)
 
     @model_validator(mode="after")
     def _body_timeout_first(self) -> ServeParams:

@@ -145,8 +145,7 @@ def _predict(
     preds = np.empty(n, dtype=np.int64)
     confidence = np.empty(n, dtype=np.float32)
     kept: list[np.ndarray] = []
-    run_with_embedding = getattr(model, "run_with_embedding", None)
-    want = embedding_rows is not None and run_with_embedding is not None
+    want = embedding_rows is not None and model.has_embedding
 
     def prepare(start: int) -> np.ndarray:
         # Slicing a memmap reads only this batch; normalize_pixels makes its float copy.
@@ -163,8 +162,7 @@ def _predict(
             pending = pool.submit(prepare, nxt) if nxt < n else None
             embedding = None
             if want:
-                logits, embedding = run_with_embedding(x)
-                want = embedding is not None  # a model without the output: logits from now on
+                logits, embedding = model.run_with_embedding(x)
             else:
                 logits = model.run(x)
             if embedding is not None:

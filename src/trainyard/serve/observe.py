@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from trainyard.core.card import Card, card_from_metadata
-from trainyard.core.config import ServeParams
+from trainyard.core.config import DriftParams, ServeParams
 from trainyard.core.errors import InputError
 from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.runtime.sessions import OnnxModel
+from trainyard.serve.drift_watch import DriftWatch
 from trainyard.serve.metrics import Metrics, metrics
 from trainyard.serve.settings import load_model
 from trainyard.watch.log import PredictionLog, utc_now
@@ -122,14 +123,20 @@ class Observer:
         metrics: Metrics,
         prediction_log: PredictionLog | None = None,
         shadow: ShadowModel | None = None,
+        drift: DriftWatch | None = None,
     ) -> None:
         self.params, self.metrics = params, metrics
-        self.log, self.shadow = prediction_log, shadow
+        self.log, self.shadow, self.drift = prediction_log, shadow, drift
         self._queue: queue.Queue[Seen | None] = queue.Queue(params.shadow_queue)
         self._thread: threading.Thread | None = None
         if shadow is not None:
             self._thread = threading.Thread(target=self._shadow_loop, name="shadow", daemon=True)
             self._thread.start()
+
+    @property
+    def wants_embedding(self) -> bool:
+        """Whether the answering model's embedding is used (the log keeps it, drift reads it)."""
+        return self.log is not None or self.drift is not None
 
     @property
     def keeps_images(self) -> bool:
@@ -139,6 +146,11 @@ class Observer:
     def describe(self) -> str:
         """For the start-up line: where the log goes, which shadow runs on which share."""
         parts = []
+        if self.drift is not None:
+            parts.append(
+                f"drift of the last {self.params.drift_window} answers every "
+                f"{self.params.drift_every_s:g} s on /metrics"
+            )
         if self.log is not None:
             parts.append(f"prediction log to {self.log.folder}")
         if self.shadow is not None:
@@ -152,6 +164,10 @@ class Observer:
     def seen(self, item: Seen) -> None:
         """On the answer path: queue, never wait."""
         self.metrics.model_latency.labels(role="answer").observe(item.latency_ms / 1e3)
+        if self.drift is not None:
+            answer = item.answer
+            probability = answer["probabilities"][answer["class_id"]]
+            self.drift.add(answer["label"], probability, item.embedding)
         if self.shadow is not None and random.random() < self.params.shadow_share:
             try:
                 self._queue.put_nowait(item)
@@ -168,6 +184,8 @@ class Observer:
             self._thread = None
         if self.log is not None:
             self.log.close()
+        if self.drift is not None:
+            self.drift.close()
 
     def _shadow_loop(self) -> None:
         assert self.shadow is not None
@@ -245,10 +263,18 @@ def build_observer(
     answering: Card,
     log_dir: Path | None,
     shadow: tuple[Path, Mapping[str, str]] | None,
+    reference: Path | None = None,
+    drift: DriftParams | None = None,
 ) -> Observer | None:
-    """This worker's observer: the prediction log in ``log_dir`` (None: off) and the shadow
-    model (path, provenance; None: none). None when neither is on."""
-    if log_dir is None and shadow is None:
+    """This worker's observer: the prediction log in ``log_dir`` (None: off), the shadow
+    model (path, provenance; None: none) and the drift score against the ``reference``
+    file (None, or serve.drift_window 0: off). None when none of them is on."""
+    watch = None
+    if reference is not None and params.drift_window > 0:
+        watch = DriftWatch.load(
+            reference, drift or DriftParams(), params.drift_window, params.drift_every_s
+        )
+    if log_dir is None and shadow is None and watch is None:
         return None
     found = metrics()
     challenger = None
@@ -258,4 +284,4 @@ def build_observer(
         version = f"{name}/{number}" if name and number else "local"
         challenger = ShadowModel.load(path, params, version, answering)
     prediction_log = None if log_dir is None else open_log(log_dir, params, found)
-    return Observer(params, found, prediction_log, challenger)
+    return Observer(params, found, prediction_log, challenger, watch)

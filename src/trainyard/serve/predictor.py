@@ -118,7 +118,7 @@ class Predictor:
             )
         self.metrics.batch_size.observe(pixels.shape[0])
         x = model_input(pixels, self.card)
-        if self.observer is not None and self.observer.log is not None and self.model.has_embedding:
+        if self.observer is not None and self.observer.wants_embedding and self.model.has_embedding:
             logits, embedding = self.model.run_with_embedding(x)
             return softmax(logits), embedding
         return softmax(self.model.run(x)), None

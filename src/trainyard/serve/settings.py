@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnxruntime as ort
 
-from trainyard.core.config import ServeParams, load_params
+from trainyard.core.config import DriftParams, ServeParams, load_params
 from trainyard.core.errors import ModelError
 from trainyard.runtime.model_file import ORT_LOAD_ERRORS, open_verified, verify_model
 from trainyard.runtime.sessions import OnnxModel
@@ -42,6 +42,7 @@ class Settings:
     model_source: str  # a path as written, or a models:/ URI
     api_key: str | None
     cache_dir: Path  # where registry models are downloaded
+    drift: DriftParams = field(default_factory=DriftParams)  # the windowed drift score
 
     @property
     def from_registry(self) -> bool:
@@ -61,8 +62,10 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """
     env = os.environ if environ is None else environ
     params_file = Path(env.get(PARAMS_ENV) or "params.yaml").resolve()
-    params = load_params(params_file).serve
+    loaded = load_params(params_file)
+    params = loaded.serve
     return Settings(
+        drift=loaded.drift,
         params=params,
         params_file=params_file,
         model_source=env.get(MODEL_ENV) or params.model,
