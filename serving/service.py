@@ -138,7 +138,13 @@ class ImageClassifier:
     def __init__(self) -> None:
         self.predictor = Predictor.load(MODEL_PATH, PARAMS, PROVENANCE)
         self.predictor.observer = build_observer(
-            PARAMS, self.predictor.card, LOG_DIR, SHADOW, REFERENCE, SETTINGS.drift
+            PARAMS,
+            self.predictor.card,
+            self.predictor.sha256,
+            LOG_DIR,
+            SHADOW,
+            REFERENCE,
+            SETTINGS.drift,
         )
         freeze_heap()  # after the model: what start-up built stays for the process's life
         log.info("%s", self.predictor.startup_message(SETTINGS.params_file))

@@ -94,7 +94,9 @@ TRAINING_IMPORTS = {
 # Whole layers in the bento: the service's (tests/test_layers.py: serve -> core, runtime)
 # and bulk scoring's, under src/. Of the data layer, only what the entry points import.
 SHIPPED_LAYERS = ("core", "runtime", "serve", "bulk")
-PARTLY_SHIPPED = "data"
+# Layers of which the bento holds only what the entry points import: data (datamodule.py
+# imports torch) and watch (plots.py, the drift report's, imports matplotlib).
+PARTLY_SHIPPED = ("data", "watch")
 # What the image runs: the service, and `python -m trainyard.bulk` (deploy/predict-job.yaml).
 ENTRY_POINTS = ("serving/service.py", "src/trainyard/bulk/__main__.py")
 BENTOFILE = REPO / "serving" / "bentofile.yaml"
@@ -352,8 +354,8 @@ def shipped_modules(root: Path) -> set[str]:
         for p in (package / "trainyard" / layer).glob("*.py")
     }
     imported = {f.removeprefix("src/") for f in trainyard_closure(ENTRY_POINTS, root)}
-    data = {m for m in imported if m.startswith(f"trainyard/{PARTLY_SHIPPED}/")}
-    return {"trainyard/__init__.py"} | layers | data
+    partly = {m for m in imported if m.split("/")[1] in PARTLY_SHIPPED}
+    return {"trainyard/__init__.py"} | layers | partly
 
 
 @pytest.mark.slow
@@ -372,6 +374,7 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
         "params.yaml",
         "models/model.onnx",
         "models/model.onnx.sha256",
+        "models/model.reference.npz",  # evaluate's: the drift score on /metrics
         *modules,
         # the demo page at /ui (trainyard.serve.ui), served from the package's files
         "trainyard/serve/ui/index.html",
@@ -413,14 +416,17 @@ def test_bentofile_ships_the_serving_layers_and_no_training_import():
     layers = {
         f.split("/")[2] for f in shipped if f.startswith("src/trainyard/") and f.count("/") > 2
     }
-    assert layers == {*SHIPPED_LAYERS, PARTLY_SHIPPED}, shipped
+    assert layers == {*SHIPPED_LAYERS, *PARTLY_SHIPPED}, shipped
     assert {"serving/service.py", "src/trainyard/__init__.py"} <= set(shipped)
     imported = trainyard_closure(ENTRY_POINTS)
     missing = sorted(imported - set(shipped))
     assert not missing, f"imported by the service or bulk scoring, not in the bento: {missing}"
     # Of the data layer, exactly what bulk scoring imports (data/datamodule.py: torch).
-    data = f"src/trainyard/{PARTLY_SHIPPED}/"
-    assert {f for f in shipped if f.startswith(data)} == {f for f in imported if f.startswith(data)}
+    for layer in PARTLY_SHIPPED:
+        part = f"src/trainyard/{layer}/"
+        assert {f for f in shipped if f.startswith(part)} == {
+            f for f in imported if f.startswith(part)
+        }, layer
     # An import in a `try` that handles ImportError is not followed: the service's registry
     # fetch (trainyard.track, MLflow) is optional, and absent from the bento.
     assert not any(f.startswith("src/trainyard/track/") for f in imported), sorted(imported)

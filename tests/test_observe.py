@@ -284,3 +284,21 @@ def test_no_reference_beside_the_model_means_no_drift_score_said_once(models, ca
         for client in service_client(models["served"][0], drift_window=100):
             assert client.predictor.observer is None  # nothing else is on either
     assert "no reference at" in caplog.text and "no drift score" in caplog.text
+
+
+def test_a_reference_of_another_model_gives_no_drift_score_and_says_why(models, tmp_path, caplog):
+    import shutil
+
+    from trainyard.serve.drift_watch import reference_beside
+    from trainyard.watch.reference import build_reference, save_reference
+
+    folder = tmp_path / "model"
+    shutil.copytree(models["served"][0].parent, folder)
+    probs, embeddings = scored(folder / "model.onnx", noise(100, seed=1))
+    stale = build_reference(CARD.classes, probs, embeddings, model_sha256="f" * 64)
+    save_reference(stale, reference_beside(folder / "model.onnx"))
+    with caplog.at_level("INFO"):
+        for client in service_client(folder / "model.onnx", drift_window=100):
+            assert client.predictor.observer is None
+    assert "is the reference of model ffffffffffff" in caplog.text
+    assert "dvc repro evaluate" in caplog.text

@@ -49,12 +49,25 @@ class DriftWatch:
         self._thread.start()
 
     @classmethod
-    def load(cls, path: Path, drift: DriftParams, window: int, every_s: float) -> DriftWatch | None:
-        """From the reference file at ``path``; None (said once) when there is none."""
+    def load(
+        cls, path: Path, model_sha256: str, drift: DriftParams, window: int, every_s: float
+    ) -> DriftWatch | None:
+        """From the reference file at ``path``; None (said once) when there is none, or
+        when it is another model's (evaluate not rerun since the export)."""
         if not path.is_file():
             log.info("trainyard: no reference at %s: no drift score on /metrics", path)
             return None
-        return cls(load_reference(path), drift, window, every_s)
+        reference = load_reference(path)
+        if reference.model_sha256 != model_sha256:
+            log.warning(
+                "trainyard: %s is the reference of model %s, not of the served %s (run "
+                "`dvc repro evaluate`): no drift score on /metrics",
+                path,
+                reference.model_sha256[:12],
+                model_sha256[:12],
+            )
+            return None
+        return cls(reference, drift, window, every_s)
 
     def add(self, label: str, probability: float, embedding: np.ndarray | None) -> None:
         """On the answer path: one append to a bounded deque."""

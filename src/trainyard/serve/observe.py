@@ -261,18 +261,24 @@ def log_row(item: Seen, shadow: ShadowAnswer | None, params: ServeParams) -> dic
 def build_observer(
     params: ServeParams,
     answering: Card,
+    answering_sha256: str,
     log_dir: Path | None,
     shadow: tuple[Path, Mapping[str, str]] | None,
     reference: Path | None = None,
     drift: DriftParams | None = None,
 ) -> Observer | None:
-    """This worker's observer: the prediction log in ``log_dir`` (None: off), the shadow
+    """This worker's observer for the served model (its card and sha256): the prediction
+    log in ``log_dir`` (None: off), the shadow
     model (path, provenance; None: none) and the drift score against the ``reference``
     file (None, or serve.drift_window 0: off). None when none of them is on."""
     watch = None
     if reference is not None and params.drift_window > 0:
         watch = DriftWatch.load(
-            reference, drift or DriftParams(), params.drift_window, params.drift_every_s
+            reference,
+            answering_sha256,
+            drift or DriftParams(),
+            params.drift_window,
+            params.drift_every_s,
         )
     if log_dir is None and shadow is None and watch is None:
         return None
