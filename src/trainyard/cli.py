@@ -1,4 +1,5 @@
-"""The ``trainyard`` command: ``trainyard <command> ...`` (doctor, tune, report, predict, exps)."""
+"""The ``trainyard`` command: ``trainyard <command> ...`` (doctor, tune, report, predict, exps,
+promote, rollback)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from trainyard.bulk import command as bulk
 from trainyard.doctor import command as doctor
 from trainyard.experiments import exps, report, tune
-from trainyard.stages import predict
+from trainyard.stages import predict, promote
 
 # name -> (help, add_arguments(parser), run(args) -> exit code).
 COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace], int]]] = {
@@ -38,6 +39,16 @@ COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace]
         "merge the outputs of a job's --shard K/N runs into one table",
         bulk.add_merge_arguments,
         predict.cli_merge,
+    ),
+    "promote": (
+        "move a registered model's champion alias to a version that ran as the shadow",
+        promote.add_promote_arguments,
+        promote.run_promote,
+    ),
+    "rollback": (
+        "move a registered model's champion alias back to the one it replaced",
+        promote.add_rollback_arguments,
+        promote.run_rollback,
     ),
     "exps": (
         "the DVC experiments table with only the columns people compare",
