@@ -53,6 +53,7 @@ from trainyard.serve.settings import (
     trace_headers,
     verify_model,
 )
+from trainyard.serve.swap import TraceHeaders, follow_plan, load_warm, watch_if_following
 
 # bentoml.serve's handlers are the ones `bentoml serve` prints; a child logger shares them.
 log = logging.getLogger("bentoml.serve.trainyard")
@@ -69,6 +70,16 @@ def fetch_registered(uri: str, cache: Path) -> tuple[Path, dict[str, str]]:
     return fetch_registered_onnx(uri, cache)
 
 
+def follow_registered(uri: str, cache: Path) -> Any:
+    """For ``models:/NAME@ALIAS``: current version -> None, or the version the alias moved
+    to, fetched and checked (trainyard.serve.swap). None where MLflow is absent."""
+    try:
+        from trainyard.track.registry import follow_alias
+    except ImportError:
+        return None
+    return lambda current: follow_alias(uri, cache, current)
+
+
 SETTINGS = read_settings()
 PARAMS = SETTINGS.params
 MODEL_PATH, _SOURCE = resolve_model(SETTINGS, fetch_registered)
@@ -79,6 +90,11 @@ MODEL_PATH, _SOURCE = resolve_model(SETTINGS, fetch_registered)
 MODEL_SHA256 = verify_model(MODEL_PATH)
 choose_providers(PARAMS.device)
 PROVENANCE = model_provenance(MODEL_PATH, _SOURCE)
+# The service follows a registry alias: each worker swaps models when it moves.
+FOLLOW = (
+    follow_registered(SETTINGS.model_source, SETTINGS.cache_dir) if SETTINGS.from_registry else None
+)
+TRACE = TraceHeaders(trace_headers(MODEL_SHA256, PROVENANCE))  # of the model answering now
 # The batchable method answers only this process's own client (the guard 404s the rest).
 INTERNAL_ROUTE, INTERNAL_TOKEN = "/probabilities", secrets.token_urlsafe(24)
 PAGES = build_app()  # GET /metadata, /ui, /docs, / and the JSON 404 (trainyard.serve.app)
@@ -105,7 +121,8 @@ class ImageClassifier:
     def __init__(self) -> None:
         self.predictor = Predictor.load(MODEL_PATH, PARAMS, PROVENANCE)
         freeze_heap()  # after the model: what start-up built stays for the process's life
-        log.info("%s", self.predictor.startup_message(SETTINGS.params_file))
+        follow = follow_plan(SETTINGS.model_source, PARAMS.reload_s, FOLLOW)
+        log.info("%s; %s", self.predictor.startup_message(SETTINGS.params_file), follow)
 
     @bentoml.on_startup
     def warm_up(self) -> None:
@@ -121,6 +138,24 @@ class ImageClassifier:
         PAGES.state.api_routes = frozenset(routes)
 
     @bentoml.on_startup
+    def follow_the_alias(self) -> None:
+        """Serving models:/NAME@ALIAS: each version the alias moves to is fetched, warmed
+        up and swapped in by a watcher thread (trainyard.serve.swap), off the answer path."""
+
+        def swap(predictor: Predictor, old: str, source: dict[str, str]) -> None:
+            self.predictor = PAGES.state.predictor = predictor  # what the next request reads
+            TRACE.current = trace_headers(predictor.sha256, predictor.provenance)
+
+        self.watcher = watch_if_following(
+            SETTINGS.model_source,
+            PARAMS.reload_s,
+            PROVENANCE,
+            FOLLOW,
+            lambda path, source: load_warm(path, source, PARAMS),
+            swap,
+        )
+
+    @bentoml.on_startup
     def refuse_connections_on_sigterm(self) -> None:
         """On SIGTERM the port stops listening before uvicorn drains the requests in flight."""
         stop_listening_on_sigterm()
@@ -129,13 +164,14 @@ class ImageClassifier:
     async def classify(self, ctx: bentoml.Context) -> Response:
         """One image: a multipart file field 'image', or the whole body sent with its image
         Content-Type (image/png, image/jpeg, ...); top_k and invert as form fields or query."""
+        predictor = self.predictor  # read once: a swap meanwhile leaves this request's model
         try:
-            ask = await read_classify(ctx.request, self.predictor.card, PARAMS)
+            ask = await read_classify(ctx.request, predictor.card, PARAMS)
             if not PARAMS.batching:
-                return answer(await self.predictor.classify(ask.image, ask.top_k, ask.invert))
-            pixels = await self.predictor.decode_one(ask.image, ask.invert)
+                return answer(await predictor.classify(ask.image, ask.top_k, ask.invert))
+            pixels = await predictor.decode_one(ask.image, ask.invert)
             probs = await self._batched(pixels.tobytes())
-            return answer(self.predictor.prediction(probs, ask.top_k))
+            return answer(predictor.prediction(probs, ask.top_k))
         except Refused as err:
             return err.answer(ctx)
 
@@ -143,9 +179,10 @@ class ImageClassifier:
     async def classify_batch(self, ctx: bentoml.Context) -> Response:
         """Images as repeated multipart fields 'images', or JSON {"images": [pixel arrays
         shaped as /metadata's input.image]}; top_k and invert as form fields or query."""
+        predictor = self.predictor  # read once: a swap meanwhile leaves this request's model
         try:
-            ask = await read_batch(ctx.request, self.predictor.card, PARAMS)
-            results = await self.predictor.classify_batch(ask.images, ask.top_k, ask.invert)
+            ask = await read_batch(ctx.request, predictor.card, PARAMS)
+            results = await predictor.classify_batch(ask.images, ask.top_k, ask.invert)
             return answer(results)
         except Refused as err:
             return err.answer(ctx)
@@ -186,7 +223,7 @@ ImageClassifier.add_asgi_middleware(
     RequestGuard,
     api_key=SETTINGS.api_key,
     max_body_bytes=PARAMS.max_body_bytes,
-    trace_headers=trace_headers(MODEL_SHA256, PROVENANCE),
+    trace_headers=TRACE,
     max_header_bytes=PARAMS.max_header_bytes,
     body_timeout_s=PARAMS.body_timeout_s,
     header_timeout_s=PARAMS.header_timeout_s,
