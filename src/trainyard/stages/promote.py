@@ -12,7 +12,6 @@ is missing and how to get it).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,6 @@ from trainyard.stages.runner import configure_logging
 from trainyard.track import promotion
 from trainyard.watch.agreement import shadow_figures
 from trainyard.watch.log import read_log
-
-log = logging.getLogger("trainyard.stages.promote")
 
 MIN_ROWS = 200
 

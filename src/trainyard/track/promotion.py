@@ -21,7 +21,6 @@ claiming a move that did not stand.
 from __future__ import annotations
 
 import getpass
-import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -40,8 +39,6 @@ from trainyard.track.registry import (
     move_alias,
 )
 from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
-
-log = logging.getLogger(__name__)
 
 ACTION_TAG, TIME_TAG, USER_TAG = "promote.action", "promote.time", "promote.user"
 PREVIOUS_TAG, FORCED_TAG, FROM_TAG = (
@@ -197,7 +194,6 @@ def _move(
             f"{'nothing' if now is None else 'v' + str(now.version)}; check with your team "
             "and run the command again if needed"
         )
-    log.info("%s: champion v%s -> v%s (%s: %s)", name, previous or "-", version, action, reason)
     return {
         "model_name": name,
         "version": int(version),
