@@ -53,7 +53,7 @@ from trainyard.serve.settings import (
     trace_headers,
     verify_model,
 )
-from trainyard.serve.swap import TraceHeaders, follow_plan, load_warm, watch_if_following
+from trainyard.serve.swap import TraceHeaders, follow_plan, swap_into, watch_if_following
 
 # bentoml.serve's handlers are the ones `bentoml serve` prints; a child logger shares them.
 log = logging.getLogger("bentoml.serve.trainyard")
@@ -139,21 +139,9 @@ class ImageClassifier:
 
     @bentoml.on_startup
     def follow_the_alias(self) -> None:
-        """Serving models:/NAME@ALIAS: each version the alias moves to is fetched, warmed
-        up and swapped in by a watcher thread (trainyard.serve.swap), off the answer path."""
-
-        def swap(predictor: Predictor, old: str, source: dict[str, str]) -> None:
-            self.predictor = PAGES.state.predictor = predictor  # what the next request reads
-            TRACE.current = trace_headers(predictor.sha256, predictor.provenance)
-
-        self.watcher = watch_if_following(
-            SETTINGS.model_source,
-            PARAMS.reload_s,
-            PROVENANCE,
-            FOLLOW,
-            lambda path, source: load_warm(path, source, PARAMS),
-            swap,
-        )
+        """Serving models:/NAME@ALIAS: a watcher thread swaps in each version it moves to."""
+        swap = swap_into(self, PAGES.state, TRACE)  # sets self.predictor: one assignment
+        self.watcher = watch_if_following(SETTINGS.model_source, PARAMS, PROVENANCE, FOLLOW, swap)
 
     @bentoml.on_startup
     def refuse_connections_on_sigterm(self) -> None:

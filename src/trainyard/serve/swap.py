@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 
 from trainyard.core.config import ServeParams
 from trainyard.serve.predictor import Predictor
-from trainyard.serve.settings import is_registry_uri, model_provenance
+from trainyard.serve.settings import is_registry_uri, model_provenance, trace_headers
 
 log = logging.getLogger("bentoml.serve.trainyard")
 
@@ -36,6 +36,8 @@ P = TypeVar("P")
 # version it points at now, downloaded and checked.
 Follow = Callable[[str], tuple[Path, dict[str, str]] | None]
 Headers = Sequence[tuple[bytes, bytes]]
+# (new predictor, the version it replaces, the move's provenance) -> put it in place.
+Swap = Callable[[Any, str, dict[str, str]], None]
 
 
 def follows(source: str, reload_s: float) -> bool:
@@ -158,22 +160,33 @@ def load_warm(path: Path, source: dict[str, str], params: ServeParams) -> Predic
     return predictor
 
 
+def swap_into(service: Any, pages: Any, trace: TraceHeaders) -> Swap:
+    """The swap of a service whose api methods read ``service.predictor`` (once per
+    request), whose pages answer from ``pages.predictor`` and whose guard sends ``trace``."""
+
+    def swap(predictor: Predictor, old: str, source: dict[str, str]) -> None:
+        service.predictor = pages.predictor = predictor  # what the next request reads
+        trace.current = trace_headers(predictor.sha256, predictor.provenance)
+
+    return swap
+
+
 def watch_if_following(
     source: str,
-    reload_s: float,
+    params: ServeParams,
     provenance: dict[str, str],
     follow: Follow | None,
-    build: Callable[[Path, dict[str, str]], Any],
-    swap: Callable[[Any, str, dict[str, str]], None],
-) -> ModelWatcher[Any] | None:
-    """A started watcher when the service follows ``source``, else None."""
-    if follow is None or not follows(source, reload_s):
+    swap: Swap,
+) -> ModelWatcher[Predictor] | None:
+    """A started watcher when the service follows ``source`` (``serve.reload_s``), else
+    None; each new version is loaded and warmed up by ``load_warm``."""
+    if follow is None or not follows(source, params.reload_s):
         return None
     return ModelWatcher(
         source=source,
         version=provenance.get("registry_version", ""),
         follow=follow,
-        build=build,
+        build=lambda path, moved: load_warm(path, moved, params),
         swap=swap,
-        interval_s=reload_s,
+        interval_s=params.reload_s,
     ).start()
