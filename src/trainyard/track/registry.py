@@ -517,7 +517,8 @@ def follow_alias(
     if str(mv.version) == str(current):
         return None
     path, provenance = fetch_registered_onnx(f"models:/{name}/{mv.version}", cache_dir)
-    reason = mv.tags.get(PROMOTE_REASON_TAG) or mv.tags.get("decision_reason", "")
+    # A move by hand says its own reason (maybe none); evaluate's decision, the one it made.
+    reason = mv.tags.get(PROMOTE_REASON_TAG, mv.tags.get("decision_reason", ""))
     return path, provenance | {"model_source": uri, "registry_alias": alias, "reason": reason}
 
 
