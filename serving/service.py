@@ -59,6 +59,7 @@ from trainyard.serve.settings import (
     trace_headers,
     verify_model,
 )
+from trainyard.serve.swap import TraceHeaders, follow_plan, swap_into, watch_if_following
 
 # bentoml.serve's handlers are the ones `bentoml serve` prints; a child logger shares them.
 log = logging.getLogger("bentoml.serve.trainyard")
@@ -90,6 +91,26 @@ def fetch_registered_reference(uri: str, cache: Path) -> Path | None:
         return None
 
 
+def follow_registered(uri: str, cache: Path) -> Any:
+    """For ``models:/NAME@ALIAS``: current version -> None, or the version the alias moved
+    to, fetched and checked (trainyard.serve.swap). None where MLflow is absent."""
+    try:
+        from trainyard.track.registry import follow_alias
+    except ImportError:
+        return None
+    return lambda current: follow_alias(uri, cache, current)
+
+
+def carry_observer(old: Predictor, new: Predictor) -> None:
+    """A swap keeps the prediction log and the shadow; the drift score restarts against
+    the new version's reference."""
+    new.observer = old.observer
+    if new.observer is not None:
+        name, version = new.provenance["registry_model"], new.provenance["registry_version"]
+        reference = fetch_registered_reference(f"models:/{name}/{version}", SETTINGS.cache_dir)
+        new.observer.model_changed(new.sha256, reference, SETTINGS.drift)
+
+
 SETTINGS = read_settings()
 PARAMS = SETTINGS.params
 MODEL_PATH, _SOURCE = resolve_model(SETTINGS, fetch_registered)
@@ -112,6 +133,11 @@ REFERENCE = (
     if SETTINGS.from_registry
     else reference_beside(MODEL_PATH)
 )
+# The service follows a registry alias: each worker swaps models when it moves.
+FOLLOW = (
+    follow_registered(SETTINGS.model_source, SETTINGS.cache_dir) if SETTINGS.from_registry else None
+)
+TRACE = TraceHeaders(trace_headers(MODEL_SHA256, PROVENANCE))  # of the model answering now
 # The batchable method answers only this process's own client (the guard 404s the rest).
 INTERNAL_ROUTE, INTERNAL_TOKEN = "/probabilities", secrets.token_urlsafe(24)
 PAGES = build_app()  # GET /metadata, /ui, /docs, / and the JSON 404 (trainyard.serve.app)
@@ -147,7 +173,8 @@ class ImageClassifier:
             SETTINGS.drift,
         )
         freeze_heap()  # after the model: what start-up built stays for the process's life
-        log.info("%s", self.predictor.startup_message(SETTINGS.params_file))
+        follow = follow_plan(SETTINGS.model_source, PARAMS.reload_s, FOLLOW)
+        log.info("%s; %s", self.predictor.startup_message(SETTINGS.params_file), follow)
 
     @bentoml.on_shutdown
     def close_observer(self) -> None:
@@ -169,6 +196,12 @@ class ImageClassifier:
         PAGES.state.api_routes = frozenset(routes)
 
     @bentoml.on_startup
+    def follow_the_alias(self) -> None:
+        """Serving models:/NAME@ALIAS: a watcher thread swaps in each version it moves to."""
+        swap = swap_into(self, PAGES.state, TRACE, carry_observer)  # one assignment
+        self.watcher = watch_if_following(SETTINGS.model_source, PARAMS, PROVENANCE, FOLLOW, swap)
+
+    @bentoml.on_startup
     def refuse_connections_on_sigterm(self) -> None:
         """On SIGTERM the port stops listening before uvicorn drains the requests in flight."""
         stop_listening_on_sigterm()
@@ -177,16 +210,17 @@ class ImageClassifier:
     async def classify(self, ctx: bentoml.Context) -> Response:
         """One image: a multipart file field 'image', or the whole body sent with its image
         Content-Type (image/png, image/jpeg, ...); top_k and invert as form fields or query."""
+        predictor = self.predictor  # read once: a swap meanwhile leaves this request's model
         try:
-            ask = await read_classify(ctx.request, self.predictor.card, PARAMS)
+            ask = await read_classify(ctx.request, predictor.card, PARAMS)
             if not PARAMS.batching:
-                return answer(await self.predictor.classify(ask.image, ask.top_k, ask.invert))
+                return answer(await predictor.classify(ask.image, ask.top_k, ask.invert))
             start, info = time.perf_counter(), {}
-            pixels = await self.predictor.decode_one(ask.image, ask.invert, info)
+            pixels = await predictor.decode_one(ask.image, ask.invert, info)
             probs = await self._batched(pixels.tobytes())
-            prediction = self.predictor.prediction(probs, ask.top_k)
+            prediction = predictor.prediction(probs, ask.top_k)
             # The batchable method returns probabilities only: no embedding in the log.
-            self.predictor.observe(
+            predictor.observe(
                 "/classify",
                 prediction,
                 start,
@@ -203,9 +237,10 @@ class ImageClassifier:
     async def classify_batch(self, ctx: bentoml.Context) -> Response:
         """Images as repeated multipart fields 'images', or JSON {"images": [pixel arrays
         shaped as /metadata's input.image]}; top_k and invert as form fields or query."""
+        predictor = self.predictor  # read once: a swap meanwhile leaves this request's model
         try:
-            ask = await read_batch(ctx.request, self.predictor.card, PARAMS)
-            results = await self.predictor.classify_batch(ask.images, ask.top_k, ask.invert)
+            ask = await read_batch(ctx.request, predictor.card, PARAMS)
+            results = await predictor.classify_batch(ask.images, ask.top_k, ask.invert)
             return answer(results)
         except Refused as err:
             return err.answer(ctx)
@@ -246,7 +281,7 @@ ImageClassifier.add_asgi_middleware(
     RequestGuard,
     api_key=SETTINGS.api_key,
     max_body_bytes=PARAMS.max_body_bytes,
-    trace_headers=trace_headers(MODEL_SHA256, PROVENANCE),
+    trace_headers=TRACE,
     max_header_bytes=PARAMS.max_header_bytes,
     body_timeout_s=PARAMS.body_timeout_s,
     header_timeout_s=PARAMS.header_timeout_s,

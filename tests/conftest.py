@@ -191,9 +191,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def sqlite_mlflow_server(root: Path) -> Iterator[str]:
+def sqlite_mlflow_server(root: Path, start_s: float = 90) -> Iterator[str]:
     """A real `mlflow server` (sqlite backend, artifacts proxied into ``root``) on a free
-    port; yields its URI once /health answers, stops its process group after."""
+    port; yields its URI once /health answers (within ``start_s``), stops its process group
+    after."""
     port = free_port()
     log = open(root / "server.log", "w")  # noqa: SIM115 - closed below
     cmd = [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port)]
@@ -204,7 +205,7 @@ def sqlite_mlflow_server(root: Path) -> Iterator[str]:
     )
     uri = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(uri, proc, root / "server.log", timeout=90)
+        wait_healthy(uri, proc, root / "server.log", timeout=start_s)
         yield uri
     finally:
         stop_group(proc, timeout=20)

@@ -1,4 +1,5 @@
-"""The ``trainyard`` command: ``trainyard <command> ...`` (doctor, tune, ..., drift)."""
+"""The ``trainyard`` command: ``trainyard <command> ...`` (doctor, tune, report, predict, exps,
+drift, promote, rollback)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from trainyard.bulk import command as bulk
 from trainyard.doctor import command as doctor
 from trainyard.experiments import exps, report, tune
-from trainyard.stages import drift, predict
+from trainyard.stages import drift, predict, promote
 
 # name -> (help, add_arguments(parser), run(args) -> exit code).
 COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace], int]]] = {
@@ -43,6 +44,16 @@ COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace]
         "a prediction log or predict table against the model's reference (docs/drift.md)",
         drift.add_cli_arguments,
         drift.cli_run,
+    ),
+    "promote": (
+        "move a registered model's champion alias to a version that ran as the shadow",
+        promote.add_promote_arguments,
+        promote.run_promote,
+    ),
+    "rollback": (
+        "move a registered model's champion alias back to the one it replaced",
+        promote.add_rollback_arguments,
+        promote.run_rollback,
     ),
     "exps": (
         "the DVC experiments table with only the columns people compare",

@@ -234,6 +234,12 @@ class ServeParams(_Strict):
     max_batch_images: int = Field(256, ge=1, le=4096)
     top_k: int = Field(5, ge=1, le=100_000)
     access_log: bool = True
+    # The model's life after the endpoint (issue 35): the prediction log, the shadow model
+    # beside the answering one, and how often a worker looks whether its alias moved.
+    log_predictions: bool = False
+    log_dir: str = Field("logs/predictions", min_length=1)
+    shadow: str | None = None
+    reload_s: float = Field(10.0, ge=0, le=86_400)
 
     def workers_count(self) -> int:
         return (os.cpu_count() or 1) if self.workers == "cpu_count" else self.workers

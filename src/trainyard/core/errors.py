@@ -17,6 +17,11 @@ class TrackingError(TrainyardError):
     """The MLflow tracking store cannot be reached or does not hold the expected run."""
 
 
+class PromotionRefused(TrainyardError):
+    """``trainyard promote`` / ``rollback`` cannot do what was asked as asked: an unknown
+    model, version or alias, no shadow evidence, nothing to roll back to (exit 2)."""
+
+
 class ExportError(TrainyardError):
     """The ONNX export failed or does not agree with PyTorch."""
 

@@ -42,6 +42,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
+HeaderList = Sequence[tuple[bytes, bytes]]
 
 
 class RequestGuard:
@@ -55,7 +56,8 @@ class RequestGuard:
     - a body not received whole within ``body_timeout_s`` -> 408 (a slow client);
     - a connection that sends no whole request head within ``header_timeout_s`` is closed
       (uvicorn has no such timer: ``bound_header_time``).
-    - every response carries ``trace_headers`` (the model's version, run, data version);
+    - every response carries ``trace_headers`` (the model's version, run, data version;
+      a callable: those of the model answering when the response starts);
     - ``internal_paths`` (the service's own in-process calls, e.g. to its batchable method)
       answer only a request carrying ``internal_token`` in ``INTERNAL_HEADER``; to anyone
       else they are a 404, as if absent.
@@ -67,7 +69,7 @@ class RequestGuard:
         *,
         api_key: str | None,
         max_body_bytes: int,
-        trace_headers: Sequence[tuple[bytes, bytes]] = (),
+        trace_headers: HeaderList | Callable[[], HeaderList] = (),
         max_header_bytes: int = MAX_HEADER_BYTES,
         body_timeout_s: float = BODY_TIMEOUT_S,
         header_timeout_s: float | None = HEADER_TIMEOUT_S,
@@ -78,7 +80,13 @@ class RequestGuard:
         self.internal_paths, self.internal_token = internal_paths, internal_token.encode()
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
-        self.trace_headers = list(trace_headers)
+        # A callable: the headers of the model answering when each response starts (a
+        # service following its registry alias swaps models while it runs).
+        if callable(trace_headers):
+            self.trace_headers = trace_headers
+        else:
+            fixed = list(trace_headers)
+            self.trace_headers = lambda: fixed
         self.max_header_bytes, self.body_timeout_s = max_header_bytes, body_timeout_s
         if header_timeout_s is not None:
             bound_header_time(header_timeout_s)
@@ -259,12 +267,12 @@ def _patch_protocol(cls: Any) -> None:
     cls.connection_lost = connection_lost
 
 
-def _with_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
-    """A send() that adds ``extra`` to the response's headers."""
+def _with_headers(send: Send, extra: Callable[[], HeaderList]) -> Send:
+    """A send() that adds ``extra()`` to the response's headers."""
 
     async def traced(message: Message) -> None:
         if message["type"] == "http.response.start":
-            message["headers"] = [*message.get("headers", []), *extra]
+            message["headers"] = [*message.get("headers", []), *extra()]
         await send(message)
 
     return traced

@@ -176,6 +176,18 @@ class Observer:
                 self.metrics.shadow_skipped.inc()
         self._log(item, None)
 
+    def model_changed(self, sha256: str, reference: Path | None, drift: DriftParams) -> None:
+        """The served model was swapped (a moved alias): the log and the shadow go on; the
+        drift window restarts against the new model's reference (none: no drift score)."""
+        if self.drift is None and reference is None:
+            return
+        if self.drift is not None:
+            self.drift.close()
+        self.drift = None
+        if reference is not None and self.params.drift_window > 0:
+            p = self.params
+            self.drift = DriftWatch.load(reference, sha256, drift, p.drift_window, p.drift_every_s)
+
     def close(self) -> None:
         """Stop the shadow's thread (what it holds is scored first) and flush the log."""
         if self._thread is not None:

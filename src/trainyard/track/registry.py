@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -64,6 +63,9 @@ DECISION_TAG, PENDING = "decision", "pending"
 # REFERENCE_ARTIFACT, its sha256 tagged on the version so a download can be checked.
 REFERENCE_TAG = "reference_sha256"
 REFERENCE_ARTIFACT = "reference/model.reference.npz"
+# What a move of `champion` by hand (trainyard promote / rollback, track.promotion) records
+# on the version it moves to; read here too, for the reason a following service logs.
+PROMOTE_REASON_TAG = "promote.reason"
 # A registration waits only for lower pending versions, each of which waits only for lower
 # ones and then decides in milliseconds: a version pending this long was killed.
 STALE_AFTER_S = 600.0
@@ -200,7 +202,7 @@ def register_and_promote(
             client.set_model_version_tag(
                 name, version.version, "previous_champion", str(previous or "")
             )
-            _move_alias(client, name, alias, version.version)
+            move_alias(client, name, alias, version.version)
             client.set_model_version_tag(name, version.version, DECISION_TAG, alias)
     except BaseException as err:
         # BaseException: a Ctrl-C (KeyboardInterrupt) cuts a registration off as surely as a
@@ -307,7 +309,7 @@ def _versions_of_run(client: Any, name: str, run_id: str) -> list[Any]:
     return [v for v in found if v.name == name]
 
 
-def _move_alias(client: Any, name: str, alias: str, version: Any) -> None:
+def move_alias(client: Any, name: str, alias: str, version: Any) -> None:
     """Point ``alias`` at ``version``. Two first writes of one alias at once (a sweep's
     `challenger`, which takes no turn, and another's) clash in the server's insert (an
     IntegrityError, seen with four registrations at once); written again, it is a move."""
@@ -486,7 +488,9 @@ def fetch_registered_onnx(
                     f"{uri} (v{mv.version}): downloaded model.onnx has sha256 {actual}, the "
                     f"registry records {expected}; refusing it"
                 )
-            shutil.move(str(got), dest)
+            # A rename within one folder: two workers fetching one version at once (a
+            # champion move seen by all of them) each replace the file whole, never mix it.
+            os.replace(got, dest)
     # The same sidecar the export stage writes: one verification path for every model file.
     atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
     return dest, {
@@ -498,6 +502,28 @@ def fetch_registered_onnx(
         "data_version": mv.tags.get(DATA_TAG, ""),
         "onnx_sha256": expected,
     }
+
+
+def follow_alias(
+    uri: str, cache_dir: str | os.PathLike[str], current: str
+) -> tuple[Path, dict[str, str]] | None:
+    """For a service that follows ``models:/NAME@ALIAS``: None while the alias still points
+    at version ``current`` (one registry read), else the version it points at now, fetched
+    and checked as ``fetch_registered_onnx`` does, with its provenance naming the alias and
+    the reason recorded for the move (``reason``). A URI naming a version never moves."""
+    name, alias, _ = parse_model_uri(uri)
+    if alias is None:
+        return None
+    client = mlflow.MlflowClient(tracking_uri=resolve_tracking_uri())
+    mv = current_alias(client, name, alias)
+    if mv is None:
+        raise TrackingError(f"{uri}: the alias no longer exists in the registry")
+    if str(mv.version) == str(current):
+        return None
+    path, provenance = fetch_registered_onnx(f"models:/{name}/{mv.version}", cache_dir)
+    # A move by hand says its own reason (maybe none); evaluate's decision, the one it made.
+    reason = mv.tags.get(PROMOTE_REASON_TAG, mv.tags.get("decision_reason", ""))
+    return path, provenance | {"model_source": uri, "registry_alias": alias, "reason": reason}
 
 
 def fetch_model(uri: str, cache_dir: str | os.PathLike[str]) -> tuple[Any, dict[str, str]]:
@@ -578,5 +604,5 @@ def fetch_reference(uri: str, cache_dir: str | os.PathLike[str]) -> Path:
                 f"--reference {uri} (v{mv.version}): the downloaded reference has sha256 "
                 f"{actual}, the registry records {expected}; refusing it"
             )
-        shutil.move(str(got), dest)
+        os.replace(got, dest)  # whole or not at all (tmp is in dest's folder)
     return dest

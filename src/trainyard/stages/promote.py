@@ -1,0 +1,157 @@
+"""``trainyard promote`` and ``trainyard rollback``: move a registered model's `champion` by
+hand, with the shadow's evidence from the prediction log (docs/serving.md, "Promote and
+roll back").
+
+A version is promoted only after it ran as the service's shadow (``serve.shadow``) on at
+least ``--min-rows`` logged requests (``serve.log_predictions``): its agreement with the
+answering model and both latencies are recorded on it. ``--force`` promotes without them,
+and records that it did. Exit codes: 0 moved, 1 the registry failed, 2 refused (with what
+is missing and how to get it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainyard.core.config import load_params
+from trainyard.core.errors import PromotionRefused, TrainyardError
+from trainyard.stages.runner import configure_logging
+from trainyard.track import promotion
+from trainyard.watch.agreement import shadow_figures
+from trainyard.watch.log import read_log
+
+MIN_ROWS = 200
+
+
+def add_promote_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``trainyard promote NAME (--version N | --from ALIAS) [...]``."""
+    p.add_argument("name", metavar="NAME", help="the registered model")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--version", type=int, metavar="N", help="the version to promote")
+    which.add_argument(
+        "--from", dest="from_alias", metavar="ALIAS", help="the version an alias points at"
+    )
+    p.add_argument("--reason", default="", help="why: recorded on the version")
+    p.add_argument(
+        "--force", action="store_true", help="promote without the shadow's figures (recorded)"
+    )
+    p.add_argument("--log", type=Path, help="the prediction log's folder (default serve.log_dir)")
+    p.add_argument(
+        "--min-rows",
+        type=int,
+        default=MIN_ROWS,
+        help=f"logged requests the version must have shadowed (default {MIN_ROWS})",
+    )
+    p.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file")
+    return p
+
+
+def add_rollback_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``trainyard rollback NAME [--reason TEXT]``."""
+    p.add_argument("name", metavar="NAME", help="the registered model")
+    p.add_argument("--reason", default="", help="why: recorded on the version")
+    p.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file")
+    return p
+
+
+def run_promote(args: argparse.Namespace) -> int:
+    """``trainyard promote``: 0 moved, 1 a registry failure, 2 refused."""
+    configure_logging("promote")
+    return _report("promote", lambda: _promote(args), args.params)
+
+
+def run_rollback(args: argparse.Namespace) -> int:
+    """``trainyard rollback``: 0 moved back, 1 a registry failure, 2 refused."""
+    configure_logging("rollback")
+
+    def move() -> dict[str, Any]:
+        client, _ = promotion.registry_client()
+        return promotion.rollback(client, args.name, reason=args.reason)
+
+    return _report("rollback", move, args.params)
+
+
+def _promote(args: argparse.Namespace) -> dict[str, Any]:
+    client, _ = promotion.registry_client()
+    target = promotion.find_version(client, args.name, args.version, args.from_alias)
+    registry_version = f"{args.name}/{target.version}"
+    folder = args.log or _log_dir(args.params)
+    figures = shadow_figures(read_log(folder), registry_version)
+    if figures["rows"] < args.min_rows and not args.force:
+        raise PromotionRefused(
+            f"{args.name} v{target.version} ran as the shadow on {figures['rows']} logged "
+            f"request(s) in {folder}, {args.min_rows} needed (--min-rows) to record its "
+            "agreement with the champion. Serve the champion with the candidate as its "
+            f"shadow and the prediction log on (params.yaml: serve.model: "
+            f"models:/{args.name}@champion, serve.shadow: "
+            f"{args.from_alias or target.version}, serve.log_predictions: true, "
+            "serve.log_dir), let traffic come, and run this again; or --force to promote "
+            "without the figures (recorded as forced)"
+        )
+    return promotion.promote(
+        client,
+        target,
+        reason=args.reason,
+        figures=figures if figures["rows"] else None,
+        forced=args.force and figures["rows"] < args.min_rows,
+        from_alias=args.from_alias,
+    )
+
+
+def _log_dir(params_file: Path) -> Path:
+    """serve.log_dir, relative to the params file's folder as the service reads it."""
+    folder = Path(load_params(params_file).serve.log_dir)
+    return folder if folder.is_absolute() else params_file.resolve().parent / folder
+
+
+def _reload_s(params_file: Path) -> float | None:
+    try:
+        return load_params(params_file).serve.reload_s
+    except TrainyardError:  # a command run outside the repository: say it without the number
+        return None
+
+
+def _report(command: str, move: Any, params_file: Path) -> int:
+    """Run ``move``; print what moved (or why not) and when a following service sees it."""
+    try:
+        done = move()
+    except PromotionRefused as err:
+        print(f"trainyard {command}: refused: {err}", file=sys.stderr)
+        return 2
+    except TrainyardError as err:
+        print(f"trainyard {command}: error: {err}", file=sys.stderr)
+        return 1
+    name, tags = done["model_name"], done["tags"]
+    was = f"v{done['previous_champion']}" if done["previous_champion"] else "no champion"
+    print(f"{name}: champion is now v{done['version']} (was {was}); {_evidence(tags)}")
+    reload_s = _reload_s(params_file)
+    within = f"serve.reload_s ({reload_s:g} s)" if reload_s else "serve.reload_s"
+    print(
+        f"A service serving models:/{name}@champion picks it up within {within}; one "
+        "serving a file or a version number keeps what it serves."
+    )
+    return 0
+
+
+def _evidence(tags: dict[str, str]) -> str:
+    """The recorded figures, in words."""
+    if tags[promotion.ACTION_TAG] == "rollback":
+        return "rolled back"
+    rows = tags.get("shadow.rows")
+    if rows is None:
+        return "forced, no shadow figures"
+    against = tags.get("shadow.against", "?")
+    agreement = tags.get("shadow.agreement")
+    share = f"{float(agreement):.1%}" if agreement is not None else "an unknown share"
+    words = f"shadow of {against}: agreed on {share} of {rows} requests"
+    if "shadow.shadow_p99_ms" in tags and "shadow.answer_p99_ms" in tags:
+        words += (
+            f"; p50/p99 {tags['shadow.shadow_p50_ms']}/{tags['shadow.shadow_p99_ms']} ms "
+            f"(answering {tags['shadow.answer_p50_ms']}/{tags['shadow.answer_p99_ms']} ms)"
+        )
+    if tags[promotion.FORCED_TAG] == "true":
+        words += " (forced: fewer than --min-rows)"
+    return words
