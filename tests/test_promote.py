@@ -21,7 +21,7 @@ from test_serving import Server, classify, png, server_env, write_params
 
 from trainyard import cli
 from trainyard.core.io import sha256_file
-from trainyard.watch.log import PredictionLog, utc_now
+from trainyard.watch.log import PredictionLog, read_log, utc_now
 
 from conftest import REPO, fashion_card, sqlite_mlflow_server, write_tiny_onnx
 
@@ -280,7 +280,16 @@ def test_a_served_champion_is_swapped_under_load_without_a_failed_request(server
     serve.reload_s and a few seconds, and stay there."""
     shas = register(server, tmp_path, "served", [0.9, 0.8], distinct=True)
     old, new = shas[0][:12], shas[1][:12]
-    params = write_params(tmp_path / "params.yaml", workers=2, reload_s=1, access_log=False)
+    # The prediction log on: a swap carries it over, and no row is lost on either side.
+    params = write_params(
+        tmp_path / "params.yaml",
+        workers=2,
+        reload_s=1,
+        access_log=False,
+        log_predictions=True,
+        log_dir=str(tmp_path / "log"),
+        log_rotate_s=0.5,
+    )
     env = server_env(params, "models:/served@champion", TRAINYARD_MODEL_CACHE=str(tmp_path / "c"))
     srv = Server(env, tmp_path / "serve.log")
     answers: list[tuple[float, int, str, str]] = []  # (sent, status, body's version, header)
@@ -335,6 +344,11 @@ def test_a_served_champion_is_swapped_under_load_without_a_failed_request(server
     log = srv.tail(200_000)
     assert log.count("models:/served@champion moved: v1 -> v2") == 2, log[-3000:]
     assert log.count("reason: swap test") == 2
+    # One log row per answer, from the workers' both models; the last written at shutdown.
+    rows = read_log(tmp_path / "log").to_pylist()
+    assert len(rows) == len(answers)
+    assert {r["registry_version"] for r in rows} == {"served/1", "served/2"}
+    assert {r["model_version"] for r in rows} == {old, new}
     mismatched = sum(1 for a in answers if a[2] != a[3])
     print(f"{len(answers)} requests, 0 failed; promote took {promoted - t0:.1f} s; the old "
           f"model's last answer was sent {switch_s:.2f} s after it returned; {mismatched} "
