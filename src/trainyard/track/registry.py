@@ -435,17 +435,9 @@ def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
     )
 
 
-def fetch_registered_onnx(
-    uri: str, cache_dir: str | os.PathLike[str]
-) -> tuple[Any, dict[str, str]]:
-    """Resolve a registry URI, download its ONNX file into ``cache_dir``, verify its sha256.
-
-    Only the ``model.onnx`` file is ever used: nothing from the registry is unpickled or
-    imported. The sha256 must match the version's ``onnx_sha256`` tag (set by evaluate);
-    a version without the tag, or a file that does not match, is refused.
-    Returns (path, provenance).
-    """
-
+def version_of(uri: str, what: str) -> tuple[str, Any, str]:
+    """(model name, the ModelVersion, tracking URI) that ``models:/NAME@ALIAS`` or
+    ``models:/NAME/N`` names; a TrackingError starting with ``what`` when there is none."""
     name, alias, version = parse_model_uri(uri)
     tracking_uri = resolve_tracking_uri()
     check_tracking_uri(tracking_uri)
@@ -458,8 +450,23 @@ def fetch_registered_onnx(
         )
     except MlflowException as err:
         raise TrackingError(
-            f"model source {uri}: not found in the registry at {tracking_uri} ({err.message})"
+            f"{what} {uri}: not found in the registry at {tracking_uri} ({err.message})"
         ) from None
+    return name, mv, tracking_uri
+
+
+def fetch_registered_onnx(
+    uri: str, cache_dir: str | os.PathLike[str]
+) -> tuple[Any, dict[str, str]]:
+    """Resolve a registry URI, download its ONNX file into ``cache_dir``, verify its sha256.
+
+    Only the ``model.onnx`` file is ever used: nothing from the registry is unpickled or
+    imported. The sha256 must match the version's ``onnx_sha256`` tag (set by evaluate);
+    a version without the tag, or a file that does not match, is refused.
+    Returns (path, provenance).
+    """
+
+    name, mv, tracking_uri = version_of(uri, "model source")
     expected = mv.tags.get(SHA_TAG)
     if not expected:
         raise TrackingError(
@@ -497,7 +504,7 @@ def fetch_registered_onnx(
         "model_source": uri,
         "registry_model": name,
         "registry_version": str(mv.version),
-        "registry_alias": alias or "",
+        "registry_alias": parse_model_uri(uri)[1] or "",
         "run_id": mv.run_id or "",
         "data_version": mv.tags.get(DATA_TAG, ""),
         "onnx_sha256": expected,
@@ -563,20 +570,7 @@ def fetch_reference(uri: str, cache_dir: str | os.PathLike[str]) -> Path:
     """The drift reference of the version ``models:/NAME@ALIAS`` or ``models:/NAME/N``
     names: its run's ``REFERENCE_ARTIFACT``, downloaded into ``cache_dir`` and checked
     against the version's ``reference_sha256`` tag (a version without it is refused)."""
-    name, alias, version = parse_model_uri(uri)
-    tracking_uri = resolve_tracking_uri()
-    check_tracking_uri(tracking_uri)
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    try:
-        mv = (
-            client.get_model_version_by_alias(name, alias)
-            if alias
-            else client.get_model_version(name, version)
-        )
-    except MlflowException as err:
-        raise TrackingError(
-            f"--reference {uri}: not found in the registry at {tracking_uri} ({err.message})"
-        ) from None
+    name, mv, tracking_uri = version_of(uri, "--reference")
     expected = mv.tags.get(REFERENCE_TAG)
     if not expected or not mv.run_id:
         raise TrackingError(
