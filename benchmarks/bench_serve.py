@@ -138,22 +138,30 @@ def load_servers(
         bench.run("batching", **large, levels=BATCH_LEVELS, batching=batching)
 
 
+WATCHING = {  # section 5's servers: what each turns on
+    "off": {"drift_window": 0},
+    "drift": {},  # params.yaml's: the windowed drift score, with the model's reference
+    "log": {"log_predictions": True},
+    "log+shadow": {"log_predictions": True, "shadow": "SAME"},
+    "log+shadow-25%": {"log_predictions": True, "shadow": "SAME", "shadow_share": 0.25},
+}
+
+
 def load_watching(bench: Bench, fashion: dict[str, Any], tmp: Path) -> None:
-    """5. the prediction log and a shadow (the same model, so both do the full work) off,
-    then on: the answer path's p99 must not change."""
-    print("5. prediction log + shadow off / on, workers cpu_count", flush=True)
-    for on in (False, True):
-        watch = {"log_predictions": True, "log_dir": str(tmp / "prediction-log")}
-        watch["shadow"] = str(fashion["model"])
-        name = f"watching-{'on' if on else 'off'}"
-        params = bench.params(name, workers="cpu_count", batching=False, **(watch if on else {}))
+    """5. the prediction log, and a shadow (the same model, so it does the full work) on
+    all or a quarter of the requests, vs neither: what they cost the answer path."""
+    print("5. prediction log and shadow, workers cpu_count", flush=True)
+    for label, serve in WATCHING.items():
+        serve = {k: str(fashion["model"]) if v == "SAME" else v for k, v in serve.items()}
+        serve["log_dir"] = str(tmp / f"prediction-log-{len(bench.servers)}")
+        params = bench.params(f"watching-{label}", workers="cpu_count", batching=False, **serve)
         bench.run(
             "watching",
             **fashion,
             levels=(LATENCY_CLIENTS,),
             workers="cpu_count",
             params=params,
-            label={"watching": on},
+            label={"watching": label},
         )
 
 
@@ -260,8 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         run = measure_all(args, settings, Path(tmp_name))
     bench = run["bench"]
     if args.watching_only:
-        off, on = (r["p99_ms"] for r in bench.rows)
-        print(f"p99 log + shadow on / off: {on:.1f} / {off:.1f} ms = {on / off:.2f}x")
+        off = bench.rows[0]
+        for row in bench.rows[1:]:
+            print(
+                f"{row['watching']:>13} / off: p99 {row['p99_ms'] / off['p99_ms']:.2f}x, "
+                f"2xx/s {row['ok_per_s'] / off['ok_per_s']:.2f}x"
+            )
         return 0
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -113,7 +113,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         out["batching"][model] = {
             c: ratio(pick(on, clients=c), pick(off, clients=c)) for c in BATCH_LEVELS
         }
-    watched = [pick(rows, section="watching", watching=on) for on in (True, False)]
+    watched = [pick(rows, section="watching", watching=on) for on in ("log+shadow", "off")]
     out["watching_p99_ms"] = [r["p99_ms"] if r else None for r in watched]
     on_ms, off_ms = out["watching_p99_ms"]
     values = {

@@ -256,7 +256,7 @@ def log_row(item: Seen, shadow: ShadowAnswer | None, params: ServeParams) -> dic
         "height": info.get("height"),
         "format": info.get("format"),
         "latency_ms": item.latency_ms,
-        "embedding": None if item.embedding is None else item.embedding.tolist(),
+        "embedding": item.embedding,  # an array: watch.log builds the column from it
         "image": item.image if keep else None,
     }
     if shadow is not None:

@@ -24,12 +24,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 log = logging.getLogger(__name__)
 
 PATTERN = "predictions-*.parquet"
+SLICE_ROWS = 256  # rows converted between two pauses of the writer thread
 
 # One row per request. Every shadow_* column is null when no shadow model runs; embedding
 # is null for a model exported without its embedding output; image only with log_images.
@@ -174,9 +176,7 @@ class PredictionLog:
         path = self.folder / f"predictions-{stamp}-{os.getpid()}-{self._seq:06d}.parquet"
         tmp = path.with_name("." + path.name + ".tmp")
         try:
-            if self.convert is not None:
-                rows = [self.convert(row) for row in rows]
-            pq.write_table(rows_table(rows), tmp, compression="zstd")
+            pq.write_table(_table_in_slices(rows, self.convert), tmp, compression="zstd")
             os.replace(tmp, path)
         # A full disk, or a row the schema cannot hold: those rows are dropped and counted,
         # the writer goes on.
@@ -194,10 +194,42 @@ class PredictionLog:
 
 
 def rows_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
-    """Rows (dicts with any subset of the schema's columns) -> a table of the full schema."""
-    return pa.Table.from_pydict(
-        {name: [row.get(name) for row in rows] for name in COLUMNS}, schema=SCHEMA
-    )
+    """Rows (dicts with any subset of the schema's columns) -> a table of the full schema.
+    An embedding may be a numpy array: a slice whose rows all have one of the same size is
+    built from one flat array (the per-value Python list would hold the GIL, and with it
+    the service's answers, far longer)."""
+    columns = {name: [row.get(name) for row in rows] for name in COLUMNS if name != "embedding"}
+    arrays = [
+        _embedding_column([row.get("embedding") for row in rows])
+        if name == "embedding"
+        else pa.array(columns[name], type=SCHEMA.field(name).type)
+        for name in COLUMNS
+    ]
+    return pa.Table.from_arrays(arrays, schema=SCHEMA)
+
+
+def _embedding_column(values: list[Any]) -> pa.Array:
+    kind = SCHEMA.field("embedding").type
+    if values and all(isinstance(v, np.ndarray) and v.ndim == 1 for v in values):
+        sizes = {v.shape[0] for v in values}
+        if len(sizes) == 1:
+            flat = np.concatenate(values).astype(np.float32, copy=False)
+            offsets = np.arange(len(values) + 1, dtype=np.int32) * sizes.pop()
+            return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat), type=kind)
+    return pa.array([v.tolist() if isinstance(v, np.ndarray) else v for v in values], type=kind)
+
+
+def _table_in_slices(
+    rows: list[Any], convert: Callable[[Any], Mapping[str, Any]] | None
+) -> pa.Table:
+    """The table of ``rows``, built a slice at a time with a pause between slices: the
+    writer thread gives the GIL back to the request threads between them."""
+    tables = []
+    for at in range(0, len(rows), SLICE_ROWS):
+        part = rows[at : at + SLICE_ROWS]
+        tables.append(rows_table([convert(r) for r in part] if convert else part))
+        time.sleep(0)  # let the answers run
+    return pa.concat_tables(tables)
 
 
 def log_files(folder: Path) -> list[Path]:
@@ -252,8 +284,6 @@ def read_log(
 
 
 def _np_time(t: datetime) -> Any:
-    import numpy as np
-
     if t.tzinfo is None:
         t = t.replace(tzinfo=UTC)
     return np.datetime64(t.astimezone(UTC).replace(tzinfo=None), "us")
