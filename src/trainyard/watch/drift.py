@@ -186,7 +186,10 @@ def _embedding_measure(
     if reference.embeddings is None:
         return None, "the reference has no embeddings (a model exported without them)"
     if current.embeddings is None:
-        return None, "the predictions hold no embeddings (a model exported without them)"
+        return None, (
+            "the predictions hold no embeddings (a model exported without them, a trainyard "
+            "predict table, or a service with serve.batching on)"
+        )
     if current.embeddings.shape[1] != reference.embeddings.shape[1]:
         raise DataError(
             f"{current.source}: embeddings of {current.embeddings.shape[1]} values, the "
