@@ -23,15 +23,12 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from pathlib import Path
 from typing import Any
 
 import bentoml
 from bentoml.exceptions import ServiceUnavailable
 from starlette.responses import Response
 
-from trainyard.core.errors import TrainyardError
-from trainyard.runtime.sessions import choose_providers
 from trainyard.serve.api import (
     BatchForm,
     ClassifyForm,
@@ -43,101 +40,30 @@ from trainyard.serve.api import (
     read_classify,
 )
 from trainyard.serve.app import build_app
-from trainyard.serve.drift_watch import reference_beside
 from trainyard.serve.guard import INTERNAL_HEADER, RequestGuard
 from trainyard.serve.lifecycle import freeze_heap, stop_listening_on_sigterm
-from trainyard.serve.observe import build_observer
 from trainyard.serve.parsing import Refused, overloaded
-from trainyard.serve.predictor import Predictor
-from trainyard.serve.settings import (
-    log_folder,
-    model_provenance,
-    read_settings,
-    registry_unavailable,
-    resolve_model,
-    resolve_shadow,
-    trace_headers,
-    verify_model,
-)
-from trainyard.serve.swap import TraceHeaders, follow_plan, swap_into, watch_if_following
+from trainyard.serve.startup import start
+from trainyard.serve.swap import swap_into, watch_if_following
 
 # bentoml.serve's handlers are the ones `bentoml serve` prints; a child logger shares them.
 log = logging.getLogger("bentoml.serve.trainyard")
 
 
-def fetch_registered(uri: str, cache: Path) -> tuple[Path, dict[str, str]]:
-    """A ``models:/`` URI through MLflow's registry, downloaded to ``cache`` and checked
-    against the version's recorded sha256. Imported here, only for such a URI: the
-    development environment has MLflow; a bento has neither it nor trainyard.track."""
+def registry(name: str) -> Any:
+    """trainyard.track.registry's function ``name`` (MLflow), for a models:/ source; None
+    where it cannot be imported: a bento has neither MLflow nor trainyard.track."""
     try:
-        from trainyard.track.registry import fetch_registered_onnx
-    except ImportError as err:
-        raise registry_unavailable(uri, err) from None
-    return fetch_registered_onnx(uri, cache)
-
-
-def fetch_registered_reference(uri: str, cache: Path) -> Path | None:
-    """The reference evaluate stored with a registered version (drift on /metrics); None
-    where MLflow is absent (a bento ships its model's reference file) or the version has
-    none (registered before references existed)."""
-    try:
-        from trainyard.track.registry import fetch_reference
+        from trainyard.track import registry as track_registry
     except ImportError:
         return None
-    try:
-        return fetch_reference(uri, cache)
-    except TrainyardError as err:
-        log.info("trainyard: %s: no reference (%s)", uri, err)
-        return None
+    return getattr(track_registry, name)
 
 
-def follow_registered(uri: str, cache: Path) -> Any:
-    """For ``models:/NAME@ALIAS``: current version -> None, or the version the alias moved
-    to, fetched and checked (trainyard.serve.swap). None where MLflow is absent."""
-    try:
-        from trainyard.track.registry import follow_alias
-    except ImportError:
-        return None
-    return lambda current: follow_alias(uri, cache, current)
-
-
-def carry_observer(old: Predictor, new: Predictor) -> None:
-    """A swap keeps the prediction log and the shadow; the drift score restarts against
-    the new version's reference."""
-    new.observer = old.observer
-    if new.observer is not None:
-        name, version = new.provenance["registry_model"], new.provenance["registry_version"]
-        reference = fetch_registered_reference(f"models:/{name}/{version}", SETTINGS.cache_dir)
-        new.observer.model_changed(new.sha256, reference, SETTINGS.drift)
-
-
-SETTINGS = read_settings()
-PARAMS = SETTINGS.params
-MODEL_PATH, _SOURCE = resolve_model(SETTINGS, fetch_registered)
-# Checked on import, i.e. in the `bentoml serve` (or `bentoml build`) process itself: a
-# missing or altered model, an unknown registry model or alias, or a 'cuda' that cannot be
-# had, stops the command with this message instead of leaving workers failing and
-# respawning behind an unready port.
-MODEL_SHA256 = verify_model(MODEL_PATH)
-choose_providers(PARAMS.device)
-PROVENANCE = model_provenance(MODEL_PATH, _SOURCE)
-# The challenger scoring the same requests off the answer path (serve.shadow), checked here
-# like the served model; and where the prediction log goes (serve.log_predictions).
-SHADOW = resolve_shadow(SETTINGS, fetch_registered)
-if SHADOW is not None:
-    verify_model(SHADOW[0])
-LOG_DIR = log_folder(SETTINGS)
-# What the model saw on its test split (evaluate's model.reference.npz), for the drift score.
-REFERENCE = (
-    fetch_registered_reference(SETTINGS.model_source, SETTINGS.cache_dir)
-    if SETTINGS.from_registry
-    else reference_beside(MODEL_PATH)
-)
-# The service follows a registry alias: each worker swaps models when it moves.
-FOLLOW = (
-    follow_registered(SETTINGS.model_source, SETTINGS.cache_dir) if SETTINGS.from_registry else None
-)
-TRACE = TraceHeaders(trace_headers(MODEL_SHA256, PROVENANCE))  # of the model answering now
+# The model, shadow, log folder, reference and alias to follow, resolved and checked now,
+# in the `bentoml serve` process itself (trainyard.serve.startup).
+START = start(registry)
+SETTINGS, PARAMS = START.settings, START.params
 # The batchable method answers only this process's own client (the guard 404s the rest).
 INTERNAL_ROUTE, INTERNAL_TOKEN = "/probabilities", secrets.token_urlsafe(24)
 PAGES = build_app()  # GET /metadata, /ui, /docs, / and the JSON 404 (trainyard.serve.app)
@@ -162,19 +88,9 @@ class ImageClassifier:
     trainyard.serve's Predictor (one per worker)."""
 
     def __init__(self) -> None:
-        self.predictor = Predictor.load(MODEL_PATH, PARAMS, PROVENANCE)
-        self.predictor.observer = build_observer(
-            PARAMS,
-            self.predictor.card,
-            self.predictor.sha256,
-            LOG_DIR,
-            SHADOW,
-            REFERENCE,
-            SETTINGS.drift,
-        )
+        self.predictor = START.predictor()  # with its observer: log, shadow, drift score
         freeze_heap()  # after the model: what start-up built stays for the process's life
-        follow = follow_plan(SETTINGS.model_source, PARAMS.reload_s, FOLLOW)
-        log.info("%s; %s", self.predictor.startup_message(SETTINGS.params_file), follow)
+        log.info("%s", START.startup_line(self.predictor))
 
     @bentoml.on_shutdown
     def close_observer(self) -> None:
@@ -198,8 +114,9 @@ class ImageClassifier:
     @bentoml.on_startup
     def follow_the_alias(self) -> None:
         """Serving models:/NAME@ALIAS: a watcher thread swaps in each version it moves to."""
-        swap = swap_into(self, PAGES.state, TRACE, carry_observer)  # one assignment
-        self.watcher = watch_if_following(SETTINGS.model_source, PARAMS, PROVENANCE, FOLLOW, swap)
+        swap = swap_into(self, PAGES.state, START.trace, START.carry_observer)
+        source, provenance = SETTINGS.model_source, START.provenance
+        self.watcher = watch_if_following(source, PARAMS, provenance, START.follow, swap)
 
     @bentoml.on_startup
     def refuse_connections_on_sigterm(self) -> None:
@@ -220,15 +137,8 @@ class ImageClassifier:
             probs = await self._batched(pixels.tobytes())
             prediction = predictor.prediction(probs, ask.top_k)
             # The batchable method returns probabilities only: no embedding in the log.
-            predictor.observe(
-                "/classify",
-                prediction,
-                start,
-                info,
-                pixels=pixels,
-                image=ask.image,
-                invert=ask.invert,
-            )
+            seen = {"pixels": pixels, "image": ask.image, "invert": ask.invert}
+            predictor.observe("/classify", prediction, start, info, **seen)
             return answer(prediction)
         except Refused as err:
             return err.answer(ctx)
@@ -281,7 +191,7 @@ ImageClassifier.add_asgi_middleware(
     RequestGuard,
     api_key=SETTINGS.api_key,
     max_body_bytes=PARAMS.max_body_bytes,
-    trace_headers=TRACE,
+    trace_headers=START.trace,
     max_header_bytes=PARAMS.max_header_bytes,
     body_timeout_s=PARAMS.body_timeout_s,
     header_timeout_s=PARAMS.header_timeout_s,

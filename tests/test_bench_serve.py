@@ -48,6 +48,7 @@ def result(
     p99: float = 20.0,
     first: float = 400.0,
     large_on64: float = 60.0,
+    watched_p99: float = 21.0,
 ) -> dict[str, Any]:
     """A fixed run: every figure is chosen, so each ratio and verdict is known."""
     F, L = fig.FASHION, fig.LARGE
@@ -59,6 +60,9 @@ def result(
     rows.append({**cold, "section": "cold", "phase": "first", "ok_per_s": first})
     rows.append(cold)
     rows.append(row("latency", F, "reference", 2, None, ok_per_s=1500.0))
+    # Section 5: the log and shadow off / on (the "log" row is not the target's).
+    for label, ms in (("off", 20.0), ("log", 99.0), ("log+shadow", watched_p99)):
+        rows.append(row("watching", F, "service", 2, False, watching=label, p99_ms=ms))
     for c, on in ((16, 330.0), (64, 500.0)):
         rows.append(row("batching", F, "service", 1, True, clients=c, ok_per_s=on, mean_batch=8))
     for c, off, on in ((16, 50.0, 45.0), (64, 40.0, large_on64)):
@@ -146,16 +150,19 @@ def test_summary_ratios_compare_2xx_answers():
         "latency": True,
         "cold_start": True,
         "batching": True,
+        "watching": True,  # 21 / 20 ms
     }
+    assert s["watching_p99_ms"] == [21.0, 20.0]
 
 
 def test_verdicts_follow_the_figures():
-    s = fig.summary(result(svc16=320.0, p99=26.0, first=390.0, large_on64=40.0))
+    s = fig.summary(result(svc16=320.0, p99=26.0, first=390.0, large_on64=40.0, watched_p99=23.0))
     assert {k: t["met"] for k, t in s["targets"].items()} == {
         "throughput": False,  # 0.64x
         "latency": False,  # 26 ms
         "cold_start": False,  # 390 / 800
         "batching": False,  # exactly 1.0x is not "beats"
+        "watching": False,  # 23 / 20 ms = 1.15x
     }
 
 

@@ -323,8 +323,13 @@ def test_pictures_are_logged_under_report_and_data_under_evaluation(tmp_path, mo
         paths[name].write_bytes(b"x")
     metrics = classification_metrics(np.array([0, 1]), np.array([0, 0]), ["a", "b"])
     metrics |= {"samples": 2, "provider": "CPUExecutionProvider"}
-    log_evaluation(run_id, {"metrics": metrics, "classes": ["a", "b"]}, paths)
+    reference = tmp_path / "models" / "model.reference.npz"
+    reference.parent.mkdir()
+    reference.write_bytes(b"x")
+    log_evaluation(run_id, {"metrics": metrics, "classes": ["a", "b"]}, paths, reference)
     client = mlflow.MlflowClient()
+    drift = {a.path for a in client.list_artifacts(run_id, "reference")}
+    assert drift == {"reference/model.reference.npz"}  # trainyard drift --reference models:/
     pictures = {a.path for a in client.list_artifacts(run_id, REPORT_ARTIFACTS)}
     data = {a.path for a in client.list_artifacts(run_id, EVALUATION_ARTIFACTS)}
     assert pictures == {f"report/{f}" for f in REPORT_FILES.values() if f.endswith(".png")}

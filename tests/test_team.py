@@ -31,7 +31,13 @@ from conftest import VENV_BIN, copy_reproduced, dvc, git_env, stop_group
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 # Large binaries: in the DVC cache and the remote, never in git.
-CACHED = ("data/raw", "data/prepared", "models/best.ckpt", "models/model.onnx")
+CACHED = (
+    "data/raw",
+    "data/prepared",
+    "models/best.ckpt",
+    "models/model.onnx",
+    "models/model.reference.npz",
+)
 # The small `cache: false` outs: committed to git beside dvc.lock.
 IN_GIT = (
     str(TRAIN_RECORD),

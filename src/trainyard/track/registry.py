@@ -558,8 +558,7 @@ def fetch_model(uri: str, cache_dir: str | os.PathLike[str]) -> tuple[Any, dict[
 
 
 def tag_reference(client: Any, name: str, version: int | str, reference_sha256: str) -> None:
-    """Tag a registered version with its drift reference's sha256 (``fetch_reference``
-    checks a download against it)."""
+    """Tag a version with its drift reference's sha256, which ``fetch_reference`` checks."""
     try:
         client.set_model_version_tag(name, str(version), REFERENCE_TAG, reference_sha256)
     except MlflowException as err:
@@ -567,9 +566,8 @@ def tag_reference(client: Any, name: str, version: int | str, reference_sha256: 
 
 
 def fetch_reference(uri: str, cache_dir: str | os.PathLike[str]) -> Path:
-    """The drift reference of the version ``models:/NAME@ALIAS`` or ``models:/NAME/N``
-    names: its run's ``REFERENCE_ARTIFACT``, downloaded into ``cache_dir`` and checked
-    against the version's ``reference_sha256`` tag (a version without it is refused)."""
+    """The drift reference (``REFERENCE_ARTIFACT``) of the version a models:/ URI names,
+    downloaded into ``cache_dir`` and checked against its ``reference_sha256`` tag."""
     name, mv, tracking_uri = version_of(uri, "--reference")
     expected = mv.tags.get(REFERENCE_TAG)
     if not expected or not mv.run_id:

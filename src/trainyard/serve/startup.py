@@ -1,0 +1,141 @@
+"""What the service resolves and checks once, when serving/service.py is imported (in the
+`bentoml serve` or `bentoml build` process itself, before any worker starts): the model
+and its provenance, the shadow, the prediction log's folder, the drift reference and
+whether it follows a registry alias. A missing or altered model, an unknown registry
+model or alias, or a 'cuda' that cannot be had stops the command with its message
+instead of leaving workers failing and respawning behind an unready port.
+
+Registry models need MLflow, which this layer never imports: the caller hands in
+``registry(name)``, trainyard.track.registry's function of that name, or None where
+MLflow is absent (a bento, which serves the files it was built with).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainyard.core.config import ServeParams
+from trainyard.core.errors import TrainyardError
+from trainyard.runtime.sessions import choose_providers
+from trainyard.serve.drift_watch import reference_beside
+from trainyard.serve.observe import build_observer
+from trainyard.serve.predictor import Predictor
+from trainyard.serve.settings import (
+    Settings,
+    log_folder,
+    model_provenance,
+    read_settings,
+    registry_unavailable,
+    resolve_model,
+    resolve_shadow,
+    trace_headers,
+    verify_model,
+)
+from trainyard.serve.swap import Follow, TraceHeaders, follow_plan
+
+log = logging.getLogger("bentoml.serve.trainyard")
+
+Registry = Callable[[str], Any]  # a trainyard.track.registry function by name, or None
+
+
+@dataclass
+class Startup:
+    """The service's resolved start: what every worker builds its predictor from."""
+
+    settings: Settings
+    model_path: Path
+    provenance: dict[str, str]
+    shadow: tuple[Path, dict[str, str]] | None
+    log_dir: Path | None
+    reference: Path | None
+    follow: Follow | None
+    trace: TraceHeaders  # the headers of the model answering now (a swap changes them)
+    registry: Registry
+
+    @property
+    def params(self) -> ServeParams:
+        return self.settings.params
+
+    def predictor(self) -> Predictor:
+        """This worker's predictor with its observer (log, shadow, drift score)."""
+        predictor = Predictor.load(self.model_path, self.params, self.provenance)
+        predictor.observer = build_observer(
+            self.params,
+            predictor.card,
+            predictor.sha256,
+            self.log_dir,
+            self.shadow,
+            self.reference,
+            self.settings.drift,
+        )
+        return predictor
+
+    def startup_line(self, predictor: Predictor) -> str:
+        follow = follow_plan(self.settings.model_source, self.params.reload_s, self.follow)
+        return f"{predictor.startup_message(self.settings.params_file)}; {follow}"
+
+    def carry_observer(self, old: Predictor, new: Predictor) -> None:
+        """A swap keeps the prediction log and the shadow; the drift score restarts against
+        the new version's reference."""
+        new.observer = old.observer
+        if new.observer is not None:
+            name, number = new.provenance["registry_model"], new.provenance["registry_version"]
+            reference = self.fetch_reference(f"models:/{name}/{number}")
+            new.observer.model_changed(new.sha256, reference, self.settings.drift)
+
+    def fetch_reference(self, uri: str) -> Path | None:
+        """The reference evaluate stored with a registered version; None without MLflow or
+        for a version registered before references existed (said once)."""
+        fetch = self.registry("fetch_reference")
+        if fetch is None:
+            return None
+        try:
+            return fetch(uri, self.settings.cache_dir)  # type: ignore[no-any-return]
+        except TrainyardError as err:
+            log.info("trainyard: %s: no reference (%s)", uri, err)
+            return None
+
+
+def start(registry: Registry) -> Startup:
+    """Resolve and check everything the workers need (see the module's docstring)."""
+    settings = read_settings()
+
+    def fetch_registered(uri: str, cache: Path) -> tuple[Path, dict[str, str]]:
+        fetch = registry("fetch_registered_onnx")
+        if fetch is None:
+            raise registry_unavailable(uri, "trainyard.track cannot be imported here")
+        return fetch(uri, cache)  # type: ignore[no-any-return]
+
+    model_path, source = resolve_model(settings, fetch_registered)
+    sha256 = verify_model(model_path)
+    choose_providers(settings.params.device)
+    provenance = model_provenance(model_path, source)
+    shadow = resolve_shadow(settings, fetch_registered)
+    if shadow is not None:
+        verify_model(shadow[0])
+    follow = None
+    if settings.from_registry and (follow_alias := registry("follow_alias")) is not None:
+        uri, cache = settings.model_source, settings.cache_dir
+        follow = lambda current: follow_alias(uri, cache, current)  # noqa: E731
+    begun = Startup(
+        settings=settings,
+        model_path=model_path,
+        provenance=provenance,
+        shadow=shadow,
+        log_dir=log_folder(settings),
+        reference=None,
+        follow=follow,
+        trace=TraceHeaders(trace_headers(sha256, provenance)),
+        registry=registry,
+    )
+    # What the model saw on its test split (evaluate's model.reference.npz): drift score.
+    begun.reference = (
+        begun.fetch_reference(settings.model_source)
+        if settings.from_registry
+        else reference_beside(model_path)
+    )
+    return begun
