@@ -29,7 +29,7 @@ from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.runtime.sessions import OnnxModel
 from trainyard.serve.drift_watch import DriftWatch
 from trainyard.serve.metrics import Metrics, metrics
-from trainyard.serve.settings import load_model
+from trainyard.serve.settings import load_model, registry_label
 from trainyard.watch.log import PredictionLog, utc_now
 
 log = logging.getLogger("bentoml.serve.trainyard")
@@ -66,13 +66,14 @@ class ShadowModel:
     it decodes the upload by its own card."""
 
     def __init__(
-        self, model: OnnxModel, sha256: str, registry_version: str, same_input: bool
+        self, model: OnnxModel, sha256: str, registry_version: str, answering: Card, path: Path
     ) -> None:
         self.model, self.sha256 = model, sha256
         self.version, self.registry_version = sha256[:12], registry_version
-        self.card: Card = card_from_metadata(model.metadata, "the shadow model")
+        self.card: Card = card_from_metadata(model.metadata, str(path))
         self.classes = model.classes
-        self.same_input = same_input
+        # Both cards ask for the same input: the answering model's decode serves the shadow.
+        self.same_input = self.card.contract() == answering.contract()
 
     @classmethod
     def load(
@@ -80,8 +81,7 @@ class ShadowModel:
     ) -> ShadowModel:
         # One thread: the shadow must leave the answer path's cores to the answers.
         model, sha = load_model(path, params.model_copy(update={"intra_op_threads": 1}))
-        card = card_from_metadata(model.metadata, str(path))
-        return cls(model, sha, registry_version, card.contract() == answering.contract())
+        return cls(model, sha, registry_version, answering, path)
 
     def score(self, seen: Seen, params: ServeParams) -> ShadowAnswer | None:
         """The shadow's top-1 for ``seen``; None when it cannot see that input (pixel
@@ -127,6 +127,10 @@ class Observer:
     ) -> None:
         self.params, self.metrics = params, metrics
         self.log, self.shadow, self.drift = prediction_log, shadow, drift
+        # The series' children, looked up once: seen() runs on every answer.
+        self._answer_seconds = metrics.model_latency.labels(role="answer")
+        if shadow is not None:  # no shadow: no empty shadow series on /metrics
+            self._shadow_seconds = metrics.model_latency.labels(role="shadow")
         self._queue: queue.Queue[Seen | None] = queue.Queue(params.shadow_queue)
         self._thread: threading.Thread | None = None
         if shadow is not None:
@@ -163,7 +167,7 @@ class Observer:
 
     def seen(self, item: Seen) -> None:
         """On the answer path: queue, never wait."""
-        self.metrics.model_latency.labels(role="answer").observe(item.latency_ms / 1e3)
+        self._answer_seconds.observe(item.latency_ms / 1e3)
         if self.drift is not None:
             answer = item.answer
             probability = answer["probabilities"][answer["class_id"]]
@@ -210,7 +214,7 @@ class Observer:
             if answer is not None:
                 agree = answer.label == item.answer["label"]
                 self.metrics.shadow_predictions.labels(agreement=str(agree).lower()).inc()
-                self.metrics.model_latency.labels(role="shadow").observe(answer.latency_ms / 1e3)
+                self._shadow_seconds.observe(answer.latency_ms / 1e3)
             self._log(item, answer)
 
     def _log(self, item: Seen, shadow: ShadowAnswer | None) -> None:
@@ -298,8 +302,6 @@ def build_observer(
     challenger = None
     if shadow is not None:
         path, source = shadow
-        name, number = source.get("registry_model"), source.get("registry_version")
-        version = f"{name}/{number}" if name and number else "local"
-        challenger = ShadowModel.load(path, params, version, answering)
+        challenger = ShadowModel.load(path, params, registry_label(source), answering)
     prediction_log = None if log_dir is None else open_log(log_dir, params, found)
     return Observer(params, found, prediction_log, challenger, watch)

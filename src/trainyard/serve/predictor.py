@@ -35,7 +35,7 @@ from trainyard.runtime.sessions import OnnxModel
 from trainyard.serve.metrics import metrics
 from trainyard.serve.observe import Observer, Seen
 from trainyard.serve.parsing import BATCH_USAGE, CLASSIFY_USAGE, Refused
-from trainyard.serve.settings import load_model
+from trainyard.serve.settings import load_model, registry_label
 
 
 class Predictor:
@@ -61,8 +61,7 @@ class Predictor:
         self._limiter: anyio.CapacityLimiter | None = None  # made on this worker's loop
         # The prediction log and the shadow (serve.observe); None: neither is on.
         self.observer: Observer | None = None
-        name, number = provenance.get("registry_model"), provenance.get("registry_version")
-        self.registry_version = f"{name}/{number}" if name and number else "local"
+        self.registry_version = registry_label(provenance)
 
     @classmethod
     def load(cls, path: Path, params: ServeParams, provenance: dict[str, str]) -> Predictor:

@@ -158,14 +158,17 @@ def model_provenance(path: Path, provenance: dict[str, str]) -> dict[str, str]:
     }
 
 
+def registry_label(provenance: Mapping[str, str]) -> str:
+    """``NAME/N`` of a registry model's provenance, ``local`` for a model file: how the
+    headers, the prediction log and the shadow's figures name a model's version."""
+    name, number = provenance.get("registry_model"), provenance.get("registry_version")
+    return f"{name}/{number}" if name and number else "local"
+
+
 def trace_headers(sha256: str, provenance: dict[str, str]) -> list[tuple[bytes, bytes]]:
     """The headers every response carries, so any prediction traces back to its registry
     version, MLflow run and data version."""
-    registry = (
-        f"{provenance['registry_model']}/{provenance['registry_version']}"
-        if provenance["registry_version"]
-        else "local"
-    )
+    registry = registry_label(provenance)
     return [
         (b"x-model-version", sha256[:12].encode()),
         (b"x-model-registry-version", registry.encode()),
