@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 log = logging.getLogger(__name__)
@@ -272,18 +273,14 @@ def read_log(
         except FileNotFoundError:  # deleted by the disk bound while we listed
             continue
     table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
-    if since is not None or until is not None:
-        times = table.column("time").to_numpy(zero_copy_only=False)
-        keep = times == times  # all True, NaT excluded below
-        if since is not None:
-            keep &= times >= _np_time(since)
-        if until is not None:
-            keep &= times < _np_time(until)
-        table = table.filter(pa.array(keep))
+    # A row with no time compares as null, and filter drops it.
+    if since is not None:
+        table = table.filter(pc.greater_equal(table.column("time"), _utc(since)))
+    if until is not None:
+        table = table.filter(pc.less(table.column("time"), _utc(until)))
     return table.sort_by("time")
 
 
-def _np_time(t: datetime) -> Any:
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=UTC)
-    return np.datetime64(t.astimezone(UTC).replace(tzinfo=None), "us")
+def _utc(t: datetime) -> pa.Scalar:
+    """``t`` as the time column's type; a time without a zone is taken as UTC."""
+    return pa.scalar(t if t.tzinfo else t.replace(tzinfo=UTC), SCHEMA.field("time").type)
