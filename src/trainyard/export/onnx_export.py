@@ -23,6 +23,7 @@ from trainyard import __version__
 from trainyard.core.card import METADATA_KEY, card_from_metadata, normalize_pixels
 from trainyard.core.errors import ExportError
 from trainyard.core.io import atomic_file, atomic_write_text, sha256_file
+from trainyard.model import networks
 from trainyard.model.classifier import Classifier
 from trainyard.runtime.sessions import EMBEDDING_OUTPUT, LOGITS_OUTPUT, OnnxModel, load_onnx
 
@@ -51,14 +52,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
 
 
 def classifier_head(model: nn.Module) -> tuple[str, nn.Linear]:
-    """(submodule path, module) of ``model``'s classifier head: its last ``nn.Linear`` in
-    module order, as for the fine-tune's head (``Classifier._param_groups``). Every net
-    ``build_model`` makes ends in it; the parity gate proves the head is the last step
-    (the exported logits, computed as head(embedding), must equal the model's own)."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not linears:
+    """(submodule path, module) of ``model``'s classifier head (``model.networks``' rule:
+    its last ``nn.Linear``). The parity gate proves the head is the last step (the exported
+    logits, computed as head(embedding), must equal the model's own)."""
+    found = networks.classifier_head(model)
+    if found is None:
         raise ExportError(f"{type(model).__name__} has no nn.Linear head to take an embedding from")
-    return linears[-1]
+    return found
 
 
 class LogitsAndEmbedding(nn.Module):

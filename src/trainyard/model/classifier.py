@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from trainyard.core.card import Card
 from trainyard.model.augment import augment_batch, normalize_on_device
-from trainyard.model.networks import build_model
+from trainyard.model.networks import build_model, classifier_head
 
 if TYPE_CHECKING:
     from trainyard.core.config import TrainParams
@@ -211,7 +211,9 @@ class Classifier(L.LightningModule):
     ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], list[torch.nn.Parameter]]:
         """(frozen for the whole fit, the pretrained body that trains, the new head: the
         last Linear layer)."""
-        head = [m for m in self.net.modules() if isinstance(m, torch.nn.Linear)][-1]
+        found = classifier_head(self.net)
+        assert found is not None, "every net build_model makes ends in a Linear head"
+        head = found[1]
         head_ids = {id(p) for p in head.parameters()}
         frozen = [p for m in self._frozen_modules() for p in m.parameters()]
         frozen_ids = {id(p) for p in frozen}

@@ -232,3 +232,11 @@ def build_model(
         model, info = build_backbone(arch, in_channels, num_classes, pretrained)
     model.pretrained_info = info
     return model
+
+
+def classifier_head(net: nn.Module) -> tuple[str, nn.Linear] | None:
+    """(submodule path, module) of ``net``'s classifier head: its last ``nn.Linear`` in
+    module order, which every net ``build_model`` makes ends in. The fine-tune trains it
+    as the new head; the export takes its input as the embedding. None: no Linear."""
+    linears = [(name, m) for name, m in net.named_modules() if isinstance(m, nn.Linear)]
+    return linears[-1] if linears else None
