@@ -13,26 +13,21 @@ knob is the ``serve`` section of params.yaml, read here once.
 
 BentoML runs the process model (workers), the traffic limits (max concurrency, timeout),
 /metrics, the probes, the OpenAPI document (/docs.json) and the bento. With
-``serve.batching`` on, /classify sends each decoded image to the batchable method
-``probabilities`` through the service's own in-process client (``self.to_async``), so
-BentoML's adaptive batcher merges concurrent requests into one ONNX Runtime run.
+``serve.batching`` on, /classify is itself BentoML's batchable method: its adaptive batcher
+merges concurrent requests into one ONNX Runtime run (trainyard.serve.batching).
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
-import time
 from typing import Any
 
 import bentoml
-from bentoml.exceptions import ServiceUnavailable
 from starlette.responses import Response
 
 from trainyard.serve.api import (
     BatchForm,
     ClassifyForm,
-    Pixels,
     Prediction,
     Predictions,
     answer,
@@ -40,9 +35,11 @@ from trainyard.serve.api import (
     read_classify,
 )
 from trainyard.serve.app import build_app
-from trainyard.serve.guard import INTERNAL_HEADER, RequestGuard
+from trainyard.serve.batching import answer_batch, batched_classify
+from trainyard.serve.guard import RequestGuard
 from trainyard.serve.lifecycle import freeze_heap, stop_listening_on_sigterm
-from trainyard.serve.parsing import Refused, overloaded
+from trainyard.serve.refused import Refused
+from trainyard.serve.settings import service_config
 from trainyard.serve.startup import start
 from trainyard.serve.swap import swap_into, watch_if_following
 
@@ -64,25 +61,10 @@ def registry(name: str) -> Any:
 # in the `bentoml serve` process itself (trainyard.serve.startup).
 START = start(registry)
 SETTINGS, PARAMS = START.settings, START.params
-# The batchable method answers only this process's own client (the guard 404s the rest).
-INTERNAL_ROUTE, INTERNAL_TOKEN = "/probabilities", secrets.token_urlsafe(24)
 PAGES = build_app()  # GET /metadata, /ui, /docs, / and the JSON 404 (trainyard.serve.app)
 
 
-@bentoml.service(
-    name="trainyard_classifier",
-    workers=PARAMS.workers,
-    traffic={"timeout": PARAMS.timeout_s, "max_concurrency": PARAMS.max_concurrency},
-    # The in-process client (batching): BentoML would renew its session every 100 requests
-    # or 300 s, closing it under the requests still in flight (500s at 8 clients).
-    runner_connection={"max_requests": 2**62, "max_age": 1e12},
-    logging={
-        "access": {
-            "enabled": PARAMS.access_log,
-            "skip_paths": ["/metrics", "/healthz", "/livez", "/readyz", INTERNAL_ROUTE],
-        }
-    },
-)
+@bentoml.service(**service_config(PARAMS, ["/metrics", "/healthz", "/livez", "/readyz"]))
 class ImageClassifier:
     """Any trainyard model: the ONNX file the pipeline exported and verified, served by
     trainyard.serve's Predictor (one per worker)."""
@@ -108,8 +90,7 @@ class ImageClassifier:
         """The mounted app of the other routes: GET /metadata answers from this worker's
         predictor, a 404 lists the api methods."""
         PAGES.state.predictor = self.predictor
-        routes = {m.route for m in ImageClassifier.apis.values()} - {INTERNAL_ROUTE}
-        PAGES.state.api_routes = frozenset(routes)
+        PAGES.state.api_routes = frozenset(m.route for m in ImageClassifier.apis.values())
 
     @bentoml.on_startup
     def follow_the_alias(self) -> None:
@@ -123,25 +104,26 @@ class ImageClassifier:
         """On SIGTERM the port stops listening before uvicorn drains the requests in flight."""
         stop_listening_on_sigterm()
 
-    @bentoml.api(route="/classify", input_spec=ClassifyForm, output_spec=Prediction)
-    async def classify(self, ctx: bentoml.Context) -> Response:
-        """One image: a multipart file field 'image', or the whole body sent with its image
-        Content-Type (image/png, image/jpeg, ...); top_k and invert as form fields or query."""
-        predictor = self.predictor  # read once: a swap meanwhile leaves this request's model
-        try:
-            ask = await read_classify(ctx.request, predictor.card, PARAMS)
-            if not PARAMS.batching:
+    if PARAMS.batching:  # BentoML's adaptive batcher merges concurrent requests
+
+        @bentoml.api(**batched_classify(PARAMS))
+        async def classify(self, asks: list[Any]) -> list[Response]:
+            """One image: a multipart file field 'image', or the whole body sent with its image
+            Content-Type (image/png, image/jpeg, ...); top_k and invert as form fields or query."""
+            return await answer_batch(asks)
+
+    else:
+
+        @bentoml.api(route="/classify", input_spec=ClassifyForm, output_spec=Prediction)
+        async def classify(self, ctx: bentoml.Context) -> Response:
+            """One image: a multipart file field 'image', or the whole body sent with its image
+            Content-Type (image/png, image/jpeg, ...); top_k and invert as form fields or query."""
+            predictor = self.predictor  # read once: a swap meanwhile leaves it its model
+            try:
+                ask = await read_classify(ctx.request, predictor.card, PARAMS)
                 return answer(await predictor.classify(ask.image, ask.top_k, ask.invert))
-            start, info = time.perf_counter(), {}
-            pixels = await predictor.decode_one(ask.image, ask.invert, info)
-            probs = await self._batched(pixels.tobytes())
-            prediction = predictor.prediction(probs, ask.top_k)
-            # The batchable method returns probabilities only: no embedding in the log.
-            seen = {"pixels": pixels, "image": ask.image, "invert": ask.invert}
-            predictor.observe("/classify", prediction, start, info, **seen)
-            return answer(prediction)
-        except Refused as err:
-            return err.answer(ctx)
+            except Refused as err:
+                return err.answer(ctx)
 
     @bentoml.api(route="/classify_batch", input_spec=BatchForm, output_spec=Predictions)
     async def classify_batch(self, ctx: bentoml.Context) -> Response:
@@ -160,41 +142,6 @@ class ImageClassifier:
         """The model's identity, classes, input contract and limits (also GET /metadata)."""
         return self.predictor.describe()
 
-    if PARAMS.batching:  # only then: BentoML's /docs.json lists every api method
-
-        @bentoml.api(
-            route=INTERNAL_ROUTE,
-            input_spec=Pixels,
-            batchable=True,
-            max_batch_size=PARAMS.max_batch_size,
-            max_latency_ms=PARAMS.max_latency_ms,
-        )
-        def probabilities(self, pixels: list[bytes]) -> list[list[float]]:
-            """Internal: decoded images -> probabilities, on one adaptive batch."""
-            return self.predictor.probabilities_of_raw(pixels).tolist()  # type: ignore[no-any-return]
-
-    async def _batched(self, pixels: bytes) -> Any:
-        """One image's probabilities through BentoML's adaptive batcher: the batchable
-        method, called through the service's own in-process client."""
-        client = self.to_async  # type: ignore[attr-defined]  # set by BentoML per worker
-        # The client reads its headers when it opens its session, on its first call.
-        client.default_headers[INTERNAL_HEADER] = INTERNAL_TOKEN
-        try:
-            [probs] = await client.probabilities(pixels=[pixels])
-        except ServiceUnavailable:  # the batcher shed it: not answerable in max_latency_ms
-            raise overloaded(PARAMS.max_latency_ms) from None
-        return probs
-
 
 ImageClassifier.mount_asgi_app(PAGES, path="/")
-ImageClassifier.add_asgi_middleware(
-    RequestGuard,
-    api_key=SETTINGS.api_key,
-    max_body_bytes=PARAMS.max_body_bytes,
-    trace_headers=START.trace,
-    max_header_bytes=PARAMS.max_header_bytes,
-    body_timeout_s=PARAMS.body_timeout_s,
-    header_timeout_s=PARAMS.header_timeout_s,
-    internal_paths=frozenset({INTERNAL_ROUTE}),
-    internal_token=INTERNAL_TOKEN,
-)
+ImageClassifier.add_asgi_middleware(RequestGuard, **START.guard_options())

@@ -105,10 +105,11 @@ def test_root_redirects_to_the_docs(client):
 def test_docs_under_bentoml_serve(server):  # noqa: F811  (the fixture imported above)
     doc = requests.get(f"{server.url}/docs.json", timeout=10).json()
     assert set(doc["paths"]) >= ENDPOINTS
-    # test_serving's server batches: its internal method is listed, and 404s to anyone else.
-    assert "/probabilities" in doc["paths"]
-    refused = requests.post(f"{server.url}/probabilities", json={"pixels": []}, timeout=10)
-    assert refused.status_code == 404 and refused.json()["field"] is None
+    # test_serving's server batches, in one hop: /classify is the batchable method, with
+    # the same fields as unbatched, and no other route is listed.
+    assert "/probabilities" not in doc["paths"]
+    form = doc["paths"]["/classify"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert {"image", "top_k", "invert"} <= set(form["schema"]["properties"])
     page = requests.get(f"{server.url}/docs", timeout=10)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     for asset in ASSET.findall(page.text):

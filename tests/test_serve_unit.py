@@ -35,7 +35,6 @@ from trainyard.core.io import sha256_file
 from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.serve.guard import RequestGuard
 from trainyard.serve.parsing import (
-    Refused,
     check_count,
     file_fields,
     json_images,
@@ -44,6 +43,7 @@ from trainyard.serve.parsing import (
     parse_form,
     parse_top_k,
 )
+from trainyard.serve.refused import Refused
 
 from conftest import REPO, write_tiny_onnx
 
@@ -517,12 +517,9 @@ def test_unknown_routes_and_methods_answer_json(client):
     for method in ("GET", "PATCH", "PUT"):
         resp = client.request(method, "/classify")
         assert resp.status_code == 405 and "Method Not Allowed" in resp.json()["error"]
-    # The batchable method is the service's own, in process: to anyone else it is absent.
+    # Batching has no route of its own (it was /probabilities, called in process).
     resp = client.post("/probabilities", json={"pixels": []})
-    assert resp.status_code == 404 and resp.json() == {
-        "error": "POST /probabilities: Not Found",
-        "field": None,
-    }
+    assert resp.status_code == 404 and resp.json()["field"] is None
 
 
 def test_metadata_describes_the_model_and_its_contract(client, tiny):
@@ -561,6 +558,50 @@ def test_adaptive_batching_gives_the_same_answers_in_merged_runs(batched_client,
         assert np.allclose(resp.json()["probabilities"], expected[i % len(PHOTOS)], atol=1e-6)
     count, total = (a - b for a, b in zip(runs(), before, strict=True))
     assert total == len(sends) and 0 < count < len(sends), (count, total)
+
+
+def test_a_bad_image_in_a_merged_batch_is_its_own_requests_4xx(batched_client, tiny):
+    """/classify is the batchable method itself: a request that is no image is refused
+    alone, with the unbatched route's answer, while the requests merged with it are served."""
+    sends = [b"not an image" if i % 5 == 2 else PHOTOS[i % len(PHOTOS)] for i in range(20)]
+    with cf.ThreadPoolExecutor(10) as pool:
+        answers = list(
+            pool.map(lambda d: batched_client.post("/classify", files={"image": ("p", d)}), sends)
+        )
+    expected = expected_probabilities(PHOTOS, tiny["weights"])
+    for i, resp in enumerate(answers):
+        if sends[i] == b"not an image":
+            assert resp.status_code == 400 and resp.json()["field"] == "image", resp.text
+        else:
+            assert resp.status_code == 200, resp.text
+            assert np.allclose(resp.json()["probabilities"], expected[i % len(PHOTOS)], atol=1e-6)
+    # Refused before the batcher: a request without an image never waits for a batch.
+    resp = batched_client.post("/classify", data={"top_k": "2"})
+    assert resp.status_code == 415 and resp.json()["field"] == "Content-Type", resp.text
+
+
+def test_a_request_the_batcher_sheds_gets_the_services_overload_answer(tiny):
+    """BentoML's batcher sheds what it cannot answer within max_latency_ms with a generic
+    503 of its own; the guard answers the service's: Retry-After, naming the setting."""
+    for client in client_for(tiny, batching=True, max_batch_size=2, max_latency_ms=1):
+        before = refused_count("overloaded")
+        with cf.ThreadPoolExecutor(16) as pool:
+            answers = list(
+                pool.map(
+                    lambda d: client.post("/classify", files={"image": ("p", d)}), PHOTOS * 12
+                )
+            )
+        shed = [r for r in answers if r.status_code == 503]
+        assert {r.status_code for r in answers} <= {200, 503}
+        assert shed, "1 ms of latency allowed and 16 clients: the batcher sheds some"
+        for resp in shed:
+            assert resp.headers["retry-after"] == "1"
+            assert resp.json() == {
+                "error": "server overloaded: the request could not be answered within "
+                "serve.max_latency_ms (1 ms); retry shortly",
+                "field": None,
+            }
+        assert refused_count("overloaded") - before == len(shed)
 
 
 def test_predictions_are_counted_by_label(client):

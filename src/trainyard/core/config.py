@@ -234,6 +234,7 @@ class ServeParams(_Strict):
     max_batch_images: int = Field(256, ge=1, le=4096)
     top_k: int = Field(5, ge=1, le=100_000)
     access_log: bool = True
+    tracing: bool = False
     # The model's life after the endpoint (issue 35): the prediction log, the shadow model
     # beside the answering one, and how often a worker looks whether its alias moved.
     log_predictions: bool = False

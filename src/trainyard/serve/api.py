@@ -19,7 +19,7 @@ import anyio.to_thread
 import bentoml
 import numpy as np
 from bentoml.validators import ContentType
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, Field, RootModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -29,7 +29,6 @@ from trainyard.runtime.inputs import IMAGE_FORMATS
 from trainyard.serve.parsing import (
     BATCH_USAGE,
     CLASSIFY_USAGE,
-    Refused,
     check_count,
     file_fields,
     form_text,
@@ -40,6 +39,7 @@ from trainyard.serve.parsing import (
     parse_top_k,
     unsupported,
 )
+from trainyard.serve.refused import Refused
 
 # Every format the service decodes; HEIF's photos are usually sent as image/heic (iPhone).
 IMAGE_TYPES = (*(f"image/{fmt.lower()}" for fmt in IMAGE_FORMATS), "image/heic")
@@ -102,14 +102,6 @@ class Prediction(BaseModel):
 
 class Predictions(RootModel[list[Prediction]]):
     """/classify_batch's answer: one Prediction per image, in the order sent."""
-
-
-class Pixels(bentoml.IODescriptor):
-    """The internal batchable method's input: images decoded to uint8 [C,H,W], raw bytes
-    (base64 in JSON: a fraction of a list of numbers' size and parsing time)."""
-
-    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
-    pixels: list[bytes]
 
 
 # ---------------------------------------------------------------------------- what the method reads

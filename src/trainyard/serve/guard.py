@@ -31,7 +31,6 @@ OPEN_PATHS = frozenset(
 )
 OPEN_PREFIXES = ("/static_content/", "/assets/", "/ui/")
 PICKLE = "application/vnd.bentoml+pickle"
-INTERNAL_HEADER = "x-trainyard-internal"
 # ServeParams' defaults (serve.max_header_bytes, body_timeout_s, header_timeout_s).
 _DEFAULTS = ServeParams()
 MAX_HEADER_BYTES, BODY_TIMEOUT_S = _DEFAULTS.max_header_bytes, _DEFAULTS.body_timeout_s
@@ -58,9 +57,9 @@ class RequestGuard:
       (uvicorn has no such timer: ``bound_header_time``).
     - every response carries ``trace_headers`` (the model's version, run, data version;
       a callable: those of the model answering when the response starts);
-    - ``internal_paths`` (the service's own in-process calls, e.g. to its batchable method)
-      answer only a request carrying ``internal_token`` in ``INTERNAL_HEADER``; to anyone
-      else they are a 404, as if absent.
+    - ``shed_paths`` (routes on BentoML's adaptive batcher): the 503 BentoML answers for
+      a request its batcher shed (a generic body, no Retry-After) becomes ``shed()``, the
+      service's own overload answer.
     """
 
     def __init__(
@@ -73,11 +72,11 @@ class RequestGuard:
         max_header_bytes: int = MAX_HEADER_BYTES,
         body_timeout_s: float = BODY_TIMEOUT_S,
         header_timeout_s: float | None = HEADER_TIMEOUT_S,
-        internal_paths: frozenset[str] = frozenset(),
-        internal_token: str = "",
+        shed_paths: frozenset[str] = frozenset(),
+        shed: Callable[[], JSONResponse] | None = None,
     ) -> None:
         self.app = app
-        self.internal_paths, self.internal_token = internal_paths, internal_token.encode()
+        self.shed_paths, self.shed = shed_paths, shed
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         # A callable: the headers of the model answering when each response starts (a
@@ -110,19 +109,7 @@ class RequestGuard:
                 reason="headers_too_large",
             )
             return
-        if scope["path"] in self.internal_paths:
-            given = headers.get(INTERNAL_HEADER, "").encode("latin-1")
-            if not (self.internal_token and hmac.compare_digest(given, self.internal_token)):
-                await _error(
-                    send,
-                    scope,
-                    404,
-                    f"{scope['method']} {scope['path']}: Not Found",
-                    field=None,
-                    reason="not_found",
-                )
-                return
-        elif not self._allowed(scope, headers):
+        if not self._allowed(scope, headers):
             await _error(
                 send,
                 scope,
@@ -162,6 +149,8 @@ class RequestGuard:
             return
         if body is None:
             return
+        if self.shed is not None and scope["path"] in self.shed_paths:
+            send = _answer_shed(send, scope, self.shed)
         await self.app(scope, _replay(body, receive), send)
 
     def _allowed(self, scope: Scope, headers: Headers) -> bool:
@@ -278,6 +267,35 @@ def _with_headers(send: Send, extra: Callable[[], HeaderList]) -> Send:
     return traced
 
 
+def _answer_shed(send: Send, scope: Scope, shed: Callable[[], JSONResponse]) -> Send:
+    """A send() that answers ``shed()`` in place of BentoML's 503 for a request its batcher
+    shed. BentoML raises that 503 (ServiceUnavailable) inside its endpoint, where no method
+    of the service can catch it; ours carry Retry-After, its does not."""
+    replaced = False
+
+    async def answered(message: Message) -> None:
+        nonlocal replaced
+        if message["type"] == "http.response.start" and _bentoml_shed(message):
+            replaced = True
+            await shed()(scope, _disconnected, send)
+            return
+        if replaced:  # BentoML's body: already answered
+            return
+        await send(message)
+
+    return answered
+
+
+def _bentoml_shed(start: Message) -> bool:
+    """BentoML's 503: the service's own 503s (Refused) all carry Retry-After."""
+    named = {name.lower() for name, _ in start.get("headers", [])}
+    return bool(start["status"] == 503 and b"retry-after" not in named)
+
+
+async def _disconnected() -> Message:  # a response that never reads the request
+    return {"type": "http.disconnect"}
+
+
 def _authorized(headers: Headers, key: bytes) -> bool:
     scheme, _, credential = headers.get("authorization", "").partition(" ")
     given = credential.strip().encode("latin-1")  # Headers decoded latin-1: the exact bytes
@@ -311,8 +329,4 @@ async def _error(
 ) -> None:
     count_refusal(reason)
     response = JSONResponse({"error": message, "field": field}, status, extra_headers)
-
-    async def no_body() -> Message:  # the response never reads the request
-        return {"type": "http.disconnect"}
-
-    await response(scope, no_body, send)
+    await response(scope, _disconnected, send)

@@ -11,18 +11,16 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import bentoml
 import numpy as np
 from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 
 from trainyard.core.card import Card
 from trainyard.core.config import ServeParams
 from trainyard.core.errors import InputError
 from trainyard.runtime.inputs import pixel_arrays
-from trainyard.serve.metrics import count_refusal
+from trainyard.serve.refused import Refused
 
 CLASSIFY_USAGE = (
     "send one image as a multipart file field 'image' (curl -F image=@photo.jpg URL/classify) "
@@ -39,38 +37,6 @@ _DEFAULTS = ServeParams()  # the limits when none are given
 TRUE, FALSE = frozenset({"true", "1", "yes", "on"}), frozenset({"false", "0", "no", "off", ""})
 
 
-class Refused(Exception):
-    """A 4xx/503 answer: the message names the field and says what to send instead."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        field: str | None,
-        reason: str,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.field, self.reason, self.headers = status, field, reason, headers
-
-    @classmethod
-    def from_input(cls, err: InputError, reason: str) -> Refused:
-        """The answer for an InputError of the shared input code (its status and field)."""
-        return cls(err.status, str(err), field=err.field, reason=reason)
-
-    def response(self) -> JSONResponse:
-        """The JSON answer ``{"error", "field"}``, counted on /metrics by reason."""
-        count_refusal(self.reason)
-        return JSONResponse({"error": str(self), "field": self.field}, self.status, self.headers)
-
-    def answer(self, ctx: bentoml.Context) -> JSONResponse:
-        """The response for an api method that takes ``ctx``: BentoML sets the status of
-        what the method returns to ``ctx.response.status_code``, so it is set there too."""
-        ctx.response.status_code = self.status
-        return self.response()
-
-
 def media_type(headers: Headers) -> str:
     """The Content-Type without its parameters, lower case ('' when there is none)."""
     return headers.get("content-type", "").split(";")[0].strip().lower()
@@ -84,18 +50,6 @@ def unsupported(path: str, media: str, usage: str) -> Refused:
         f"{path} does not take {got}; {usage}",
         field="Content-Type",
         reason="unsupported_media_type",
-    )
-
-
-def overloaded(max_latency_ms: int) -> Refused:
-    """The 503 for a request the adaptive batcher shed (not answerable in time)."""
-    return Refused(
-        503,
-        "server overloaded: the request could not be answered within "
-        f"serve.max_latency_ms ({max_latency_ms} ms); retry shortly",
-        field=None,
-        reason="overloaded",
-        headers={"retry-after": "1"},
     )
 
 

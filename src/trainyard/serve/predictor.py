@@ -34,7 +34,8 @@ from trainyard.runtime.inputs import (
 from trainyard.runtime.sessions import OnnxModel
 from trainyard.serve.metrics import metrics
 from trainyard.serve.observe import Observer, Seen
-from trainyard.serve.parsing import BATCH_USAGE, CLASSIFY_USAGE, Refused
+from trainyard.serve.parsing import BATCH_USAGE, CLASSIFY_USAGE
+from trainyard.serve.refused import Refused
 from trainyard.serve.settings import load_model, registry_label
 
 
@@ -204,18 +205,33 @@ class Predictor:
         )
         return answer
 
-    async def decode_one(
-        self, image: bytes, invert: bool, info: dict[str, Any] | None = None
-    ) -> np.ndarray:
-        """One image -> uint8 [C,H,W], on a worker thread (for the adaptive batcher)."""
-        return await self.in_thread(self.decode, image, "image", invert, info)  # type: ignore[no-any-return]
-
-    def probabilities_of_raw(self, raw: Sequence[bytes]) -> np.ndarray:
-        """Decoded images as raw uint8 bytes (``decode_one(...).tobytes()``) -> probabilities
-        [N,classes]: the batchable method's work, on one adaptive batch."""
-        shape = self.card.input_shape
-        pixels = np.stack([np.frombuffer(r, dtype=np.uint8).reshape(shape) for r in raw])
-        return self.probabilities(pixels.astype(np.float32))
+    def classify_many(
+        self, asks: Sequence[tuple[bytes, int, bool]], starts: Sequence[float]
+    ) -> list[dict[str, Any] | Refused]:
+        """Concurrent /classify requests (image, top_k, invert), the adaptive batcher's batch,
+        as one model call: each image decoded by the card, the decodable ones through ONNX
+        Runtime at once. An image that is no image is its own request's Refused, not the
+        batch's. ``starts``: when each request was read, for the log's latency."""
+        answers: list[dict[str, Any] | Refused] = []
+        decoded: list[tuple[int, np.ndarray, dict[str, Any]]] = []
+        for i, (image, _, invert) in enumerate(asks):
+            info: dict[str, Any] = {}
+            try:
+                decoded.append((i, self.decode(image, "image", invert, info), info))
+                answers.append({})  # filled below
+            except Refused as err:
+                answers.append(err)
+        if not decoded:
+            return answers
+        pixels = np.stack([p for _, p, _ in decoded]).astype(np.float32)
+        probs, embeddings = self.scores(pixels)
+        for row, (i, image_pixels, info) in enumerate(decoded):
+            image, top_k, invert = asks[i]
+            answers[i] = answer = self.prediction(probs[row], top_k)
+            seen = {"pixels": image_pixels, "image": image, "invert": invert}
+            embedding = None if embeddings is None else embeddings[row]
+            self.observe("/classify", answer, starts[i], info, embedding=embedding, **seen)
+        return answers
 
     async def classify_batch(
         self, images: Sequence[bytes] | np.ndarray, top_k: int, invert: bool

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import onnxruntime as ort
 
@@ -181,3 +182,19 @@ def load_model(path: Path, params: ServeParams) -> tuple[OnnxModel, str]:
     """Verify, then open on the provider params ask for (a 'cuda' that cannot be had is a
     ProviderError, never a quiet CPU run)."""
     return open_verified(path, params.device, params.model_threads())
+
+
+def service_config(params: ServeParams, quiet_paths: list[str]) -> dict[str, Any]:
+    """``@bentoml.service``'s arguments from serve params: processes, traffic limits, the
+    access log (not for ``quiet_paths``: probes, metrics) and tracing."""
+    config: dict[str, Any] = {
+        "name": "trainyard_classifier",
+        "workers": params.workers,
+        "traffic": {"timeout": params.timeout_s, "max_concurrency": params.max_concurrency},
+        "logging": {"access": {"enabled": params.access_log, "skip_paths": quiet_paths}},
+    }
+    if not params.tracing:
+        # BentoML's OpenTelemetry middleware builds four spans a request even at sample
+        # rate 0 (about 30% of the event loop's CPU per request); an excluded URL skips it.
+        config["tracing"] = {"excluded_urls": [".*"]}
+    return config

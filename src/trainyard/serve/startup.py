@@ -24,6 +24,7 @@ from trainyard.runtime.sessions import choose_providers
 from trainyard.serve.drift_watch import reference_beside
 from trainyard.serve.observe import build_observer
 from trainyard.serve.predictor import Predictor
+from trainyard.serve.refused import overloaded
 from trainyard.serve.settings import (
     Settings,
     log_folder,
@@ -86,6 +87,21 @@ class Startup:
             name, number = new.provenance["registry_model"], new.provenance["registry_version"]
             reference = self.fetch_reference(f"models:/{name}/{number}")
             new.observer.model_changed(new.sha256, reference, self.settings.drift)
+
+    def guard_options(self) -> dict[str, Any]:
+        """The request guard's arguments (trainyard.serve.guard): the key, the limits, the
+        trace headers, and with batching the route whose shed 503 becomes ours."""
+        p = self.params
+        return {
+            "api_key": self.settings.api_key,
+            "max_body_bytes": p.max_body_bytes,
+            "trace_headers": self.trace,
+            "max_header_bytes": p.max_header_bytes,
+            "body_timeout_s": p.body_timeout_s,
+            "header_timeout_s": p.header_timeout_s,
+            "shed_paths": frozenset({"/classify"} if p.batching else ()),
+            "shed": lambda: overloaded(p.max_latency_ms).response(),
+        }
 
     def fetch_reference(self, uri: str) -> Path | None:
         """The reference evaluate stored with a registered version; None without MLflow or
