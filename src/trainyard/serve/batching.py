@@ -1,0 +1,121 @@
+"""/classify on BentoML's adaptive batcher, in one hop (``serve.batching: true``).
+
+With batching on, /classify itself is the ``batchable=True`` api method. BentoML reads each
+request with the input descriptor below (``BatchedClassifyForm``: the same reading as the
+unbatched route, ``read_classify``, into a one-item list), its CorkDispatcher merges the
+lists of concurrent requests, and the method answers the merged list with one trip to a
+worker thread: every image decoded, one ONNX Runtime run, every answer built. BentoML then
+splits the answers back, one per request, and the output descriptor (``BatchedPrediction``)
+hands each request its own response, a 200 or its ``Refused`` 4xx.
+
+What this replaced: /classify calling a batchable method through the service's own HTTP
+client (``self.to_async``), a second request through every middleware with the pixels as
+base64 JSON both ways (docs/serving.md, "Adaptive batching").
+
+A request the batcher sheds (not answerable within ``serve.max_latency_ms``) is answered by
+BentoML as a generic 503 before any method of ours runs; the request guard turns it into
+the service's own overload answer (trainyard.serve.startup's ``guard_options``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import bentoml
+from pydantic import ConfigDict
+from starlette.requests import Request
+from starlette.responses import Response
+
+from trainyard.core.config import ServeParams
+from trainyard.serve.api import ClassifyForm, Prediction, answer, read_classify
+from trainyard.serve.predictor import Predictor
+from trainyard.serve.refused import Refused
+
+
+@dataclass(frozen=True)
+class Queued:
+    """One /classify request, read, waiting for its batch: with the predictor that was
+    serving when it arrived (a swap meanwhile leaves it its model)."""
+
+    image: bytes
+    top_k: int
+    invert: bool
+    predictor: Predictor
+    start: float
+
+
+class Asked(bentoml.IODescriptor):
+    """A request as the batchable method takes it: a list of one ``Queued`` or ``Refused``
+    (BentoML's batcher concatenates the lists of concurrent requests)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    asks: list[Any]
+
+
+class BatchedClassifyForm(ClassifyForm):
+    """/classify's fields for BentoML's document and client, as unbatched; its request is
+    read here, before the batcher, so a bad one never waits for a batch."""
+
+    @classmethod
+    async def from_http_request(cls, request: Request, serde: Any) -> bentoml.IODescriptor:
+        predictor: Predictor = bentoml.get_current_service().predictor
+        item: Queued | Refused
+        try:
+            ask = await read_classify(request, predictor.card, predictor.params)
+            item = Queued(ask.image, ask.top_k, ask.invert, predictor, time.perf_counter())
+        except Refused as err:
+            item = err
+        return Asked.model_construct(asks=[item])  # built by us: nothing to validate
+
+
+class BatchedPrediction(Prediction, bentoml.IODescriptor):
+    """/classify's answer: a Prediction, or the request's Refused as ``{"error", "field"}``."""
+
+    model_config = ConfigDict(title="Prediction")
+
+    @classmethod
+    async def to_http_response(cls, obj: Any, serde: Any) -> Response:
+        [response] = obj  # the batcher's split: this request's share, one response
+        return response  # type: ignore[no-any-return]
+
+
+async def answer_batch(items: Sequence[Queued | Refused]) -> list[Response]:
+    """The merged requests' responses, in order: the refused ones at once, the others in
+    one worker-thread trip per predictor (two only while a swap is under way)."""
+    responses: list[Response | None] = [None] * len(items)
+    groups: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        if isinstance(item, Refused):
+            responses[i] = item.response()
+        else:
+            groups.setdefault(id(item.predictor), []).append(i)
+    for members in groups.values():
+        queued = [items[i] for i in members]
+        answered = await queued[0].predictor.in_thread(_answer_all, queued)  # type: ignore[union-attr]
+        for i, response in zip(members, answered, strict=True):
+            responses[i] = response
+    return responses  # type: ignore[return-value]
+
+
+def _answer_all(queued: Sequence[Queued]) -> list[Response]:
+    """On the worker thread: decode, one model call, and the JSON of every answer (its
+    encoding too: the event loop is the service's scarcest core)."""
+    predictor = queued[0].predictor
+    asks = [(q.image, q.top_k, q.invert) for q in queued]
+    results = predictor.classify_many(asks, [q.start for q in queued])
+    return [r.response() if isinstance(r, Refused) else answer(r) for r in results]
+
+
+def batched_classify(params: ServeParams) -> dict[str, Any]:
+    """``@bentoml.api``'s arguments for the batchable /classify."""
+    return {
+        "route": "/classify",
+        "input_spec": BatchedClassifyForm,
+        "output_spec": BatchedPrediction,
+        "batchable": True,
+        "max_batch_size": params.max_batch_size,
+        "max_latency_ms": params.max_latency_ms,
+    }
