@@ -35,6 +35,7 @@ from trainyard.serve.api import (
     read_classify,
 )
 from trainyard.serve.app import build_app
+from trainyard.serve.balance import balance_connections
 from trainyard.serve.batching import answer_batch, batched_classify
 from trainyard.serve.guard import RequestGuard
 from trainyard.serve.lifecycle import freeze_heap, stop_listening_on_sigterm
@@ -100,8 +101,10 @@ class ImageClassifier:
         self.watcher = watch_if_following(source, PARAMS, provenance, START.follow, swap)
 
     @bentoml.on_startup
-    def refuse_connections_on_sigterm(self) -> None:
-        """On SIGTERM the port stops listening before uvicorn drains the requests in flight."""
+    def share_connections(self) -> None:
+        """Keep-alive connections spread over the workers; on SIGTERM the port stops
+        listening before uvicorn drains the requests in flight."""
+        balance_connections(PARAMS.workers_count(), bentoml.server_context.worker_index)
         stop_listening_on_sigterm()
 
     if PARAMS.batching:  # BentoML's adaptive batcher merges concurrent requests

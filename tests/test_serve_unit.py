@@ -611,3 +611,20 @@ def test_predictions_are_counted_by_label(client):
     before = sum(count(c) for c in CLASSES)
     assert client.post("/classify", files={"image": ("p.png", PHOTOS[1])}).status_code == 200
     assert sum(count(c) for c in CLASSES) - before == 1
+
+
+def test_connection_share_names_a_worker_over_its_share(tmp_path):
+    """Two workers' slots in one shared file: each writes its own count and reads the
+    total; the one over the total's share (rounded up) closes its surplus."""
+    from trainyard.serve.balance import ConnectionShare
+
+    a, b = ConnectionShare(tmp_path, 2, 0), ConnectionShare(tmp_path, 2, 1)
+    for _ in range(5):
+        a.opened()
+    b.opened()
+    assert a.over_share() and not b.over_share()  # 5 of 6: the share is 3
+    a.closed()
+    a.closed()
+    b.opened()
+    assert not a.over_share() and not b.over_share()  # 3 and 2 of 5: the share is 3
+    assert list(ConnectionShare(tmp_path, 2, 0).counts) == [0, 2]  # a restart starts at 0

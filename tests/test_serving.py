@@ -209,9 +209,16 @@ def png(pixels: np.ndarray | Image.Image, fmt: str = "PNG", **kw) -> bytes:
     return buf.getvalue()
 
 
-def classify(url: str, data: bytes, headers: dict | None = None, **form) -> requests.Response:
+def classify(
+    url: str,
+    data: bytes,
+    headers: dict | None = None,
+    session: requests.Session | None = None,
+    **form,
+) -> requests.Response:
     files = {"image": ("image.png", data, "image/png")}
-    return requests.post(f"{url}/classify", files=files, data=form, headers=headers, timeout=30)
+    post = (session or requests).post
+    return post(f"{url}/classify", files=files, data=form, headers=headers, timeout=30)
 
 
 # ---------------------------------------------------------------------------- predictions
@@ -982,3 +989,46 @@ def test_registry_model_whose_sha256_does_not_match_is_refused(tmp_path, registr
     out = start_and_expect_failure(tmp_path, f"models:/{REGISTERED}@tampered", env)
     assert "downloaded model.onnx has sha256" in out and "refusing it" in out
     assert not (tmp_path / "cache" / REGISTERED / "2" / "model.onnx").exists()
+
+
+def worker_connections(server: Server) -> list[int]:
+    """Established connections to the server's port, per worker process (a worker with
+    none is left out)."""
+    import psutil
+
+    counts = []
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            conns = proc.net_connections("tcp")
+        except psutil.Error:
+            continue
+        n = sum(1 for c in conns if c.status == "ESTABLISHED" and c.laddr.port == server.port)
+        if n:
+            counts.append(n)
+    return sorted(counts)
+
+
+def test_keep_alive_connections_are_shared_evenly_by_the_workers(tmp_path, model_dir, test_set):
+    """16 keep-alive clients opened at once on 2 workers: a worker holding more than its
+    share closes its surplus after an answer (Connection: close), the clients reconnect,
+    and each worker ends up with 8, every answer a 200 (uvloop's accept alone left all 16
+    on one worker in one start of four)."""
+    params = write_params(tmp_path / "params.yaml", workers=2, batching=False)
+    srv = Server(server_env(params, model_dir / "model.onnx"), tmp_path / "serve.log")
+    images, _ = test_set
+    body = png(images[0])
+    try:
+        srv.wait_ready()
+        barrier = threading.Barrier(16)
+        sessions = [requests.Session() for _ in range(16)]
+
+        def client(session: requests.Session) -> list[int]:
+            barrier.wait()  # every client connects at the same moment
+            return [classify(srv.url, body, session=session).status_code for _ in range(30)]
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            statuses = [s for got in pool.map(client, sessions) for s in got]
+        assert statuses == [200] * len(statuses)
+        assert worker_connections(srv) == [8, 8], srv.tail()
+    finally:
+        srv.stop()

@@ -15,15 +15,10 @@ from typing import Any
 import anyio
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from trainyard.core.config import ServeParams
+from trainyard.serve.balance import PROTOCOLS, surplus_connection
 from trainyard.serve.metrics import count_refusal
-
-try:  # httptools (uvicorn's parser of choice) is an optional extra of uvicorn
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-except ImportError:  # pragma: no cover
-    HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 # Reachable without the API key (probes, metrics, the docs UI); everything else needs it.
 OPEN_PATHS = frozenset(
@@ -213,9 +208,7 @@ def bound_header_time(seconds: float) -> None:
     ``seconds`` of connecting or of its last response (slowloris). uvicorn's keep-alive
     timer stops at a connection's first byte, so a trickled head held it open forever.
     Patches both HTTP protocol classes, once per process; later calls set the time."""
-    for cls in (HttpToolsProtocol, H11Protocol):
-        if cls is None:
-            continue
+    for cls in PROTOCOLS:
         if not hasattr(cls, "_trainyard_head_s"):
             _patch_protocol(cls)
         cls._trainyard_head_s = seconds  # type: ignore[attr-defined]
@@ -257,11 +250,14 @@ def _patch_protocol(cls: Any) -> None:
 
 
 def _with_headers(send: Send, extra: Callable[[], HeaderList]) -> Send:
-    """A send() that adds ``extra()`` to the response's headers."""
+    """A send() that adds ``extra()`` to the response's headers, and closes the connection
+    after it when this worker holds more than its share (trainyard.serve.balance)."""
 
     async def traced(message: Message) -> None:
         if message["type"] == "http.response.start":
             message["headers"] = [*message.get("headers", []), *extra()]
+            if surplus_connection():
+                message["headers"].append((b"connection", b"close"))
         await send(message)
 
     return traced
