@@ -587,9 +587,7 @@ def test_a_request_the_batcher_sheds_gets_the_services_overload_answer(tiny):
         before = refused_count("overloaded")
         with cf.ThreadPoolExecutor(16) as pool:
             answers = list(
-                pool.map(
-                    lambda d: client.post("/classify", files={"image": ("p", d)}), PHOTOS * 12
-                )
+                pool.map(lambda d: client.post("/classify", files={"image": ("p", d)}), PHOTOS * 12)
             )
         shed = [r for r in answers if r.status_code == 503]
         assert {r.status_code for r in answers} <= {200, 503}
