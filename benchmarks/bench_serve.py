@@ -4,13 +4,14 @@ Every server is started on a free port and loaded by wrk (C, one thread, keep-al
 request is one image as a multipart ``image`` upload to ``/classify``. In one run:
 
 1. throughput, Fashion CNN (models/model.onnx): the service with ``serve.workers: 1``,
-   batching off, vs the bare Starlette + ONNX Runtime reference server with 1 worker, at
-   1, 16 and 64 clients after a warm-up;
-2. latency: the service with ``workers: cpu_count``, batching off, at 16 clients (p99),
-   and the reference server with as many workers;
+   params.yaml's batching, vs the bare Starlette + ONNX Runtime reference server with 1
+   worker, at 1, 16 and 64 clients after a warm-up;
+2. latency: ``make serve``'s configuration (params.yaml as it is) at 16 clients (p99), and
+   the reference server with as many workers; that configuration started a second time,
+   to show two starts serve alike;
 3. cold start: ``bentoml serve serving.service:ImageClassifier`` with params.yaml as it
-   is (what ``make serve`` runs) until /readyz answers 200, then req/s in the first
-   seconds after ready (no warm-up) against the warm req/s of the same server;
+   is until /readyz answers 200, then req/s in the first seconds after ready (no warm-up)
+   against the warm req/s of the same server;
 4. adaptive batching on and off, 1 worker, 16 and 64 clients, on the Fashion CNN and on a
    larger model: a randomly initialised RGB resnet18 at 160x160 px, built and exported to
    ONNX by this script with the pipeline's own code, loaded with real RGB JPEG photos of
@@ -18,7 +19,7 @@ request is one image as a multipart ``image`` upload to ``/classify``. In one ru
    models (the service's session options) and the decode time of their uploads: what
    batching can and cannot save.
 
-About 3 minutes with the defaults on 2 cores, 7 server starts (``--quick``: about 70 s,
+About 5 minutes with the defaults on 2 cores, 14 server starts (``--quick``: about 90 s,
 a smoke run whose figures mean little).
 Writes reports/bench-serve.json and replaces the "## Serving" section of
 docs/benchmarks.md (other sections are left as they are); ``--render`` rewrites that
@@ -103,37 +104,28 @@ def build_large(path: Path) -> float:
 
 
 def load_cold_and_latency(bench: Bench, settings: Any, fashion: dict[str, Any]) -> None:
-    """Sections 3 and 2: params.yaml as it is (cold start), then workers cpu_count."""
-    print("3. cold start (params.yaml as it is), 2. latency (workers cpu_count)", flush=True)
-    default_workers, default_batching = settings.workers, settings.batching
-    n_default = (os.cpu_count() or 1) if default_workers == "cpu_count" else default_workers
-    # make serve's configuration is usually the latency one: then one server does both.
-    same = n_default == os.cpu_count() and not default_batching
-    bench.run(
-        "latency" if same else "cold",
-        **fashion,
-        levels=(LATENCY_CLIENTS,),
-        workers=default_workers,
-        batching=default_batching,
-        params=REPO / "params.yaml",
-        first=True,
-    )
-    bench.cold["workers_param"] = default_workers
-    if not same:
-        bench.run("latency", **fashion, levels=(LATENCY_CLIENTS,), workers="cpu_count")
-    bench.run("latency", **fashion, levels=(LATENCY_CLIENTS,), workers="cpu_count", reference=True)
+    """Sections 2 and 3: `make serve`'s configuration (params.yaml as it is) from cold, then
+    warm at 16 clients; started a second time, the same; the reference with as many workers."""
+    print("2. latency and 3. cold start: params.yaml as it is, started twice", flush=True)
+    n_default = settings.workers_count()
+    as_is = {"workers": settings.workers, "batching": settings.batching}
+    as_is["params"] = REPO / "params.yaml"
+    bench.run("latency", **fashion, levels=(LATENCY_CLIENTS,), **as_is, first=True)
+    bench.cold["workers_param"] = settings.workers
+    bench.run("repeat", **fashion, levels=(LATENCY_CLIENTS,), **as_is)
+    bench.run("latency", **fashion, levels=(LATENCY_CLIENTS,), workers=n_default, reference=True)
 
 
 def load_servers(
     bench: Bench, settings: Any, fashion: dict[str, Any], large: dict[str, Any]
 ) -> None:
-    """Every server configuration under wrk, in the order of the run (7 server starts)."""
+    """Every server configuration under wrk, in the order of the run (9 server starts)."""
     print("1. throughput, 1 worker", flush=True)
-    bench.run("throughput", **fashion, levels=LEVELS)
+    bench.run("throughput", **fashion, levels=LEVELS, batching=settings.batching)
     bench.run("throughput", **fashion, levels=LEVELS, reference=True)
     load_cold_and_latency(bench, settings, fashion)
     print("4. adaptive batching, 1 worker", flush=True)
-    bench.run("batching", **fashion, levels=BATCH_LEVELS, batching=True)
+    bench.run("batching", **fashion, levels=BATCH_LEVELS, batching=not settings.batching)
     for batching in (False, True):
         bench.run("batching", **large, levels=BATCH_LEVELS, batching=batching)
 
