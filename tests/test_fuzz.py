@@ -43,21 +43,26 @@ RGB_PAD = Card(
 )
 
 
-def clients(folder, card: Card) -> Iterator[TestClient]:
+def clients(folder, card: Card, batching: bool) -> Iterator[TestClient]:
     path, weights = write_tiny_model(folder, card)
     yield from client_for(
-        {"path": path, "weights": weights}, max_image_pixels=MAX_PIXELS, max_body_bytes=2**20
+        {"path": path, "weights": weights},
+        max_image_pixels=MAX_PIXELS,
+        max_body_bytes=2**20,
+        batching=batching,
     )
 
 
 @pytest.fixture(scope="module")
 def gray(tmp_path_factory) -> Iterator[TestClient]:
-    yield from clients(tmp_path_factory.mktemp("fuzz-gray"), CARD)
+    """/classify on BentoML's adaptive batcher (the batchable method reads the request)."""
+    yield from clients(tmp_path_factory.mktemp("fuzz-gray"), CARD, batching=True)
 
 
 @pytest.fixture(scope="module")
 def rgb(tmp_path_factory) -> Iterator[TestClient]:
-    yield from clients(tmp_path_factory.mktemp("fuzz-rgb"), RGB_PAD)
+    """/classify unbatched."""
+    yield from clients(tmp_path_factory.mktemp("fuzz-rgb"), RGB_PAD, batching=False)
 
 
 GOOD = png(np.arange(16, dtype=np.uint8).reshape(4, 4))

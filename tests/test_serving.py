@@ -180,7 +180,8 @@ def server(tmp_path_factory, model_dir):
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory, model_dir):
     """Batching off, an API key, and room for only 2 requests in flight; the prediction log
-    on, with the same model as its shadow (so they must agree on every request)."""
+    on, with the same model as its shadow (so they must agree on every request); BentoML's
+    tracing on."""
     tmp = tmp_path_factory.mktemp("keyed-server")
     params = write_params(
         tmp / "params.yaml",
@@ -190,6 +191,7 @@ def keyed_server(tmp_path_factory, model_dir):
         log_dir=str(tmp / "log"),
         log_rotate_s=0.3,
         shadow=str(model_dir / "model.onnx"),
+        tracing=True,
     )
     env = server_env(params, model_dir / "model.onnx", TRAINYARD_API_KEY=API_KEY)
     srv = Server(env, tmp / "serve.log")
@@ -1032,3 +1034,13 @@ def test_keep_alive_connections_are_shared_evenly_by_the_workers(tmp_path, model
         assert worker_connections(srv) == [8, 8], srv.tail()
     finally:
         srv.stop()
+
+
+def test_tracing_is_off_unless_asked(server, keyed_server, test_set):
+    """serve.tracing false (the default): BentoML's OpenTelemetry middleware is skipped, so
+    no span and no request id; true: each answer carries its span's id."""
+    body = png(test_set[0][0])
+    quiet = classify(server.url, body)
+    assert quiet.status_code == 200 and "x-bentoml-request-id" not in quiet.headers
+    traced = classify(keyed_server.url, body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert traced.status_code == 200 and traced.headers["x-bentoml-request-id"]

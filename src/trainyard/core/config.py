@@ -246,11 +246,14 @@ class ServeParams(_Strict):
         return (os.cpu_count() or 1) if self.workers == "cpu_count" else self.workers
 
     def model_threads(self) -> int:
-        """ONNX Runtime intra-op threads per inference. ``auto`` is 1: a worker runs up to
-        ``concurrent_inferences`` model calls (or adaptive batches) side by side, one core
-        each, which beat one call on every core on these CPUs (resnet18 at 160 px: 112 img/s
-        at batch 32 on one thread, 82 on two; make bench-serve)."""
-        return 1 if self.intra_op_threads == "auto" else self.intra_op_threads
+        """ONNX Runtime intra-op threads per inference. ``auto`` without batching is 1: a
+        worker runs up to ``concurrent_inferences`` model calls side by side, one core each,
+        which beat one call on every core on these CPUs. With batching BentoML's batcher
+        runs one batch at a time per worker, so ``auto`` gives that batch the worker's share
+        of the cores."""
+        if self.intra_op_threads != "auto":
+            return self.intra_op_threads
+        return self.concurrent_inferences() if self.batching else 1
 
     def concurrent_inferences(self) -> int:
         """Model calls (decode + inference, or a batch) a worker runs at once: its share of

@@ -4,9 +4,10 @@ With batching on, /classify itself is the ``batchable=True`` api method. BentoML
 request with the input descriptor below (``BatchedClassifyForm``: the same reading as the
 unbatched route, ``read_classify``, into a one-item list), its CorkDispatcher merges the
 lists of concurrent requests, and the method answers the merged list with one trip to a
-worker thread: every image decoded, one ONNX Runtime run, every answer built. BentoML then
-splits the answers back, one per request, and the output descriptor (``BatchedPrediction``)
-hands each request its own response, a 200 or its ``Refused`` 4xx.
+worker thread: one ONNX Runtime run, every answer built (each image was decoded as its
+request was read, on a thread of its own). BentoML then splits the answers back, one per
+request, and the output descriptor (``BatchedPrediction``) hands each request its own
+response, a 200 or its ``Refused`` 4xx.
 
 What this replaced: /classify calling a batchable method through the service's own HTTP
 client (``self.to_async``), a second request through every middleware with the pixels as
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import bentoml
+import numpy as np
 from pydantic import ConfigDict
 from starlette.requests import Request
 from starlette.responses import Response
@@ -37,14 +39,16 @@ from trainyard.serve.refused import Refused
 
 @dataclass(frozen=True)
 class Queued:
-    """One /classify request, read, waiting for its batch: with the predictor that was
-    serving when it arrived (a swap meanwhile leaves it its model)."""
+    """One /classify request, read and decoded, waiting for its batch: with the predictor
+    that decoded it (a swap meanwhile leaves it its model)."""
 
-    image: bytes
+    pixels: np.ndarray  # uint8 [C,H,W], by the predictor's card
     top_k: int
-    invert: bool
     predictor: Predictor
     start: float
+    info: dict[str, Any]  # the upload's format, width and height (for the prediction log)
+    image: bytes
+    invert: bool
 
 
 class Asked(bentoml.IODescriptor):
@@ -56,16 +60,19 @@ class Asked(bentoml.IODescriptor):
 
 
 class BatchedClassifyForm(ClassifyForm):
-    """/classify's fields for BentoML's document and client, as unbatched; its request is
-    read here, before the batcher, so a bad one never waits for a batch."""
+    """/classify's fields for BentoML's document and client, as unbatched. Each request is
+    read and decoded here, before the batcher: a bad one never waits for a batch, and the
+    decodes of the next batch (a JPEG photo: milliseconds) overlap this one's model call."""
 
     @classmethod
     async def from_http_request(cls, request: Request, serde: Any) -> bentoml.IODescriptor:
         predictor: Predictor = bentoml.get_current_service().predictor
+        start, info = time.perf_counter(), {}
         item: Queued | Refused
         try:
             ask = await read_classify(request, predictor.card, predictor.params)
-            item = Queued(ask.image, ask.top_k, ask.invert, predictor, time.perf_counter())
+            pixels = await predictor.decode_one(ask.image, ask.invert, info)
+            item = Queued(pixels, ask.top_k, predictor, start, info, ask.image, ask.invert)
         except Refused as err:
             item = err
         return Asked.model_construct(asks=[item])  # built by us: nothing to validate
@@ -101,12 +108,11 @@ async def answer_batch(items: Sequence[Queued | Refused]) -> list[Response]:
 
 
 def _answer_all(queued: Sequence[Queued]) -> list[Response]:
-    """On the worker thread: decode, one model call, and the JSON of every answer (its
-    encoding too: the event loop is the service's scarcest core)."""
+    """On the worker thread: one model call, and the JSON of every answer (its encoding
+    too: the event loop is the service's scarcest core)."""
     predictor = queued[0].predictor
-    asks = [(q.image, q.top_k, q.invert) for q in queued]
-    results = predictor.classify_many(asks, [q.start for q in queued])
-    return [r.response() if isinstance(r, Refused) else answer(r) for r in results]
+    answers = predictor.classify_decoded([q.pixels for q in queued], queued)
+    return [answer(a) for a in answers]
 
 
 def batched_classify(params: ServeParams) -> dict[str, Any]:

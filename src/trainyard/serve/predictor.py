@@ -9,6 +9,7 @@ an HTTP request; a refusal (an image that is no image, or too large) is a ``Refu
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import time
@@ -60,6 +61,7 @@ class Predictor:
         self.version = sha256[:12]
         self.metrics = metrics()  # created here, in the worker, not at import
         self._limiter: anyio.CapacityLimiter | None = None  # made on this worker's loop
+        self._decoders: anyio.CapacityLimiter | None = None  # decodes before the batcher
         # The prediction log and the shadow (serve.observe); None: neither is on.
         self.observer: Observer | None = None
         self.registry_version = registry_label(provenance)
@@ -205,32 +207,31 @@ class Predictor:
         )
         return answer
 
-    def classify_many(
-        self, asks: Sequence[tuple[bytes, int, bool]], starts: Sequence[float]
-    ) -> list[dict[str, Any] | Refused]:
-        """Concurrent /classify requests (image, top_k, invert), the adaptive batcher's batch,
-        as one model call: each image decoded by the card, the decodable ones through ONNX
-        Runtime at once. An image that is no image is its own request's Refused, not the
-        batch's. ``starts``: when each request was read, for the log's latency."""
-        answers: list[dict[str, Any] | Refused] = []
-        decoded: list[tuple[int, np.ndarray, dict[str, Any]]] = []
-        for i, (image, _, invert) in enumerate(asks):
-            info: dict[str, Any] = {}
-            try:
-                decoded.append((i, self.decode(image, "image", invert, info), info))
-                answers.append({})  # filled below
-            except Refused as err:
-                answers.append(err)
-        if not decoded:
-            return answers
-        pixels = np.stack([p for _, p, _ in decoded]).astype(np.float32)
-        probs, embeddings = self.scores(pixels)
-        for row, (i, image_pixels, info) in enumerate(decoded):
-            image, top_k, invert = asks[i]
-            answers[i] = answer = self.prediction(probs[row], top_k)
-            seen = {"pixels": image_pixels, "image": image, "invert": invert}
+    async def decode_one(
+        self, image: bytes, invert: bool, info: dict[str, Any] | None = None
+    ) -> np.ndarray:
+        """One image -> uint8 [C,H,W], on a worker thread (before the adaptive batcher:
+        the decodes of the next batch overlap the model call of this one)."""
+        if self._decoders is None:  # its own: a batch never waits behind queued decodes
+            self._decoders = anyio.CapacityLimiter(self.params.concurrent_inferences())
+        call = functools.partial(self.decode, image, "image", invert, info)
+        return await anyio.to_thread.run_sync(call, limiter=self._decoders)  # type: ignore[no-any-return]
+
+    def classify_decoded(
+        self, pixels: Sequence[np.ndarray], asks: Sequence[Any]
+    ) -> list[dict[str, Any]]:
+        """Decoded images (uint8 [C,H,W]) of concurrent /classify requests, the adaptive
+        batcher's batch, through ONNX Runtime at once: one answer each. ``asks`` give each
+        request's ``top_k`` and, for the prediction log, ``image``, ``invert``, ``info``
+        (the upload's format and size) and ``start``."""
+        probs, embeddings = self.scores(np.stack(pixels).astype(np.float32))
+        answers = []
+        for row, ask in enumerate(asks):
+            answer = self.prediction(probs[row], ask.top_k)
             embedding = None if embeddings is None else embeddings[row]
-            self.observe("/classify", answer, starts[i], info, embedding=embedding, **seen)
+            seen = {"pixels": pixels[row], "image": ask.image, "invert": ask.invert}
+            self.observe("/classify", answer, ask.start, ask.info, embedding=embedding, **seen)
+            answers.append(answer)
         return answers
 
     async def classify_batch(
