@@ -390,8 +390,12 @@ def preflight(name: str, module: str, argv: Sequence[str]) -> tuple[Any, str] | 
         return None
     os.chdir(REPO)
     from trainyard.core.config import load_params
+    from trainyard.serve.batch_choice import choose_batching
 
-    return load_params(REPO / "params.yaml").serve, command_line(module, argv)
+    # serve.batching: auto, decided for the Fashion model as `make serve` decides it.
+    settings, why = choose_batching(load_params(REPO / "params.yaml").serve, model)
+    print(f"{name}: serve.batching {str(settings.batching).lower()} (chosen by {why})")
+    return settings, command_line(module, argv)
 
 
 def command_line(module: str, argv: Sequence[str]) -> str:

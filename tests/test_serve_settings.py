@@ -184,3 +184,23 @@ def test_a_registry_uri_without_mlflow_says_to_build_from_a_local_file(tmp_path,
     assert done.returncode != 0
     assert "ModelError" in done.stderr and REGISTRY_HINT in done.stderr, done.stderr[-3000:]
     assert "model source models:/clf@champion: a registry model needs MLflow" in done.stderr
+
+
+def test_batching_auto_is_decided_by_the_models_batch_one_call(tmp_path, monkeypatch):
+    """serve.batching: auto times the model's batch-1 call on the CPU: under the limit
+    (this tiny model) it batches, over it (a limit no model meets) it does not; a bool in
+    params is kept as set."""
+    from trainyard.serve import batch_choice
+
+    model, _ = write_tiny_model(tmp_path)
+    params, why = batch_choice.choose_batching(ServeParams(), model)
+    assert params.batching is True, why
+    assert why.startswith("auto: a batch-1 call takes ") and why.endswith("under 2 ms")
+    assert params.model_threads() == params.concurrent_inferences()  # the batch gets the cores
+    monkeypatch.setattr(batch_choice, "MAX_CALL_MS", 0.0)
+    params, why = batch_choice.choose_batching(ServeParams(), model)
+    assert params.batching is False and why.endswith("over 0 ms"), why
+    assert params.model_threads() == 1  # unbatched calls side by side, a core each
+    for asked in (True, False):
+        params, why = batch_choice.choose_batching(ServeParams(batching=asked), model)
+        assert params.batching is asked and why == "serve.batching"

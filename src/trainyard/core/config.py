@@ -228,7 +228,7 @@ class ServeParams(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     intra_op_threads: Annotated[int, Field(ge=0, le=256)] | Literal["auto"] = "auto"
     workers: Annotated[int, Field(ge=1, le=64)] | Literal["cpu_count"] = "cpu_count"
-    batching: bool = False
+    batching: bool | Literal["auto"] = "auto"
     max_batch_size: int = Field(64, ge=2, le=4096)
     max_latency_ms: int = Field(1000, ge=1, le=60_000)
     max_batch_images: int = Field(256, ge=1, le=4096)
@@ -253,7 +253,7 @@ class ServeParams(_Strict):
         of the cores."""
         if self.intra_op_threads != "auto":
             return self.intra_op_threads
-        return self.concurrent_inferences() if self.batching else 1
+        return self.concurrent_inferences() if self.batching is True else 1
 
     def concurrent_inferences(self) -> int:
         """Model calls (decode + inference, or a batch) a worker runs at once: its share of

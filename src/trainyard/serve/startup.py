@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from trainyard.core.config import ServeParams
 from trainyard.core.errors import TrainyardError
 from trainyard.runtime.sessions import choose_providers
+from trainyard.serve.batch_choice import choose_batching
 from trainyard.serve.drift_watch import reference_beside
 from trainyard.serve.observe import build_observer
 from trainyard.serve.predictor import Predictor
@@ -56,6 +57,7 @@ class Startup:
     follow: Follow | None
     trace: TraceHeaders  # the headers of the model answering now (a swap changes them)
     registry: Registry
+    batching_why: str = "serve.batching"  # who chose batching on or off (serve.batching: auto)
 
     @property
     def params(self) -> ServeParams:
@@ -77,7 +79,8 @@ class Startup:
 
     def startup_line(self, predictor: Predictor) -> str:
         follow = follow_plan(self.settings.model_source, self.params.reload_s, self.follow)
-        return f"{predictor.startup_message(self.settings.params_file)}; {follow}"
+        message = predictor.startup_message(self.settings.params_file)
+        return f"{message}; batching chosen by {self.batching_why}; {follow}"
 
     def carry_observer(self, old: Predictor, new: Predictor) -> None:
         """A swap keeps the prediction log and the shadow; the drift score restarts against
@@ -129,6 +132,8 @@ def start(registry: Registry) -> Startup:
     model_path, source = resolve_model(settings, fetch_registered)
     sha256 = verify_model(model_path)
     choose_providers(settings.params.device)
+    params, batching_why = choose_batching(settings.params, model_path)
+    settings = replace(settings, params=params)
     provenance = model_provenance(model_path, source)
     shadow = resolve_shadow(settings, fetch_registered)
     if shadow is not None:
@@ -147,6 +152,7 @@ def start(registry: Registry) -> Startup:
         follow=follow,
         trace=TraceHeaders(trace_headers(sha256, provenance)),
         registry=registry,
+        batching_why=batching_why,
     )
     # What the model saw on its test split (evaluate's model.reference.npz): drift score.
     begun.reference = (
