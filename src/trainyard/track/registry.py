@@ -52,7 +52,9 @@ from trainyard.core.errors import TrackingError
 from trainyard.core.io import atomic_write_text, sha256_file
 from trainyard.runtime.sessions import load_onnx
 from trainyard.track.interrupts import release_interrupted_store, signals_deferred
+from trainyard.track.quantized import fetch_int8  # noqa: F401  # the service looks it up here
 from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
+from trainyard.track.versions import parse_model_uri, version_of
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,7 @@ def register_and_promote(
     contract: Any | None = None,
     sweep: str | None = None,
     stale_after_s: float = STALE_AFTER_S,
+    extra_tags: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Register a new version, wait for its turn, then move `champion` or `challenger` to it
     (only `challenger` for a ``sweep``: the DVC experiment's name, tagged on the version;
@@ -165,7 +168,7 @@ def register_and_promote(
     source, class count and names, input shape and resize policy, so the registry UI shows
     what a version takes and answers without downloading it. The turn: the module's
     docstring; ``stale_after_s``: how long a lower version may stay pending before it is
-    taken for abandoned.
+    taken for abandoned. ``extra_tags`` join the version's own (its int8 file's).
 
     A registration is complete once its alias points at it. Nothing less is left behind:
     if anything fails or is interrupted (Ctrl-C, also while waiting) before that, the
@@ -178,6 +181,7 @@ def register_and_promote(
     """
 
     tags = version_tags(run_id, test_acc, data_version, onnx_sha256, contract, sweep)
+    tags |= extra_tags or {}
     done = _already_registered(client, name, run_id, tags)
     if done is not None:
         return done
@@ -416,43 +420,6 @@ def _undo(client: Any, name: str, run_id: str, alias: str | None, version: Any |
             client.set_model_version_tag(name, version.version, DECISION_TAG, alias)
     except Exception:  # the store is already failing; report the first error
         log.exception("could not remove a half-registered version of %s", name)
-
-
-def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
-    """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` -> (name, alias, version)."""
-    rest = uri.removeprefix("models:/")
-    if "@" in rest:
-        name, alias = rest.split("@", 1)
-        if name and alias and "/" not in name:
-            return name, alias, None
-    elif rest.count("/") == 1:
-        name, version = rest.split("/")
-        if name and version.isdigit():
-            return name, None, version
-    raise TrackingError(
-        f"model source {uri!r}: expected models:/NAME@ALIAS (e.g. models:/"
-        "fashion-mnist-classifier@champion) or models:/NAME/VERSION"
-    )
-
-
-def version_of(uri: str, what: str) -> tuple[str, Any, str]:
-    """(model name, the ModelVersion, tracking URI) that ``models:/NAME@ALIAS`` or
-    ``models:/NAME/N`` names; a TrackingError starting with ``what`` when there is none."""
-    name, alias, version = parse_model_uri(uri)
-    tracking_uri = resolve_tracking_uri()
-    check_tracking_uri(tracking_uri)
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    try:
-        mv = (
-            client.get_model_version_by_alias(name, alias)
-            if alias
-            else client.get_model_version(name, version)
-        )
-    except MlflowException as err:
-        raise TrackingError(
-            f"{what} {uri}: not found in the registry at {tracking_uri} ({err.message})"
-        ) from None
-    return name, mv, tracking_uri
 
 
 def fetch_registered_onnx(
