@@ -112,8 +112,11 @@ def start(registry: Registry) -> Startup:
         return fetch(uri, cache)  # type: ignore[no-any-return]
 
     fp32_path, source = resolve_model(settings, fetch_registered)
-    # serve.precision int8: the int8 file beside it / registered with it (ModelError if none)
-    model_path = at_precision(settings, fp32_path, source, registry("fetch_int8"))
+    # serve.precision int8: the int8 file beside it / registered with it (ModelError if none).
+    # The registry (MLflow) is imported only for a registry model: a local one needs none.
+    int8_registered = settings.from_registry and settings.params.precision == "int8"
+    fetch_int8 = registry("fetch_int8") if int8_registered else None
+    model_path = at_precision(settings, fp32_path, source, fetch_int8)
     sha256 = verify_model(model_path)
     choose_providers(settings.params.device)
     provenance = model_provenance(model_path, source)
@@ -122,7 +125,7 @@ def start(registry: Registry) -> Startup:
         verify_model(shadow[0])
     follow = None
     if settings.from_registry and (follow_alias := registry("follow_alias")) is not None:
-        follow = following(settings, follow_alias, registry("fetch_int8"))
+        follow = following(settings, follow_alias, fetch_int8)
     begun = Startup(
         settings=settings,
         model_path=model_path,

@@ -168,7 +168,7 @@ def register_and_promote(
     source, class count and names, input shape and resize policy, so the registry UI shows
     what a version takes and answers without downloading it. The turn: the module's
     docstring; ``stale_after_s``: how long a lower version may stay pending before it is
-    taken for abandoned. ``extra_tags`` join the version's own (its int8 file's).
+    taken for abandoned. ``extra_tags``: more tags in the creating write (the int8 file's).
 
     A registration is complete once its alias points at it. Nothing less is left behind:
     if anything fails or is interrupted (Ctrl-C, also while waiting) before that, the
@@ -179,9 +179,7 @@ def register_and_promote(
     a forced rerun); one that finds versions of this run cut off before their decision
     (SIGKILL, or a Ctrl-C inside MLflow's own register call) deletes them first.
     """
-
-    tags = version_tags(run_id, test_acc, data_version, onnx_sha256, contract, sweep)
-    tags |= extra_tags or {}
+    tags = version_tags(run_id, test_acc, data_version, onnx_sha256, contract, sweep, extra_tags)
     done = _already_registered(client, name, run_id, tags)
     if done is not None:
         return done
@@ -282,9 +280,11 @@ def version_tags(
     onnx_sha256: str,
     contract: Any | None = None,
     sweep: str | None = None,
+    extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The tags a new version is registered with: what it scored on which data, its bytes,
-    its run, the input contract, and the DVC experiment of a sweep."""
+    its run, the input contract, the DVC experiment of a sweep, and ``extra`` (its int8
+    file's, track.quantized)."""
     tags = {
         ACCURACY_TAG: f"{test_acc:.6f}",
         DATA_TAG: data_version,
@@ -303,7 +303,7 @@ def version_tags(
         }
     if sweep:
         tags["dvc.exp_name"] = sweep
-    return tags
+    return tags | (extra or {})
 
 
 def _versions_of_run(client: Any, name: str, run_id: str) -> list[Any]:
