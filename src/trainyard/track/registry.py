@@ -180,7 +180,7 @@ def register_and_promote(
     (SIGKILL, or a Ctrl-C inside MLflow's own register call) deletes them first.
     """
     tags = version_tags(run_id, test_acc, data_version, onnx_sha256, contract, sweep, extra_tags)
-    done = _already_registered(client, name, run_id, tags)
+    done = _already_registered(client, name, run_id, tags, extra_tags)
     if done is not None:
         return done
     _remove_cut_off(client, name, run_id)
@@ -342,9 +342,10 @@ def _finish(client: Any, name: str, version: Any, alias: str) -> None:
 
 
 def _already_registered(
-    client: Any, name: str, run_id: str, tags: dict[str, str]
+    client: Any, name: str, run_id: str, tags: dict[str, str], refresh: dict[str, str] | None
 ) -> dict[str, Any] | None:
-    """The record of a complete registration of this very model that still stands, if any."""
+    """The record of a complete registration of this very model that still stands, if any;
+    ``refresh`` is written onto it (the same model exported again with its int8 file)."""
     same = (ACCURACY_TAG, DATA_TAG, SHA_TAG)
     candidates = [
         v
@@ -361,6 +362,8 @@ def _already_registered(
             continue
         if decision != alias:  # cut off between its alias and its decision tag
             _finish(client, name, v.version, alias)
+        for key, value in (refresh or {}).items():
+            client.set_model_version_tag(name, v.version, key, value)
         previous = v.tags.get("previous_champion", "")
         return {
             "model_name": name,
