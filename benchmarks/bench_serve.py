@@ -101,7 +101,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="only section 6 (int8 vs fp32), printed; the docs and JSON are left alone",
     )
-    p.add_argument("--int8-steps", type=int, default=300, help="section 6: resnet18 steps")
+    p.add_argument("--int8-steps", type=int, default=200, help="section 6: resnet18 steps")
     p.add_argument("--build-large", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--build-int8", metavar="DIR", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
