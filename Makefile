@@ -177,8 +177,9 @@ bento: venv
 
 # About 3 min on 2 cores (apt-get install wrk): service vs reference server (1 worker,
 # 1/16/64 clients), p99 with cpu_count workers, cold start of `make serve`, adaptive
-# batching on/off on the Fashion CNN and a 160 px resnet18; needs models/model.onnx
-# (make run). BENCH_SERVE_ARGS=--quick for a smoke run; --render re-renders the docs.
+# batching on/off on the Fashion CNN and a 160 px resnet18, int8 vs fp32 (about 5 min more:
+# a 64 px resnet18 trained 200 steps); needs models/model.onnx and data/prepared (make run).
+# BENCH_SERVE_ARGS=--quick for a smoke run, --int8-only for int8; --render re-renders the docs.
 BENCH_SERVE_ARGS ?=
 bench-serve: venv
 	$(BIN)/python -m benchmarks.bench_serve $(BENCH_SERVE_ARGS)

@@ -17,7 +17,10 @@ request is one image as a multipart ``image`` upload to ``/classify``. In one ru
    ONNX by this script with the pipeline's own code, loaded with real RGB JPEG photos of
    mixed sizes (320x240 to 640x480); plus ONNX Runtime alone at batch 1/8/32 for both
    models (the service's session options) and the decode time of their uploads: what
-   batching can and cannot save.
+   batching can and cannot save;
+6. int8 vs fp32 (``serve.precision``), 1 worker, 16 clients, on the Fashion CNN and a
+   resnet18 at 64 px trained here briefly (benchmarks/serve_int8.py), with the int8 gate's
+   agreement and accuracy drop and ONNX Runtime on one thread at batch 1 and 64.
 
 About 5 minutes with the defaults on 2 cores, 14 server starts (``--quick``: about 90 s,
 a smoke run whose figures mean little).
@@ -44,6 +47,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve_figures import BATCH_LEVELS, FASHION, LARGE, LATENCY_CLIENTS, LEVELS
+from benchmarks.serve_int8 import (
+    FIGURES,
+    INT8_MODELS,
+    build_int8_models,
+    int8_lines,
+    ort_single_thread,
+)
 from benchmarks.serve_load import (
     REPO,
     Bench,
@@ -87,11 +97,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="only section 5 (log + shadow off/on), printed; the docs and JSON are left alone",
     )
+    p.add_argument(
+        "--int8-only",
+        action="store_true",
+        help="only section 6 (int8 vs fp32), printed; the docs and JSON are left alone",
+    )
+    p.add_argument("--int8-steps", type=int, default=200, help="section 6: resnet18 steps")
     p.add_argument("--build-large", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--build-int8", metavar="DIR", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.seconds, args.warmup, args.first_seconds = 2, 1, 2
-        args.ort_seconds, args.images = 0.3, 8
+        args.ort_seconds, args.images, args.int8_steps = 0.3, 8, 10
     return args
 
 
@@ -157,6 +174,25 @@ def load_watching(bench: Bench, fashion: dict[str, Any], tmp: Path) -> None:
         )
 
 
+def load_int8(bench: Bench, args: argparse.Namespace, fashion: dict[str, Any]) -> dict[str, Any]:
+    """6. int8 vs fp32 (serve.precision), 1 worker, batching off, 16 clients, on the
+    Fashion CNN and a resnet18 at 64 px (built and quantized in a child process), then ONNX
+    Runtime alone on one thread at batch 1 and 64; the gate's figures beside them."""
+    print("6. int8 vs fp32, 1 worker", flush=True)
+    folder = bench.tmp / "int8"
+    command = [sys.executable, "-m", MODULE, "--build-int8", str(folder)]
+    subprocess.run([*command, "--int8-steps", str(args.int8_steps)], cwd=REPO, check=True)
+    for name in INT8_MODELS:
+        for precision in ("fp32", "int8"):
+            params = bench.params(f"int8-{name}-{precision}", workers=1, precision=precision)
+            load = {**fashion, "model_name": name, "model": folder / name / "model.onnx"}
+            label = {"precision": precision}
+            bench.run("int8", **load, levels=(LATENCY_CLIENTS,), params=params, label=label)
+    rows = [r for r in bench.rows if r["section"] == "int8"]
+    figures = json.loads((folder / FIGURES).read_text())
+    return {"figures": figures, "rows": rows, "ort": ort_single_thread(folder, args.ort_seconds)}
+
+
 def in_process(
     settings: Any, models: list[tuple[str, Path, list[bytes]]], seconds: float
 ) -> tuple[dict[str, Any], dict[str, float], str]:
@@ -186,6 +222,8 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
     if args.watching_only:
         load_watching(bench, fashion_load, tmp)
         return {"bench": bench}
+    if args.int8_only:
+        return {"bench": bench, "int8": load_int8(bench, args, fashion_load)}
     build_s = build_large(large)
     photos = photo_jpegs(args.images)
     large_script = wrk_script(photos, "image/jpeg", tmp, LARGE)
@@ -193,6 +231,7 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
         bench, settings, fashion_load, {"model_name": LARGE, "model": large, "script": large_script}
     )
     load_watching(bench, fashion_load, tmp)
+    int8 = load_int8(bench, args, fashion_load)
     ort, decode, provider = in_process(
         settings, [(FASHION, fashion, pngs), (LARGE, large, photos)], args.ort_seconds
     )
@@ -204,6 +243,7 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
         "build_s": build_s,
         "large_mb": large.stat().st_size / 1e6,
         "large_sha": sha256_file(large),
+        "int8": int8,
     }
 
 
@@ -242,10 +282,14 @@ def main(argv: list[str] | None = None) -> int:
 
         build_large_model(Path(args.build_large), load_params(REPO / "params.yaml").export.opset)
         return 0
+    if args.build_int8:
+        build_int8_models(Path(args.build_int8), REPO, args.int8_steps)
+        return 0
     if args.render:
         result = json.loads(Path(args.json).read_text())
-        replace_section(Path(args.docs), markdown(result))
+        replace_section(Path(args.docs), "\n".join([markdown(result), *int8_lines(result)]))
         print_summary(result)
+        print("\n".join(int8_lines(result)))
         return 0
     ready = preflight("bench-serve", MODULE, argv)
     if ready is None:
@@ -259,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
         run = measure_all(args, settings, Path(tmp_name))
     bench = run["bench"]
+    if args.int8_only:
+        print("\n".join(int8_lines({"int8": run["int8"]})))
+        return 0
     if args.watching_only:
         off = bench.rows[0]
         for row in bench.rows[1:]:
@@ -284,11 +331,13 @@ def main(argv: list[str] | None = None) -> int:
         "rows": bench.rows,
         "onnx_runtime": run["onnx_runtime"],
         "decode_ms": run["decode_ms"],
+        "int8": run["int8"],
     }
     result["summary"] = summary(result)
     atomic_write_json(args.json, result)
-    replace_section(Path(args.docs), markdown(result))
+    replace_section(Path(args.docs), "\n".join([markdown(result), *int8_lines(result)]))
     print_summary(result)
+    print("\n".join(int8_lines(result)))
     print(f"wrote {args.json} and the '{SECTION}' section of {args.docs} in {result['wall_s']} s")
     return 0
 

@@ -304,3 +304,37 @@ def test_the_recorded_command_is_the_module_run():
     cmd = load.command_line("benchmarks.bench_serve", ["--quick", "--seconds", "3"])
     assert cmd.endswith(" -m benchmarks.bench_serve --quick --seconds 3")
     assert "bench_serve.py" not in cmd
+
+
+def test_int8_section_puts_int8_and_fp32_side_by_side():
+    from benchmarks import serve_int8 as si
+
+    figures = {
+        name: {
+            "agreement": 0.996,
+            "accuracy_fp32": 0.923,
+            "accuracy_int8": 0.921,
+            "accuracy_drop": 0.2,
+            "samples": 2000,
+            "fp32_mb": 1.9,
+            "int8_mb": 0.5,
+        }
+        for name in si.INT8_MODELS
+    } | {"resnet_train_steps": 300}
+    rows = [
+        {"section": "int8", "model": m, "precision": p, "ok_per_s": v}
+        for m in si.INT8_MODELS
+        for p, v in (("fp32", 100.0), ("int8", 150.0))
+    ]
+    ort = [
+        {"model": m, "precision": p, "batch": b, "ms_per_batch": ms * b}
+        for m in si.INT8_MODELS
+        for p, ms in (("fp32", 1.0), ("int8", 0.5))
+        for b in si.INT8_BATCHES
+    ]
+    lines = si.int8_lines({"int8": {"figures": figures, "rows": rows, "ort": ort}})
+    fashion = next(line for line in lines if line.startswith(f"| {fig.FASHION} |"))
+    assert "99.60%" in fashion and "92.30% -> 92.10% (+0.20)" in fashion
+    assert "100 / 150 (1.50x)" in fashion and "64.00 / 32.00 (0.50x)" in fashion
+    assert any(line.startswith(f"| {si.INT8_RESNET} |") for line in lines)
+    assert si.int8_lines({}) == []  # a result from before the section: nothing

@@ -313,3 +313,31 @@ def test_dvc_repro_predict_scores_a_folder_with_its_lineage_and_run(reproduced_p
             rows = pq.read_table(tmp_path / "reg.parquet").to_pylist()
             assert {r["model_version"] for r in rows} == {"fashion-mnist-classifier/1"}
             assert {r["path"]: r["label"] for r in rows if r["path"] in expected} == expected
+
+
+def test_exp_run_quantize_int8_writes_gates_and_registers_the_int8_model(
+    reproduced_pipeline, tmp_path
+):
+    """`dvc exp run -S export.quantize=int8`: export writes model.int8.onnx (not a DVC out)
+    with its gate's figures in export.json, metrics.json and the train run; evaluate
+    registers the version (the same fp32 model: v1 reused) with the int8 file's sha256."""
+    from mlflow.tracking import MlflowClient
+
+    repo = copy_reproduced(reproduced_pipeline, tmp_path / "trainyard")
+    out = dvc(repo, "exp", "run", "-S", "export.quantize=int8")
+    assert ran(out.stdout) == {"export", "evaluate"}, out.stdout + out.stderr
+    assert "[export] int8 ok: top-1 agreement with fp32" in out.stderr
+    int8 = repo / "models/model.int8.onnx"
+    sha = (repo / "models/model.int8.onnx.sha256").read_text().split()[0]
+    assert hashlib.sha256(int8.read_bytes()).hexdigest() == sha
+    record = json.loads((repo / "reports/export.json").read_text())["int8"]
+    assert record["passed"] and record["sha256"] == sha and record["agreement"] >= 0.99
+    metrics_json = json.loads((repo / "reports/metrics.json").read_text())
+    assert metrics_json["int8"]["agreement"] == record["agreement"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
+    registration = RegistryRecord.read(repo / REGISTRY_RECORD).registration
+    version = client.get_model_version(registration.model_name, str(registration.version))
+    assert version.tags["int8_sha256"] == sha
+    metrics = client.get_run(TrainRecord.read(repo / TRAIN_RECORD).run_id).data.metrics
+    assert metrics["export/int8_agreement"] == record["agreement"]
+    assert metrics["export/int8_accuracy_drop"] == record["accuracy_drop"]

@@ -201,6 +201,12 @@ class ExportParams(_Strict):
     opset: int = Field(18, ge=13, le=23)
     parity_samples: int = Field(1000, ge=1, le=10_000)
     max_abs_diff: float = Field(1e-4, gt=0, le=1)
+    # int8: also models/model.int8.onnx (ONNX Runtime static quantization), gated on the
+    # whole test set against the fp32 model: top-1 agreement and the accuracy it loses.
+    quantize: Literal["none", "int8"] = "none"
+    calibration_samples: int = Field(256, ge=1, le=100_000)  # seeded train images
+    int8_min_agreement: float = Field(0.99, ge=0, le=1)  # share of test images, 0..1
+    int8_max_accuracy_drop: float = Field(0.5, ge=0, le=100)  # percentage points
 
 
 class EvaluateParams(_Strict):
@@ -225,6 +231,8 @@ class ServeParams(_Strict):
     """The BentoML service (serving/service.py); read when the service module is imported."""
 
     model: str = Field("models/model.onnx", min_length=1)
+    # int8: the export's models/model.int8.onnx beside serve.model (export.quantize: int8)
+    precision: Literal["fp32", "int8"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     intra_op_threads: Annotated[int, Field(ge=0, le=256)] | Literal["auto"] = "auto"
     workers: Annotated[int, Field(ge=1, le=64)] | Literal["cpu_count"] = "cpu_count"

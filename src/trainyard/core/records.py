@@ -144,6 +144,24 @@ class TrainRecord(Record):
         return raw
 
 
+class Int8Export(_Frozen):
+    """The int8 model export wrote (``export.quantize: int8``; export.quantize's gate)."""
+
+    file: str  # beside model.onnx: model.int8.onnx
+    sha256: str
+    artifact: str  # its path among the train run's MLflow artifacts
+    samples: int  # test images the gate compared
+    agreement: float  # share of them with the fp32 model's top-1
+    accuracy_fp32: float
+    accuracy_int8: float
+    accuracy_drop: float  # percentage points
+    threshold_min_agreement: float
+    threshold_max_accuracy_drop: float
+    calibration_samples: int
+    outputs: list[str]
+    passed: bool
+
+
 class ExportRecord(Record):
     """What export made: the ONNX model's parity with PyTorch, its hash and MLflow model."""
 
@@ -162,11 +180,12 @@ class ExportRecord(Record):
     # written back without): its max abs diff and the limit it met, relative to its scale.
     embedding_max_abs_diff: float | None = None
     threshold_embedding_max_abs_diff: float | None = None
+    int8: Int8Export | None = None  # None: export.quantize none
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to disk (an older record's keys stay as they were)."""
         raw = super().to_json()
-        for key in ("embedding_max_abs_diff", "threshold_embedding_max_abs_diff"):
+        for key in ("embedding_max_abs_diff", "threshold_embedding_max_abs_diff", "int8"):
             if raw[key] is None:
                 del raw[key]
         return raw

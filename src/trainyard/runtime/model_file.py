@@ -31,6 +31,22 @@ ORT_LOAD_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+# export.quantize: int8 writes the int8 model beside the fp32 one (models/model.onnx ->
+# models/model.int8.onnx), with its own .sha256; its metadata says its precision.
+INT8_SUFFIX = ".int8.onnx"
+PRECISION_KEY = "precision"
+
+
+def int8_beside(model: Path) -> Path:
+    """Where the export writes the int8 model of ``model``: beside it, ``<stem>.int8.onnx``."""
+    return model.with_name(model.stem + INT8_SUFFIX)
+
+
+def precision_of(metadata: dict[str, str]) -> str:
+    """``int8`` or ``fp32`` from a model's ONNX metadata (models without the key: fp32)."""
+    return metadata.get(PRECISION_KEY) or "fp32"
+
+
 def verify_model(path: Path) -> str:
     """sha256 of ``path`` after checking it against the ``<path>.sha256`` the export wrote."""
     sums = path.with_name(path.name + ".sha256")

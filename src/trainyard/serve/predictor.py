@@ -32,6 +32,7 @@ from trainyard.runtime.inputs import (
     model_input,
     softmax,
 )
+from trainyard.runtime.model_file import precision_of
 from trainyard.runtime.sessions import OnnxModel
 from trainyard.serve.metrics import metrics
 from trainyard.serve.observe import Observer, Seen
@@ -65,6 +66,8 @@ class Predictor:
         # The prediction log and the shadow (serve.observe); None: neither is on.
         self.observer: Observer | None = None
         self.registry_version = registry_label(provenance)
+        # fp32, or int8 (serve.precision: the export's quantized model): its own metadata says
+        self.precision = precision_of(model.metadata)
 
     @classmethod
     def load(cls, path: Path, params: ServeParams, provenance: dict[str, str]) -> Predictor:
@@ -77,7 +80,7 @@ class Predictor:
         p = self.params
         batching = f"on (max {p.max_batch_size}, {p.max_latency_ms} ms)" if p.batching else "off"
         return (
-            f"trainyard: serving {self.model_path} (sha256 {self.sha256}, "
+            f"trainyard: serving {self.model_path} ({self.precision}, sha256 {self.sha256}, "
             f"{len(self.classes)} classes, input {image_shape_text(self.card)}, resize "
             f"{self.card.resize}) on {self.model.provider}"
             f"{' with IO binding' if self.model.io_binding else ''}; params {params_file}; "
@@ -277,6 +280,7 @@ class Predictor:
                 "path": str(self.model_path),
                 "sha256": self.sha256,
                 "version": self.version,
+                "precision": self.precision,
                 "arch": meta.get("arch"),
                 "trainyard_version": meta.get("trainyard_version"),
                 "mlflow_run_id": meta.get("mlflow_run_id"),

@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from trainyard.core.config import DriftParams, ServeParams, load_params
 from trainyard.core.errors import ModelError
-from trainyard.runtime.model_file import ORT_LOAD_ERRORS, open_verified, verify_model
+from trainyard.runtime.model_file import ORT_LOAD_ERRORS, int8_beside, open_verified, verify_model
 from trainyard.runtime.sessions import OnnxModel
 
 __all__ = ["ORT_LOAD_ERRORS", "verify_model"]  # also read from here by the service
@@ -32,6 +32,9 @@ REGISTRY_SCHEME = "models:/"
 # (registry URI, download folder) -> (local .onnx path, provenance): track.registry's
 # fetch_registered_onnx, handed in by the caller.
 FetchRegistered = Callable[[str, Path], tuple[Path, dict[str, str]]]
+# (models:/NAME/N, download folder) -> the version's int8 file, or None: it has none
+# (track.quantized's fetch_int8, handed in by the caller).
+FetchInt8 = Callable[[str, Path], Path | None]
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,33 @@ def resolve_model(
     if not model.is_absolute():
         model = settings.params_file.parent / model
     return model, {"model_source": str(model)}
+
+
+def at_precision(
+    settings: Settings,
+    model: Path,
+    provenance: dict[str, str],
+    fetch_int8: FetchInt8 | None = None,
+) -> Path:
+    """The file to serve at serve.precision: ``model`` itself (fp32), or its int8 model,
+    beside it (models/model.int8.onnx) or the registry version's; a ModelError naming
+    serve.precision and export.quantize when there is none."""
+    if settings.params.precision == "fp32":
+        return model
+    name, number = provenance.get("registry_model"), provenance.get("registry_version")
+    if name and number:
+        where = f"{REGISTRY_SCHEME}{name}/{number}"
+        found = None if fetch_int8 is None else fetch_int8(where, settings.cache_dir)
+        missing = f"{where} was registered without an int8 model"
+    else:
+        found, missing = int8_beside(model), f"there is no {int8_beside(model)}"
+    if found is None or not found.is_file():
+        raise ModelError(
+            f"serve.precision is int8, but {missing}: set export.quantize: int8 and rerun "
+            "the export (`dvc repro export`, then evaluate registers it with the model), "
+            "or set serve.precision: fp32"
+        )
+    return found
 
 
 def shadow_source(settings: Settings, environ: Mapping[str, str] | None = None) -> str | None:

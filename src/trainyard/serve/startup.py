@@ -28,6 +28,7 @@ from trainyard.serve.predictor import Predictor
 from trainyard.serve.refused import overloaded
 from trainyard.serve.settings import (
     Settings,
+    at_precision,
     log_folder,
     model_provenance,
     read_settings,
@@ -69,7 +70,7 @@ class Startup:
         predictor.observer = build_observer(
             self.params,
             predictor.card,
-            predictor.sha256,
+            reference_key(predictor),
             self.log_dir,
             self.shadow,
             self.reference,
@@ -89,7 +90,7 @@ class Startup:
         if new.observer is not None:
             name, number = new.provenance["registry_model"], new.provenance["registry_version"]
             reference = self.fetch_reference(f"models:/{name}/{number}")
-            new.observer.model_changed(new.sha256, reference, self.settings.drift)
+            new.observer.model_changed(reference_key(new), reference, self.settings.drift)
 
     def guard_options(self) -> dict[str, Any]:
         """The request guard's arguments (trainyard.serve.guard): the key, the limits, the
@@ -129,7 +130,12 @@ def start(registry: Registry) -> Startup:
             raise registry_unavailable(uri, "trainyard.track cannot be imported here")
         return fetch(uri, cache)  # type: ignore[no-any-return]
 
-    model_path, source = resolve_model(settings, fetch_registered)
+    fp32_path, source = resolve_model(settings, fetch_registered)
+    # serve.precision int8: the int8 file beside it / registered with it (ModelError if none).
+    # The registry (MLflow) is imported only for a registry model: a local one needs none.
+    int8_registered = settings.from_registry and settings.params.precision == "int8"
+    fetch_int8 = registry("fetch_int8") if int8_registered else None
+    model_path = at_precision(settings, fp32_path, source, fetch_int8)
     sha256 = verify_model(model_path)
     choose_providers(settings.params.device)
     params, batching_why = choose_batching(settings.params, model_path)
@@ -140,8 +146,7 @@ def start(registry: Registry) -> Startup:
         verify_model(shadow[0])
     follow = None
     if settings.from_registry and (follow_alias := registry("follow_alias")) is not None:
-        uri, cache = settings.model_source, settings.cache_dir
-        follow = lambda current: follow_alias(uri, cache, current)  # noqa: E731
+        follow = following(settings, follow_alias, fetch_int8)
     begun = Startup(
         settings=settings,
         model_path=model_path,
@@ -158,6 +163,27 @@ def start(registry: Registry) -> Startup:
     begun.reference = (
         begun.fetch_reference(settings.model_source)
         if settings.from_registry
-        else reference_beside(model_path)
+        else reference_beside(fp32_path)  # an int8 model's is its fp32 model's
     )
     return begun
+
+
+def following(settings: Settings, follow_alias: Any, fetch_int8: Any) -> Follow:
+    """The alias watcher's look: the version the alias moved to, at serve.precision (a
+    version without its int8 file raises: the answering model stays, the next look retries)."""
+    uri, cache = settings.model_source, settings.cache_dir
+
+    def moved(current: str) -> tuple[Path, dict[str, str]] | None:
+        found = follow_alias(uri, cache, current)
+        if found is None:
+            return None
+        return at_precision(settings, found[0], found[1], fetch_int8), found[1]
+
+    return moved
+
+
+def reference_key(predictor: Predictor) -> str:
+    """The sha256 a drift reference must name for ``predictor``'s model: an int8 model is
+    compared with its fp32 model's reference (evaluate scores the fp32 model; int8 agrees
+    with it on >= export.int8_min_agreement of the test set)."""
+    return predictor.model.metadata.get("quantized_from_sha256") or predictor.sha256

@@ -14,6 +14,7 @@ from trainyard.core.records import ExportRecord, Registration, RegistryRecord, T
 from trainyard.data.datamodule import load_split
 from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.runner import stage_main
+from trainyard.track.quantized import int8_tags
 from trainyard.track.registry import REFERENCE_ARTIFACT, register_and_promote, tag_reference
 from trainyard.track.runs import log_to_open_run, logging_into, open_run
 from trainyard.track.store import DVC_EXP_NAME, in_temp_workspace, tracking_client
@@ -69,8 +70,9 @@ def run(params: Params, args: argparse.Namespace) -> None:
 def stage_metrics(
     metrics: dict[str, Any], info: TrainRecord, exported: ExportRecord
 ) -> dict[str, Any]:
-    """``reports/metrics.json`` (what `dvc metrics` shows): test, export and train numbers."""
-    return {
+    """``reports/metrics.json`` (what `dvc metrics` shows): test, export and train numbers,
+    and the int8 model's gate figures when export made one."""
+    out = {
         "test": {k: metrics[k] for k in ("accuracy", "macro_f1", "samples", "provider")},
         "export": {
             "max_abs_diff": exported.max_abs_diff,
@@ -79,6 +81,10 @@ def stage_metrics(
         },
         "train": {"best_val_acc": info.best_val_acc, "fit_time_s": info.fit_time_s},
     }
+    if exported.int8 is not None:
+        keys = ("agreement", "accuracy_drop", "accuracy_int8", "samples")
+        out["int8"] = {k: getattr(exported.int8, k) for k in keys}
+    return out
 
 
 def training_history(path: Path) -> list[dict[str, Any]] | None:
@@ -180,6 +186,8 @@ def register(
             params.registry.promote_margin,
             contract=result["card"],
             sweep=os.environ.get(DVC_EXP_NAME) if in_temp_workspace() else None,
+            # export.quantize int8: the version names its int8 file and the gate's figures
+            extra_tags=None if exported.int8 is None else int8_tags(exported.int8),
         )
     )
     with logging_into(run_id, "evaluate"):

@@ -1,14 +1,24 @@
-"""DVC stage `export`: models/best.ckpt -> models/model.onnx, gated on ONNX/PyTorch parity."""
+"""DVC stage `export`: models/best.ckpt -> models/model.onnx, gated on ONNX/PyTorch parity;
+with ``export.quantize: int8`` also models/model.int8.onnx, gated on the fp32 model's answers.
+
+models/model.int8.onnx is not a DVC out (DVC fails a stage whose declared out is missing,
+and under ``quantize: none`` there is none): it is written only when asked, deleted here
+otherwise (an int8 file from an earlier export must not sit beside a new model.onnx), and
+recorded by sha256 in reports/export.json; it travels with the model through MLflow.
+"""
 
 import argparse
 import logging
 from pathlib import Path
+from typing import Any
 
 from trainyard.core.config import Params
-from trainyard.core.records import EXPORT_RECORD, ExportRecord, TrainRecord
+from trainyard.core.records import EXPORT_RECORD, ExportRecord, Int8Export, TrainRecord
 from trainyard.data.datamodule import load_split
 from trainyard.export.onnx_export import export_and_verify, normalized_example
+from trainyard.export.quantize import calibration_sample, export_int8, remove_int8
 from trainyard.stages.runner import stage_main
+from trainyard.track.quantized import INT8_ARTIFACT, INT8_FOLDER
 from trainyard.track.registry import log_onnx_model
 from trainyard.track.runs import log_to_open_run, logging_into, open_run
 
@@ -25,11 +35,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
-    """Export, check parity, log the model to the train run, write reports/export.json."""
+    """Export, check parity, quantize if asked, log the model(s) to the train run, write
+    reports/export.json."""
     info = TrainRecord.read(TrainRecord.path_in(args.models))
     run_id = open_run(info.run_id)
     onnx_path = Path(args.models, "model.onnx")
-    images, _ = load_split(args.data, "test")
+    remove_int8(onnx_path)  # first: a failed export must not leave an older int8 model
+    images, labels = load_split(args.data, "test")
     n = min(params.export.parity_samples, images.shape[0])
     report = export_and_verify(
         Path(args.models, info.checkpoint),
@@ -49,6 +61,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
         report["embedding_max_abs_diff"],
         report["threshold_embedding_max_abs_diff"],
     )
+    int8 = quantize(params, args, onnx_path, images, labels)
     example = normalized_example(onnx_path, images[:1])
     with logging_into(run_id, "export"):
         # Logging the model takes seconds: say so, and where it goes.
@@ -62,7 +75,47 @@ def run(params: Params, args: argparse.Namespace) -> None:
             tags={"onnx.sha256": report["onnx_sha256"]},
         )
         model_uri = log_onnx_model(onnx_path, example)
-    ExportRecord(**report, mlflow_model_uri=model_uri).write(args.report)
+        if int8 is not None:
+            log_to_open_run(
+                metrics={
+                    "export/int8_agreement": int8.agreement,
+                    "export/int8_accuracy_drop": int8.accuracy_drop,
+                },
+                tags={"onnx.int8_sha256": int8.sha256},
+                artifacts={onnx_path.with_name(int8.file): INT8_FOLDER},
+            )
+    ExportRecord(**report, mlflow_model_uri=model_uri, int8=int8).write(args.report)
+
+
+def quantize(
+    params: Params, args: argparse.Namespace, onnx_path: Path, images: Any, labels: Any
+) -> Int8Export | None:
+    """``export.quantize: int8``: the int8 model beside ``onnx_path``, calibrated on a
+    seeded sample of the train split and gated on the whole test set; None under none."""
+    p = params.export
+    if p.quantize == "none":
+        return None
+    train, _ = load_split(args.data, "train")
+    calibration = calibration_sample(train, p.calibration_samples, params.seed)
+    log.info(
+        "quantizing to int8 (calibrated on %d train images), gating on %d test images",
+        calibration.shape[0],
+        images.shape[0],
+    )
+    gate = export_int8(
+        onnx_path, calibration, images, labels, p.int8_min_agreement, p.int8_max_accuracy_drop
+    )
+    log.info(
+        "int8 ok: top-1 agreement with fp32 %.2f%% (need >= %.2f%%), accuracy %.2f%% -> "
+        "%.2f%% (drop %.2f points, limit %g)",
+        100 * gate["agreement"],
+        100 * p.int8_min_agreement,
+        100 * gate["accuracy_fp32"],
+        100 * gate["accuracy_int8"],
+        gate["accuracy_drop"],
+        p.int8_max_accuracy_drop,
+    )
+    return Int8Export(**gate, artifact=INT8_ARTIFACT)
 
 
 if __name__ == "__main__":

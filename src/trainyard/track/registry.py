@@ -52,7 +52,9 @@ from trainyard.core.errors import TrackingError
 from trainyard.core.io import atomic_write_text, sha256_file
 from trainyard.runtime.sessions import load_onnx
 from trainyard.track.interrupts import release_interrupted_store, signals_deferred
+from trainyard.track.quantized import fetch_int8  # noqa: F401  # the service looks it up here
 from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
+from trainyard.track.versions import parse_model_uri, version_of
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,7 @@ def register_and_promote(
     contract: Any | None = None,
     sweep: str | None = None,
     stale_after_s: float = STALE_AFTER_S,
+    extra_tags: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Register a new version, wait for its turn, then move `champion` or `challenger` to it
     (only `challenger` for a ``sweep``: the DVC experiment's name, tagged on the version;
@@ -165,7 +168,7 @@ def register_and_promote(
     source, class count and names, input shape and resize policy, so the registry UI shows
     what a version takes and answers without downloading it. The turn: the module's
     docstring; ``stale_after_s``: how long a lower version may stay pending before it is
-    taken for abandoned.
+    taken for abandoned. ``extra_tags``: more tags in the creating write (the int8 file's).
 
     A registration is complete once its alias points at it. Nothing less is left behind:
     if anything fails or is interrupted (Ctrl-C, also while waiting) before that, the
@@ -176,9 +179,8 @@ def register_and_promote(
     a forced rerun); one that finds versions of this run cut off before their decision
     (SIGKILL, or a Ctrl-C inside MLflow's own register call) deletes them first.
     """
-
-    tags = version_tags(run_id, test_acc, data_version, onnx_sha256, contract, sweep)
-    done = _already_registered(client, name, run_id, tags)
+    tags = version_tags(run_id, test_acc, data_version, onnx_sha256, contract, sweep, extra_tags)
+    done = _already_registered(client, name, run_id, tags, extra_tags)
     if done is not None:
         return done
     _remove_cut_off(client, name, run_id)
@@ -278,9 +280,11 @@ def version_tags(
     onnx_sha256: str,
     contract: Any | None = None,
     sweep: str | None = None,
+    extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The tags a new version is registered with: what it scored on which data, its bytes,
-    its run, the input contract, and the DVC experiment of a sweep."""
+    its run, the input contract, the DVC experiment of a sweep, and ``extra`` (its int8
+    file's, track.quantized)."""
     tags = {
         ACCURACY_TAG: f"{test_acc:.6f}",
         DATA_TAG: data_version,
@@ -299,7 +303,7 @@ def version_tags(
         }
     if sweep:
         tags["dvc.exp_name"] = sweep
-    return tags
+    return tags | (extra or {})
 
 
 def _versions_of_run(client: Any, name: str, run_id: str) -> list[Any]:
@@ -338,9 +342,10 @@ def _finish(client: Any, name: str, version: Any, alias: str) -> None:
 
 
 def _already_registered(
-    client: Any, name: str, run_id: str, tags: dict[str, str]
+    client: Any, name: str, run_id: str, tags: dict[str, str], refresh: dict[str, str] | None
 ) -> dict[str, Any] | None:
-    """The record of a complete registration of this very model that still stands, if any."""
+    """The record of a complete registration of this very model that still stands, if any;
+    ``refresh`` is written onto it (the same model exported again with its int8 file)."""
     same = (ACCURACY_TAG, DATA_TAG, SHA_TAG)
     candidates = [
         v
@@ -357,6 +362,8 @@ def _already_registered(
             continue
         if decision != alias:  # cut off between its alias and its decision tag
             _finish(client, name, v.version, alias)
+        for key, value in (refresh or {}).items():
+            client.set_model_version_tag(name, v.version, key, value)
         previous = v.tags.get("previous_champion", "")
         return {
             "model_name": name,
@@ -416,43 +423,6 @@ def _undo(client: Any, name: str, run_id: str, alias: str | None, version: Any |
             client.set_model_version_tag(name, version.version, DECISION_TAG, alias)
     except Exception:  # the store is already failing; report the first error
         log.exception("could not remove a half-registered version of %s", name)
-
-
-def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
-    """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` -> (name, alias, version)."""
-    rest = uri.removeprefix("models:/")
-    if "@" in rest:
-        name, alias = rest.split("@", 1)
-        if name and alias and "/" not in name:
-            return name, alias, None
-    elif rest.count("/") == 1:
-        name, version = rest.split("/")
-        if name and version.isdigit():
-            return name, None, version
-    raise TrackingError(
-        f"model source {uri!r}: expected models:/NAME@ALIAS (e.g. models:/"
-        "fashion-mnist-classifier@champion) or models:/NAME/VERSION"
-    )
-
-
-def version_of(uri: str, what: str) -> tuple[str, Any, str]:
-    """(model name, the ModelVersion, tracking URI) that ``models:/NAME@ALIAS`` or
-    ``models:/NAME/N`` names; a TrackingError starting with ``what`` when there is none."""
-    name, alias, version = parse_model_uri(uri)
-    tracking_uri = resolve_tracking_uri()
-    check_tracking_uri(tracking_uri)
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    try:
-        mv = (
-            client.get_model_version_by_alias(name, alias)
-            if alias
-            else client.get_model_version(name, version)
-        )
-    except MlflowException as err:
-        raise TrackingError(
-            f"{what} {uri}: not found in the registry at {tracking_uri} ({err.message})"
-        ) from None
-    return name, mv, tracking_uri
 
 
 def fetch_registered_onnx(

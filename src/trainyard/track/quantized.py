@@ -1,0 +1,73 @@
+"""The int8 model of a registered version (``export.quantize: int8``) in MLflow.
+
+The export stage logs models/model.int8.onnx into the train run under ``INT8_ARTIFACT``;
+evaluate registers the fp32 model as the version and puts the int8 file's sha256, where it
+is and its gate's figures in the version's own tags, in the same write that creates it
+(``int8_tags``), so a service following an alias never sees the version without them.
+``fetch_int8`` is what ``serve.precision: int8`` with a ``models:/`` source downloads,
+checked against that sha256 as the fp32 file is against ``onnx_sha256``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import mlflow
+from mlflow.exceptions import MlflowException
+
+from trainyard.core.errors import TrackingError
+from trainyard.core.io import atomic_write_text, sha256_file
+from trainyard.core.records import Int8Export
+from trainyard.runtime.model_file import INT8_SUFFIX
+from trainyard.track.versions import version_of
+
+INT8_FOLDER = "int8"  # the train run's artifact folder
+INT8_ARTIFACT = f"{INT8_FOLDER}/model{INT8_SUFFIX}"
+INT8_SHA_TAG, INT8_ARTIFACT_TAG = "int8_sha256", "int8.artifact"
+
+
+def int8_tags(int8: Int8Export) -> dict[str, str]:
+    """The version's tags for its int8 file: sha256, artifact, and the gate's figures."""
+    return {
+        INT8_SHA_TAG: int8.sha256,
+        INT8_ARTIFACT_TAG: int8.artifact,
+        "int8.agreement": f"{int8.agreement:.6f}",
+        "int8.accuracy_drop": f"{int8.accuracy_drop:.4f}",  # percentage points
+        "int8.accuracy": f"{int8.accuracy_int8:.6f}",
+    }
+
+
+def fetch_int8(uri: str, cache_dir: str | os.PathLike[str]) -> Path | None:
+    """The int8 model of the version a ``models:/`` URI names, downloaded into
+    ``cache_dir`` (beside the fp32 file's download) and checked against its
+    ``int8_sha256`` tag, with the .sha256 sidecar the service verifies; None for a version
+    registered without one (export.quantize none)."""
+    name, mv, tracking_uri = version_of(uri, "model source")
+    expected, artifact = mv.tags.get(INT8_SHA_TAG), mv.tags.get(INT8_ARTIFACT_TAG)
+    if not expected or not artifact or not mv.run_id:
+        return None
+    dest = Path(cache_dir) / name / str(mv.version) / f"model{INT8_SUFFIX}"
+    if not (dest.is_file() and sha256_file(dest) == expected):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+            try:
+                got = Path(
+                    mlflow.artifacts.download_artifacts(
+                        artifact_uri=f"runs:/{mv.run_id}/{artifact}",
+                        dst_path=tmp,
+                        tracking_uri=tracking_uri,
+                    )
+                )
+            except MlflowException as err:
+                raise TrackingError(f"{uri} (v{mv.version}) int8 model: {err.message}") from None
+            actual = sha256_file(got)
+            if actual != expected:
+                raise TrackingError(
+                    f"{uri} (v{mv.version}): downloaded int8 model has sha256 {actual}, the "
+                    f"registry records {expected}; refusing it"
+                )
+            os.replace(got, dest)  # whole or not at all (tmp is in dest's folder)
+    atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
+    return dest
