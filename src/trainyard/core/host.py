@@ -1,4 +1,4 @@
-"""Facts about this host that need no torch: CPU model and bf16 support, available RAM.
+"""Facts about this host that need no torch: CPU model, bf16 and int8 support, available RAM.
 
 Shared by training's decisions (``trainyard.data.placement``, ``trainyard.training.device``),
 the doctor and the benchmarks.
@@ -22,13 +22,25 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), per /proc/cpuinfo."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def x86_without_vnni() -> bool:
+    """Whether this is an x86 CPU without int8 dot-product instructions (AVX-VNNI,
+    AVX512-VNNI, AMX-INT8): ONNX Runtime's uint8 x int8 kernels may saturate there."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
         return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+    flags = _cpu_flags()
+    return bool(flags) and not flags & {"avx_vnni", "avx512_vnni", "amx_int8"}
 
 
 def available_ram() -> int:

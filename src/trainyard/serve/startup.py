@@ -20,6 +20,7 @@ from typing import Any
 
 from trainyard.core.config import ServeParams
 from trainyard.core.errors import TrainyardError
+from trainyard.core.host import x86_without_vnni
 from trainyard.runtime.sessions import choose_providers
 from trainyard.serve.batch_choice import choose_batching
 from trainyard.serve.drift_watch import reference_beside
@@ -136,6 +137,12 @@ def start(registry: Registry) -> Startup:
     int8_registered = settings.from_registry and settings.params.precision == "int8"
     fetch_int8 = registry("fetch_int8") if int8_registered else None
     model_path = at_precision(settings, fp32_path, source, fetch_int8)
+    if settings.params.precision == "int8" and x86_without_vnni():
+        log.warning(
+            "trainyard: serving an int8 model on an x86 CPU without VNNI: ONNX Runtime's "
+            "uint8 x int8 kernels may saturate here and answer other than at export; check "
+            "it on the test set on this machine, or serve.precision: fp32"
+        )
     sha256 = verify_model(model_path)
     choose_providers(settings.params.device)
     params, batching_why = choose_batching(settings.params, model_path)
