@@ -279,3 +279,21 @@ def _export_record(int8, gate: dict, model_uri: str) -> dict:
             **gate,
         },
     }
+
+
+def test_int8_warning_names_x86_cpus_without_vnni(monkeypatch):
+    """The service warns at start-up where U8S8 kernels may saturate: x86 without any of
+    AVX-VNNI, AVX512-VNNI or AMX-INT8; not on ARM, nor where cpuinfo cannot be read."""
+    from trainyard.core import host
+
+    cases = [
+        ("x86_64", {"avx2", "fma"}, True),
+        ("x86_64", {"avx2", "avx512_vnni"}, False),
+        ("x86_64", {"avx2", "avx_vnni"}, False),
+        ("aarch64", {"asimddp"}, False),
+        ("x86_64", set(), False),
+    ]
+    for machine, flags, warned in cases:
+        monkeypatch.setattr(host.platform, "machine", lambda m=machine: m)
+        monkeypatch.setattr(host, "_cpu_flags", lambda f=flags: f)
+        assert host.x86_without_vnni() is warned, (machine, flags)
