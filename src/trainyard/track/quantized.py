@@ -11,17 +11,12 @@ checked against that sha256 as the fp32 file is against ``onnx_sha256``.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
-import mlflow
-from mlflow.exceptions import MlflowException
-
-from trainyard.core.errors import TrackingError
-from trainyard.core.io import atomic_write_text, sha256_file
+from trainyard.core.io import atomic_write_text
 from trainyard.core.records import Int8Export
 from trainyard.runtime.model_file import INT8_SUFFIX
-from trainyard.track.versions import version_of
+from trainyard.track.versions import download_verified, version_of
 
 INT8_FOLDER = "int8"  # the train run's artifact folder
 INT8_ARTIFACT = f"{INT8_FOLDER}/model{INT8_SUFFIX}"
@@ -49,25 +44,7 @@ def fetch_int8(uri: str, cache_dir: str | os.PathLike[str]) -> Path | None:
     if not expected or not artifact or not mv.run_id:
         return None
     dest = Path(cache_dir) / name / str(mv.version) / f"model{INT8_SUFFIX}"
-    if not (dest.is_file() and sha256_file(dest) == expected):
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-            try:
-                got = Path(
-                    mlflow.artifacts.download_artifacts(
-                        artifact_uri=f"runs:/{mv.run_id}/{artifact}",
-                        dst_path=tmp,
-                        tracking_uri=tracking_uri,
-                    )
-                )
-            except MlflowException as err:
-                raise TrackingError(f"{uri} (v{mv.version}) int8 model: {err.message}") from None
-            actual = sha256_file(got)
-            if actual != expected:
-                raise TrackingError(
-                    f"{uri} (v{mv.version}): downloaded int8 model has sha256 {actual}, the "
-                    f"registry records {expected}; refusing it"
-                )
-            os.replace(got, dest)  # whole or not at all (tmp is in dest's folder)
+    what = f"{uri} (v{mv.version}) int8 model"
+    download_verified(mv, artifact, dest, expected, tracking_uri, what)
     atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
     return dest

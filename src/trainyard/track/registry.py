@@ -54,7 +54,7 @@ from trainyard.runtime.sessions import load_onnx
 from trainyard.track.interrupts import release_interrupted_store, signals_deferred
 from trainyard.track.quantized import fetch_int8  # noqa: F401  # the service looks it up here
 from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
-from trainyard.track.versions import parse_model_uri, version_of
+from trainyard.track.versions import download_verified, parse_model_uri, version_of
 
 log = logging.getLogger(__name__)
 
@@ -546,8 +546,8 @@ def fetch_reference(uri: str, cache_dir: str | os.PathLike[str]) -> Path:
             "before evaluate stored a reference; rerun `dvc repro evaluate` for that model"
         )
     dest = Path(cache_dir) / name / str(mv.version) / "model.reference.npz"
-    if dest.is_file() and sha256_file(dest) == expected:
-        return dest
+    what = f"--reference {uri} (v{mv.version})"
+    return download_verified(mv, REFERENCE_ARTIFACT, dest, expected, tracking_uri, what)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         try:

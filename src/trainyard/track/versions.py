@@ -1,15 +1,20 @@
 """Which registry version a ``models:/`` URI names: ``models:/NAME@ALIAS`` or
 ``models:/NAME/N``, resolved against the tracking store (the registry's readers: the
-served model, its drift reference and its int8 file)."""
+served model, its drift reference and its int8 file), and the download of a version's
+file checked against the sha256 its tag records."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import mlflow
 from mlflow.exceptions import MlflowException
 
 from trainyard.core.errors import TrackingError
+from trainyard.core.io import sha256_file
 from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
 
 
@@ -48,3 +53,33 @@ def version_of(uri: str, what: str) -> tuple[str, Any, str]:
             f"{what} {uri}: not found in the registry at {tracking_uri} ({err.message})"
         ) from None
     return name, mv, tracking_uri
+
+
+def download_verified(
+    mv: Any, artifact: str, dest: Path, expected: str, tracking_uri: str, what: str
+) -> Path:
+    """The run artifact ``artifact`` of version ``mv`` at ``dest``, whole, its sha256 the
+    ``expected`` one the version's tag records (a copy already there that matches is
+    kept); a TrackingError starting with ``what`` when it cannot be had or differs."""
+    if dest.is_file() and sha256_file(dest) == expected:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        try:
+            got = Path(
+                mlflow.artifacts.download_artifacts(
+                    artifact_uri=f"runs:/{mv.run_id}/{artifact}",
+                    dst_path=tmp,
+                    tracking_uri=tracking_uri,
+                )
+            )
+        except MlflowException as err:
+            raise TrackingError(f"{what}: {err.message}") from None
+        actual = sha256_file(got)
+        if actual != expected:
+            raise TrackingError(
+                f"{what}: the download has sha256 {actual}, the registry records {expected}; "
+                "refusing it"
+            )
+        os.replace(got, dest)  # whole or not at all (tmp is in dest's folder)
+    return dest
