@@ -548,23 +548,3 @@ def fetch_reference(uri: str, cache_dir: str | os.PathLike[str]) -> Path:
     dest = Path(cache_dir) / name / str(mv.version) / "model.reference.npz"
     what = f"--reference {uri} (v{mv.version})"
     return download_verified(mv, REFERENCE_ARTIFACT, dest, expected, tracking_uri, what)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        try:
-            got = Path(
-                mlflow.artifacts.download_artifacts(
-                    artifact_uri=f"runs:/{mv.run_id}/{REFERENCE_ARTIFACT}",
-                    dst_path=tmp,
-                    tracking_uri=tracking_uri,
-                )
-            )
-        except MlflowException as err:
-            raise TrackingError(f"--reference {uri} (v{mv.version}): {err.message}") from None
-        actual = sha256_file(got)
-        if actual != expected:
-            raise TrackingError(
-                f"--reference {uri} (v{mv.version}): the downloaded reference has sha256 "
-                f"{actual}, the registry records {expected}; refusing it"
-            )
-        os.replace(got, dest)  # whole or not at all (tmp is in dest's folder)
-    return dest
