@@ -148,7 +148,9 @@ def client(tiny) -> Iterator[TestClient]:
 
 @pytest.fixture(scope="module")
 def batched_client(tiny) -> Iterator[TestClient]:
-    yield from client_for(tiny, batching=True, max_batch_size=4, max_latency_ms=5000)
+    yield from client_for(
+        tiny, batching=True, max_batch_size=4, max_latency_ms=5000, max_body_bytes=2**20
+    )
 
 
 # ---------------------------------------------------------------------------- the guard
@@ -563,19 +565,29 @@ def test_adaptive_batching_gives_the_same_answers_in_merged_runs(batched_client,
 
 def test_a_bad_image_in_a_merged_batch_is_its_own_requests_4xx(batched_client, tiny):
     """/classify is the batchable method itself: a request that is no image is refused
-    alone, with the unbatched route's answer, while the requests merged with it are served."""
-    sends = [b"not an image" if i % 5 == 2 else PHOTOS[i % len(PHOTOS)] for i in range(20)]
+    alone, with the unbatched route's answer, while the requests merged with it are served.
+    Small uploads are decoded with their batch, large ones (over DECODE_AHEAD_BYTES) as they
+    arrive: both ways, good and bad."""
+    from trainyard.serve.batching import DECODE_AHEAD_BYTES
+
+    rng = np.random.default_rng(5)
+    big = [png(rng.integers(0, 256, (400, 400, 3), dtype=np.uint8)) for _ in range(2)]
+    junk = [b"not an image", rng.bytes(DECODE_AHEAD_BYTES + 1)]
+    assert all(len(x) > DECODE_AHEAD_BYTES for x in big) and len(junk[0]) < DECODE_AHEAD_BYTES
+    images = [*PHOTOS, *big]
+    sends = [junk[i % 2] if i % 5 == 2 else images[i % len(images)] for i in range(30)]
     with cf.ThreadPoolExecutor(10) as pool:
         answers = list(
             pool.map(lambda d: batched_client.post("/classify", files={"image": ("p", d)}), sends)
         )
-    expected = expected_probabilities(PHOTOS, tiny["weights"])
+    expected = expected_probabilities(images, tiny["weights"])
     for i, resp in enumerate(answers):
-        if sends[i] == b"not an image":
+        if sends[i] in junk:
             assert resp.status_code == 400 and resp.json()["field"] == "image", resp.text
         else:
             assert resp.status_code == 200, resp.text
-            assert np.allclose(resp.json()["probabilities"], expected[i % len(PHOTOS)], atol=1e-6)
+            want = expected[images.index(sends[i])]
+            assert np.allclose(resp.json()["probabilities"], want, atol=1e-6)
     # Refused before the batcher: a request without an image never waits for a batch.
     resp = batched_client.post("/classify", data={"top_k": "2"})
     assert resp.status_code == 415 and resp.json()["field"] == "Content-Type", resp.text

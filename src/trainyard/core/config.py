@@ -254,14 +254,13 @@ class ServeParams(_Strict):
         return (os.cpu_count() or 1) if self.workers == "cpu_count" else self.workers
 
     def model_threads(self) -> int:
-        """ONNX Runtime intra-op threads per inference. ``auto`` without batching is 1: a
-        worker runs up to ``concurrent_inferences`` model calls side by side, one core each,
-        which beat one call on every core on these CPUs. With batching BentoML's batcher
-        runs one batch at a time per worker, so ``auto`` gives that batch the worker's share
-        of the cores."""
-        if self.intra_op_threads != "auto":
-            return self.intra_op_threads
-        return self.concurrent_inferences() if self.batching is True else 1
+        """ONNX Runtime intra-op threads per inference. ``auto`` is 1: a worker runs up to
+        ``concurrent_inferences`` model calls side by side, one core each, which beat one
+        call on every core on these CPUs. Also with batching, where BentoML's batcher runs
+        one batch at a time per worker: batching is on by default only for models whose call
+        is cheap (serve.batching auto), where ONNX Runtime's second thread spinning for work
+        cost more CPU per request than it saved (2.1 vs 3.5 ms, make bench-serve's CNN)."""
+        return 1 if self.intra_op_threads == "auto" else self.intra_op_threads
 
     def concurrent_inferences(self) -> int:
         """Model calls (decode + inference, or a batch) a worker runs at once: its share of

@@ -4,10 +4,10 @@ With batching on, /classify itself is the ``batchable=True`` api method. BentoML
 request with the input descriptor below (``BatchedClassifyForm``: the same reading as the
 unbatched route, ``read_classify``, into a one-item list), its CorkDispatcher merges the
 lists of concurrent requests, and the method answers the merged list with one trip to a
-worker thread: one ONNX Runtime run, every answer built (each image was decoded as its
-request was read, on a thread of its own). BentoML then splits the answers back, one per
-request, and the output descriptor (``BatchedPrediction``) hands each request its own
-response, a 200 or its ``Refused`` 4xx.
+worker thread: the small uploads decoded, one ONNX Runtime run, every answer built (a
+large upload was decoded as its request was read, on a thread of its own). BentoML then
+splits the answers back, one per request, and the output descriptor (``BatchedPrediction``)
+hands each request its own response, a 200 or its ``Refused`` 4xx.
 
 What this replaced: /classify calling a batchable method through the service's own HTTP
 client (``self.to_async``), a second request through every middleware with the pixels as
@@ -36,13 +36,16 @@ from trainyard.serve.api import ClassifyForm, Prediction, answer, read_classify
 from trainyard.serve.predictor import Predictor
 from trainyard.serve.refused import Refused
 
+# Uploads larger than this are decoded as they arrive; smaller ones with their batch.
+DECODE_AHEAD_BYTES = 64 * 1024
+
 
 @dataclass(frozen=True)
 class Queued:
     """One /classify request, read and decoded, waiting for its batch: with the predictor
     that decoded it (a swap meanwhile leaves it its model)."""
 
-    pixels: np.ndarray  # uint8 [C,H,W], by the predictor's card
+    pixels: np.ndarray | None  # uint8 [C,H,W] by the predictor's card; None: decoded with the batch
     top_k: int
     predictor: Predictor
     start: float
@@ -61,8 +64,10 @@ class Asked(bentoml.IODescriptor):
 
 class BatchedClassifyForm(ClassifyForm):
     """/classify's fields for BentoML's document and client, as unbatched. Each request is
-    read and decoded here, before the batcher: a bad one never waits for a batch, and the
-    decodes of the next batch (a JPEG photo: milliseconds) overlap this one's model call."""
+    read here, before the batcher, so a bad one never waits for a batch; a large upload (a
+    photo: milliseconds to decode) is decoded here too, on a thread of its own, so the
+    decodes of the next batch overlap this one's model call. A small one (a few KB) is
+    decoded with its batch: its own thread trip would cost more than its decode."""
 
     @classmethod
     async def from_http_request(cls, request: Request, serde: Any) -> bentoml.IODescriptor:
@@ -71,7 +76,9 @@ class BatchedClassifyForm(ClassifyForm):
         item: Queued | Refused
         try:
             ask = await read_classify(request, predictor.card, predictor.params)
-            pixels = await predictor.decode_one(ask.image, ask.invert, info)
+            pixels = None
+            if len(ask.image) > DECODE_AHEAD_BYTES:
+                pixels = await predictor.decode_one(ask.image, ask.invert, info)
             item = Queued(pixels, ask.top_k, predictor, start, info, ask.image, ask.invert)
         except Refused as err:
             item = err
@@ -108,11 +115,27 @@ async def answer_batch(items: Sequence[Queued | Refused]) -> list[Response]:
 
 
 def _answer_all(queued: Sequence[Queued]) -> list[Response]:
-    """On the worker thread: one model call, and the JSON of every answer (its encoding
-    too: the event loop is the service's scarcest core)."""
+    """On the worker thread: the small uploads decoded, one model call, and the JSON of
+    every answer (its encoding too: the event loop is the service's scarcest core). An
+    image that is no image is its own request's 4xx, not the batch's."""
     predictor = queued[0].predictor
-    answers = predictor.classify_decoded([q.pixels for q in queued], queued)
-    return [answer(a) for a in answers]
+    responses: list[Response | None] = [None] * len(queued)
+    pixels, kept = [], []
+    for i, q in enumerate(queued):
+        try:
+            decoded = q.pixels
+            if decoded is None:
+                decoded = predictor.decode(q.image, "image", q.invert, q.info)
+        except Refused as err:
+            responses[i] = err.response()
+            continue
+        pixels.append(decoded)
+        kept.append(i)
+    if kept:
+        answers = predictor.classify_decoded(pixels, [queued[i] for i in kept])
+        for i, answered in zip(kept, answers, strict=True):
+            responses[i] = answer(answered)
+    return responses  # type: ignore[return-value]
 
 
 def batched_classify(params: ServeParams) -> dict[str, Any]:
