@@ -223,6 +223,32 @@ def test_train_serve_identity(photos, tmp_path, resize):
         assert kind in seen_kinds
 
 
+def test_drawings_with_transparency_are_composited_on_white(tmp_path):
+    """A folder of transparent drawings (clip art, icons): the background is white, as every
+    viewer shows them (on black, a black outline vanishes); the card's fill says so, and the
+    service composites an upload on it the same way."""
+    root = tmp_path / "drawings"
+    for c, name in enumerate(("ring", "bar")):
+        (root / name).mkdir(parents=True)
+        for i in range(6):
+            a = np.zeros((20, 20, 4), np.uint8)  # transparent...
+            if c:
+                a[8:12, 2:18] = (0, 0, 0, 255)  # ...around a black outline
+            else:
+                a[2:18, 2:18], a[5:15, 5:15] = (0, 0, 0, 255), 0
+            Image.fromarray(a, "RGBA").save(root / name / f"{i}.png")
+    card = run(root, tmp_path / "out", image_size=20)
+    assert card.fill == 255
+    x = arrays(tmp_path / "out")["train"][0]
+    assert x[:, :, 0, 0].min() == 255  # the corner: transparent, now white
+    assert x.min() == 0  # the black outline stays visible
+    data = (root / "bar" / "0.png").read_bytes()
+    assert decode_image(data, card)[:, 0, 0].tolist() == [255, 255, 255]
+    mixed = tmp_path / "mixed"  # a few transparent files in a photo folder: black, as before
+    make_photo_folder(mixed, per_class=9)
+    assert run(mixed, tmp_path / "out2", image_size=16).fill == 0
+
+
 # ----------------------------------------------------------------------------- channels
 
 

@@ -113,6 +113,7 @@ class ImageHeader:
     width: int
     height: int
     grayscale: bool
+    transparent: bool = False  # an alpha channel or a transparent palette entry
 
 
 def _register_heif() -> None:
@@ -209,9 +210,10 @@ def read_header(
     limit_key: str = SERVE_LIMIT_KEY,
 ) -> ImageHeader:
     """Format, mode, size (as stored, before EXIF orientation) and whether the image is
-    grayscale, from the header alone."""
+    grayscale and transparent or not, from the header alone."""
     with _open(data, max_pixels, field, max_aspect_ratio, limit_key) as im:
-        return ImageHeader(im.format, im.mode, im.size[0], im.size[1], _is_gray(im))
+        alpha = bool(im.has_transparency_data) or im.mode == "PA"
+        return ImageHeader(im.format, im.mode, im.size[0], im.size[1], _is_gray(im), alpha)
 
 
 def _is_gray(im: Any) -> bool:

@@ -42,7 +42,7 @@ from trainyard.core.errors import DataError, InputError
 from trainyard.core.imaging import image_to_pixels, read_header
 from trainyard.core.progress import Progress
 from trainyard.data.decode_budget import DECODE_BUDGET, DecodeBudget, install, reserve
-from trainyard.data.image_size import AUTO_SIZE_MAX, choose_image_size
+from trainyard.data.image_size import AUTO_SIZE_MAX, background_fill, choose_image_size
 from trainyard.data.store import Expected, PreparedWriter, open_prepared
 
 if TYPE_CHECKING:
@@ -91,18 +91,20 @@ class ImageSet:
 # ------------------------------------------------------------------ pool work (both passes)
 
 
-Inspected = tuple[str, bool, int, int, str | None]  # sha256, grayscale, width, height, problem
+# sha256, grayscale, width, height, problem, transparent
+Inspected = tuple[str, bool, int, int, str | None, bool]
 
 
 def inspect_files(paths: Sequence[str], max_pixels: int) -> list[Inspected]:
-    """(sha256, grayscale, width, height, problem) per file: pass 1, in a worker."""
+    """(sha256, grayscale, width, height, problem, transparent) per file: pass 1, in a
+    worker."""
     out: list[Inspected] = []
     for p in paths:
         try:
             with open(p, "rb") as fh:
                 data = fh.read()
         except OSError as err:
-            out.append(("", False, 0, 0, f"unreadable ({err.strerror or err})"))
+            out.append(("", False, 0, 0, f"unreadable ({err.strerror or err})", False))
             continue
         digest = hashlib.sha256(data).hexdigest()
         try:
@@ -114,9 +116,11 @@ def inspect_files(paths: Sequence[str], max_pixels: int) -> list[Inspected]:
                 limit_key=LIMIT_KEY,
             )
         except InputError as err:
-            out.append((digest, False, 0, 0, str(err).removeprefix("file: ")))
+            out.append((digest, False, 0, 0, str(err).removeprefix("file: "), False))
             continue
-        out.append((digest, header.grayscale, header.width, header.height, None))
+        out.append(
+            (digest, header.grayscale, header.width, header.height, None, header.transparent)
+        )
     return out
 
 
@@ -362,17 +366,18 @@ def expected_image_set(
 
 
 def decode_spec(
-    params: DataParams, channels: int, max_pixels: int, size: tuple[int, int]
+    params: DataParams, channels: int, max_pixels: int, size: tuple[int, int], fill: int = 0
 ) -> dict[str, Any]:
     """The ``image_to_pixels`` arguments every image of this dataset is decoded with: the
-    card's channels, size and resize policy (the service decodes uploads the same way)."""
+    card's channels, size, resize policy and background ``fill`` (the service decodes
+    uploads the same way)."""
     height, width = size
     return {
         "channels": channels,
         "height": height,
         "width": width,
         "resize": params.resize,
-        "fill": 0,
+        "fill": fill,
         "interpolation": "bilinear",
         "max_pixels": max_pixels,
         "max_aspect_ratio": TRAINING_ASPECT,
@@ -384,9 +389,10 @@ def decode_spec(
 
 def _first_pass(
     files: list[ImageFile], pool: FilePool, max_pixels: int, bad: list[tuple[str, str]]
-) -> tuple[list[ImageFile], list[str], bool, list[int]]:
+) -> tuple[list[ImageFile], list[str], bool, list[int], int]:
     """Pass 1: read every file once. Returns the readable files, their sha256, whether all
-    of them are grayscale and their shorter sides; the unreadable ones go to ``bad``."""
+    of them are grayscale, their shorter sides and how many carry transparency; the
+    unreadable ones go to ``bad``."""
     n = len(files)
     paths = [str(f.path) for f in files]
     chunks = list(_chunks(n))
@@ -404,7 +410,7 @@ def _first_pass(
     hashes = [inspected[i][0] for i in keep]
     gray = all(inspected[i][1] for i in keep)
     shorter = [min(inspected[i][2], inspected[i][3]) for i in keep]
-    return kept, hashes, gray, shorter
+    return kept, hashes, gray, shorter, sum(inspected[i][5] for i in keep)
 
 
 def write_split(
@@ -488,6 +494,7 @@ def image_set_card(
     dups: dict[str, list[int]],
     size: tuple[int, int],
     shorter_sides: Sequence[int] = (),
+    fill: int = 0,
 ) -> Card:
     """The dataset card before ``PreparedWriter.finish`` adds counts, statistics and hash."""
     source_hash = hashlib.sha256()
@@ -514,7 +521,7 @@ def image_set_card(
         mean=(0.0,) * channels,
         std=(1.0,) * channels,
         resize=params.resize,
-        fill=0,
+        fill=fill,
         interpolation="bilinear",
         source_sha256=source_hash.hexdigest(),
         skipped=tuple({"file": rel, "reason": reason} for rel, reason in sorted(bad)),
@@ -550,12 +557,13 @@ def prepare_image_set(
     pool = FilePool(min(worker_count(params), max(1, len(images.files) // CHUNK)))
     try:
         bad = list(images.bad)
-        files, hashes, gray, shorter = _first_pass(images.files, pool, max_pixels, bad)
+        files, hashes, gray, shorter, alpha = _first_pass(images.files, pool, max_pixels, bad)
         channels = (1 if gray else 3) if params.channels == "auto" else int(params.channels)
         size = choose_image_size(params, shorter, for_pretrained)
+        fill = background_fill(alpha, len(files))
         labels, splits, dups = split_files(files, hashes, images.classes, params, seed, images.key)
         check_balance(images.classes, labels, splits)
-        spec = decode_spec(params, channels, max_pixels, size)
+        spec = decode_spec(params, channels, max_pixels, size, fill)
         total = int((splits != "dropped").sum())
         with (
             open_prepared(out_dir) as writer,
@@ -570,7 +578,7 @@ def prepare_image_set(
             progress.close()
             check_bad_files(images, bad, params.on_bad_file, written)
             card = image_set_card(
-                images, params, seed, channels, files, hashes, bad, dups, size, shorter
+                images, params, seed, channels, files, hashes, bad, dups, size, shorter, fill
             )
             card = writer.finish(card)
     finally:
