@@ -593,9 +593,10 @@ def test_a_bad_image_in_a_merged_batch_is_its_own_requests_4xx(batched_client, t
     assert resp.status_code == 415 and resp.json()["field"] == "Content-Type", resp.text
 
 
-def test_a_request_the_batcher_sheds_gets_the_services_overload_answer(tiny):
+def test_a_request_the_batcher_sheds_gets_the_services_overload_answer(tiny, caplog):
     """BentoML's batcher sheds what it cannot answer within max_latency_ms with a generic
-    503 of its own; the guard answers the service's: Retry-After, naming the setting."""
+    503 of its own; the guard answers the service's: Retry-After, naming the setting. And
+    BentoML's log does not call each shed request an error with a traceback."""
     for client in client_for(tiny, batching=True, max_batch_size=2, max_latency_ms=1):
         before = refused_count("overloaded")
         with cf.ThreadPoolExecutor(16) as pool:
@@ -612,6 +613,8 @@ def test_a_request_the_batcher_sheds_gets_the_services_overload_answer(tiny):
                 "field": None,
             }
         assert refused_count("overloaded") - before == len(shed)
+        errors = [r for r in caplog.records if "Exception on /classify" in r.getMessage()]
+        assert not errors, errors[0].exc_info
 
 
 def test_predictions_are_counted_by_label(client):

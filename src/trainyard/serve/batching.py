@@ -20,6 +20,7 @@ the service's own overload answer (trainyard.serve.startup's ``guard_options``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 
 import bentoml
 import numpy as np
+from bentoml.exceptions import ServiceUnavailable
 from pydantic import ConfigDict
 from starlette.requests import Request
 from starlette.responses import Response
@@ -36,6 +38,7 @@ from trainyard.serve.api import ClassifyForm, Prediction, answer, read_classify
 from trainyard.serve.predictor import Predictor
 from trainyard.serve.refused import Refused
 
+BENTOML_ERRORS = "bentoml._internal.server.http_app"  # its log_exception's logger
 # Uploads larger than this are decoded as they arrive; smaller ones with their batch.
 DECODE_AHEAD_BYTES = 64 * 1024
 
@@ -138,8 +141,19 @@ def _answer_all(queued: Sequence[Queued]) -> list[Response]:
     return responses  # type: ignore[return-value]
 
 
+class _ShedIsNoError(logging.Filter):
+    """BentoML logs each request its batcher sheds as an ERROR with a traceback; it is
+    answered (503, Retry-After) and counted on /metrics (refused, reason overloaded)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        shed = record.exc_info is not None and isinstance(record.exc_info[1], ServiceUnavailable)
+        return not shed
+
+
 def batched_classify(params: ServeParams) -> dict[str, Any]:
-    """``@bentoml.api``'s arguments for the batchable /classify."""
+    """``@bentoml.api``'s arguments for the batchable /classify (and BentoML's error log
+    told that a shed request is no error)."""
+    logging.getLogger(BENTOML_ERRORS).addFilter(_ShedIsNoError())
     return {
         "route": "/classify",
         "input_spec": BatchedClassifyForm,
