@@ -197,7 +197,9 @@ def test_int8_asked_without_an_int8_file_is_a_start_up_error(tmp_path, int8_dir)
     assert got == int8_dir / "model.int8.onnx"
 
 
-def test_a_registry_version_carries_its_int8_file_to_the_service(tmp_path, int8_dir, monkeypatch):
+def test_a_registry_version_carries_its_int8_file_to_the_service(
+    tmp_path, int8_dir, monkeypatch, request
+):
     """Logged and registered as export and evaluate do; the service's start-up (in
     process) with serve.precision int8 on models:/NAME@champion serves the version's
     int8 file, checked against its tag; a version registered without one is refused."""
@@ -212,17 +214,18 @@ def test_a_registry_version_carries_its_int8_file_to_the_service(tmp_path, int8_
     int8 = int8_dir / "model.int8.onnx"
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    # The global URI too, for the whole test: MLflow's registry store looks a logged model
+    # up through it when a version is created (an earlier test may have set another).
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
-    try:  # as export does: the fp32 model, and the int8 file beside it in the run
-        exp = mlflow.create_experiment("int8", artifact_location=(tmp_path / "art").as_uri())
-        with mlflow.start_run(experiment_id=exp) as run:
-            pixels = np.zeros((1, 1, 28, 28), np.uint8)
-            example = normalized_example(int8_dir / "model.onnx", pixels)
-            model_uri = registry.log_onnx_model(int8_dir / "model.onnx", example)
-            mlflow.log_artifact(str(int8), INT8_FOLDER)
-    finally:
-        mlflow.set_tracking_uri(previous)
+    request.addfinalizer(lambda: mlflow.set_tracking_uri(previous))
+    # As export does: the fp32 model, and the int8 file beside it in the run.
+    exp = mlflow.create_experiment("int8", artifact_location=(tmp_path / "art").as_uri())
+    with mlflow.start_run(experiment_id=exp) as run:
+        pixels = np.zeros((1, 1, 28, 28), np.uint8)
+        example = normalized_example(int8_dir / "model.onnx", pixels)
+        model_uri = registry.log_onnx_model(int8_dir / "model.onnx", example)
+        mlflow.log_artifact(str(int8), INT8_FOLDER)
     client = mlflow.MlflowClient(uri)
     gate = {"agreement": 0.995, "accuracy_drop": 0.1, "accuracy_int8": 0.7}
     record = ExportRecord.model_validate(
