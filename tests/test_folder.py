@@ -224,9 +224,10 @@ def test_train_serve_identity(photos, tmp_path, resize):
 
 
 def test_drawings_with_transparency_are_composited_on_white(tmp_path):
-    """A folder of transparent drawings (clip art, icons): the background is white, as every
-    viewer shows them (on black, a black outline vanishes); the card's fill says so, and the
-    service composites an upload on it the same way."""
+    """A folder of transparent drawings with dark strokes (clip art): the background is
+    white, as every viewer shows them (on black, a black outline vanishes); the card's fill
+    says so, and the service composites an upload on it the same way. Transparent icons of
+    bright colour without dark strokes (emoji) and photos stay on black."""
     root = tmp_path / "drawings"
     for c, name in enumerate(("ring", "bar")):
         (root / name).mkdir(parents=True)
@@ -247,6 +248,14 @@ def test_drawings_with_transparency_are_composited_on_white(tmp_path):
     mixed = tmp_path / "mixed"  # a few transparent files in a photo folder: black, as before
     make_photo_folder(mixed, per_class=9)
     assert run(mixed, tmp_path / "out2", image_size=16).fill == 0
+    icons = tmp_path / "icons"  # transparent, bright colour and no dark strokes (emoji): black
+    for c, colour in enumerate(((250, 200, 40, 255), (90, 200, 250, 255))):
+        (icons / f"c{c}").mkdir(parents=True)
+        for i in range(6):
+            a = np.zeros((20, 20, 4), np.uint8)
+            a[3 + i % 3 : 17, 3:17] = colour
+            Image.fromarray(a, "RGBA").save(icons / f"c{c}" / f"{i}.png")
+    assert run(icons, tmp_path / "out3", image_size=20).fill == 0
 
 
 # ----------------------------------------------------------------------------- channels

@@ -42,7 +42,12 @@ from trainyard.core.errors import DataError, InputError
 from trainyard.core.imaging import image_to_pixels, read_header
 from trainyard.core.progress import Progress
 from trainyard.data.decode_budget import DECODE_BUDGET, DecodeBudget, install, reserve
-from trainyard.data.image_size import AUTO_SIZE_MAX, background_fill, choose_image_size
+from trainyard.data.image_size import (
+    AUTO_SIZE_MAX,
+    SAMPLE_MAX_PIXELS,
+    background_fill,
+    choose_image_size,
+)
 from trainyard.data.store import Expected, PreparedWriter, open_prepared
 
 if TYPE_CHECKING:
@@ -389,10 +394,11 @@ def decode_spec(
 
 def _first_pass(
     files: list[ImageFile], pool: FilePool, max_pixels: int, bad: list[tuple[str, str]]
-) -> tuple[list[ImageFile], list[str], bool, list[int], int]:
+) -> tuple[list[ImageFile], list[str], bool, list[int], tuple[int, list[str]]]:
     """Pass 1: read every file once. Returns the readable files, their sha256, whether all
-    of them are grayscale, their shorter sides and how many carry transparency; the
-    unreadable ones go to ``bad``."""
+    of them are grayscale, their shorter sides, and how many carry transparency with the
+    paths of those small enough to sample for the background; the unreadable ones go to
+    ``bad``."""
     n = len(files)
     paths = [str(f.path) for f in files]
     chunks = list(_chunks(n))
@@ -410,7 +416,9 @@ def _first_pass(
     hashes = [inspected[i][0] for i in keep]
     gray = all(inspected[i][1] for i in keep)
     shorter = [min(inspected[i][2], inspected[i][3]) for i in keep]
-    return kept, hashes, gray, shorter, sum(inspected[i][5] for i in keep)
+    clear = [i for i in keep if inspected[i][5]]
+    small = [paths[i] for i in clear if inspected[i][2] * inspected[i][3] <= SAMPLE_MAX_PIXELS]
+    return kept, hashes, gray, shorter, (len(clear), small)
 
 
 def write_split(
@@ -557,10 +565,10 @@ def prepare_image_set(
     pool = FilePool(min(worker_count(params), max(1, len(images.files) // CHUNK)))
     try:
         bad = list(images.bad)
-        files, hashes, gray, shorter, alpha = _first_pass(images.files, pool, max_pixels, bad)
+        files, hashes, gray, shorter, clear = _first_pass(images.files, pool, max_pixels, bad)
         channels = (1 if gray else 3) if params.channels == "auto" else int(params.channels)
         size = choose_image_size(params, shorter, for_pretrained)
-        fill = background_fill(alpha, len(files))
+        fill = background_fill(clear[0], len(files), clear[1], seed)
         labels, splits, dups = split_files(files, hashes, images.classes, params, seed, images.key)
         check_balance(images.classes, labels, splits)
         spec = decode_spec(params, channels, max_pixels, size, fill)
