@@ -164,16 +164,16 @@ gpu-check:
 	PYTHONPATH=src:$(GPU_SITE) $(GPU_PYTHON) -m benchmarks --gpu-check $(GPU_ARGS) \
 	  --out $(GPU_OUT)/gpu-check.json --chart $(GPU_OUT)/gpu-check.png --docs $(GPU_OUT)/gpu-check.md
 
-# The inference service (serving/service.py) on models/model.onnx.
+# The inference service (bento/service.py) on models/model.onnx.
 # TRAINYARD_API_KEY=... requires `Authorization: Bearer <key>` on the prediction endpoints.
 SERVE_HOST ?= 127.0.0.1
 SERVE_PORT ?= 3000
 export BENTOML_DO_NOT_TRACK := true
 serve: venv
-	$(BIN)/bentoml serve serving.service:ImageClassifier --host $(SERVE_HOST) --port $(SERVE_PORT)
+	$(BIN)/bentoml serve bento.service:ImageClassifier --host $(SERVE_HOST) --port $(SERVE_PORT)
 
 bento: venv
-	$(BIN)/bentoml build -f serving/bentofile.yaml .
+	$(BIN)/bentoml build -f bento/bentofile.yaml .
 
 # About 3 min on 2 cores (apt-get install wrk): service vs reference server (1 worker,
 # 1/16/64 clients), p99 with cpu_count workers, cold start of `make serve`, adaptive

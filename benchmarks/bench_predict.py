@@ -19,7 +19,7 @@ trainyard's code without training), side by side:
 2. **a plain loop**, in this process: for each file ``Image.open``, ``.convert(mode)``,
    ``.resize((W, H))``, normalised by the card's mean/std, ``session.run`` on a batch of one
    (an ``onnxruntime.InferenceSession`` with default options, CPU provider);
-3. **posting every file to the service**: ``bentoml serve serving.service:ImageClassifier``
+3. **posting every file to the service**: ``bentoml serve bento.service:ImageClassifier``
    with params.yaml as it is (``make serve``'s configuration) and ``TRAINYARD_MODEL`` = M,
    then a client loop posting each file to /classify (multipart ``image``, one keep-alive
    connection, one request at a time); and the same from ``--threads`` client threads.

@@ -9,7 +9,7 @@ request is one image as a multipart ``image`` upload to ``/classify``. In one ru
 2. latency: ``make serve``'s configuration (params.yaml as it is) at 16 clients (p99), and
    the reference server with as many workers; that configuration started a second time,
    to show two starts serve alike;
-3. cold start: ``bentoml serve serving.service:ImageClassifier`` with params.yaml as it
+3. cold start: ``bentoml serve bento.service:ImageClassifier`` with params.yaml as it
    is until /readyz answers 200, then req/s in the first seconds after ready (no warm-up)
    against the warm req/s of the same server;
 4. adaptive batching on and off, 1 worker, 16 and 64 clients, on the Fashion CNN and on a

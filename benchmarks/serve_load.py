@@ -166,7 +166,7 @@ def server_command(reference: bool, workers: int, port: int) -> list[str]:
         ]
         cmd += ["--no-access-log", "--log-level", "warning"]
     else:
-        cmd = [str(bindir / "bentoml"), "serve", "serving.service:ImageClassifier"]
+        cmd = [str(bindir / "bentoml"), "serve", "bento.service:ImageClassifier"]
     return [*cmd, "--host", "127.0.0.1", "--port", str(port)]
 
 

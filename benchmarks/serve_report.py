@@ -214,7 +214,7 @@ def _cold_start(result: dict[str, Any], s: dict[str, Any]) -> list[str]:
     return [
         "### 3. Cold start: `make serve`'s configuration (params.yaml as it is)",
         "",
-        f"`bentoml serve serving.service:ImageClassifier` with `serve.workers` = "
+        f"`bentoml serve bento.service:ImageClassifier` with `serve.workers` = "
         f"{cold.get('workers_param', cold['workers'])} ({cold['workers']} processes), batching "
         f"{'on' if cold['batching'] else 'off'}: **{cold['ready_s']:.1f} s** from the "
         "command's start until `/readyz` answered 200 (polled every 50 ms; Python's "

@@ -1,6 +1,6 @@
 """`make soak`: a bounded load test of the service on 127.0.0.1, good and bad requests mixed.
 
-``bentoml serve serving.service:ImageClassifier`` with params.yaml as it is (what
+``bentoml serve bento.service:ImageClassifier`` with params.yaml as it is (what
 ``make serve`` runs, on a free port) takes wrk's load for ``--seconds`` (default 60) at
 ``--clients`` connections (default 64) after a warm-up. wrk cycles through a fixed mix:
 Fashion-MNIST PNGs as multipart uploads, raw JPEG bodies, batches of 4, and requests the

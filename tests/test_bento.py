@@ -1,7 +1,7 @@
 """The deployable bento and the Kubernetes manifest, as a deployment would meet them.
 
 Slow: a small real pipeline exports a model; `bentoml build` packs it with
-serving/bentofile.yaml; the bento must hold exactly the service, trainyard's serving layers
+bento/bentofile.yaml; the bento must hold exactly the service, trainyard's serving layers
 (core, runtime, serve), bulk scoring (bulk, and the data modules it imports), the root
 params.yaml and the verified model, and neither import nor require the training stack. A
 clean virtual environment made from the bento's env/python/requirements.txt alone (what the
@@ -98,8 +98,8 @@ SHIPPED_LAYERS = ("core", "runtime", "serve", "bulk")
 # imports torch) and watch (plots.py, the drift report's, imports matplotlib).
 PARTLY_SHIPPED = ("data", "watch")
 # What the image runs: the service, and `python -m trainyard.bulk` (deploy/predict-job.yaml).
-ENTRY_POINTS = ("serving/service.py", "src/trainyard/bulk/__main__.py")
-BENTOFILE = REPO / "serving" / "bentofile.yaml"
+ENTRY_POINTS = ("bento/service.py", "src/trainyard/bulk/__main__.py")
+BENTOFILE = REPO / "bento" / "bentofile.yaml"
 # Output of a build or an install that failed for want of a package index, not a bug here.
 NETWORK_HINTS = (
     "temporary failure in name resolution",
@@ -284,7 +284,7 @@ def pipeline_repo(fashion_dir, tmp_path_factory) -> Path:
     }.items():
         (run / rel).parent.mkdir(parents=True, exist_ok=True)
         (run / rel).write_bytes(data)
-    for rel in ("serving/__pycache__/service.cpython-311.pyc", "src/trainyard/stray.pyc"):
+    for rel in ("bento/__pycache__/service.cpython-311.pyc", "src/trainyard/stray.pyc"):
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / rel).write_bytes(b"\0")
     (repo / "data" / "params.yaml").write_text("seed: 0\n")
@@ -293,12 +293,12 @@ def pipeline_repo(fashion_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bento(pipeline_repo, tmp_path_factory) -> dict[str, Any]:
-    """`bentoml build -f serving/bentofile.yaml .` into a fresh BENTOML_HOME."""
+    """`bentoml build -f bento/bentofile.yaml .` into a fresh BENTOML_HOME."""
     home = tmp_path_factory.mktemp("bentoml-home")
     env = stage_env(BENTOML_HOME=str(home), BENTOML_DO_NOT_TRACK="true")
     start = time.monotonic()
     proc = subprocess.run(
-        [str(VENV_BIN / "bentoml"), "build", "-f", "serving/bentofile.yaml", ".", "-o", "tag"],
+        [str(VENV_BIN / "bentoml"), "build", "-f", "bento/bentofile.yaml", ".", "-o", "tag"],
         cwd=pipeline_repo,
         env=env,
         capture_output=True,
@@ -385,7 +385,7 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
     assert "trainyard/data/datamodule.py" not in modules  # torch
     expected = {
         "bentofile.yaml",  # BentoML's own copy of the build file
-        "serving/service.py",
+        "bento/service.py",
         "params.yaml",
         "models/model.onnx",
         "models/model.onnx.sha256",
@@ -410,7 +410,7 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
     found = [hit for p in shipped for hit in training_imports(p.read_text(), str(p))]
     assert found == [], found
     info = yaml.safe_load((bento["path"] / "bento.yaml").read_text())
-    assert info["service"] == "serving.service:ImageClassifier"
+    assert info["service"] == "bento.service:ImageClassifier"
     assert info["name"] == BENTO_NAME
     readme = (bento["path"] / "README.md").read_text()
     assert "Fashion-MNIST" not in readme  # any dataset's model, not one in particular
@@ -432,7 +432,7 @@ def test_bentofile_ships_the_serving_layers_and_no_training_import():
         f.split("/")[2] for f in shipped if f.startswith("src/trainyard/") and f.count("/") > 2
     }
     assert layers == {*SHIPPED_LAYERS, *PARTLY_SHIPPED}, shipped
-    assert {"serving/service.py", "src/trainyard/__init__.py"} <= set(shipped)
+    assert {"bento/service.py", "src/trainyard/__init__.py"} <= set(shipped)
     imported = trainyard_closure(ENTRY_POINTS)
     missing = sorted(imported - set(shipped))
     assert not missing, f"imported by the service or bulk scoring, not in the bento: {missing}"
@@ -901,7 +901,7 @@ def in_bento(path: str) -> str:
     there (asserting it does)."""
     assert path.startswith(IMAGE_SRC + "/"), path
     rel = path.removeprefix(IMAGE_SRC + "/")
-    assert bentofile_spec().match_file(rel), f"{path}: serving/bentofile.yaml does not ship {rel}"
+    assert bentofile_spec().match_file(rel), f"{path}: bento/bentofile.yaml does not ship {rel}"
     return rel
 
 

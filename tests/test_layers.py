@@ -8,7 +8,7 @@ and no module hides an import inside a function body except a probe (an import i
 ``try`` that handles its failure, as the doctor does to report a broken build).
 
 Each outside library lives behind one place: MLflow in track/, DVC's Python API in
-experiments/dvc_repo.py, Optuna in experiments/study.py. ``serving/`` (the thin BentoML entry)
+experiments/dvc_repo.py, Optuna in experiments/study.py. ``bento/`` (the thin BentoML entry)
 and ``benchmarks/`` are read too, with their own rules, and nothing imports BentoML's private
 ``bentoml._internal``.
 """
@@ -111,7 +111,7 @@ HOMES = {
     "optuna": "experiments/study.py",
     "optuna_integration": "experiments/study.py",
 }
-# serving/ (the bento's entry) may import these layers; trainyard.track only as a probe.
+# bento/ (the bento's entry) may import these layers; trainyard.track only as a probe.
 SERVING_LAYERS = {"core", "runtime", "serve", "watch"}
 
 
@@ -125,7 +125,7 @@ def _area(path: Path, repo: Path) -> str:
     rel = path.relative_to(repo)
     if rel.parts[:2] == ("src", "trainyard"):
         return "library"
-    if rel.parts[0] in ("serving", "benchmarks"):
+    if rel.parts[0] in ("bento", "benchmarks"):
         return rel.parts[0]
     raise ValueError(f"{rel}: not a module the import rule reads")
 
@@ -219,7 +219,7 @@ def _library_rules(where: str, name: str, layer: str | None, hidden: bool) -> It
     parts = name.split(".")
     if hidden and (parts[0] == "trainyard" or parts[0] in HEAVY):
         yield f"{where} is imported inside a function; import it at the top"
-    if parts[0] in ("benchmarks", "serving", "team"):
+    if parts[0] in ("benchmarks", "bento", "team"):
         yield f"{where}: the library never imports {parts[0]} (not in the wheel)"
     if layer is None:
         return
@@ -238,17 +238,17 @@ def _library_rules(where: str, name: str, layer: str | None, hidden: bool) -> It
 def _serving_rules(where: str, name: str, probe: bool) -> Iterator[str]:
     parts = name.split(".")
     if parts[0] in HEAVY - set(HOMES):
-        yield f"{where}: serving/ may not import {parts[0]} (the bento ships none of it)"
+        yield f"{where}: bento/ may not import {parts[0]} (the bento ships none of it)"
     if parts[0] == "benchmarks":
-        yield f"{where}: serving/ never imports the benchmarks (not in the bento)"
+        yield f"{where}: bento/ never imports the benchmarks (not in the bento)"
     if parts[0] != "trainyard" or len(parts) < 2 or parts[1] in SERVING_LAYERS:
         return
     if parts[1] == "track" and probe:
         return
     if parts[1] == "track":
-        yield f"{where}: serving/ imports trainyard.track only in a try/except ImportError probe"
+        yield f"{where}: bento/ imports trainyard.track only in a try/except ImportError probe"
     elif parts[1] != "__version__":
-        yield f"{where}: serving/ may import trainyard.{'/'.join(sorted(SERVING_LAYERS))} only"
+        yield f"{where}: bento/ may import trainyard.{'/'.join(sorted(SERVING_LAYERS))} only"
 
 
 def _home_rule(where: str, name: str, rel: str | None) -> Iterator[str]:
@@ -261,7 +261,7 @@ def _home_rule(where: str, name: str, rel: str | None) -> Iterator[str]:
 
 
 def violations(path: Path, source: str | None = None, repo: Path = REPO) -> list[str]:
-    """What in ``path`` (a module of ``repo``'s src/trainyard, serving/ or benchmarks/)
+    """What in ``path`` (a module of ``repo``'s src/trainyard, bento/ or benchmarks/)
     breaks the import rule, as readable lines (empty: none)."""
     area, package = _area(path, repo), _package(path, repo)
     library = repo / "src" / "trainyard"
@@ -285,7 +285,7 @@ def violations(path: Path, source: str | None = None, repo: Path = REPO) -> list
         if name.split(".")[:2] == ["bentoml", "_internal"]:
             found.append(f"{where}: BentoML's private API; use its public one")
         found += _home_rule(where, name, rel)
-        if area == "serving":
+        if area == "bento":
             found += _serving_rules(where, name, _catches_import_error(node, parents))
         elif area == "library":
             hidden = id(node) in in_function and not _is_probe(node, parents)
@@ -294,7 +294,7 @@ def violations(path: Path, source: str | None = None, repo: Path = REPO) -> list
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
-OUTSIDE = sorted((REPO / "serving").rglob("*.py")) + sorted((REPO / "benchmarks").rglob("*.py"))
+OUTSIDE = sorted((REPO / "bento").rglob("*.py")) + sorted((REPO / "benchmarks").rglob("*.py"))
 
 
 def test_every_module_is_in_a_known_layer_or_one_of_few_at_the_top():
@@ -376,7 +376,7 @@ CAUGHT = [
     # the library never reaches outside it
     ("src/trainyard/doctor/x.py", "import benchmarks.common\n", "never imports benchmarks"),
     ("src/trainyard/track/x.py", "from team.stack import up\n", "never imports team"),
-    ("src/trainyard/cli.py", "from serving.service import Classifier\n", "never imports serving"),
+    ("src/trainyard/cli.py", "from bento.service import Classifier\n", "never imports bento"),
     # each outside library behind one place
     (
         "src/trainyard/training/x.py",
@@ -393,29 +393,29 @@ CAUGHT = [
     ("benchmarks/bench_x.py", "def f():\n    import optuna\n", "experiments/study.py"),
     # BentoML's public API only
     ("src/trainyard/serve/x.py", "from bentoml._internal.marshal import dispatcher\n", "private"),
-    ("serving/service.py", "from bentoml import _internal\n", "BentoML's private API"),
+    ("bento/service.py", "from bentoml import _internal\n", "BentoML's private API"),
     ("benchmarks/bench_x.py", "import bentoml._internal.server\n", "BentoML's private API"),
-    # serving/: the thin entry
-    ("serving/service.py", "import torch\n", "serving/ may not import torch"),
-    ("serving/service.py", "from lightning import Trainer\n", "serving/ may not import lightning"),
-    ("serving/service.py", "import onnx\n", "serving/ may not import onnx"),
+    # bento/: the thin entry
+    ("bento/service.py", "import torch\n", "bento/ may not import torch"),
+    ("bento/service.py", "from lightning import Trainer\n", "bento/ may not import lightning"),
+    ("bento/service.py", "import onnx\n", "bento/ may not import onnx"),
     (
-        "serving/service.py",
+        "bento/service.py",
         "from trainyard.training import fit\n",
         "trainyard.core/runtime/serve/watch only",
     ),
     (
-        "serving/service.py",
+        "bento/service.py",
         "from trainyard import presets\n",
         "trainyard.core/runtime/serve/watch only",
     ),
-    ("serving/service.py", "from trainyard.track.registry import f\n", "ImportError probe"),
+    ("bento/service.py", "from trainyard.track.registry import f\n", "ImportError probe"),
     (
-        "serving/service.py",
+        "bento/service.py",
         "try:\n    import trainyard.track\nexcept ValueError:\n    pass\n",
         "ImportError probe",
     ),
-    ("serving/service.py", "import benchmarks.soak\n", "never imports the benchmarks"),
+    ("bento/service.py", "import benchmarks.soak\n", "never imports the benchmarks"),
 ]
 
 
@@ -440,9 +440,9 @@ ALLOWED_CASES = [
     ("src/trainyard/experiments/dvc_repo.py", "import dvc.api\nfrom dvc.repo import Repo\n"),
     ("src/trainyard/experiments/study.py", "import optuna\nfrom optuna_integration import X\n"),
     ("src/trainyard/cli.py", "from trainyard.experiments import tune\nimport importlib\n"),
-    ("serving/service.py", "import bentoml\nfrom trainyard.serve.app import build_app\n"),
+    ("bento/service.py", "import bentoml\nfrom trainyard.serve.app import build_app\n"),
     (
-        "serving/service.py",
+        "bento/service.py",
         "def f():\n    try:\n        from trainyard.track.registry import g\n"
         "    except ImportError:\n        return\n",
     ),

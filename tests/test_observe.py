@@ -1,5 +1,5 @@
 """The service watching itself: the prediction log and the shadow challenger, through the
-real service (serving/service.py's BentoML app, in process, lifespan and all), on tiny
+real service (bento/service.py's BentoML app, in process, lifespan and all), on tiny
 ONNX models whose answers the test computes itself. The real `bentoml serve` runs of the
 same settings are in tests/test_serving.py."""
 

@@ -1,6 +1,6 @@
 """The service's settings in process: params and environment, the model source (local file or
 registry URI), the model's recorded sha256, its provenance and trace headers; and
-serving/service.py imported in a subprocess, with and without MLflow."""
+bento/service.py imported in a subprocess, with and without MLflow."""
 
 from __future__ import annotations
 
@@ -145,12 +145,12 @@ def test_provenance_and_trace_headers_name_the_run_and_data(tmp_path):
 
 
 def import_service(tmp_path: Path, model: str, blocked: str = "") -> subprocess.CompletedProcess:
-    """``import serving.service`` in a fresh interpreter (``blocked``: a module made
+    """``import bento.service`` in a fresh interpreter (``blocked``: a module made
     unimportable, as in a bento); prints the heavy modules it loaded."""
     code = (
         "import sys\n"
         f"if {blocked!r}: sys.modules[{blocked!r}] = None\n"
-        "import serving.service\n"
+        "import bento.service\n"
         "heavy = ('torch', 'lightning', 'mlflow', 'dvc', 'onnx', 'trainyard.track')\n"
         "print('loaded:', *[m for m in heavy if m in sys.modules])\n"
     )

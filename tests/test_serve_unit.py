@@ -1,4 +1,4 @@
-"""The service in process, without `bentoml serve`: serving/service.py itself, loaded here
+"""The service in process, without `bentoml serve`: bento/service.py itself, loaded here
 with its own params.yaml and a tiny ONNX model built here, as BentoML's own ASGI app
 (``Service.to_asgi``: the same api methods, middleware and mounted routes) in Starlette's
 TestClient; and the request guard and the parsing, piece by piece.
@@ -103,7 +103,7 @@ _LOADED = itertools.count()
 
 
 def service_client(model: Path, api_key: str | None = None, **serve) -> Iterator[TestClient]:
-    """serving/service.py, imported afresh (as a module of its own) with the repository's
+    """bento/service.py, imported afresh (as a module of its own) with the repository's
     params.yaml changed by ``serve`` and ``model`` as $TRAINYARD_MODEL, the environment
     `bentoml serve` reads; its BentoML app in a TestClient, lifespan and all. The client
     carries the worker's ``predictor``. BentoML's request metrics are off: they would be
@@ -120,7 +120,7 @@ def service_client(model: Path, api_key: str | None = None, **serve) -> Iterator
     os.environ.update(env)
     try:
         name = f"trainyard_service_{n}"
-        spec = importlib.util.spec_from_file_location(name, REPO / "serving/service.py")
+        spec = importlib.util.spec_from_file_location(name, REPO / "bento/service.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # BentoML reads the api methods' annotations from it
         spec.loader.exec_module(module)

@@ -121,7 +121,7 @@ class Server:
         cmd = [
             str(VENV_BIN / "bentoml"),
             "serve",
-            "serving.service:ImageClassifier",
+            "bento.service:ImageClassifier",
             "--host",
             "127.0.0.1",
             "--port",
@@ -849,7 +849,7 @@ def start_and_expect_failure(
     """Run `bentoml serve` expecting it to stop by itself; return what it printed."""
     params = write_params(tmp / "params.yaml", **serve)
     env = server_env(params, model, **(env_extra or {}))
-    cmd = [str(VENV_BIN / "bentoml"), "serve", "serving.service:ImageClassifier"]
+    cmd = [str(VENV_BIN / "bentoml"), "serve", "bento.service:ImageClassifier"]
     cmd += ["--host", "127.0.0.1", "--port", str(free_port())]
     try:
         done = subprocess.run(

@@ -1,4 +1,4 @@
-"""The demo page's routes in process (serving/service.py as BentoML's app, a tiny model):
+"""The demo page's routes in process (bento/service.py as BentoML's app, a tiny model):
 each file answers with its content type, the page needs nothing from another origin (and
 asks for no /favicon.ico), and the guard leaves it open when an API key is set.
 tests/test_ui_browser.py drives the page in a real browser against `bentoml serve`.

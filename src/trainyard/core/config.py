@@ -228,7 +228,7 @@ class RegistryParams(_Strict):
 
 
 class ServeParams(_Strict):
-    """The BentoML service (serving/service.py); read when the service module is imported."""
+    """The BentoML service (bento/service.py); read when the service module is imported."""
 
     model: str = Field("models/model.onnx", min_length=1)
     # int8: the export's models/model.int8.onnx beside serve.model (export.quantize: int8)

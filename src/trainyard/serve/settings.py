@@ -3,7 +3,7 @@
 The model source is $TRAINYARD_MODEL or serve.model: a local path (relative to the params
 file's folder) or a registry URI, ``models:/NAME@ALIAS`` / ``models:/NAME/N``. A registry
 URI needs MLflow, which this layer never imports: the caller passes the function that
-fetches it (serving/service.py does, in the development environment only; a bento has no
+fetches it (bento/service.py does, in the development environment only; a bento has no
 MLflow and serves the model file it was built with).
 """
 

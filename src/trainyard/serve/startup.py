@@ -1,4 +1,4 @@
-"""What the service resolves and checks once, when serving/service.py is imported (in the
+"""What the service resolves and checks once, when bento/service.py is imported (in the
 `bentoml serve` or `bentoml build` process itself, before any worker starts): the model
 and its provenance, the shadow, the prediction log's folder, the drift reference and
 whether it follows a registry alias. A missing or altered model, an unknown registry

@@ -1,6 +1,6 @@
 """BentoML service: any exported trainyard model over HTTP, on CUDA or CPU, refusing bad input.
 
-    make serve          # bentoml serve serving.service:ImageClassifier on 127.0.0.1:3000
+    make serve          # bentoml serve bento.service:ImageClassifier on 127.0.0.1:3000
     curl -F image=@photo.jpg http://127.0.0.1:3000/classify
     curl --data-binary @photo.jpg -H 'Content-Type: image/jpeg' 'http://127.0.0.1:3000/classify?top_k=3'
     curl -F images=@a.jpg -F images=@b.png http://127.0.0.1:3000/classify_batch
