@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from team.mlflow_server import wait_healthy
-from trainyard.core.records import TrainRecord
+from trainyard.core.handoffs import TrainRecord
 from trainyard.data.idx import write_idx_bytes
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from trainyard.core.records import (
+from trainyard.core.handoffs import (
     EXPORT_RECORD,
     REGISTRY_RECORD,
     TRAIN_RECORD,

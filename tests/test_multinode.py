@@ -14,7 +14,7 @@ import yaml
 
 from trainyard.core.config import DataParams, parse_params
 from trainyard.core.errors import ParamsError
-from trainyard.core.records import TrainRecord
+from trainyard.core.handoffs import TrainRecord
 from trainyard.data.sources import prepare_source
 from trainyard.data.sources.fashion_fetch import fetch_raw
 from trainyard.training.nodes import Launch, check_launch, join_nodes, launch_from_env

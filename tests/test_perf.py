@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainyard.core import gpu_busy
 from trainyard.core.card import Card
-from trainyard.core.records import GpuBusy, InputBound
+from trainyard.core.handoffs import GpuBusy, InputBound
 from trainyard.data.datamodule import TensorBatches
 from trainyard.model.classifier import Classifier
 from trainyard.training.builder import build_trainer

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainyard.core.records import REGISTRY_RECORD, TRAIN_RECORD, RegistryRecord, TrainRecord
+from trainyard.core.handoffs import REGISTRY_RECORD, TRAIN_RECORD, RegistryRecord, TrainRecord
 
 from conftest import copy_reproduced, dvc, set_params, stage_env, train_concurrently
 

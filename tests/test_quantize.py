@@ -205,7 +205,7 @@ def test_a_registry_version_carries_its_int8_file_to_the_service(
     int8 file, checked against its tag; a version registered without one is refused."""
     import mlflow
 
-    from trainyard.core.records import ExportRecord
+    from trainyard.core.handoffs import ExportRecord
     from trainyard.export.onnx_export import normalized_example
     from trainyard.serve.startup import start
     from trainyard.track import registry

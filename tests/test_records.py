@@ -1,4 +1,4 @@
-"""The records stages hand each other (core/records.py): round trips, the on-disk JSON
+"""The records stages hand each other (core/handoffs.py): round trips, the on-disk JSON
 the committed files hold, and an error naming the file for a missing or malformed one."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from trainyard.core.errors import TrackingError
-from trainyard.core.records import (
+from trainyard.core.handoffs import (
     EXPORT_RECORD,
     REGISTRY_RECORD,
     TRAIN_RECORD,

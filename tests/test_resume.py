@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainyard.core.config import parse_params
-from trainyard.core.records import TRAIN_RECORD, TrainRecord
+from trainyard.core.handoffs import TRAIN_RECORD, TrainRecord
 from trainyard.track.runs import END_REASON_TAG
 from trainyard.training.resume import (
     KEY_CODE,

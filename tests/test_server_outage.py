@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.core.records import TRAIN_RECORD, TrainRecord
+from trainyard.core.handoffs import TRAIN_RECORD, TrainRecord
 from trainyard.track.outage import unreachable
 
 from conftest import VENV_BIN, dvc, set_params, small_pipeline_repo, stage_env

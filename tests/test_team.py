@@ -22,8 +22,8 @@ import requests
 import yaml
 from PIL import Image
 
+from trainyard.core.handoffs import EXPORT_RECORD, REGISTRY_RECORD, TRAIN_RECORD
 from trainyard.core.io import sha256_file
-from trainyard.core.records import EXPORT_RECORD, REGISTRY_RECORD, TRAIN_RECORD
 from trainyard.data.idx import read_idx
 
 from conftest import VENV_BIN, copy_reproduced, dvc, git_env, stop_group

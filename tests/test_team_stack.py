@@ -26,8 +26,8 @@ import yaml
 from test_serving import Server, classify, png, server_env, write_params
 
 from team.stack import Ports, Stack, down, up
+from trainyard.core.handoffs import REGISTRY_RECORD, TRAIN_RECORD, TrainRecord
 from trainyard.core.io import sha256_file
-from trainyard.core.records import REGISTRY_RECORD, TRAIN_RECORD, TrainRecord
 from trainyard.data.idx import read_idx
 
 from conftest import copy_reproduced, dvc, git_env, set_params, stage_env

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.core.records import TRAIN_RECORD, TrainRecord
+from trainyard.core.handoffs import TRAIN_RECORD, TrainRecord
 
 from conftest import (
     dvc,

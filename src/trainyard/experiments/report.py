@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 
 from trainyard.core.errors import TrainyardError
+from trainyard.core.handoffs import REGISTRY_RECORD, TRAIN_RECORD
 from trainyard.core.io import atomic_dir, atomic_write_text
-from trainyard.core.records import REGISTRY_RECORD, TRAIN_RECORD
 from trainyard.experiments.dvc_repo import diffs_against, read_at_revision
 
 DEFAULT_OUT = Path("reports/report.md")

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from trainyard.core.config import Params
+from trainyard.core.handoffs import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.core.io import atomic_write_json, sha256_file
-from trainyard.core.records import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.data.datamodule import load_split
 from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.runner import stage_main

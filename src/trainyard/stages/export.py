@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainyard.core.config import Params
-from trainyard.core.records import EXPORT_RECORD, ExportRecord, Int8Export, TrainRecord
+from trainyard.core.handoffs import EXPORT_RECORD, ExportRecord, Int8Export, TrainRecord
 from trainyard.data.datamodule import load_split
 from trainyard.export.onnx_export import export_and_verify, normalized_example
 from trainyard.export.quantize import calibration_sample, export_int8, remove_int8

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from trainyard.core.handoffs import Int8Export
 from trainyard.core.io import atomic_write_text
-from trainyard.core.records import Int8Export
 from trainyard.runtime.model_file import INT8_SUFFIX
 from trainyard.track.versions import download_verified, version_of
 

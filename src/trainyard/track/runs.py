@@ -16,7 +16,7 @@ from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 
 from trainyard.core.errors import Terminated, TrackingError
-from trainyard.core.records import TRAIN_RECORD
+from trainyard.core.handoffs import TRAIN_RECORD
 from trainyard.track.interrupts import release_interrupted_store
 from trainyard.track.store import TrackingClient, check_tracking_uri, resolve_tracking_uri
 

@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, Mode
 
 from trainyard.core.card import Card, load_card
 from trainyard.core.config import MlflowParams, Params, TrainParams
+from trainyard.core.handoffs import TrainRecord
 from trainyard.core.io import atomic_file, sha256_file
-from trainyard.core.records import TrainRecord
 from trainyard.data.datamodule import ImageDataModule
 from trainyard.model.classifier import Classifier, classifier_for
 from trainyard.track.lineage import dvc_data_version, dvc_experiment_tags, run_tags
