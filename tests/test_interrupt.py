@@ -37,8 +37,8 @@ from trainyard.core.handoffs import (
     RegistryRecord,
     TrainRecord,
 )
+from trainyard.track.continued_runs import END_REASON_TAG
 from trainyard.track.registry import CHALLENGER, CHAMPION, SHA_TAG, register_and_promote
-from trainyard.track.runs import END_REASON_TAG
 
 from conftest import REPO, copy_reproduced, dvc, set_params, stage_env
 
@@ -188,7 +188,7 @@ def test_the_same_model_again_is_not_registered_twice(store):
 STAGE = """
 import sys, time
 from trainyard.stages.runner import stage_main
-from trainyard.track.runs import logging_into
+from trainyard.track.continued_runs import logging_into
 
 def body(params, args):
     with logging_into(args.run, "export"):

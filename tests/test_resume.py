@@ -16,7 +16,7 @@ import torch
 
 from trainyard.core.config import parse_params
 from trainyard.core.handoffs import TRAIN_RECORD, TrainRecord
-from trainyard.track.runs import END_REASON_TAG
+from trainyard.track.continued_runs import END_REASON_TAG
 from trainyard.training.resume import (
     KEY_CODE,
     LAST_CKPT,

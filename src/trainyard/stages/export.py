@@ -18,9 +18,9 @@ from trainyard.data.datamodule import load_split
 from trainyard.export.onnx_export import export_and_verify, normalized_example
 from trainyard.export.quantize import calibration_sample, export_int8, remove_int8
 from trainyard.stages.runner import stage_main
+from trainyard.track.continued_runs import log_to_open_run, logging_into, open_run
 from trainyard.track.quantized import INT8_ARTIFACT, INT8_FOLDER
 from trainyard.track.registry import log_onnx_model
-from trainyard.track.runs import log_to_open_run, logging_into, open_run
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
 # INFO lines the stage shows (stages.common.configure_logging).

@@ -18,8 +18,8 @@ from mlflow.exceptions import MlflowException
 from trainyard import __version__
 from trainyard.core.config import Params
 from trainyard.core.errors import TrackingError
+from trainyard.track.continued_runs import END_REASON_TAG, carry_end_reason, log_new_params
 from trainyard.track.lineage import git_state
-from trainyard.track.runs import END_REASON_TAG, carry_end_reason, log_new_params
 from trainyard.track.store import TrackingClient, tracking_client
 
 log = logging.getLogger(__name__)

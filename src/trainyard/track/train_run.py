@@ -20,8 +20,8 @@ import mlflow.data
 from mlflow.entities import DatasetInput, InputTag
 
 from trainyard.core.card import CARD_FILE, Card
+from trainyard.track.continued_runs import END_REASON_TAG, carry_end_reason, log_new_params
 from trainyard.track.outage import PENDING_FILE, ServerGap
-from trainyard.track.runs import END_REASON_TAG, carry_end_reason, log_new_params
 from trainyard.track.store import TrackingClient
 from trainyard.track.system_metrics import SystemMetrics
 
