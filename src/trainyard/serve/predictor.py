@@ -34,8 +34,8 @@ from trainyard.runtime.inputs import (
 )
 from trainyard.runtime.model_file import precision_of
 from trainyard.runtime.sessions import OnnxModel
+from trainyard.serve.log_and_shadow import Observer, Seen
 from trainyard.serve.metrics import metrics
-from trainyard.serve.observe import Observer, Seen
 from trainyard.serve.parsing import BATCH_USAGE, CLASSIFY_USAGE
 from trainyard.serve.refused import Refused
 from trainyard.serve.settings import load_model, registry_label
@@ -63,7 +63,7 @@ class Predictor:
         self.metrics = metrics()  # created here, in the worker, not at import
         self._limiter: anyio.CapacityLimiter | None = None  # made on this worker's loop
         self._decoders: anyio.CapacityLimiter | None = None  # decodes before the batcher
-        # The prediction log and the shadow (serve.observe); None: neither is on.
+        # The prediction log and the shadow (serve.log_and_shadow); None: neither is on.
         self.observer: Observer | None = None
         self.registry_version = registry_label(provenance)
         # fp32, or int8 (serve.precision: the export's quantized model): its own metadata says

@@ -24,7 +24,7 @@ from trainyard.core.host import x86_without_vnni
 from trainyard.runtime.sessions import choose_providers
 from trainyard.serve.batch_choice import choose_batching
 from trainyard.serve.drift_watch import reference_beside
-from trainyard.serve.observe import build_observer
+from trainyard.serve.log_and_shadow import build_observer
 from trainyard.serve.predictor import Predictor
 from trainyard.serve.refused import overloaded
 from trainyard.serve.settings import (
