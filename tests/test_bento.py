@@ -391,7 +391,7 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
         "models/model.onnx.sha256",
         "models/model.reference.npz",  # evaluate's: the drift score on /metrics
         *modules,
-        # the demo page at /ui (trainyard.serve.ui), served from the package's files
+        # the demo page at /ui (trainyard.serve.ui_routes), served from the package's files
         "trainyard/serve/ui/index.html",
         "trainyard/serve/ui/ui.js",
         "trainyard/serve/ui/ui.css",

@@ -16,7 +16,7 @@ import pytest
 from starlette.testclient import TestClient
 from test_serve_unit import service_client, write_tiny_model
 
-from trainyard.serve.ui import ASSETS, read_asset
+from trainyard.serve.ui_routes import ASSETS, read_asset
 
 KEY = "ui-test-key"
 PAGE = {"/ui": "text/html", "/ui/ui.js": "text/javascript", "/ui/ui.css": "text/css"}

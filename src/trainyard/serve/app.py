@@ -18,7 +18,7 @@ from starlette.routing import Match, Route
 
 from trainyard.serve.metrics import count_refusal
 from trainyard.serve.predictor import Predictor
-from trainyard.serve.ui import ui_routes
+from trainyard.serve.ui_routes import ui_routes
 
 # Listed in a 404 after the service's api methods (POST), which the service sets on start-up.
 PAGES = (
