@@ -133,7 +133,7 @@ def torch_row(source: Path, net: Any, card: Any, batch: int) -> dict[str, Any]:
 
     from trainyard.bulk.decode import TASK_IMAGES, DecodePool, DecodeSpec, worker_count
     from trainyard.bulk.inputs import list_inputs
-    from trainyard.core.gpu_busy import NvmlSampler
+    from trainyard.core.nvml_sampler import NvmlSampler
 
     inputs = list_inputs(str(source))
     cuda = torch.cuda.is_available()

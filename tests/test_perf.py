@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from trainyard.core import gpu_busy
+from trainyard.core import nvml_sampler
 from trainyard.core.card import Card
 from trainyard.core.handoffs import GpuBusy, InputBound
 from trainyard.data.datamodule import TensorBatches
@@ -292,7 +292,7 @@ def test_nvml_sampler_without_a_gpu_or_its_package_says_why(monkeypatch):
         pytest.skip("a GPU here: NVML works")
     with pytest.raises(Exception, match=r"(?i)nvml|driver|library|shared"):
         NvmlSampler()  # nvidia-ml-py is installed; the driver's library is not
-    monkeypatch.setattr(gpu_busy, "pynvml", None)  # a bare image without nvidia-ml-py
+    monkeypatch.setattr(nvml_sampler, "pynvml", None)  # a bare image without nvidia-ml-py
     with pytest.raises(RuntimeError, match="nvidia-ml-py is not installed"):
         NvmlSampler()
     assert busy_figures([]) == {"samples": 0, "mean_pct": None, "median_pct": None}

@@ -27,8 +27,8 @@ from trainyard.bulk.inputs import Inputs, chunk_count, shard_range
 from trainyard.bulk.summary import tally
 from trainyard.bulk.table import ChunkStore, read_tables, schema, summary_path
 from trainyard.core.errors import DataError
-from trainyard.core.gpu_busy import UNDERFED_PCT, NvmlSampler, unavailable
 from trainyard.core.io import atomic_write_json
+from trainyard.core.nvml_sampler import UNDERFED_PCT, NvmlSampler, unavailable
 from trainyard.core.progress import Progress
 from trainyard.runtime.inputs import model_input, softmax
 from trainyard.runtime.sessions import CUDA, OnnxModel, load_onnx

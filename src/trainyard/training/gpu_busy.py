@@ -1,4 +1,4 @@
-"""How busy the GPU was while it trained: NVML utilisation (``trainyard.core.gpu_busy``).
+"""How busy the GPU was while it trained: NVML utilisation (``trainyard.core.nvml_sampler``).
 
 ``GpuBusyMeter`` (a Lightning
 callback) opens the window over the training steps only (validation, checkpoints and epoch
@@ -14,8 +14,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from trainyard.core.gpu_busy import NvmlSampler as _NvmlSampler
-from trainyard.core.gpu_busy import busy_figures, unavailable
+from trainyard.core.nvml_sampler import NvmlSampler as _NvmlSampler
+from trainyard.core.nvml_sampler import busy_figures, unavailable
 from trainyard.training.run_logger import tag_run
 
 __all__ = ["GpuBusyMeter", "NvmlSampler", "busy_figures", "unavailable"]
@@ -37,7 +37,7 @@ def nvml_index(device: torch.device | int | None) -> int:
 
 
 class NvmlSampler(_NvmlSampler):
-    """``trainyard.core.gpu_busy.NvmlSampler`` of a torch device (NVML's own numbering)."""
+    """``trainyard.core.nvml_sampler.NvmlSampler`` of a torch device (NVML's own numbering)."""
 
     def __init__(self, period: float = 0.02, device: torch.device | int | None = None) -> None:
         super().__init__(period, nvml_index(device))

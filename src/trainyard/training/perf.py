@@ -38,7 +38,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from trainyard.core.gpu_busy import UNDERFED_PCT
+from trainyard.core.nvml_sampler import UNDERFED_PCT
 from trainyard.training.gpu_busy import meter_of
 from trainyard.training.run_logger import tag_run
 
