@@ -43,7 +43,7 @@ def cpu_default_accuracy(metrics: Path = METRICS) -> tuple[float, str]:
 def write_prepared(data: dict[str, Any], out: Path) -> Any:
     """The benchmark's arrays as a prepared folder (the recipe reads its splits); its card,
     with the split counts the recipe plans from."""
-    from trainyard.data.store import open_prepared
+    from trainyard.data.prepared_writer import open_prepared
 
     with open_prepared(out) as w:
         for split, (x, y) in data["arrays"].items():

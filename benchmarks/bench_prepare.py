@@ -248,7 +248,7 @@ def _time_phases(
     ``PreparedWriter.finish`` calls) and the hash (``PreparedWriter.digest``)."""
     # Imported here, in the child: the parent process stays free of pydantic.
     from trainyard.data import image_files as src
-    from trainyard.data import store
+    from trainyard.data import prepared_writer as store
 
     def timed(fn: Any, key: str) -> Any:
         def wrapper(*a: Any, **kw: Any) -> Any:

@@ -17,7 +17,7 @@ from trainyard.core.card import Card
 from trainyard.core.config import ExportParams, parse_params, pretrained_intent
 from trainyard.core.errors import ParamsError
 from trainyard.data.image_size import PRETRAINED_SIZE, auto_image_size
-from trainyard.data.store import open_prepared
+from trainyard.data.prepared_writer import open_prepared
 from trainyard.export.onnx_export import check_parity, export_onnx, model_metadata
 from trainyard.model import weights
 from trainyard.model.classifier import Classifier

@@ -16,7 +16,7 @@ import torch
 
 from trainyard.core.card import Card
 from trainyard.core.config import Params, parse_params
-from trainyard.data.store import open_prepared
+from trainyard.data.prepared_writer import open_prepared
 from trainyard.training import recipe, speed
 from trainyard.training.builder import HARD_STOP, time_limit_min
 from trainyard.training.recipe import CLASSIC, Facts, choose_batch, choose_epochs, load_plan, plan

@@ -48,7 +48,7 @@ from trainyard.data.image_size import (
     background_fill,
     choose_image_size,
 )
-from trainyard.data.store import Expected, PreparedWriter, open_prepared
+from trainyard.data.prepared_writer import Expected, PreparedWriter, open_prepared
 
 if TYPE_CHECKING:
     from trainyard.core.config import DataParams

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainyard.core.card import Card
+from trainyard.data.prepared_writer import Expected
 from trainyard.data.sources.csv_list import describe_csv, fingerprint_csv, prepare_csv
 from trainyard.data.sources.fashion_fetch import fingerprint_fashion_mnist
 from trainyard.data.sources.fashion_mnist import describe_fashion_mnist, prepare_fashion_mnist
 from trainyard.data.sources.folder import describe_folder, fingerprint_folder, prepare_folder
-from trainyard.data.store import Expected
 
 if TYPE_CHECKING:  # pydantic stays out of the light paths (benchmarks, gpu-check)
     from trainyard.core.config import DataParams

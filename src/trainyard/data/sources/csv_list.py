@@ -54,7 +54,7 @@ from trainyard.data.image_files import (
     expected_image_set,
     prepare_image_set,
 )
-from trainyard.data.store import Expected
+from trainyard.data.prepared_writer import Expected
 
 if TYPE_CHECKING:
     from trainyard.core.config import DataParams

@@ -17,7 +17,7 @@ import numpy as np
 from trainyard.core.card import SPLITS, Card
 from trainyard.data.arrays import split_train_val
 from trainyard.data.idx import check_images, check_labels, read_idx
-from trainyard.data.store import Expected, open_prepared
+from trainyard.data.prepared_writer import Expected, open_prepared
 
 if TYPE_CHECKING:
     from trainyard.core.config import DataParams

@@ -35,7 +35,7 @@ from trainyard.data.image_files import (
     expected_image_set,
     prepare_image_set,
 )
-from trainyard.data.store import Expected
+from trainyard.data.prepared_writer import Expected
 from trainyard.data.walk import Scan, rel_path, scan_folder, walk_files
 
 if TYPE_CHECKING:
