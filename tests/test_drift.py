@@ -20,7 +20,7 @@ from trainyard.data.idx import read_idx
 from trainyard.evaluation.scoring import evaluate_onnx
 from trainyard.watch import stats
 from trainyard.watch.current import read_window
-from trainyard.watch.drift import CLASS_MIX, CONFIDENCE, EMBEDDING, Window, compare
+from trainyard.watch.drift_score import CLASS_MIX, CONFIDENCE, EMBEDDING, Window, compare
 from trainyard.watch.log import PredictionLog, utc_now
 from trainyard.watch.reference import (
     build_reference,

@@ -1,5 +1,5 @@
 """A windowed drift score on /metrics: the service's last answers against the model's
-reference, the same measures and thresholds as ``trainyard drift`` (watch.drift).
+reference, the same measures and thresholds as ``trainyard drift`` (watch.drift_score).
 
 The answer path only appends (label, probability, embedding) to a bounded deque. A
 thread of its own compares the window with the reference every ``serve.drift_every_s``
@@ -21,7 +21,7 @@ import numpy as np
 
 from trainyard.core.config import DriftParams
 from trainyard.core.errors import TrainyardError
-from trainyard.watch.drift import DriftResult, Window, compare
+from trainyard.watch.drift_score import DriftResult, Window, compare
 from trainyard.watch.reference import Reference, load_reference
 
 log = logging.getLogger("bentoml.serve.trainyard")

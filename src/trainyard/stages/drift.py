@@ -19,7 +19,7 @@ from trainyard.core.errors import TrainyardError
 from trainyard.stages.runner import configure_logging
 from trainyard.track.registry import fetch_reference
 from trainyard.watch.current import parse_duration, parse_time, read_window
-from trainyard.watch.drift import compare
+from trainyard.watch.drift_score import compare
 from trainyard.watch.log import utc_now
 from trainyard.watch.reference import DEFAULT_PATH, Reference, load_reference
 from trainyard.watch.report import write_report

@@ -21,7 +21,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from trainyard.core.errors import DataError
-from trainyard.watch.drift import Window
+from trainyard.watch.drift_score import Window
 from trainyard.watch.log import log_files, read_log
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")

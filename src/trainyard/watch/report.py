@@ -11,7 +11,7 @@ import numpy as np
 
 from trainyard.core.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from trainyard.watch import plots
-from trainyard.watch.drift import DriftResult, Window, class_counts
+from trainyard.watch.drift_score import DriftResult, Window, class_counts
 from trainyard.watch.reference import Reference
 
 SCATTER_ROWS = 1000  # per side: enough to see a shift, few enough to see the points
