@@ -211,7 +211,7 @@ def data_paths(
     """(row, placement the datamodule must report or None, source factory, data path) for
     rows (a)-(d): ImageFolder with 0 and ``workers`` workers, the prepared arrays
     memory-mapped and in RAM, and device-resident on a GPU only."""
-    from trainyard.data.datamodule import ImageDataModule
+    from trainyard.training.datamodule import ImageDataModule
 
     def module(resident: bool, budget: float) -> ImageDataModule:
         return ImageDataModule(

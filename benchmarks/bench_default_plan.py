@@ -64,9 +64,9 @@ def train_to_target(
 ) -> dict[str, Any]:
     """The plan's training (its arch, batch, lr, augment, epochs) until test accuracy reaches
     ``target``; seconds of training steps, img/s and GPU busy % over those steps."""
-    from trainyard.data.datamodule import ImageDataModule
     from trainyard.model.classifier import classifier_for
     from trainyard.training.builder import build_trainer
+    from trainyard.training.datamodule import ImageDataModule
     from trainyard.training.gpu_busy import NvmlSampler
 
     arrays = dict(data["arrays"])

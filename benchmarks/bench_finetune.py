@@ -91,7 +91,7 @@ def finetune_benchmark(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[
     import torch
 
     from benchmarks.common import classifier
-    from trainyard.data.datamodule import ImageDataModule
+    from trainyard.training.datamodule import ImageDataModule
     from trainyard.training.speed import facts_from
 
     gpu = torch.cuda.is_available()

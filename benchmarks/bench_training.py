@@ -40,9 +40,9 @@ def plain_loop_throughput(
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
-    from trainyard.data.datamodule import PerSampleDataset, TensorBatches
     from trainyard.model.augment import augment_batch, normalize_on_device
     from trainyard.model.networks import build_model
+    from trainyard.training.datamodule import PerSampleDataset, TensorBatches
 
     torch.manual_seed(0)
     images, labels = data["arrays"]["train"]
@@ -98,7 +98,7 @@ def lightning_throughput(
     on_window: Callable[[bool], None] | None = None,
 ) -> float:
     """img/s of trainyard's own training (ImageDataModule + Classifier + Lightning)."""
-    from trainyard.data.datamodule import ImageDataModule
+    from trainyard.training.datamodule import ImageDataModule
 
     L.seed_everything(0, verbose=False)
     dm = ImageDataModule(
@@ -307,8 +307,8 @@ def time_to_target(
     steps only (evaluation after each epoch is excluded, as airbench does)."""
     import torch
 
-    from trainyard.data.datamodule import ImageDataModule
     from trainyard.training.builder import build_trainer
+    from trainyard.training.datamodule import ImageDataModule
 
     tp = preset["train"]
     device = "cuda" if torch.cuda.is_available() else "cpu"

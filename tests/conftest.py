@@ -260,9 +260,9 @@ def train_checkpoint(
     import torch
     from torch.utils.data import DataLoader
 
-    from trainyard.data.datamodule import TensorBatches
     from trainyard.model.classifier import Classifier
     from trainyard.training.builder import build_trainer
+    from trainyard.training.datamodule import TensorBatches
 
     if images.ndim == 3:
         images = images[:, None]

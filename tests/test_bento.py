@@ -436,7 +436,7 @@ def test_bentofile_ships_the_serving_layers_and_no_training_import():
     imported = trainyard_closure(ENTRY_POINTS)
     missing = sorted(imported - set(shipped))
     assert not missing, f"imported by the service or bulk scoring, not in the bento: {missing}"
-    # Of the data layer, exactly what bulk scoring imports (data/datamodule.py: torch).
+    # Of the data layer, exactly what bulk scoring imports (training/datamodule.py: torch).
     for layer in PARTLY_SHIPPED:
         part = f"src/trainyard/{layer}/"
         assert {f for f in shipped if f.startswith(part)} == {

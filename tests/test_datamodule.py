@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from trainyard.core.config import DataParams
-from trainyard.data.datamodule import ImageDataModule, TensorBatches
 from trainyard.data.sources import prepare_source as prepare
 from trainyard.data.sources.fashion_fetch import fetch_raw
 from trainyard.model.classifier import Classifier
+from trainyard.training.datamodule import ImageDataModule, TensorBatches
 
 
 def _ds(n: int = 103, **kw) -> TensorBatches:
@@ -134,7 +134,7 @@ def test_datamodule_needs_exactly_one_source(tmp_path):
 
 
 def test_placement_follows_the_budget_and_says_why():
-    from trainyard.data.datamodule import choose_placement
+    from trainyard.training.datamodule import choose_placement
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert choose_placement(100, cpu, True, 0.5, ram_bytes=1000)[0] == "ram"

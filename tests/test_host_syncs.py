@@ -27,11 +27,11 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainyard.core.card import Card
-from trainyard.data.datamodule import ImageDataModule, TensorBatches, epoch_order
 from trainyard.model.augment import augment_batch, normalize_on_device
 from trainyard.model.classifier import Classifier
 from trainyard.training import builder
 from trainyard.training.builder import build_trainer
+from trainyard.training.datamodule import ImageDataModule, TensorBatches, epoch_order
 from trainyard.training.fit_log import EpochTimer
 from trainyard.training.gpu_busy import GpuBusyMeter
 from trainyard.training.history import History

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, Dataset
 from trainyard.core import nvml_sampler
 from trainyard.core.card import Card
 from trainyard.core.handoffs import GpuBusy, InputBound
-from trainyard.data.datamodule import TensorBatches
 from trainyard.model.classifier import Classifier
 from trainyard.training.builder import build_trainer
+from trainyard.training.datamodule import TensorBatches
 from trainyard.training.gpu_busy import GpuBusyMeter, NvmlSampler, busy_figures, gpu_busy_of
 from trainyard.training.perf import LEVELS, InputBoundMeter, StepTotals, level_of, verdict
 
@@ -214,7 +214,7 @@ def test_fast_path_over_prepared_arrays_is_not_input_bound(tmp_path, caplog, one
 
 
 def test_data_path_and_placement_come_from_trainyards_datamodule(tmp_path, one_thread):
-    from trainyard.data.datamodule import ImageDataModule
+    from trainyard.training.datamodule import ImageDataModule
 
     rng = np.random.default_rng(0)
     arrays = {

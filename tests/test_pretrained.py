@@ -192,7 +192,7 @@ def test_the_cpu_fine_tune_keeps_the_front_as_imagenet_left_it(tmp_path: Path) -
     stay ImageNet's; the last block stage (from epoch 2) and the head learn."""
     from torch.utils.data import DataLoader
 
-    from trainyard.data.datamodule import TensorBatches
+    from trainyard.training.datamodule import TensorBatches
 
     torch.manual_seed(0)
     card = _card(3, 32)

@@ -177,9 +177,9 @@ def test_pretrained_weights_make_a_finetune_of_resnet18(tmp_path: Path) -> None:
     import torchvision
     from torch.utils.data import DataLoader
 
-    from trainyard.data.datamodule import TensorBatches
     from trainyard.model.classifier import Classifier
     from trainyard.training.builder import build_trainer
+    from trainyard.training.datamodule import TensorBatches
 
     weights = tmp_path / "resnet18.pth"
     torch.save(torchvision.models.resnet18().state_dict(), weights)
@@ -334,9 +334,9 @@ def test_a_fit_cut_by_the_time_limit_says_so(
 
     from lightning.pytorch.callbacks import Callback
 
-    from trainyard.data.datamodule import ImageDataModule
     from trainyard.model.classifier import Classifier
     from trainyard.training.builder import build_trainer, stop_reason
+    from trainyard.training.datamodule import ImageDataModule
 
     rng = np.random.default_rng(0)
     arrays = {

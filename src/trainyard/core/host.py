@@ -1,6 +1,6 @@
 """Facts about this host that need no torch: CPU model, bf16 and int8 support, available RAM.
 
-Shared by training's decisions (``trainyard.data.placement``, ``trainyard.training.device``),
+Shared by training's decisions (``trainyard.training.placement``, ``trainyard.training.device``),
 the doctor and the benchmarks.
 """
 

@@ -9,7 +9,7 @@ runtime); RAM against GPU memory (the 2x rule); the torch and ONNX Runtime build
 ONNX Runtime providers actually load; free disk for the data and the DVC cache; and for the
 configured dataset where training will put it and which precision ``auto`` picks. Every
 verdict says why, and the verdicts are the pipeline's own decisions: placement is
-``data.placement.choose_placement``, precision ``training.device.resolve_device``, the ONNX
+``training.placement.choose_placement``, precision ``training.device.resolve_device``, the ONNX
 Runtime providers ``runtime.sessions.choose_providers``, the folder's images ``data.walk``.
 
 Exit status: 0 fine (warnings allowed), 1 a broken setup (the message says what is broken

@@ -92,12 +92,12 @@ def _why_not_on_gpu(train: dict[str, Any]) -> str:
 
 
 def placement(facts: dict[str, Any]) -> dict[str, Any]:
-    """Where training will put train+val, by ``data.placement.choose_placement`` itself, with
+    """Where training will put train+val, by ``training.placement.choose_placement`` itself, with
     whether the data fits GPU memory, fits RAM, or must stream from the memory map."""
-    try:  # probe: data.placement imports torch; a broken torch is the torch/CUDA check's error
+    try:  # probe: training.placement imports torch; a broken torch is the torch/CUDA check's error
         import torch
 
-        from trainyard.data.placement import choose_placement
+        from trainyard.training.placement import choose_placement
     except Exception as err:
         return _unknown_placement("torch cannot be imported", f"{type(err).__name__}: {err}")
     dataset = facts.get("dataset") or {}

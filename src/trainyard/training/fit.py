@@ -19,11 +19,11 @@ from trainyard.core.card import Card, load_card
 from trainyard.core.config import MlflowParams, Params, TrainParams
 from trainyard.core.handoffs import TrainRecord
 from trainyard.core.io import atomic_file, sha256_file
-from trainyard.data.datamodule import ImageDataModule
 from trainyard.model.classifier import Classifier, classifier_for
 from trainyard.track.lineage import dvc_data_version, dvc_experiment_tags, run_tags
 from trainyard.track.store import DVC_EXP_NAME, check_tracking_uri, resolve_tracking_uri
 from trainyard.training.builder import build_trainer, time_limit_min
+from trainyard.training.datamodule import ImageDataModule
 from trainyard.training.device import resolve_device
 from trainyard.training.fit_log import EpochTimer
 from trainyard.training.gpu_busy import GpuBusyMeter

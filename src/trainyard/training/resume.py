@@ -54,7 +54,7 @@ KEY_CODE = (
     "model/backbones.py",
     "model/augment.py",
     "model/classifier.py",
-    "data/datamodule.py",
+    "training/datamodule.py",
 )
 PACKAGE = Path(__file__).resolve().parent.parent  # src/trainyard
 

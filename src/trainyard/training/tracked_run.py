@@ -41,11 +41,11 @@ from lightning.pytorch.utilities import rank_zero_only
 from trainyard.core.config import MlflowParams, Params
 from trainyard.core.errors import TrackingError
 from trainyard.core.io import atomic_write_json, atomic_write_text
-from trainyard.data.datamodule import ImageDataModule
 from trainyard.track.outage import PENDING_FILE
 from trainyard.track.store import ensure_experiment, tracking_client
 from trainyard.track.train_run import TrainRun
 from trainyard.training.builder import stop_reason
+from trainyard.training.datamodule import ImageDataModule
 from trainyard.training.gpu_busy import gpu_busy_of
 from trainyard.training.history import HISTORY_FILE
 from trainyard.training.nodes import Nodes, resume_mode

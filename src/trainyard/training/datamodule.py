@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from trainyard.core.card import SPLITS, Card, load_card
 from trainyard.core.errors import DataError
-from trainyard.data.placement import Placement, choose_placement
+from trainyard.training.placement import Placement, choose_placement
 
 log = logging.getLogger(__name__)
 
