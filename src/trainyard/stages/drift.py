@@ -16,13 +16,13 @@ from pathlib import Path
 
 from trainyard.core.config import DEFAULT_PARAMS, load_params
 from trainyard.core.errors import TrainyardError
+from trainyard.evaluation.drift_report import write_report
 from trainyard.stages.runner import configure_logging
 from trainyard.track.registry import fetch_reference
 from trainyard.watch.current import parse_duration, parse_time, read_window
 from trainyard.watch.drift_score import compare
 from trainyard.watch.log import utc_now
 from trainyard.watch.reference import DEFAULT_PATH, Reference, load_reference
-from trainyard.watch.report import write_report
 
 log = logging.getLogger("trainyard.stages.drift")
 NO_DRIFT, DRIFT, BAD_INPUT = 0, 1, 2

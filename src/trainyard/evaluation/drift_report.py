@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from trainyard.core.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-from trainyard.watch import plots
+from trainyard.evaluation import drift_plots
 from trainyard.watch.drift_score import DriftResult, Window, class_counts
 from trainyard.watch.reference import Reference
 
@@ -58,13 +58,13 @@ def write_report(
     out = Path(out)
     counts = class_counts(reference, window.labels)
     pictures = {
-        "class_mix.png": plots.class_mix_png(
+        "class_mix.png": drift_plots.class_mix_png(
             list(reference.classes), reference.class_counts, counts
         ),
-        "confidence.png": plots.confidence_png(reference.confidence, window.probabilities),
+        "confidence.png": drift_plots.confidence_png(reference.confidence, window.probabilities),
     }
     if reference.embeddings is not None and window.embeddings is not None:
-        pictures["embedding.png"] = plots.embedding_png(
+        pictures["embedding.png"] = drift_plots.embedding_png(
             *pca_2d(reference.embeddings, window.embeddings)
         )
     paths = {name: atomic_write_bytes(out / name, png) for name, png in pictures.items()}

@@ -1,5 +1,5 @@
-"""The drift report's pictures, as PNG bytes. The only watch module that imports
-matplotlib: the service imports watch.log, watch.stats and watch.drift_score, never this.
+"""The drift report's pictures, as PNG bytes. Here, not in watch/, because matplotlib is
+heavy: the bento ships watch/ whole, and nothing it imports reaches this.
 
 Each is drawn on a private ``Figure`` with an Agg canvas (no pyplot, no global backend).
 """
