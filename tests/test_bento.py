@@ -1,8 +1,8 @@
 """The deployable bento and the Kubernetes manifest, as a deployment would meet them.
 
 Slow: a small real pipeline exports a model; `bentoml build` packs it with
-bento/bentofile.yaml; the bento must hold exactly the service, trainyard's serving layers
-(core, runtime, serve), bulk scoring (bulk, and the data modules it imports), the root
+bento/bentofile.yaml; the bento must hold exactly the service, trainyard's light layers
+whole (core, data, runtime, watch, serve, bulk: tests/test_layers.py BENTO_PACKAGES), the root
 params.yaml and the verified model, and neither import nor require the training stack. A
 clean virtual environment made from the bento's env/python/requirements.txt alone (what the
 image installs) then serves the bento from a folder outside the repository, and its HTTP
@@ -41,6 +41,7 @@ import pytest
 import requests
 import yaml
 from pathspec import PathSpec
+from test_layers import BENTO_ENTRIES, BENTO_PACKAGES
 
 from conftest import REPO, VENV_BIN, dvc, repo_files, small_pipeline_repo, stage_env, stop_group
 
@@ -91,14 +92,9 @@ TRAINING_IMPORTS = {
     "onnxscript",
     "matplotlib",
 }
-# Whole layers in the bento: the service's (tests/test_layers.py: serve -> core, runtime)
-# and bulk scoring's, under src/. Of the data layer, only what the entry points import.
-SHIPPED_LAYERS = ("core", "runtime", "serve", "bulk")
-# Layers of which the bento holds only what the entry points import: data (datamodule.py
-# imports torch) and watch (plots.py, the drift report's, imports matplotlib).
-PARTLY_SHIPPED = ("data", "watch")
-# What the image runs: the service, and `python -m trainyard.bulk` (deploy/predict-job.yaml).
-ENTRY_POINTS = ("bento/service.py", "src/trainyard/bulk/__main__.py")
+# The layers in the bento, each whole, and what the image runs: tests/test_layers.py's.
+SHIPPED_LAYERS = BENTO_PACKAGES
+ENTRY_POINTS = BENTO_ENTRIES
 BENTOFILE = REPO / "bento" / "bentofile.yaml"
 # Output of a build or an install that failed for want of a package index, not a bug here.
 NETWORK_HINTS = (
@@ -361,16 +357,14 @@ def clean_venv(bento, tmp_path_factory) -> dict[str, Any]:
 
 def shipped_modules(root: Path) -> set[str]:
     """The trainyard modules the bento must hold, as ``trainyard/...`` (its src/ layout):
-    the whole shipped layers, and the data modules the entry points import."""
+    the shipped layers, each whole, subpackages included."""
     package = root / "src"
     layers = {
         p.relative_to(package).as_posix()
         for layer in SHIPPED_LAYERS
-        for p in (package / "trainyard" / layer).glob("*.py")
+        for p in (package / "trainyard" / layer).rglob("*.py")
     }
-    imported = {f.removeprefix("src/") for f in trainyard_closure(ENTRY_POINTS, root)}
-    partly = {m for m in imported if m.split("/")[1] in PARTLY_SHIPPED}
-    return {"trainyard/__init__.py"} | layers | partly
+    return {"trainyard/__init__.py"} | layers
 
 
 @pytest.mark.slow
@@ -382,7 +376,8 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
     modules = shipped_modules(pipeline_repo)
     assert "trainyard/serve/predictor.py" in modules and "trainyard/core/config.py" in modules
     assert {"trainyard/bulk/__main__.py", "trainyard/data/walk.py"} <= modules
-    assert "trainyard/data/datamodule.py" not in modules  # torch
+    assert "trainyard/data/sources/csv_list.py" in modules  # subpackages too
+    assert not any(m.startswith(("trainyard/training/", "trainyard/track/")) for m in modules)
     expected = {
         "bentofile.yaml",  # BentoML's own copy of the build file
         "bento/service.py",
@@ -422,26 +417,23 @@ def bentofile_spec() -> PathSpec:
 
 def test_bentofile_ships_the_serving_layers_and_no_training_import():
     """The include patterns, applied to this checkout as `bentoml build` applies them
-    (gitwildmatch): the serving layers' and bulk scoring's modules, every module the
-    service and `python -m trainyard.bulk` import and, of the data layer, only those; none
-    importing the training stack. The slow test above checks a real build; this one runs
-    with every test run."""
+    (gitwildmatch): the light layers whole, so every module the service and
+    `python -m trainyard.bulk` import; none importing the training stack. The slow test
+    above checks a real build; this one runs with every test run."""
     spec = bentofile_spec()
     shipped = sorted(f for f in repo_files() if f.endswith(".py") and spec.match_file(f))
     layers = {
         f.split("/")[2] for f in shipped if f.startswith("src/trainyard/") and f.count("/") > 2
     }
-    assert layers == {*SHIPPED_LAYERS, *PARTLY_SHIPPED}, shipped
+    assert layers == set(SHIPPED_LAYERS), shipped
     assert {"bento/service.py", "src/trainyard/__init__.py"} <= set(shipped)
     imported = trainyard_closure(ENTRY_POINTS)
     missing = sorted(imported - set(shipped))
     assert not missing, f"imported by the service or bulk scoring, not in the bento: {missing}"
-    # Of the data layer, exactly what bulk scoring imports (training/datamodule.py: torch).
-    for layer in PARTLY_SHIPPED:
-        part = f"src/trainyard/{layer}/"
-        assert {f for f in shipped if f.startswith(part)} == {
-            f for f in imported if f.startswith(part)
-        }, layer
+    # Each shipped layer whole, as this checkout holds it (data/sources/ included).
+    assert set(shipped) == {"bento/service.py"} | {f"src/{m}" for m in shipped_modules(REPO)}, (
+        shipped
+    )
     # An import in a `try` that handles ImportError is not followed: the service's registry
     # fetch (trainyard.track, MLflow) is optional, and absent from the bento.
     assert not any(f.startswith("src/trainyard/track/") for f in imported), sorted(imported)

@@ -2,10 +2,12 @@
 
 Read from the source with ast, every import included (those under TYPE_CHECKING too: a type
 from a higher layer is still a dependency on it; ``importlib.import_module`` and
-``__import__`` calls as well). A light layer (core, runtime, serve) also never imports a
-heavy library, so the service and its bento stay free of torch, Lightning, MLflow and DVC;
-and no module hides an import inside a function body except a probe (an import inside
-``try`` that handles its failure, as the doctor does to report a broken build).
+``__import__`` calls as well). A light layer (core, data, runtime, watch, serve, bulk) also
+never imports a heavy library; those are the packages the bento ships whole, and nothing
+it runs reaches torch, Lightning, MLflow, DVC, Optuna or matplotlib however many imports
+away (followed from bento/service.py and ``python -m trainyard.bulk``). No module hides an
+import inside a function body except a probe (an import inside ``try`` that handles its
+failure, as the doctor does to report a broken build).
 
 Each outside library lives behind one place: MLflow in track/, DVC's Python API in
 experiments/dvc_repo.py, Optuna in experiments/study.py. ``bento/`` (the thin BentoML entry)
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import REPO
 
@@ -458,3 +461,239 @@ ALLOWED_CASES = [
 def test_what_the_rule_allows_is_not_flagged(tmp_path, where, source):
     """Probes, each library in its home, serving's track probe, the benchmarks' lazy imports."""
     assert _check(tmp_path, where, source) == []
+
+
+# ------------------------------------------------------------------ the bento's boundary
+# The bento's boundary is a layer boundary: bento/bentofile.yaml ships these packages whole,
+# by glob, and nothing the bento runs reaches a heavy library, however many hops away.
+BENTO_PACKAGES = ("core", "data", "runtime", "watch", "serve", "bulk")
+# What the image runs: the service, and `python -m trainyard.bulk` (deploy/predict-job.yaml).
+BENTO_ENTRIES = ("bento/service.py", "src/trainyard/bulk/__main__.py")
+BENTOFILE = Path("bento") / "bentofile.yaml"
+# What the issue names; HEAVY holds these and more.
+BENTO_HEAVY = {"torch", "lightning", "mlflow", "dvc", "optuna", "matplotlib"}
+
+
+def package_glob(package: str) -> str:
+    """The bentofile's include pattern that ships ``package`` of src/trainyard whole."""
+    return f"/src/trainyard/{package}/**/*.py"
+
+
+def _module_path(name: str, repo: Path) -> Path | None:
+    """``trainyard.a.b`` as src/trainyard/a/b.py or its package's __init__.py."""
+    base = repo / "src" / Path(*name.split("."))
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+
+def _run_paths(name: str, repo: Path) -> list[Path]:
+    """The files importing ``name`` runs: each package on the way, then the module (a name
+    such as ``trainyard.core.io.atomic_write`` ends at the module that defines it)."""
+    parts = name.split(".")
+    found = (_module_path(".".join(parts[:i]), repo) for i in range(1, len(parts) + 1))
+    return [p for p in found if p is not None]
+
+
+def _type_checking(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (never run)."""
+    return {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
+
+
+def _run_imports(path: Path, repo: Path) -> Iterator[str]:
+    """What ``path`` imports when it runs, its functions' bodies included: not under
+    ``if TYPE_CHECKING:``, nor an optional import (``try`` ... ``except ImportError``: the
+    service's registry probe, absent from the bento). "" for a name computed at run time."""
+    tree = ast.parse(path.read_text(), str(path))
+    parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    never = _type_checking(tree)
+    rel = path.relative_to(repo)
+    package = ".".join(rel.parts[1:-1] if rel.parts[0] == "src" else rel.parts[:-1])
+    for node, name in imports(tree, package):
+        if id(node) in never or _catches_import_error(node, parents):
+            continue
+        yield name
+        if isinstance(node, ast.ImportFrom) and name.startswith("trainyard."):
+            # `from trainyard.bulk import command`: a name imported may be a module
+            yield from (f"{name}.{alias.name}" for alias in node.names)
+
+
+def import_closure(starts: list[Path], repo: Path = REPO) -> dict[str, list[str]]:
+    """Every module and outside library that running ``starts`` reaches, followed through
+    src/trainyard from module to module: name -> the chain of files that leads to it."""
+    chains: dict[str, list[str]] = {}
+    todo = [(p, [p.relative_to(repo).as_posix()]) for p in starts]
+    while todo:
+        path, chain = todo.pop(0)  # breadth first: each chain is a shortest one
+        for name in _run_imports(path, repo):
+            if not name.startswith("trainyard"):
+                chains.setdefault(name.split(".")[0] or "(computed)", chain)
+                continue
+            for step in _run_paths(name, repo):
+                key = step.relative_to(repo).as_posix()
+                if key not in chains:
+                    chains[key] = [*chain, key]
+                    todo.append((step, [*chain, key]))
+    return chains
+
+
+def bento_violations(repo: Path = REPO) -> list[str]:
+    """What breaks the bento's rule in ``repo``: a heavy library that its entries or any
+    module of its packages reach, a package they reach that the bento does not ship whole,
+    and a bentofile that lists modules one by one or leaves a package out."""
+    library = repo / "src" / "trainyard"
+    chains = import_closure([repo / e for e in BENTO_ENTRIES], repo)
+    # The rest of each package ships too, though neither entry imports it (yet).
+    rest = [
+        p
+        for pkg in BENTO_PACKAGES
+        for p in sorted((library / pkg).rglob("*.py"))
+        if p.relative_to(repo).as_posix() not in chains
+    ]
+    for name, chain in import_closure(rest, repo).items():
+        chains.setdefault(name, chain)
+    found = []
+    for name, chain in sorted(chains.items()):
+        if name in HEAVY or name == "(computed)":
+            found.append(f"{' -> '.join(chain)}: imports {name} (the bento must not)")
+        elif name.startswith("src/trainyard/") and name.count("/") > 2:
+            package = name.split("/")[2]
+            if package not in BENTO_PACKAGES:
+                found.append(f"{' -> '.join(chain)}: package {package!r} is not the bento's")
+    include = yaml.safe_load((repo / BENTOFILE).read_text())["include"]
+    whole = {"/src/trainyard/__init__.py", *map(package_glob, BENTO_PACKAGES)}
+    for pattern in include:
+        if pattern.startswith("/src/") and pattern.endswith(".py") and pattern not in whole:
+            found.append(f"{BENTOFILE}: {pattern}: name the package ({package_glob('x')})")
+    for package in BENTO_PACKAGES:
+        if package_glob(package) not in include:
+            found.append(f"{BENTOFILE}: no {package_glob(package)} (the {package} layer)")
+    return found
+
+
+def test_nothing_the_bento_runs_reaches_a_heavy_library_and_it_ships_whole_packages():
+    """From bento/service.py and `python -m trainyard.bulk`, and from every module of the
+    packages the bento ships, transitively: no torch, Lightning, MLflow, DVC, Optuna or
+    matplotlib; every package reached is one the bentofile names by glob."""
+    assert bento_violations() == []
+    reached = import_closure([REPO / e for e in BENTO_ENTRIES])
+    packages = {
+        k.split("/")[2] for k in reached if k.startswith("src/trainyard/") and k.count("/") > 2
+    }
+    assert packages == set(BENTO_PACKAGES), packages  # each shipped package is one it runs
+    assert set(BENTO_PACKAGES) <= set(ALLOWED)
+    for package in BENTO_PACKAGES:  # light layers import light layers only
+        assert ALLOWED[package] <= set(BENTO_PACKAGES), package
+        assert FORBIDDEN[package] | set(HOMES) >= BENTO_HEAVY, package
+
+
+def _bento_repo(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A repository with this one's bentofile, the two entries and ``files`` (path -> source)."""
+    base = {
+        "bento/service.py": "from trainyard.serve import app\n",
+        "src/trainyard/__init__.py": "",
+        "src/trainyard/bulk/__main__.py": "from trainyard.bulk.engine import run\n",
+        **{f"src/trainyard/{p}/__init__.py": "" for p in (*BENTO_PACKAGES, "track", "training")},
+        "src/trainyard/serve/app.py": "from trainyard.core import io\n",
+        "src/trainyard/core/io.py": "import json\n",
+        "src/trainyard/bulk/engine.py": "from trainyard.data.walk import walk\n",
+        "src/trainyard/data/walk.py": "import os\n",
+        str(BENTOFILE): (REPO / BENTOFILE).read_text(),
+    }
+    for rel, source in {**base, **files}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(source)
+    return tmp_path
+
+
+BENTO_CAUGHT = [
+    # torch two hops away from bulk scoring, every step within the layer rule (as
+    # data.datamodule was, before it moved to training)
+    (
+        {
+            "src/trainyard/data/walk.py": "from trainyard.data.x import y\n",
+            "src/trainyard/data/x.py": "import torch\n",
+        },
+        "src/trainyard/bulk/__main__.py -> src/trainyard/bulk/engine.py -> "
+        "src/trainyard/data/walk.py -> src/trainyard/data/x.py: imports torch",
+    ),
+    # and from the service, through a package's __init__
+    (
+        {
+            "src/trainyard/core/io.py": "import trainyard.watch\n",
+            "src/trainyard/watch/__init__.py": "from trainyard.watch.x import y\n",
+            "src/trainyard/watch/x.py": "from lightning import Trainer\n",
+        },
+        "bento/service.py -> src/trainyard/serve/app.py -> src/trainyard/core/io.py -> "
+        "src/trainyard/watch/__init__.py -> src/trainyard/watch/x.py: imports lightning",
+    ),
+    # bulk scoring, through a module the walk imports in a function
+    (
+        {
+            "src/trainyard/data/walk.py": "def f():\n    from trainyard.data.y import g\n",
+            "src/trainyard/data/y.py": "import optuna\n",
+        },
+        "data/y.py: imports optuna",
+    ),
+    (
+        {
+            "src/trainyard/data/walk.py": "from trainyard.data.sources import csv\n",
+            "src/trainyard/data/sources/__init__.py": "import lightning\n",
+            "src/trainyard/data/sources/csv.py": "",
+        },
+        "data/sources/__init__.py: imports lightning",
+    ),
+    # a dynamic import, and one computed at run time
+    (
+        {"src/trainyard/serve/app.py": "import importlib\nimportlib.import_module('mlflow')\n"},
+        "serve/app.py: imports mlflow",
+    ),
+    ({"src/trainyard/watch/log.py": "__import__(name)\n"}, "imports (computed)"),
+    # a module of a shipped package that no entry imports still ships
+    ({"src/trainyard/watch/plots.py": "import matplotlib\n"}, "watch/plots.py: imports matplotlib"),
+    # a package the bento does not ship, reached without a probe
+    (
+        {"src/trainyard/serve/app.py": "from trainyard.track.registry import fetch\n"},
+        "package 'track' is not the bento's",
+    ),
+    (
+        {"src/trainyard/bulk/engine.py": "import trainyard.training.datamodule\n"},
+        "package 'training' is not the bento's",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    BENTO_CAUGHT,
+    ids=lambda c: c.split(": ")[-1] if isinstance(c, str) else None,
+)
+def test_the_bento_check_finds_each_heavy_import_however_far(tmp_path, files, expected):
+    assert bento_violations(_bento_repo(tmp_path, {})) == []  # the clean base passes
+    found = bento_violations(_bento_repo(tmp_path, files))
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_the_bento_check_wants_whole_packages_in_the_bentofile(tmp_path):
+    repo = _bento_repo(tmp_path, {})
+    bentofile = (repo / BENTOFILE).read_text()
+    (repo / BENTOFILE).write_text(bentofile.replace('  - "/src/trainyard/data/**/*.py"\n', ""))
+    assert bento_violations(repo) == [
+        f"{BENTOFILE}: no /src/trainyard/data/**/*.py (the data layer)"
+    ]
+    by_file = bentofile.replace('"/src/trainyard/data/**/*.py"', '"/src/trainyard/data/walk.py"')
+    (repo / BENTOFILE).write_text(by_file)
+    found = bento_violations(repo)
+    assert len(found) == 2 and "data/walk.py: name the package" in found[0], found
+
+
+def test_the_bento_check_leaves_optional_and_type_only_imports(tmp_path):
+    """The service's registry probe (absent from the bento, handled) and a type import."""
+    probe = "try:\n    import trainyard.track.registry\nexcept ImportError:\n    pass\n"
+    types = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+    repo = _bento_repo(tmp_path, {"bento/service.py": probe, "src/trainyard/core/io.py": types})
+    assert bento_violations(repo) == []
