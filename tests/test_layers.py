@@ -18,6 +18,7 @@ and ``benchmarks/`` are read too, with their own rules, and nothing imports Bent
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -697,3 +698,83 @@ def test_the_bento_check_leaves_optional_and_type_only_imports(tmp_path):
     types = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
     repo = _bento_repo(tmp_path, {"bento/service.py": probe, "src/trainyard/core/io.py": types})
     assert bento_violations(repo) == []
+
+
+# ------------------------------------------------------------- the order, written once
+# ALLOWED above is the one statement of the layer order: docs/architecture.md's order line
+# and table must say the same, and the README points there instead of restating it.
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def layer_tiers(allowed: dict[str, set[str]] = ALLOWED) -> list[list[str]]:
+    """The layers lowest first, each one tier above the highest layer it may import."""
+    tier: dict[str, int] = {}
+
+    def of(layer: str, above: tuple[str, ...] = ()) -> int:
+        if layer in above:  # two layers that may import each other: no order at all
+            raise ValueError(f"the layers import in a circle: {' -> '.join((*above, layer))}")
+        if layer not in tier:
+            tier[layer] = 1 + max((of(b, (*above, layer)) for b in allowed[layer]), default=-1)
+        return tier[layer]
+
+    for layer in allowed:
+        of(layer)
+    return [[lay for lay in allowed if tier[lay] == t] for t in range(max(tier.values()) + 1)]
+
+
+def order_line(allowed: dict[str, set[str]] = ALLOWED) -> str:
+    return "  <-  ".join(", ".join(tier) for tier in layer_tiers(allowed))
+
+
+def order_disagreements(page: str, allowed: dict[str, set[str]] = ALLOWED) -> list[str]:
+    """Where the architecture page's order line and its "may import" table disagree with
+    ``allowed`` (empty: nowhere)."""
+    found = []
+    if f"\n{order_line(allowed)}\n" not in page:
+        found.append(f"the order line is not: {order_line(allowed)}")
+    rows = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            rows[cells[0].strip("`")] = set(re.findall(r"`(\w+)`", cells[2]))
+    for layer in sorted(set(rows) | set(allowed)):
+        if rows.get(layer) != allowed.get(layer):
+            want, said = sorted(allowed.get(layer, [])), sorted(rows.get(layer, []))
+            found.append(f"`{layer}` may import {want}, the table says {said}")
+    return found
+
+
+def test_the_architecture_page_states_this_tables_order():
+    assert order_disagreements(ARCHITECTURE.read_text()) == []
+
+
+def test_the_readme_points_to_the_order_instead_of_restating_it():
+    readme = (REPO / "README.md").read_text()
+    assert "docs/architecture.md#the-layers" in readme
+    assert not re.search(r"\bcore\s*(<-|←)", readme), "the README restates the layer order"
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (("data", "track"), "`data` may import ['core', 'track'], the table says ['core']"),
+        (("serve", None), "`serve` may import [], the table says"),
+        (("model", "track"), "the order line is not:"),
+        (("pipeline", "core"), "`pipeline` may import ['core'], the table says []"),
+    ],
+)
+def test_the_order_check_finds_a_disagreement(change, expected):
+    """A table that grew a layer or an import, or lost one, no longer matches the page."""
+    layer, target = change
+    allowed = {k: set(v) for k, v in ALLOWED.items()}
+    if target is None:
+        allowed[layer] = set()
+    else:
+        allowed.setdefault(layer, set()).add(target)
+    found = order_disagreements(ARCHITECTURE.read_text(), allowed)
+    assert any(expected in f for f in found), found
+
+
+def test_a_circle_in_the_table_has_no_order():
+    with pytest.raises(ValueError, match="in a circle: track -> training -> track"):
+        layer_tiers({**ALLOWED, "track": ALLOWED["track"] | {"training"}})
