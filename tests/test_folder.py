@@ -18,8 +18,8 @@ from trainyard.core.card import SPLITS, Card, load_card
 from trainyard.core.config import DataParams
 from trainyard.core.errors import DataError
 from trainyard.data import image_files
-from trainyard.data.image_files import assign_splits, find_duplicates
 from trainyard.data.sources import prepare_source as prepare
+from trainyard.data.splits import assign_splits, find_duplicates
 from trainyard.data.walk import scan_folder
 from trainyard.runtime.inputs import decode_image
 

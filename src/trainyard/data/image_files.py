@@ -4,12 +4,13 @@ A source (``sources.folder``, ``sources.csv_list``) finds its files, their class
 splits they come with, and hands them over as an ``ImageSet``; ``prepare_image_set`` does
 the rest, the same way for all of them:
 
-- **inspect** (``inspect_files``): read each file once, its sha256 and its header (format,
-  size, grayscale or not), which decides the channels, the image size (``data.image_size:
-  auto``: ``auto_image_size``), the splits and the duplicates before any pixel is decoded;
-- **split** (``assign_splits``, ``find_duplicates``): the source's own splits where given,
-  else a seeded stratified draw (``data.val_fraction``, ``data.test_fraction``);
-- **decode** (``decode_files``, with ``decode_spec``): each image through
+- **inspect** (``file_workers.inspect_files``): read each file once, its sha256 and its
+  header (format, size, grayscale or not), which decides the channels, the image size
+  (``data.image_size: auto``: ``auto_image_size``), the splits and the duplicates before any
+  pixel is decoded;
+- **split** (``splits``: ``assign_splits``, ``find_duplicates``): the source's own splits
+  where given, else a seeded stratified draw (``data.val_fraction``, ``data.test_fraction``);
+- **decode** (``file_workers.decode_files``, with ``decode_spec``): each image through
   ``trainyard.core.imaging.image_to_pixels`` (the service's decoder) straight into its row of
   a memory-mapped array;
 - **write** (``write_split``, ``image_set_card``): the splits and the dataset card;
@@ -25,11 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trainyard.core.card import SPLITS, Card
-from trainyard.core.errors import DataError, InputError
-from trainyard.core.imaging import image_to_pixels, read_header
+from trainyard.core.errors import DataError
 from trainyard.core.progress import Progress
-from trainyard.data.decode_budget import DECODE_BUDGET, DecodeBudget, install, reserve
+from trainyard.data.decode_budget import DECODE_BUDGET, DecodeBudget, install
+from trainyard.data.file_workers import TRAINING_ASPECT, decode_files, inspect_files
 from trainyard.data.image_size import (
     AUTO_SIZE_MAX,
     SAMPLE_MAX_PIXELS,
@@ -49,6 +49,7 @@ from trainyard.data.image_size import (
     choose_image_size,
 )
 from trainyard.data.prepared_writer import Expected, PreparedWriter, open_prepared
+from trainyard.data.splits import check_balance, split_files
 
 if TYPE_CHECKING:
     from trainyard.core.config import DataParams
@@ -58,15 +59,6 @@ log = logging.getLogger(__name__)
 CHUNK = 64  # files per pool task: big enough to amortise the hop, small for balance
 MAX_LISTED = 50  # bad files spelled out in an error message (all are in the log)
 PROGRESS_EVERY_S = 10.0  # off a terminal: a progress INFO line this often, per pass
-
-# The service's aspect-ratio limit (serve.max_aspect_ratio) guards untrusted uploads; a
-# user's own long panorama or receipt is training data (the pad canvas stays bounded).
-TRAINING_ASPECT = math.inf
-# The user's own images are held to data.max_image_pixels (memory), not the service's limit.
-LIMIT_KEY = "data.max_image_pixels"
-# Class balance warnings (train split): largest/smallest above this ratio, or fewer images.
-IMBALANCE_RATIO = 10
-TINY_CLASS = 10
 
 
 @dataclass
@@ -94,63 +86,6 @@ class ImageSet:
 
 
 # ------------------------------------------------------------------ pool work (both passes)
-
-
-# sha256, grayscale, width, height, problem, transparent
-Inspected = tuple[str, bool, int, int, str | None, bool]
-
-
-def inspect_files(paths: Sequence[str], max_pixels: int) -> list[Inspected]:
-    """(sha256, grayscale, width, height, problem, transparent) per file: pass 1, in a
-    worker."""
-    out: list[Inspected] = []
-    for p in paths:
-        try:
-            with open(p, "rb") as fh:
-                data = fh.read()
-        except OSError as err:
-            out.append(("", False, 0, 0, f"unreadable ({err.strerror or err})", False))
-            continue
-        digest = hashlib.sha256(data).hexdigest()
-        try:
-            header = read_header(
-                data,
-                max_pixels=max_pixels,
-                field="file",
-                max_aspect_ratio=TRAINING_ASPECT,
-                limit_key=LIMIT_KEY,
-            )
-        except InputError as err:
-            out.append((digest, False, 0, 0, str(err).removeprefix("file: "), False))
-            continue
-        out.append(
-            (digest, header.grayscale, header.width, header.height, None, header.transparent)
-        )
-    return out
-
-
-def decode_files(
-    array_path: str, slots: Sequence[int], paths: Sequence[str], spec: dict[str, Any]
-) -> list[tuple[int, str]]:
-    """Decode ``paths`` into rows ``slots`` of the memory-mapped array (``spec``:
-    ``decode_spec``): pass 2, in a worker. Returns (slot, problem) for the files that failed."""
-
-    images = np.load(array_path, mmap_mode="r+")
-    failed = []
-    for slot, p in zip(slots, paths, strict=True):
-        try:
-            with open(p, "rb") as fh:
-                data = fh.read()
-            images[slot] = image_to_pixels(
-                data, field="file", limit_key=LIMIT_KEY, reserve=reserve, **spec
-            )
-        except InputError as err:
-            failed.append((slot, str(err).removeprefix("file: ")))
-        except OSError as err:
-            failed.append((slot, f"unreadable ({err.strerror or err})"))
-    images.flush()
-    del images
-    return failed
 
 
 def _chunks(n: int) -> Iterator[slice]:
@@ -201,146 +136,6 @@ def worker_count(params: DataParams) -> int:
     if params.workers == "auto":
         return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     return int(params.workers)
-
-
-# ------------------------------------------------------------------ splitting
-
-
-def assign_splits(
-    labels: np.ndarray,
-    given: list[str | None],
-    classes: tuple[str, ...],
-    val_fraction: float,
-    test_fraction: float,
-    seed: int,
-    *,
-    key: str = "data",
-) -> np.ndarray:
-    """Split name per item: the source's own where given, else a seeded stratified draw.
-
-    Items without a given split, and train items when the source gives no val or test, are
-    split per class: ``round(n * fraction)`` (at least 1) to val and test each, the rest to
-    train. A class too small for that is a DataError naming it (and ``key``).
-    """
-    out = np.array([g or "train" for g in given], dtype=object)
-    has = set(given)
-    carve = [s for s, f in (("val", val_fraction), ("test", test_fraction)) if s not in has and f]
-    if not carve:
-        return out
-    rng = np.random.default_rng(seed)
-    pool = np.flatnonzero(out == "train")
-    fractions = {"val": val_fraction, "test": test_fraction}
-    for c, name in enumerate(classes):
-        members = pool[labels[pool] == c]
-        n = members.shape[0]
-        take = {s: max(1, round(n * fractions[s])) for s in carve}
-        if n - sum(take.values()) < 1:
-            need = sum(take.values()) + 1
-            raise DataError(
-                f"{key}: class {name!r} has {n} image(s), too few for the stratified "
-                f"split (val_fraction {val_fraction}, test_fraction {test_fraction} need at "
-                f"least {need}: one per split); add images to it or give your own "
-                "train/val/test splits"
-            )
-        order = rng.permutation(members)
-        start = 0
-        for s in carve:
-            out[order[start : start + take[s]]] = s
-            start += take[s]
-    return out
-
-
-def find_duplicates(hashes: list[str], splits: np.ndarray) -> dict[str, list[int]]:
-    """Exact duplicates (same file bytes) across splits: leakage from train into val/test,
-    and from val into test. Returns {"val": [idx...], "test": [idx...]} of the copies."""
-    train = {h for h, s in zip(hashes, splits, strict=True) if s == "train"}
-    val = {h for h, s in zip(hashes, splits, strict=True) if s == "val"}
-    out: dict[str, list[int]] = {"val": [], "test": []}
-    for i, (h, s) in enumerate(zip(hashes, splits, strict=True)):
-        if s == "val" and h in train:
-            out["val"].append(i)
-        elif s == "test" and (h in train or h in val):
-            out["test"].append(i)
-    return out
-
-
-def split_files(
-    files: list[ImageFile],
-    hashes: list[str],
-    classes: tuple[str, ...],
-    params: DataParams,
-    seed: int,
-    key: str,
-) -> tuple[np.ndarray, np.ndarray, dict[str, list[int]]]:
-    """Labels, the split of each file (``dropped`` for removed duplicates) and the
-    duplicates across splits, which are logged as leakage."""
-    labels = np.array([f.label for f in files], dtype=np.int64)
-    splits = assign_splits(
-        labels,
-        [f.split for f in files],
-        classes,
-        params.val_fraction,
-        params.test_fraction,
-        seed,
-        key=key,
-    )
-    dups = find_duplicates(hashes, splits)
-    n_dups = len(dups["val"]) + len(dups["test"])
-    if n_dups:
-        log.warning(
-            "%d exact duplicate image(s) across splits (%d in val, %d in test, copies of "
-            "train or val images): leakage%s",
-            n_dups,
-            len(dups["val"]),
-            len(dups["test"]),
-            "; removed (data.dedupe)" if params.dedupe else "; set data.dedupe: true to drop them",
-        )
-    if params.dedupe and n_dups:
-        drop = set(dups["val"]) | set(dups["test"])
-        splits[sorted(drop)] = "dropped"
-    return labels, splits, dups
-
-
-def check_balance(classes: tuple[str, ...], labels: np.ndarray, splits: np.ndarray) -> None:
-    """WARNING for classes with few train images and for a large imbalance between
-    classes: both make accuracy misleading, and the user can fix them by adding images."""
-    counts = np.bincount(labels[splits == "train"], minlength=len(classes))
-    tiny = [f"{classes[c]} ({counts[c]})" for c in np.flatnonzero(counts < TINY_CLASS)]
-    if tiny:
-        log.warning(
-            "%d class(es) with fewer than %d train images: %s; the model can hardly learn "
-            "them (and their val/test accuracy is noise); add images to them",
-            len(tiny),
-            TINY_CLASS,
-            ", ".join(tiny[:20]) + (f" ... and {len(tiny) - 20} more" if len(tiny) > 20 else ""),
-        )
-    big, small = int(counts.argmax()), int(counts.argmin())
-    if counts[small] and counts[big] > IMBALANCE_RATIO * counts[small]:
-        log.warning(
-            "class imbalance: %s has %d train images, %s only %d (%.0fx, over %dx); "
-            "accuracy favours the large classes: add images to the small ones or remove "
-            "some from the large",
-            classes[big],
-            counts[big],
-            classes[small],
-            counts[small],
-            counts[big] / counts[small],
-            IMBALANCE_RATIO,
-        )
-
-
-def estimated_counts(given: Mapping[str | None, int], params: DataParams) -> dict[str, int]:
-    """Images per split before prepare runs (the doctor's estimate): ``given`` counts the
-    images by the source's own split (None: none given). As ``assign_splits`` does, a val
-    or test split the source does not give is carved out of the train pool by its fraction."""
-    counts = {s: int(given.get(s, 0)) for s in SPLITS}
-    pool = counts["train"] + int(given.get(None, 0))
-    carved = {
-        s: round(pool * f)
-        for s, f in (("val", params.val_fraction), ("test", params.test_fraction))
-        if s not in given
-    }
-    return counts | carved | {"train": pool - sum(carved.values())}
 
 
 # ------------------------------------------------------------------ size and decoding

@@ -50,11 +50,11 @@ from trainyard.data.image_files import (
     PROGRESS_EVERY_S,
     ImageFile,
     ImageSet,
-    estimated_counts,
     expected_image_set,
     prepare_image_set,
 )
 from trainyard.data.prepared_writer import Expected
+from trainyard.data.splits import estimated_counts
 
 if TYPE_CHECKING:
     from trainyard.core.config import DataParams

@@ -31,11 +31,11 @@ from trainyard.core.imaging import IMAGE_EXTENSIONS
 from trainyard.data.fingerprint import files_fingerprint
 from trainyard.data.image_files import (
     ImageSet,
-    estimated_counts,
     expected_image_set,
     prepare_image_set,
 )
 from trainyard.data.prepared_writer import Expected
+from trainyard.data.splits import estimated_counts
 from trainyard.data.walk import Scan, rel_path, scan_folder, walk_files
 
 if TYPE_CHECKING:
