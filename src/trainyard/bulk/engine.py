@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainyard.bulk.decode import TASK_IMAGES, DecodePool, DecodeSpec, rank
-from trainyard.bulk.inputs import Inputs, chunk_count, shard_range
+from trainyard.bulk.listing import Inputs, chunk_count, shard_range
 from trainyard.bulk.summary import tally
 from trainyard.bulk.table import ChunkStore, read_tables, schema, summary_path
 from trainyard.core.errors import DataError
