@@ -36,6 +36,7 @@ from trainyard.core.prediction_columns import (
     PATH,
     PREDICT_TABLE,
     PROBABILITY,
+    TABLE_FORMATS,
     TOP_LABELS,
     TOP_PROBABILITIES,
     TRUE_LABEL,
@@ -44,13 +45,12 @@ from trainyard.core.prediction_columns import (
 
 log = logging.getLogger(__name__)
 
-FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
 JOB_FILE = "job.json"
 
 
 def output_format(out: Path) -> str:
     """``parquet`` or ``csv``, from the output's extension."""
-    fmt = FORMATS.get(out.suffix.lower())
+    fmt = TABLE_FORMATS.get(out.suffix.lower())
     if fmt is None:
         raise DataError(f"--out {out}: write .parquet (default) or .csv")
     return fmt

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 UTC_TIME = "timestamp[us, tz=UTC]"  # the one type pyarrow's aliases do not name
+# A predict table's file format, by its extension (what predict writes, what drift reads).
+TABLE_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from trainyard.core.prediction_columns import (
     LABEL,
     MODEL_VERSION,
     PROBABILITY,
+    TABLE_FORMATS,
 )
 from trainyard.watch.drift import Window
 from trainyard.watch.log import log_files, read_log
@@ -91,15 +92,13 @@ def read_table(path: Path) -> pa.Table:
     """A predict output table, by its extension."""
     if not path.is_file():
         raise DataError(f"{path}: not found (expected a prediction-log folder or a .parquet/.csv)")
-    suffix = path.suffix.lower()
+    fmt = TABLE_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataError(f"{path}: expected a .parquet or .csv predictions table, or a log folder")
     try:
-        if suffix in (".parquet", ".pq"):
-            return pq.read_table(path)
-        if suffix == ".csv":
-            return pa_csv.read_csv(path)
+        return pq.read_table(path) if fmt == "parquet" else pa_csv.read_csv(path)
     except (OSError, pa.ArrowException) as err:
         raise DataError(f"{path}: not a readable predictions table ({err})") from None
-    raise DataError(f"{path}: expected a .parquet or .csv predictions table, or a log folder")
 
 
 def window_from_table(table: pa.Table, source: str, model_sha256: str = "") -> Window:
