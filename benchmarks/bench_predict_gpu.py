@@ -132,7 +132,7 @@ def torch_row(source: Path, net: Any, card: Any, batch: int) -> dict[str, Any]:
     import torch
 
     from trainyard.bulk.decode import TASK_IMAGES, DecodePool, DecodeSpec, worker_count
-    from trainyard.bulk.inputs import list_inputs
+    from trainyard.bulk.listing import list_inputs
     from trainyard.core.nvml_sampler import NvmlSampler
 
     inputs = list_inputs(str(source))

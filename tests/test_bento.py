@@ -906,7 +906,7 @@ def test_image_bento_path_is_bentomls():
 
 def test_predict_job_is_an_indexed_job_of_n_shards_with_the_bento_model():
     from trainyard.bulk import command
-    from trainyard.bulk.inputs import parse_shard
+    from trainyard.bulk.listing import parse_shard
 
     score, _ = job_docs()
     assert score["apiVersion"] == "batch/v1" and score["kind"] == "Job"

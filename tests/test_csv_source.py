@@ -21,11 +21,13 @@ import yaml
 from PIL import Image
 
 from trainyard import cli
+from trainyard.bulk.listing import list_inputs
 from trainyard.core.card import SPLITS, card_from_metadata, load_card
 from trainyard.core.config import DataParams, ExportParams, ServeParams, parse_params
 from trainyard.core.errors import DataError
 from trainyard.core.imaging import image_to_pixels
 from trainyard.data.sources import prepare_source
+from trainyard.data.sources.csv_list import read_listing
 from trainyard.doctor.dataset import collect_dataset
 from trainyard.export.onnx_export import export_and_verify
 from trainyard.runtime.inputs import decode_image, model_input
@@ -209,6 +211,41 @@ def test_unusable_csvs_are_data_errors_naming_the_file(tmp_path, header, rows, m
         write_csv(path, header, rows)
     with pytest.raises(DataError, match=rf"^data\.csv: .*{message}"):
         prepare_source("unused", tmp_path / "out", params(path), seed=0)
+
+
+def test_the_csv_source_and_predict_read_a_listing_alike(tmp_path):
+    """One reader (``data.sources.list_files``) for the csv source and ``trainyard predict``'s
+    CSV and path-list sources: every bad row named with the file and its line, at once;
+    BOM, blank lines, TSV and comments read the same by both."""
+    rows = [["a.png", "cat"], ["", "cat"], ["b.png"], ["c.png", "dog", "x"], ["d.png", ""]]
+    bad = write_csv(tmp_path / "bad.csv", ["image", "label"], rows)
+    width = "field(s), the header has 2 (an unquoted comma in a value? quote it)"
+    problems = [
+        "  row 3, column 'image': empty image",
+        f"  row 4: 1 {width}",
+        f"  row 5: 3 {width}",
+        "  row 6, column 'label': empty label",  # the csv source's label is required
+    ]
+    with pytest.raises(DataError) as info:
+        prepare_source("unused", tmp_path / "out", params(bad), seed=0)
+    assert str(info.value).splitlines() == [f"data.csv: 4 problem(s) in {bad}:", *problems]
+    with pytest.raises(DataError) as info:
+        list_inputs(str(bad))  # predict reads a label when the row has one
+    head = f"predict source: 3 problem(s) in {bad}:"
+    assert str(info.value).splitlines() == [head, *problems[:3]]
+
+    tsv = tmp_path / "ok.tsv"
+    tsv.write_text("\ufeffimage\tlabel\n\nx/1.png\tcat\n  \t \nhttps://e.org/2.png\tdog\n")
+    listed = list_inputs(str(tsv))
+    assert listed.names == ["x/1.png", "https://e.org/2.png"]
+    assert listed.labels == ["cat", "dog"]
+    assert [r.line for r in read_listing(params(tsv)).rows] == [3, 5]
+    paths = tmp_path / "paths.txt"
+    paths.write_text("# photos\n\na.png\n  /abs/b.png  \n")
+    assert list_inputs(str(paths)).names == ["a.png", "/abs/b.png"]
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9.png\n")
+    with pytest.raises(DataError, match=r"^predict source: .*latin1\.txt is not UTF-8 text"):
+        list_inputs(str(tmp_path / "latin1.txt"))
 
 
 def test_missing_and_broken_images_follow_on_bad_file(tmp_path):

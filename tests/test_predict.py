@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 
 from trainyard.bulk import command
-from trainyard.bulk.inputs import list_inputs, parse_shard, shard_range
+from trainyard.bulk.listing import list_inputs, parse_shard, shard_range
 from trainyard.core.card import Card
 from trainyard.core.errors import DataError
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from trainyard.bulk import engine
 from trainyard.bulk.decode import DecodeSpec, worker_count
-from trainyard.bulk.inputs import folder_labels, list_inputs, parse_shard
+from trainyard.bulk.listing import folder_labels, list_inputs, parse_shard
 from trainyard.bulk.summary import summary_line, tally
 from trainyard.bulk.table import output_format, read_tables, summary_path, write_table
 from trainyard.core.card import card_from_metadata

@@ -34,6 +34,7 @@ import numpy as np
 
 from trainyard.core.card import Card
 from trainyard.core.errors import InputError
+from trainyard.data.fingerprint import is_url
 from trainyard.data.sources.csv_list import download
 from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.runtime.sessions import OnnxModel, load_onnx
@@ -101,7 +102,7 @@ def _alive(pid: int) -> bool:
 def read_bytes(location: str, spec: DecodeSpec) -> bytes:
     """The file's bytes, or a URL's (downloaded with the csv source's limits); OSError or
     InputError with the reason."""
-    if not location.lower().startswith(("http://", "https://")):
+    if not is_url(location):
         with open(location, "rb") as fh:
             return fh.read()
     with tempfile.TemporaryDirectory(prefix="trainyard-predict-") as tmp:

@@ -23,9 +23,9 @@ import numpy as np
 import pyarrow as pa
 
 from trainyard.bulk.decode import TASK_IMAGES, DecodePool, DecodeSpec, rank
-from trainyard.bulk.inputs import Inputs, chunk_count, shard_range
+from trainyard.bulk.listing import Inputs, chunk_count, shard_range
 from trainyard.bulk.summary import tally
-from trainyard.bulk.table import ChunkStore, read_tables, schema, summary_path
+from trainyard.bulk.table import ChunkStore, chunk_table, read_tables, summary_path
 from trainyard.core.errors import DataError
 from trainyard.core.io import atomic_write_json
 from trainyard.core.nvml_sampler import UNDERFED_PCT, NvmlSampler, unavailable
@@ -152,27 +152,20 @@ class _Scorer:
     ) -> pa.Table:
         """The rows [lo, hi) of the source as a chunk table."""
         job, n = self.job, hi - lo
-        ok = np.array([p is None for p in problems])
-        labels = [self.classes[top[i]].tolist() if ok[i] else None for i in range(n)]
-        tops = [probs[i].tolist() if ok[i] else None for i in range(n)]
-        first = [lab[0] if lab else None for lab in labels]
-        p1 = [t[0] if t else None for t in tops]
-        cols: dict[str, Any] = {
-            "path": job.inputs.names[lo:hi],
-            "label": first,
-            "probability": p1,
-            "top_labels": labels,
-            "top_probabilities": tops,
-            "low_confidence": [None if p is None else p < job.min_confidence for p in p1],
-        }
-        if job.inputs.labels is not None:
-            cols["true_label"] = [lab or None for lab in job.inputs.labels[lo:hi]]
-        cols |= {
-            "error": problems,
-            "model_version": [job.version] * n,
-            "model_sha256": [job.sha256] * n,
-        }
-        return pa.Table.from_pydict(cols, schema=schema(job.inputs.labels is not None))
+        ranked = [
+            (self.classes[top[i]].tolist(), probs[i].tolist()) if problems[i] is None else None
+            for i in range(n)
+        ]
+        truth = None if job.inputs.labels is None else job.inputs.labels[lo:hi]
+        return chunk_table(
+            job.inputs.names[lo:hi],
+            ranked,
+            problems,
+            truth,
+            min_confidence=job.min_confidence,
+            version=job.version,
+            sha256=job.sha256,
+        )
 
 
 def _tasks(job: Job, chunks: list[int]) -> Iterator[tuple[list[str], list[str | None]]]:

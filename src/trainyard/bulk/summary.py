@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from trainyard.core.prediction_columns import ERROR, LABEL, LOW_CONFIDENCE, PATH, TRUE_LABEL
+
 MAX_BAD_LISTED = 100  # bad files spelled out in the summary (the table has all of them)
 
 
@@ -35,15 +37,16 @@ class Tally:
     def add(self, table: pa.Table) -> None:
         self.rows += table.num_rows
         cols = table.to_pydict()
-        truth = cols.get("true_label")
-        for i, (label, error) in enumerate(zip(cols["label"], cols["error"], strict=True)):
+        truth = cols.get(TRUE_LABEL.name)
+        pairs = zip(cols[LABEL.name], cols[ERROR.name], strict=True)
+        for i, (label, error) in enumerate(pairs):
             if error is not None:
                 self.bad_count += 1
                 if len(self.bad) < MAX_BAD_LISTED:
-                    self.bad.append({"path": cols["path"][i], "reason": error})
+                    self.bad.append({"path": cols[PATH.name][i], "reason": error})
                 continue
             self.predicted[label] += 1
-            self.low += bool(cols["low_confidence"][i])
+            self.low += bool(cols[LOW_CONFIDENCE.name][i])
             if truth is None or not truth[i]:
                 continue
             if truth[i] not in self.index:

@@ -1,4 +1,5 @@
-"""The predictions table: its columns, its chunks on disk, and the one final file.
+"""The predictions table: its rows (the columns of ``core.prediction_columns.PREDICT_TABLE``),
+its chunks on disk, and the one final file.
 
 A job writes its rows in chunks of ``predict.chunk_rows`` (each chunk file atomically,
 under ``.<out>.parts/`` beside the output, with a ``job.json`` naming the job). A killed
@@ -26,16 +27,30 @@ import pyarrow.parquet as pq
 
 from trainyard.core.errors import DataError
 from trainyard.core.io import atomic_file, atomic_write_json
+from trainyard.core.prediction_columns import (
+    ERROR,
+    LABEL,
+    LOW_CONFIDENCE,
+    MODEL_SHA256,
+    MODEL_VERSION,
+    PATH,
+    PREDICT_TABLE,
+    PROBABILITY,
+    TABLE_FORMATS,
+    TOP_LABELS,
+    TOP_PROBABILITIES,
+    TRUE_LABEL,
+    Column,
+)
 
 log = logging.getLogger(__name__)
 
-FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
 JOB_FILE = "job.json"
 
 
 def output_format(out: Path) -> str:
     """``parquet`` or ``csv``, from the output's extension."""
-    fmt = FORMATS.get(out.suffix.lower())
+    fmt = TABLE_FORMATS.get(out.suffix.lower())
     if fmt is None:
         raise DataError(f"--out {out}: write .parquet (default) or .csv")
     return fmt
@@ -46,24 +61,52 @@ def summary_path(out: Path) -> Path:
     return out.with_name(out.stem + ".summary.json")
 
 
+def arrow_field(column: Column) -> pa.Field:
+    """``column`` (``trainyard.core.prediction_columns``) as a pyarrow field."""
+    kind = pa.type_for_alias(column.dtype)
+    return pa.field(column.name, pa.list_(kind) if column.is_list else kind)
+
+
 def schema(labelled: bool) -> pa.Schema:
-    """The table's columns (``true_label`` only when the source gave labels)."""
-    fields = [
-        pa.field("path", pa.string()),
-        pa.field("label", pa.string()),  # top-1; null for a file that could not be read
-        pa.field("probability", pa.float32()),
-        pa.field("top_labels", pa.list_(pa.string())),
-        pa.field("top_probabilities", pa.list_(pa.float32())),
-        pa.field("low_confidence", pa.bool_()),
-    ]
-    if labelled:
-        fields.append(pa.field("true_label", pa.string()))
-    fields += [
-        pa.field("error", pa.string()),  # why the file could not be scored, else null
-        pa.field("model_version", pa.string()),
-        pa.field("model_sha256", pa.string()),
-    ]
-    return pa.schema(fields)
+    """The table's columns (``PREDICT_TABLE``; ``true_label`` only when the source gave
+    labels)."""
+    columns = PREDICT_TABLE.columns if labelled else PREDICT_TABLE.without(TRUE_LABEL.name)
+    return pa.schema([arrow_field(c) for c in columns])
+
+
+# The columns a CSV cell holds as JSON (one value a cell).
+LIST_COLUMNS = tuple(c for c in PREDICT_TABLE.columns if c.is_list)
+
+
+def chunk_table(
+    paths: list[str],
+    ranked: list[tuple[list[str], list[float]] | None],
+    problems: list[str | None],
+    true_labels: list[str] | None,
+    *,
+    min_confidence: float,
+    version: str,
+    sha256: str,
+) -> pa.Table:
+    """The rows of ``paths``: each one's top-k (labels, probabilities), best first, or None
+    with its problem; ``true_labels`` ("" = none) when the source gave labels."""
+    n = len(paths)
+    p1 = [r[1][0] if r else None for r in ranked]
+    low = [None if p is None else p < min_confidence for p in p1]
+    cols: dict[str, Any] = {
+        PATH.name: paths,
+        LABEL.name: [r[0][0] if r else None for r in ranked],
+        PROBABILITY.name: p1,
+        TOP_LABELS.name: [r[0] if r else None for r in ranked],
+        TOP_PROBABILITIES.name: [r[1] if r else None for r in ranked],
+        LOW_CONFIDENCE.name: low,
+        ERROR.name: problems,
+        MODEL_VERSION.name: [version] * n,
+        MODEL_SHA256.name: [sha256] * n,
+    }
+    if true_labels is not None:
+        cols[TRUE_LABEL.name] = [label or None for label in true_labels]
+    return pa.Table.from_pydict(cols, schema=schema(true_labels is not None))
 
 
 class ChunkStore:
@@ -148,10 +191,10 @@ def write_table(out: Path, fmt: str, tables: Iterator[pa.Table], table_schema: p
 
 def csv_ready(table: pa.Table) -> pa.Table:
     """The list columns as JSON text (a CSV cell holds one value)."""
-    for name in ("top_labels", "top_probabilities"):
-        at = table.schema.get_field_index(name)
-        values = [json.dumps(v) for v in table.column(name).to_pylist()]
-        table = table.set_column(at, name, pa.array(values, pa.string()))
+    for column in LIST_COLUMNS:
+        at = table.schema.get_field_index(column.name)
+        values = [json.dumps(v) for v in table.column(column.name).to_pylist()]
+        table = table.set_column(at, column.name, pa.array(values, pa.string()))
     return table
 
 
@@ -163,13 +206,15 @@ def read_tables(path: Path) -> Iterator[pa.Table]:
             for i in range(pf.num_row_groups):
                 yield pf.read_row_group(i)
     else:
-        reader = pa_csv.open_csv(
-            path, convert_options=pa_csv.ConvertOptions(strings_can_be_null=True)
-        )
+        # Each column read as the type it was written with (the schema's, not a guess).
+        types = {c.name: arrow_field(c).type for c in PREDICT_TABLE.columns if not c.is_list}
+        options = pa_csv.ConvertOptions(column_types=types, strings_can_be_null=True)
+        reader = pa_csv.open_csv(path, convert_options=options)
         for batch in reader:
             table = pa.Table.from_batches([batch])
-            for name, kind in (("top_labels", pa.string()), ("top_probabilities", pa.float32())):
-                at = table.schema.get_field_index(name)
-                lists = [json.loads(v) if v else None for v in table.column(name).to_pylist()]
-                table = table.set_column(at, name, pa.array(lists, pa.list_(kind)))
+            for column in LIST_COLUMNS:
+                at = table.schema.get_field_index(column.name)
+                cells = table.column(column.name).to_pylist()
+                lists = [json.loads(v) if v else None for v in cells]
+                table = table.set_column(at, column.name, pa.array(lists, arrow_field(column).type))
             yield table

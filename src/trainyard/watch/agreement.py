@@ -12,6 +12,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from trainyard.core.prediction_columns import (
+    LABEL,
+    LATENCY_MS,
+    REGISTRY_VERSION,
+    SHADOW_LABEL,
+    SHADOW_LATENCY_MS,
+    SHADOW_REGISTRY_VERSION,
+    TIME,
+)
+
 
 def shadow_figures(table: pa.Table, registry_version: str) -> dict[str, Any]:
     """What the log ``table`` (``watch.log.read_log``) says about ``registry_version``
@@ -20,17 +30,19 @@ def shadow_figures(table: pa.Table, registry_version: str) -> dict[str, Any]:
     / ``shadow_p99_ms`` and ``answer_p50_ms`` / ``answer_p99_ms`` (None where no latency
     was logged), the answering versions it ran beside (``against``, most rows first) and
     the time of the first and last such row (ISO 8601, UTC)."""
-    mine = table.filter(pc.equal(table.column("shadow_registry_version"), registry_version))
+    mine = table.filter(pc.equal(table.column(SHADOW_REGISTRY_VERSION.name), registry_version))
     rows = mine.num_rows
-    both = pc.and_(pc.is_valid(mine.column("label")), pc.is_valid(mine.column("shadow_label")))
+    both = pc.and_(
+        pc.is_valid(mine.column(LABEL.name)), pc.is_valid(mine.column(SHADOW_LABEL.name))
+    )
     compared = mine.filter(both)
-    agree = pc.equal(compared.column("label"), compared.column("shadow_label"))
+    agree = pc.equal(compared.column(LABEL.name), compared.column(SHADOW_LABEL.name))
     agreed = pc.sum(agree).as_py() or 0
-    against = pc.value_counts(mine.column("registry_version")).to_pylist() if rows else []
+    against = pc.value_counts(mine.column(REGISTRY_VERSION.name)).to_pylist() if rows else []
     against.sort(key=lambda c: (-c["counts"], str(c["values"])))
-    times = mine.column("time")
-    shadow_p50, shadow_p99 = _quantiles(mine.column("shadow_latency_ms"))
-    answer_p50, answer_p99 = _quantiles(mine.column("latency_ms"))
+    times = mine.column(TIME.name)
+    shadow_p50, shadow_p99 = _quantiles(mine.column(SHADOW_LATENCY_MS.name))
+    answer_p50, answer_p99 = _quantiles(mine.column(LATENCY_MS.name))
     return {
         "registry_version": registry_version,
         "rows": rows,

@@ -1,10 +1,11 @@
 """The current window drift compares: a prediction-log folder, or a ``trainyard predict``
 table (.parquet or .csv), read with pyarrow alone (watch does not import bulk).
 
-Both name their columns alike: ``label`` (top-1), ``probability`` (its probability), and
-``embedding`` (list<float32>) where the model has one. A predict table's rows with an
-``error`` (a file that could not be read) carry no prediction and are skipped, as are the
-log's rows of another model than the reference's (after a champion swap).
+Both name the columns drift reads alike (``trainyard.core.prediction_columns.DRIFT_WINDOW``):
+``label`` (top-1), ``probability`` (its probability), and ``embedding`` (list<float32>)
+where the model has one. A predict table's rows with an ``error`` (a file that could not be
+read) carry no prediction and are skipped, as are the log's rows of another model than the
+reference's (after a champion swap).
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from trainyard.core.errors import DataError
+from trainyard.core.prediction_columns import (
+    DRIFT_WINDOW,
+    EMBEDDING,
+    ERROR,
+    LABEL,
+    MODEL_VERSION,
+    PROBABILITY,
+    TABLE_FORMATS,
+)
 from trainyard.watch.drift_score import Window
 from trainyard.watch.log import log_files, read_log
 
@@ -82,43 +92,41 @@ def read_table(path: Path) -> pa.Table:
     """A predict output table, by its extension."""
     if not path.is_file():
         raise DataError(f"{path}: not found (expected a prediction-log folder or a .parquet/.csv)")
-    suffix = path.suffix.lower()
+    fmt = TABLE_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataError(f"{path}: expected a .parquet or .csv predictions table, or a log folder")
     try:
-        if suffix in (".parquet", ".pq"):
-            return pq.read_table(path)
-        if suffix == ".csv":
-            return pa_csv.read_csv(path)
+        return pq.read_table(path) if fmt == "parquet" else pa_csv.read_csv(path)
     except (OSError, pa.ArrowException) as err:
         raise DataError(f"{path}: not a readable predictions table ({err})") from None
-    raise DataError(f"{path}: expected a .parquet or .csv predictions table, or a log folder")
 
 
 def window_from_table(table: pa.Table, source: str, model_sha256: str = "") -> Window:
     """The window of a log or predict table: rows with a prediction and no error."""
-    missing = [c for c in ("label", "probability") if c not in table.column_names]
+    missing = [c for c in DRIFT_WINDOW.required if c not in table.column_names]
     if missing:
         raise DataError(
             f"{source}: no {' or '.join(missing)} column: not a prediction log or a "
             "`trainyard predict` table"
         )
     skipped: dict[str, int] = {}
-    keep = pc.is_valid(table.column("label"))
-    if "error" in table.column_names:
-        has_error = pc.fill_null(pc.not_equal(table.column("error"), ""), False)
+    keep = pc.is_valid(table.column(LABEL.name))
+    if ERROR.name in table.column_names:
+        has_error = pc.fill_null(pc.not_equal(table.column(ERROR.name), ""), False)
         keep = pc.and_(keep, pc.invert(has_error))
     skipped["unreadable (an error, no prediction)"] = table.num_rows - (pc.sum(keep).as_py() or 0)
-    if model_sha256 and "model_version" in table.column_names:
+    if model_sha256 and MODEL_VERSION.name in table.column_names:
         version = model_sha256[:12]
-        mine = pc.fill_null(pc.equal(table.column("model_version"), version), False)
+        mine = pc.fill_null(pc.equal(table.column(MODEL_VERSION.name), version), False)
         skipped[f"another model than the reference's ({version})"] = (
             pc.sum(pc.and_(keep, pc.invert(mine))).as_py() or 0
         )
         keep = pc.and_(keep, mine)
     table = table.filter(keep)
-    probs = table.column("probability").to_numpy(zero_copy_only=False).astype(np.float32)
+    probs = table.column(PROBABILITY.name).to_numpy(zero_copy_only=False).astype(np.float32)
     if probs.size and (np.isnan(probs).any() or probs.min() < 0 or probs.max() > 1):
         raise DataError(f"{source}: probability column holds values outside 0..1")
-    labels = np.asarray(table.column("label").to_pylist(), dtype=object)
+    labels = np.asarray(table.column(LABEL.name).to_pylist(), dtype=object)
     return Window(
         labels=labels.astype(str) if labels.size else np.array([], str),
         probabilities=probs,
@@ -132,9 +140,9 @@ def _embeddings(table: pa.Table, source: str) -> np.ndarray | None:
     """The ``embedding`` column as [n, D] float32; None when absent or null on every row.
     A CSV holds it as JSON lists. Some rows without one (a model swapped mid-window) is
     an error: the window mixes two models."""
-    if "embedding" not in table.column_names or table.num_rows == 0:
+    if EMBEDDING.name not in table.column_names or table.num_rows == 0:
         return None
-    column = table.column("embedding")
+    column = table.column(EMBEDDING.name)
     if column.null_count == table.num_rows:
         return None
     if column.null_count:

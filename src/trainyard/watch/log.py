@@ -7,8 +7,8 @@ written whole under a temporary name and renamed, so a reader (``read_log``, ``t
 drift``) never sees half a file, and the folder is kept under ``max_bytes`` by deleting
 the oldest files. Each worker process writes its own files (its pid in the name).
 
-The columns that drift reads (``label``, ``probability``, ``embedding``) are named as in
-a ``trainyard predict`` table, so one reader serves both.
+The columns are ``trainyard.core.prediction_columns.PREDICTION_LOG``; those drift reads
+(``DRIFT_WINDOW``) are the ones a ``trainyard predict`` table has, so one reader serves both.
 """
 
 from __future__ import annotations
@@ -29,37 +29,26 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from trainyard.core.prediction_columns import EMBEDDING, PREDICTION_LOG, TIME, UTC_TIME, Column
+
 log = logging.getLogger(__name__)
 
 PATTERN = "predictions-*.parquet"
 SLICE_ROWS = 256  # rows converted between two pauses of the writer thread
 
-# One row per request. Every shadow_* column is null when no shadow model runs; embedding
-# is null for a model exported without its embedding output; image only with log_images.
-SCHEMA = pa.schema(
-    [
-        ("time", pa.timestamp("us", tz="UTC")),
-        ("route", pa.string()),
-        ("model_version", pa.string()),  # the first 12 hex digits of the model's sha256
-        ("registry_version", pa.string()),  # "NAME/N", or "local"
-        ("label", pa.string()),  # top-1
-        ("class_id", pa.int32()),
-        ("probability", pa.float32()),  # top-1's
-        ("top_k_labels", pa.list_(pa.string())),
-        ("top_k_probs", pa.list_(pa.float32())),
-        ("width", pa.int32()),  # the uploaded image, before any resize
-        ("height", pa.int32()),
-        ("format", pa.string()),  # PNG, JPEG, ... (null for pixel arrays)
-        ("latency_ms", pa.float32()),  # decode + inference of the answering model
-        ("embedding", pa.list_(pa.float32())),
-        ("shadow_model_version", pa.string()),
-        ("shadow_registry_version", pa.string()),
-        ("shadow_label", pa.string()),
-        ("shadow_probability", pa.float32()),
-        ("shadow_latency_ms", pa.float32()),
-        ("image", pa.binary()),
-    ]
-)
+
+def arrow_field(column: Column) -> pa.Field:
+    """``column`` (``trainyard.core.prediction_columns``) as a pyarrow field."""
+    kind = (
+        pa.timestamp("us", tz="UTC")
+        if column.dtype == UTC_TIME
+        else pa.type_for_alias(column.dtype)
+    )
+    return pa.field(column.name, pa.list_(kind) if column.is_list else kind)
+
+
+# One row per request: the columns of PREDICTION_LOG, all of them in every file.
+SCHEMA = pa.schema([arrow_field(c) for c in PREDICTION_LOG.columns])
 COLUMNS = tuple(SCHEMA.names)
 
 
@@ -199,18 +188,17 @@ def rows_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
     An embedding may be a numpy array: a slice whose rows all have one of the same size is
     built from one flat array (the per-value Python list would hold the GIL, and with it
     the service's answers, far longer)."""
-    columns = {name: [row.get(name) for row in rows] for name in COLUMNS if name != "embedding"}
     arrays = [
-        _embedding_column([row.get("embedding") for row in rows])
-        if name == "embedding"
-        else pa.array(columns[name], type=SCHEMA.field(name).type)
+        _embedding_column([row.get(name) for row in rows])
+        if name == EMBEDDING.name
+        else pa.array([row.get(name) for row in rows], type=SCHEMA.field(name).type)
         for name in COLUMNS
     ]
     return pa.Table.from_arrays(arrays, schema=SCHEMA)
 
 
 def _embedding_column(values: list[Any]) -> pa.Array:
-    kind = SCHEMA.field("embedding").type
+    kind = SCHEMA.field(EMBEDDING.name).type
     if values and all(isinstance(v, np.ndarray) and v.ndim == 1 for v in values):
         sizes = {v.shape[0] for v in values}
         if len(sizes) == 1:
@@ -275,12 +263,12 @@ def read_log(
     table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
     # A row with no time compares as null, and filter drops it.
     if since is not None:
-        table = table.filter(pc.greater_equal(table.column("time"), _utc(since)))
+        table = table.filter(pc.greater_equal(table.column(TIME.name), _utc(since)))
     if until is not None:
-        table = table.filter(pc.less(table.column("time"), _utc(until)))
-    return table.sort_by("time")
+        table = table.filter(pc.less(table.column(TIME.name), _utc(until)))
+    return table.sort_by(TIME.name)
 
 
 def _utc(t: datetime) -> pa.Scalar:
     """``t`` as the time column's type; a time without a zone is taken as UTC."""
-    return pa.scalar(t if t.tzinfo else t.replace(tzinfo=UTC), SCHEMA.field("time").type)
+    return pa.scalar(t if t.tzinfo else t.replace(tzinfo=UTC), SCHEMA.field(TIME.name).type)

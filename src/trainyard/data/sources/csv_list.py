@@ -27,7 +27,6 @@ is a *bad file*, under ``data.on_bad_file`` like the folder source's. The rest
 
 from __future__ import annotations
 
-import csv
 import logging
 import os
 import tempfile
@@ -44,9 +43,8 @@ from trainyard.core.card import Card
 from trainyard.core.errors import DataError
 from trainyard.core.io import sha256_file
 from trainyard.core.progress import Progress
-from trainyard.data.fingerprint import error_kind, stat_fingerprint
+from trainyard.data.fingerprint import error_kind, is_url, stat_fingerprint
 from trainyard.data.image_files import (
-    MAX_LISTED,
     PROGRESS_EVERY_S,
     ImageFile,
     ImageSet,
@@ -54,6 +52,7 @@ from trainyard.data.image_files import (
     prepare_image_set,
 )
 from trainyard.data.prepared_writer import Expected
+from trainyard.data.sources.list_files import Wanted, raise_problems, read_csv
 from trainyard.data.splits import estimated_counts
 
 if TYPE_CHECKING:
@@ -93,7 +92,7 @@ class Row:
 
     @property
     def is_url(self) -> bool:
-        return self.image.lower().startswith(("http://", "https://"))
+        return is_url(self.image)
 
 
 @dataclass(frozen=True)
@@ -114,70 +113,35 @@ def csv_path(params: DataParams, root: Path | None = None) -> Path:
     return path.resolve()
 
 
-def _header(path: Path, reader: csv.Reader, params: DataParams) -> tuple[dict[str, int], int]:
-    """(column name -> index of the columns this source reads, the header's width);
-    DataError naming a missing or repeated column and the key that names it."""
-    try:
-        header = [h.strip() for h in next(reader)]
-    except StopIteration:
-        raise DataError(f"{KEY}: {path} is empty; it needs a header row (image,label)") from None
-    wanted = {
-        "data.csv_image_column": params.csv_image_column,
-        "data.csv_label_column": params.csv_label_column,
-    }
-    columns = {}
-    for key, name in wanted.items():
-        if header.count(name) > 1:
-            raise DataError(f"{KEY}: {path} has the column {name!r} ({key}) more than once")
-        if name not in header:
-            raise DataError(
-                f"{KEY}: {path} has no column {name!r} ({key}); its columns are "
-                f"{', '.join(repr(h) for h in header)}: set {key} to the one to read"
-            )
-        columns[name] = header.index(name)
-    split = params.csv_split_column
-    if split is not None and split in header:
-        columns[split] = header.index(split)
-    return columns, len(header)
+def _wanted(params: DataParams) -> list[Wanted]:
+    """The columns this source reads: image and label, and split when one is named."""
+    wanted = [
+        Wanted(params.csv_image_column, "data.csv_image_column", "image"),
+        Wanted(params.csv_label_column, "data.csv_label_column", "label"),
+    ]
+    if params.csv_split_column is not None:
+        wanted.append(Wanted(params.csv_split_column, "data.csv_split_column", "split", False))
+    return wanted
 
 
 def _row(
-    line: int,
-    cells: list[str],
-    columns: tuple[dict[str, int], int],
-    params: DataParams,
-    problems: list[str],
+    line: int, cells: dict[str, str], params: DataParams, problems: list[tuple[int, str]]
 ) -> Row | None:
     """One data row, or None (its problems go to ``problems``, naming row and column)."""
-    index, width = columns
-    if len(cells) != width:
-        problems.append(
-            f"row {line}: {len(cells)} field(s), the header has {width} "
-            "(an unquoted comma in a value? quote it)"
+    image, label, given = cells["image"], cells["label"], cells.get("split", "")
+    found = []
+    if "://" in image and not is_url(image):
+        found.append(
+            f"column {params.csv_image_column!r}: {image!r} is neither a file path nor an "
+            "http(s) URL"
         )
-        return None
-    image = cells[index[params.csv_image_column]].strip()
-    label = cells[index[params.csv_label_column]].strip()
-    split_col = params.csv_split_column
-    given = cells[index[split_col]].strip() if split_col in index else ""
-    bad = len(problems)
-    if not image:
-        problems.append(f"row {line}, column {params.csv_image_column!r}: empty image")
-    elif "://" in image and not image.lower().startswith(("http://", "https://")):
-        problems.append(
-            f"row {line}, column {params.csv_image_column!r}: {image!r} is neither a file "
-            "path nor an http(s) URL"
-        )
-    if not label:
-        problems.append(f"row {line}, column {params.csv_label_column!r}: empty label")
     if given and given.lower() not in SPLIT_NAMES:
-        problems.append(
-            f"row {line}, column {split_col!r}: {given!r} is not a split (train, val or "
+        found.append(
+            f"column {params.csv_split_column!r}: {given!r} is not a split (train, val or "
             "test; blank leaves the row to data.val_fraction / data.test_fraction)"
         )
-    if len(problems) > bad:
-        return None
-    return Row(line, image, label, SPLIT_NAMES[given.lower()] if given else None)
+    problems += [(line, f"row {line}, {problem}") for problem in found]
+    return None if found else Row(line, image, label, SPLIT_NAMES[given.lower()] if given else None)
 
 
 def _sorted_classes(labels: set[str]) -> tuple[str, ...]:
@@ -197,36 +161,17 @@ def read_listing(params: DataParams, root: Path | None = None) -> Listing:
             f"{KEY}: {path} {'is a folder' if path.is_dir() else 'does not exist'}; set "
             "data.csv to a CSV file of image paths or URLs and labels (image,label[,split])"
         )
-    problems: list[str] = []
-    rows: list[Row] = []
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: Excel's BOM
-            reader = csv.reader(fh, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-            columns = _header(path, reader, params)
-            for cells in reader:
-                if not any(c.strip() for c in cells):
-                    continue  # blank lines
-                row = _row(reader.line_num, cells, columns, params, problems)
-                if row is not None:
-                    rows.append(row)
-    except UnicodeDecodeError as err:
-        raise DataError(f"{KEY}: {path} is not UTF-8 text ({err}); save it as UTF-8") from None
-    except csv.Error as err:
-        raise DataError(f"{KEY}: {path} is not a readable CSV ({err})") from None
-    if problems:
-        more = len(problems) - MAX_LISTED
-        raise DataError(
-            f"{KEY}: {len(problems)} problem(s) in {path}:\n  "
-            + "\n  ".join(problems[:MAX_LISTED])
-            + (f"\n  ... and {more} more" if more > 0 else "")
-        )
+    listed = read_csv(path, KEY, _wanted(params))
+    problems = list(listed.problems)
+    rows = [r for line, cells in listed.rows if (r := _row(line, cells, params, problems))]
+    raise_problems(KEY, path, problems)
     classes = _sorted_classes({r.label for r in rows})
     if len(classes) < 2:
         found = f"only the class {classes[0]!r}" if classes else "no image rows"
         raise DataError(f"{KEY}: {path} has {found}; a classifier needs at least 2 classes")
     _check_given_splits(path, rows, classes)
-    split = params.csv_split_column
-    return Listing(path, rows, classes, split if split in columns[0] else None)
+    split = params.csv_split_column if "split" in listed.found else None
+    return Listing(path, rows, classes, split)
 
 
 def _check_given_splits(path: Path, rows: list[Row], classes: tuple[str, ...]) -> None:

@@ -19,7 +19,6 @@ folder whose subfolders are the model's classes (``photos/<class>/...`` or
 
 from __future__ import annotations
 
-import csv
 import glob
 import math
 import os
@@ -28,18 +27,14 @@ from pathlib import Path
 
 from trainyard.core.card import SPLITS
 from trainyard.core.errors import DataError
-from trainyard.data.fingerprint import stat_fingerprint
+from trainyard.data.fingerprint import is_url, stat_fingerprint
+from trainyard.data.sources.list_files import Wanted, raise_problems, read_csv, read_paths
 from trainyard.data.walk import UNREADABLE_IMAGES, extension, is_image, rel_path, walk_files
 
 CSV_SUFFIXES = (".csv", ".tsv")
 LIST_SUFFIXES = (".txt", ".lst", ".list")
 GLOB_MAGIC = frozenset("*?[")
-URL_PREFIXES = ("http://", "https://")
-
-
-def is_url(name: str) -> bool:
-    """An http(s) URL (downloaded by the decode workers), not a path."""
-    return name.lower().startswith(URL_PREFIXES)
+KEY = "predict source"  # what leads the errors about a CSV or list source
 
 
 @dataclass
@@ -177,51 +172,19 @@ def _glob(pattern: str) -> Inputs:
 
 
 def _list(path: Path) -> Inputs:
-    names = []
-    try:
-        with open(path, encoding="utf-8-sig") as fh:
-            for line in fh:
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    names.append(line)
-    except UnicodeDecodeError as err:
-        raise DataError(f"predict source {path}: not UTF-8 text ({err})") from None
-    return Inputs("list", path, names, path.parent)
+    return Inputs("list", path, read_paths(path, KEY), path.parent)
 
 
 def _csv(path: Path, image_column: str, label_column: str) -> Inputs:
-    names, labels = [], []
-    delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: Excel's BOM
-            reader = csv.reader(fh, delimiter=delimiter)
-            header = [h.strip() for h in next(reader, [])]
-            if image_column not in header:
-                raise DataError(
-                    f"predict source {path}: no column {image_column!r} (data.csv_image_column); "
-                    f"its columns are {', '.join(repr(h) for h in header) or 'none'}"
-                )
-            at = header.index(image_column)
-            label_at = header.index(label_column) if label_column in header else None
-            for cells in reader:
-                if not any(c.strip() for c in cells):
-                    continue
-                if len(cells) != len(header) or not cells[at].strip():
-                    raise DataError(
-                        f"predict source {path}, row {reader.line_num}: "
-                        + (
-                            "an empty image cell"
-                            if len(cells) == len(header)
-                            else f"{len(cells)} field(s), the header has {len(header)}"
-                        )
-                    )
-                names.append(cells[at].strip())
-                labels.append(cells[label_at].strip() if label_at is not None else "")
-    except UnicodeDecodeError as err:
-        raise DataError(f"predict source {path}: not UTF-8 text ({err})") from None
-    except csv.Error as err:
-        raise DataError(f"predict source {path}: not a readable CSV ({err})") from None
-    given = label_at is not None and any(labels)
+    wanted = [
+        Wanted(image_column, "data.csv_image_column", "image"),
+        Wanted(label_column, "data.csv_label_column", "label", required=False),
+    ]
+    listed = read_csv(path, KEY, wanted)
+    raise_problems(KEY, path, listed.problems)
+    names = [cells["image"] for _, cells in listed.rows]
+    labels = [cells.get("label", "") for _, cells in listed.rows]
+    given = "label" in listed.found and any(labels)
     return Inputs(
         "csv",
         path,
