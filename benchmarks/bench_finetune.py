@@ -185,7 +185,7 @@ def timed_fit(
     model: Any, dm: Any, device: str, precision: str, window_spec: tuple[int, int, int]
 ) -> tuple[float, dict[str, Any]]:
     """(img/s, GPU busy) of a fit's steps after ``warmup``: (warmup, steps, batch)."""
-    from benchmarks.timing import StepWindow, window_trainer
+    from benchmarks.harness.fit_window import StepWindow, window_trainer
     from trainyard.training.gpu_busy import NvmlSampler
 
     warmup, steps, batch = window_spec

@@ -5,7 +5,6 @@ while the fast path trains; the `fast` preset's time to a target test accuracy."
 from __future__ import annotations
 
 import functools
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +12,9 @@ import lightning as L
 import numpy as np
 
 from benchmarks.common import classifier
-from benchmarks.timing import StepWindow, Timer, window_trainer
+from benchmarks.harness.clock import Timer, median_runs
+from benchmarks.harness.fit_window import StepWindow, window_trainer
+from benchmarks.harness.ratios import ratios_of
 from trainyard.training.gpu_busy import NvmlSampler  # the one NVML sampler, training's too
 
 
@@ -125,7 +126,7 @@ def round_robin(
         for name, fn in rows.items():
             runs[name].append(fn())
             log(f"bench: [{rep + 1}/{repeats}] {name:32s} {runs[name][-1]:>12,.0f} {unit}")
-    return {name: {"median": statistics.median(v), "runs": v} for name, v in runs.items()}
+    return median_runs(runs)
 
 
 def training_benchmarks(
@@ -199,17 +200,6 @@ def training_benchmarks(
         out["gpu_utilisation"] = {"skipped": "no CUDA GPU"}
     out["ratios"] = training_ratios(out["img_per_s"])
     return out
-
-
-def ratios_of(
-    rows: dict[str, dict[str, Any]], pairs: dict[str, tuple[str, str]]
-) -> dict[str, float]:
-    """``{label: median(a) / median(b)}`` for the pairs whose two rows were measured."""
-    return {
-        label: rows[a]["median"] / rows[b]["median"]
-        for label, (a, b) in pairs.items()
-        if a in rows and b in rows
-    }
 
 
 def training_ratios(r: dict[str, Any]) -> dict[str, float]:

@@ -40,19 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    find_raw_dir,
-    hardware,
-    hardware_label,
-    load_data,
-    provenance,
-    update_docs,
-)
+from benchmarks.common import find_raw_dir, load_data
+from benchmarks.harness.clock import Timer
+from benchmarks.harness.host_facts import hardware_label, torch_facts
+from benchmarks.harness.publish import provenance, update_docs, write_json
 from benchmarks.training_figures import chart, markdown
 
 FULL = {
@@ -330,10 +325,7 @@ def write_outputs(
     args: argparse.Namespace, result: dict[str, Any], log: Callable[[str], None]
 ) -> None:
     """The JSON, the chart and this hardware's docs section; the section printed."""
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"bench: wrote {out}")
+    log(f"bench: wrote {write_json(args.out, result)}")
     if args.chart:
         chart(result, Path(args.chart))
         log(f"bench: wrote {args.chart}")
@@ -352,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     # Lightning announces the accelerators (and a tip) at every fit: dozens of fits here.
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    hw = hardware()
+    hw = torch_facts()
     log(f"bench: hardware: {hardware_label(hw)}")
     data = load_data(find_raw_dir(args.raw), cfg["limit"])
     result: dict[str, Any] = {
@@ -361,8 +353,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": cfg,
         "classes": data["card"].num_classes,
     }
-    t0 = time.perf_counter()
-    result.update(run_parts(args, data, cfg, log))
-    result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    with Timer() as clock:
+        result.update(run_parts(args, data, cfg, log))
+    result["elapsed_s"] = round(clock.seconds, 1)
     write_outputs(args, result, log)
     return result
