@@ -26,6 +26,7 @@ import lightning as L
 import yaml
 
 from benchmarks.bench_training import TargetClock, lightning_throughput, plain_loop_throughput
+from benchmarks.harness.fit_window import Steps
 
 METRICS = Path("reports/metrics.json")  # make run's test accuracy (the CPU default, committed)
 FALLBACK_TARGET = 0.92
@@ -136,12 +137,9 @@ def default_plan_benchmark(
         tp = tp.model_copy(update={"max_epochs": cfg["plan_epochs"]})
     out["plan"] = {"device": name, "precision": precision, **gpu_plan.to_dict()}
     steps, warm = cfg["gpu_steps"] if gpu else cfg["steps"], cfg["warmup"]
-    plain = plain_loop_throughput(
-        data, tp.arch, device, tp.batch_size, steps, warm, "device", precision=precision
-    )
-    ours = lightning_throughput(
-        data, tp.arch, device, tp.batch_size, steps, warm, "fast", precision, tp.channels_last
-    )
+    run = Steps(device, tp.batch_size, steps, warm)
+    plain = plain_loop_throughput(data, tp.arch, run, "device", precision=precision)
+    ours = lightning_throughput(data, tp.arch, run, "fast", precision, tp.channels_last)
     out["loop"] = {
         "batch_size": tp.batch_size,
         "plain_loop_img_per_s": round(plain),
@@ -152,9 +150,8 @@ def default_plan_benchmark(
     out["to_target"] = train_to_target(data, tp, device, precision, target, log)
     # The CPU default plan on this machine's cores: its epochs at the img/s measured here.
     ctp = cpu_plan.train
-    cpu_rate = lightning_throughput(
-        data, ctp.arch, "cpu", ctp.batch_size, cfg["steps"], cfg["warmup"], "fast", "32-true"
-    )
+    cpu_run = Steps("cpu", ctp.batch_size, cfg["steps"], cfg["warmup"])
+    cpu_rate = lightning_throughput(data, ctp.arch, cpu_run, "fast", "32-true")
     cpu_s = ctp.max_epochs * len(data["arrays"]["train"][1]) / cpu_rate
     out["cpu_default"] = {
         "arch": ctp.arch,

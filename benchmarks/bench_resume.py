@@ -24,33 +24,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from benchmarks.common import publish
-from trainyard.core.host import cpu_name
+from benchmarks.harness.clock import Timer
+from benchmarks.harness.host_facts import cpu_facts
+from benchmarks.harness.procs import child_env, clone, run_timed
+from benchmarks.harness.publish import publish
 from trainyard.training.resume import LAST_CKPT, RESUME_ROOT
 
 DOCS_KEY = "resume"
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
-    return seconds, out
+    seconds, proc = run_timed(cmd, cwd, env)
+    return seconds, proc.stdout + proc.stderr
 
 
 def _checkpoint_epoch(path: Path) -> int | None:
@@ -67,7 +60,8 @@ def _checkpoint_epoch(path: Path) -> int | None:
 
 def _kill_after(repo: Path, env: dict[str, str], epochs_done: int) -> float:
     """``dvc repro train``, SIGKILLed once its checkpoint holds ``epochs_done`` epochs."""
-    t0 = time.perf_counter()
+    clock = Timer()
+    clock.start()
     log = repo / "killed.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -97,7 +91,7 @@ def _kill_after(repo: Path, env: dict[str, str], epochs_done: int) -> float:
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    return time.perf_counter() - t0
+    return clock.stop()
 
 
 def _best(repo: Path) -> float:
@@ -107,18 +101,10 @@ def _best(repo: Path) -> float:
 def measure(source: Path, work: Path, epochs: int, kill_after: int, limit: int | None) -> dict:
     """Steps 1-4 above, in a clone of ``source`` under ``work``: their seconds and best val/acc."""
     repo = work / "trainyard"
-    subprocess.run(["git", "clone", "-q", str(source), str(repo)], check=True)
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["train"]["max_epochs"] = epochs
-    if limit:
-        params["data"]["limit"] = limit
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    env.pop("MLFLOW_TRACKING_URI", None)  # the clone's own store
+    clone(
+        source, repo, {"train": {"max_epochs": epochs}, "data": {"limit": limit} if limit else {}}
+    )
+    env = child_env()
     _run(["dvc", "repro", "prepare"], repo, env)
     killed_s = _kill_after(repo, env, kill_after)
     resumed_s, out = _run(["dvc", "repro", "train"], repo, env)
@@ -140,9 +126,7 @@ def measure(source: Path, work: Path, epochs: int, kill_after: int, limit: int |
         "saved_s": round(full_s - resumed_s, 1),
         "best_val_acc_resumed": resumed_best,
         "best_val_acc_uninterrupted": _best(repo),
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
+        **cpu_facts(),
     }
 
 

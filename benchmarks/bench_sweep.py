@@ -21,47 +21,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from benchmarks.common import publish
-from trainyard.core.host import cpu_name
+from benchmarks.harness.clock import Timer
+from benchmarks.harness.host_facts import cpu_facts
+from benchmarks.harness.procs import child_env, clone, run_timed
+from benchmarks.harness.publish import publish
 from trainyard.track.store import count_runs
 
 DOCS_KEY = "sweep"
 
 
-def _env() -> dict[str, str]:
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    env.pop("MLFLOW_TRACKING_URI", None)  # the clone's own store
-    return env
-
-
 def _dvc(repo: Path, *args: str) -> str:
-    proc = subprocess.run(["dvc", *args], cwd=repo, env=_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"dvc {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    _, proc = run_timed(["dvc", *args], repo, child_env())
     return proc.stdout
 
 
-def clone(source: Path, dest: Path, limit: int, epochs: int) -> Path:
+def baseline_clone(source: Path, dest: Path, limit: int, epochs: int) -> Path:
     """A clone of ``source`` with the sweep's baseline params committed, data prepared."""
-    subprocess.run(["git", "clone", "-q", str(source), str(dest)], check=True)
-    params = yaml.safe_load((dest / "params.yaml").read_text())
-    params["data"]["limit"] = limit
-    params["train"]["max_epochs"] = epochs
-    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    clone(source, dest, {"data": {"limit": limit}, "train": {"max_epochs": epochs}})
     git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
     subprocess.run([*git, "commit", "-qam", "sweep baseline"], cwd=dest, check=True)
     _dvc(dest, "repro", "prepare")
@@ -71,14 +53,14 @@ def clone(source: Path, dest: Path, limit: int, epochs: int) -> Path:
 def sweep(repo: Path, lrs: list[str], jobs: int) -> dict[str, Any]:
     """Queue one experiment per learning rate, run them ``jobs`` at a time; timed."""
     _dvc(repo, "exp", "run", "--queue", "-S", f"train.lr={','.join(lrs)}")
-    t0 = time.perf_counter()
-    _dvc(repo, "queue", "start", "-j", str(jobs))
-    while True:
-        status = _dvc(repo, "queue", "status")
-        if "Queued" not in status and "Running" not in status:
-            break
-        time.sleep(2)
-    seconds = time.perf_counter() - t0
+    with Timer() as clock:
+        _dvc(repo, "queue", "start", "-j", str(jobs))
+        while True:
+            status = _dvc(repo, "queue", "status")
+            if "Queued" not in status and "Running" not in status:
+                break
+            time.sleep(2)
+    seconds = clock.seconds
     shown = json.loads(_dvc(repo, "exp", "show", "--json"))
     accuracy = {
         exp["name"]: rev["data"]["metrics"]["reports/metrics.json"]["data"]["test"]["accuracy"]
@@ -145,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sweeps = []
     with tempfile.TemporaryDirectory(prefix="trainyard-bench-sweep-") as work:
         for jobs in (1, 2):
-            repo = clone(source, Path(work) / f"j{jobs}", args.limit, args.epochs)
+            repo = baseline_clone(source, Path(work) / f"j{jobs}", args.limit, args.epochs)
             sweeps.append(sweep(repo, lrs, jobs))
             print(f"-j {jobs}: {sweeps[-1]}", flush=True)
     result = {
@@ -154,8 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "epochs": args.epochs,
         "sweeps": sweeps,
         "ratio": round(sweeps[1]["seconds"] / sweeps[0]["seconds"], 3),
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
+        **cpu_facts(),
     }
     publish(result, markdown(result), args.out, args.docs, DOCS_KEY)
     return result

@@ -11,22 +11,15 @@ from typing import Any
 import lightning as L
 import numpy as np
 
-from benchmarks.common import classifier
+from benchmarks.common import Data, classifier
 from benchmarks.harness.clock import Timer, median_runs
-from benchmarks.harness.fit_window import StepWindow, window_trainer
+from benchmarks.harness.fit_window import Steps, StepWindow, window_trainer
 from benchmarks.harness.ratios import ratios_of
 from trainyard.training.gpu_busy import NvmlSampler  # the one NVML sampler, training's too
 
 
 def plain_loop_throughput(
-    data: dict[str, Any],
-    arch: str,
-    device: str,
-    batch_size: int,
-    steps: int,
-    warmup: int,
-    loader: str = "textbook",
-    precision: str = "32-true",
+    data: Data, arch: str, run: Steps, loader: str = "textbook", precision: str = "32-true"
 ) -> float:
     """img/s of a hand-written PyTorch loop: same model, optimiser, augmentation, batch.
 
@@ -41,6 +34,7 @@ def plain_loop_throughput(
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
+    device, batch_size, steps, warmup = run
     from trainyard.data.datamodule import PerSampleDataset, TensorBatches
     from trainyard.model.augment import augment_batch, normalize_on_device
     from trainyard.model.networks import build_model
@@ -87,12 +81,9 @@ def plain_loop_throughput(
 
 
 def lightning_throughput(
-    data: dict[str, Any],
+    data: Data,
     arch: str,
-    device: str,
-    batch_size: int,
-    steps: int,
-    warmup: int,
+    run: Steps,
     data_path: str = "fast",
     precision: str = "32-true",
     channels_last: bool = False,
@@ -101,6 +92,7 @@ def lightning_throughput(
     """img/s of trainyard's own training (ImageDataModule + Classifier + Lightning)."""
     from trainyard.data.datamodule import ImageDataModule
 
+    device, batch_size, steps, warmup = run
     L.seed_everything(0, verbose=False)
     dm = ImageDataModule(
         arrays=data["arrays"],
@@ -167,7 +159,7 @@ def training_benchmarks(
                 # channels_last only where it pays: tensor-core convolutions on the GPU.
                 kw = {"precision": precision, "channels_last": nhwc and device == "cuda"}
             rows[f"{device}/{name}"] = functools.partial(
-                fn, data, arch, device, bs, n, warm, path, **kw
+                fn, data, arch, Steps(device, bs, n, warm), path, **kw
             )
     if not torch.cuda.is_available():
         log("bench: no CUDA GPU here: GPU training rows skipped")
@@ -182,10 +174,7 @@ def training_benchmarks(
             lightning_throughput(
                 data,
                 arch,
-                "cuda",
-                bs,
-                cfg["gpu_util_steps"],
-                warm,
+                Steps("cuda", bs, cfg["gpu_util_steps"], warm),
                 "fast",
                 "bf16-mixed",
                 channels_last=True,

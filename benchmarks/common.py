@@ -8,9 +8,11 @@ from typing import Any
 from trainyard.core.card import Card
 
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+# What load_data returns: {"arrays": {split: (images, labels)}, "card": Card}.
+Data = dict[str, Any]
 
 
-def load_data(raw_dir: Path, limit: int | None, seed: int = 42) -> dict[str, Any]:
+def load_data(raw_dir: Path, limit: int | None, seed: int = 42) -> Data:
     """Train/val/test uint8 [N,1,28,28] splits + card straight from the raw IDX files
     (no DVC needed)."""
     from trainyard.data.arrays import channel_stats, split_train_val

@@ -22,11 +22,11 @@ from benchmarks.harness.clock import Timer, per_item_s
 from benchmarks.harness.host_facts import usable_cores
 from benchmarks.predict_inputs import REPO
 from benchmarks.predict_report import GROWTH_LIMIT
+from benchmarks.serve_load import BOUNDARY, multipart_body, start_server, stop_server
 from trainyard.bulk.table import summary_path
 
 MODULE = "benchmarks.bench_predict"
 SAMPLE_S = 0.5
-BOUNDARY = "trainyardbench"
 
 
 def log(msg: str) -> None:
@@ -200,14 +200,6 @@ def costs(files: list[Path], model: Path, card: Any, seconds: float) -> dict[str
 # ----------------------------------------------------------------------------- 3. service
 
 
-def multipart(data: bytes, filename: str, content_type: str) -> bytes:
-    head = (
-        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; '
-        f'filename="{filename}"\r\nContent-Type: {content_type}\r\n\r\n'
-    )
-    return head.encode() + data + f"\r\n--{BOUNDARY}--\r\n".encode()
-
-
 class Client:
     """One keep-alive connection to the service, posting one file per request."""
 
@@ -216,7 +208,7 @@ class Client:
         self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
 
     def classify(self, path: Path, top_k: int | None = None) -> dict[str, Any]:
-        body = multipart(path.read_bytes(), path.name, "image/jpeg")
+        body = multipart_body(path.read_bytes(), path.name, "image/jpeg")
         query = f"?top_k={top_k}" if top_k else ""
         headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
         self.conn.request("POST", f"/classify{query}", body, headers)
@@ -278,8 +270,6 @@ def service_rows(
 ) -> dict[str, Any]:
     """Start the service as bench-serve does, warm it up, post every file sequentially and
     from ``threads`` clients, then ask for the ``check`` files' full probabilities."""
-    from benchmarks.serve_load import start_server, stop_server
-
     log("3. the service: bentoml serve (params.yaml as it is), TRAINYARD_MODEL = the model")
     proc, url, ready_s = start_server(REPO / "params.yaml", model, tmp / f"serve-{model.stem}.log")
     log(f"   ready in {ready_s:.1f} s at {url}")

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness.exported import IMAGENET_MEAN, IMAGENET_STD, export_classifier, image_card
-from benchmarks.harness.made_once import Log, generate, manifest_ok
+from benchmarks.harness.made_once import Log, generate, manifest_ok, wanted
 from benchmarks.harness.procs import run_timed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,14 +162,14 @@ def ensure_photos(
     suffix = "" if tuple(sides) == PHOTO_SIDES else f"-{sides[0]}-{sides[1]}"
     folder = work / f"photos-{count}-s{seed}{suffix}"
     photos = folder / "photos"
-    want = {
-        "images": count,
-        "seed": seed,
-        "recipe": PHOTO_RECIPE,
-        "sides_px": list(sides),
-        "jpeg_quality": list(PHOTO_QUALITY),
-        "crop_share": list(CROP_SHARE),
-    }
+    want = wanted(
+        count,
+        seed,
+        PHOTO_RECIPE,
+        sides_px=list(sides),
+        jpeg_quality=list(PHOTO_QUALITY),
+        crop_share=list(CROP_SHARE),
+    )
     if manifest_ok(folder, want, lambda i: photo_path(photos, i)) is None:
         sources = sample_photos()
         if not sources:
@@ -235,15 +235,12 @@ def ensure_tiny(work: Path, count: int, seed: int, log: Log) -> dict[str, Any]:
     """``work/tiny-<count>-s<seed>/photos``: ``count`` 28x28 greyscale PNGs."""
     folder = work / f"tiny-{count}-s{seed}"
     photos = folder / "photos"
-    want = {
-        "images": count,
-        "seed": seed,
-        "recipe": TINY_RECIPE,
-        "size_px": TINY_SIZE,
-        "content": "Fashion-MNIST train images, shifted by up to 1 px"
+    content = (
+        "Fashion-MNIST train images, shifted by up to 1 px"
         if _fashion() is not None
-        else "a seeded pattern (Fashion-MNIST not found)",
-    }
+        else "a seeded pattern (Fashion-MNIST not found)"
+    )
+    want = wanted(count, seed, TINY_RECIPE, size_px=TINY_SIZE, content=content)
     from benchmarks.predict_inputs import _make_tiny as make
 
     jobs = ((str(photos), i, seed) for i in range(count))

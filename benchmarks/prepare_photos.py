@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness.clock import Timer
-from benchmarks.harness.made_once import Log, generate, manifest_ok, write_manifest
+from benchmarks.harness.made_once import Log, generate, manifest_ok, wanted, write_manifest
 
 RECIPE = 1  # bump when the way images are drawn changes: old folders are then remade
 NUM_CLASSES = 10
@@ -89,18 +89,22 @@ def _make_image(job: tuple[str, int, int]) -> int:
 
 
 def _manifest(n: int, seed: int) -> dict[str, Any]:
-    return {
-        "images": n,
-        "seed": seed,
-        "recipe": RECIPE,
-        "classes": NUM_CLASSES,
-        "size_range_px": list(SIZE_RANGE),
-        "jpeg_quality": JPEG_QUALITY,
-        "noise_sigma": NOISE_SIGMA,
-        "drawn_with": "examples/make_shapes.py:draw_shape"
+    """How the folder is drawn: what its manifest must say to be reused."""
+    drawn_with = (
+        "examples/make_shapes.py:draw_shape"
         if load_draw_shape()
-        else "uniform noise (examples/make_shapes.py not found)",
-    }
+        else "uniform noise (examples/make_shapes.py not found)"
+    )
+    return wanted(
+        n,
+        seed,
+        RECIPE,
+        classes=NUM_CLASSES,
+        size_range_px=list(SIZE_RANGE),
+        jpeg_quality=JPEG_QUALITY,
+        noise_sigma=NOISE_SIGMA,
+        drawn_with=drawn_with,
+    )
 
 
 def ensure_photos(

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness.exported import IMAGENET_MEAN, IMAGENET_STD, export_classifier, image_card
 from benchmarks.serve_figures import LARGE
 
 ORT_BATCHES = (1, 8, 32)
@@ -27,7 +28,6 @@ LARGE_CLASSES = (
     "ship",
     "truck",
 )
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def build_large_model(path: Path, opset: int) -> None:
@@ -38,25 +38,10 @@ def build_large_model(path: Path, opset: int) -> None:
     so the bench's own process never imports torch."""
     import torch
 
-    from trainyard.core.card import Card
-    from trainyard.core.io import atomic_write_text, sha256_file
-    from trainyard.export.onnx_export import export_onnx, model_metadata
-    from trainyard.model.classifier import Classifier
-
     torch.manual_seed(0)
-    card = Card(
-        source="folder",
-        classes=LARGE_CLASSES,
-        channels=3,
-        height=LARGE_SIZE,
-        width=LARGE_SIZE,
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
-        resize="crop",
-    )
-    model = Classifier(card=card.contract(), arch=LARGE).eval()
-    export_onnx(model, path, opset, model_metadata(model, "random-init", "", ""))
-    atomic_write_text(path.with_name(path.name + ".sha256"), f"{sha256_file(path)}  {path.name}\n")
+    stats = {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}
+    card = image_card(LARGE_CLASSES, LARGE_SIZE, source="folder", **stats)
+    export_classifier(card, LARGE, path, opset, "random-init")
 
 
 def ort_rate(session: Any, x: np.ndarray, seconds: float, callers: int = 1) -> dict[str, Any]:

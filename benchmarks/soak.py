@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import sys
 import tempfile
 import threading
@@ -32,6 +31,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.host_facts import load_facts
+from benchmarks.harness.publish import replace_section
 from benchmarks.serve_load import (
     BOUNDARY,
     REPO,
@@ -44,7 +45,6 @@ from benchmarks.serve_load import (
     test_images,
     wrk_summary,
 )
-from benchmarks.serve_report import replace_section
 
 SECTION = "## Soak"
 RSS_LIMIT = 0.10  # growth per worker, end vs after warm-up
@@ -417,10 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     if ready is None:
         return 2
     settings, command = ready
-    from trainyard.core.host import cpu_name
     from trainyard.core.io import atomic_write_json
 
-    loadavg = os.getloadavg()[0]
+    machine = load_facts()
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp_name:
         run = soak_run(args, settings, Path(tmp_name))
     load = run["load"]
@@ -428,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": command,
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "loadavg": loadavg},
+        "machine": machine,
         "workers": len(run["pids"]),
         "access_log": settings.access_log,
         "clients": args.clients,

@@ -5,11 +5,21 @@ only the training benchmarks use it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 
 from benchmarks.harness.clock import Timer
+
+
+class Steps(NamedTuple):
+    """A timed training row's shape: ``steps`` timed steps of ``batch_size`` images on
+    ``device``, after ``warmup`` untimed ones."""
+
+    device: str
+    batch_size: int
+    steps: int
+    warmup: int
 
 
 class StepWindow(L.Callback):

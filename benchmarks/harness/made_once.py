@@ -17,6 +17,12 @@ from benchmarks.harness.clock import Timer
 Log = Callable[[str], None]
 
 
+def wanted(images: int, seed: int, recipe: int, **how: Any) -> dict[str, Any]:
+    """What a folder's manifest must say for it to be reused: its file count, the seed,
+    the version of the recipe that draws them, and whatever else shapes them."""
+    return {"images": images, "seed": seed, "recipe": recipe, **how}
+
+
 def manifest_ok(folder: Path, want: dict[str, Any], path_of: Callable[[int], Path]) -> dict | None:
     """The folder's manifest when it was made as ``want`` says and every file is there."""
     try:

@@ -76,10 +76,12 @@ def update_docs(path: Path, key: str, body: str) -> None:
     path.write_text(text)
 
 
-def replace_section(doc: Path, section: str, heading: str) -> None:
-    """Put ``section`` in place of the existing ``heading`` section (or at the end).
+def replace_section(doc: Path, section: str, heading: str | None = None) -> None:
+    """Put ``section`` in place of the existing ``heading`` section (or at the end);
+    ``heading`` defaults to the section's first line.
     The section ends at the next "## " heading or marked block (``<!-- bench:...``), so
     other benchmarks' sections and markers are left as they are."""
+    heading = heading or section.splitlines()[0]
     text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
     start = text.find(f"\n{heading}\n")
     if start == -1:
