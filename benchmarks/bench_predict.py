@@ -55,7 +55,14 @@ import numpy as np
 from benchmarks.harness.clock import Timer
 from benchmarks.harness.host_facts import cpu_facts
 from benchmarks.harness.made_once import warm_cache
-from benchmarks.harness.publish import command_of, git_commit, outputs, publish, update_docs
+from benchmarks.harness.publish import (
+    bench_parser,
+    command_of,
+    git_commit,
+    outputs,
+    publish,
+    update_docs,
+)
 from benchmarks.predict_contenders import (
     SAMPLE_S,
     costs,
@@ -173,11 +180,7 @@ def run_check(
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench_parser(MODULE, __doc__ or "", "bench-predict")
     p.add_argument("--count", type=int, help=f"JPEGs in the folder (default {FULL['count']:,})")
     p.add_argument(
         "--models",
@@ -205,12 +208,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="seconds: 40 JPEGs, small cnn, 400 PNGs")
     p.add_argument("--work", help="folder for the images, models and outputs (default: temp dir)")
-    p.add_argument("--out", help="JSON results (default reports/bench-predict.json)")
-    p.add_argument(
-        "--docs",
-        help="markdown file whose 'Bulk scoring' section is replaced (default "
-        "docs/benchmarks.md; not written with --quick unless given); '' to skip",
-    )
     p.add_argument("--render", action="store_true", help="only rewrite the docs from --out")
     p.add_argument("--build-model", nargs="+", metavar="KIND=PATH", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

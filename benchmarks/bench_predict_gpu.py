@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness.clock import Timer
 from benchmarks.harness.exported import export_classifier, image_card
 
 TARGET_BUSY_PCT = 80.0  # issue 34: resnet18 at 224 px keeps an H200 >= 80% busy
@@ -94,13 +95,13 @@ def bulk_row(source: Path, model: Path, out: Path, quick: bool) -> dict[str, Any
     ]
     if quick:
         argv += ["--batch-size", "8"]
-    t0 = time.perf_counter()
-    summary = command.predict(parser.parse_args(argv))
+    with Timer() as clock:
+        summary = command.predict(parser.parse_args(argv))
     speed = summary["speed"]
     return {
         "backend": f"onnxruntime {speed['provider']}",
         "img_per_s": speed["img_per_s"],
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": clock.seconds,
         "batch_size": speed["batch_size"],
         "workers": speed["workers"],
         "gpu_busy_pct": (speed.get("gpu_busy") or {}).get("mean_pct"),

@@ -39,7 +39,7 @@ import numpy as np
 from benchmarks.harness.host_facts import cpu_facts
 from benchmarks.harness.made_once import warm_cache
 from benchmarks.harness.procs import python_child
-from benchmarks.harness.publish import command_of, outputs, publish
+from benchmarks.harness.publish import bench_parser, command_of, outputs, publish
 from benchmarks.prepare_photos import NUM_CLASSES, ensure_photos
 from benchmarks.prepare_report import markdown, print_summary
 
@@ -184,11 +184,7 @@ def run_prepare(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_prepare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser(MODULE, __doc__ or "", "bench-prepare")
     parser.add_argument("--images", type=int, help=f"folder size (default {FULL_IMAGES:,})")
     parser.add_argument(
         "--quick", action="store_true", help=f"{QUICK_IMAGES} images (seconds; for tests)"
@@ -196,12 +192,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--work", help="folder for the images and the prepared outputs (default: temp dir)"
-    )
-    parser.add_argument("--out", help="JSON results (default reports/bench-prepare.json)")
-    parser.add_argument(
-        "--docs",
-        help="markdown file whose prepare section is replaced (default docs/benchmarks.md; "
-        "not written with --quick unless given); '' to skip",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one prepare run: JSON spec
     return parser

@@ -35,7 +35,6 @@ quick mode).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -51,7 +50,7 @@ import yaml
 from benchmarks.harness.clock import Timer
 from benchmarks.harness.host_facts import cpu_facts
 from benchmarks.harness.procs import child_env, clone
-from benchmarks.harness.publish import outputs, provenance, publish
+from benchmarks.harness.publish import bench_parser, outputs, provenance, publish
 from benchmarks.recipe_folders import clipart_folder, digits_folder, emoji_folder
 from benchmarks.recipe_textbook import TEXTBOOK, textbook
 from trainyard.data.walk import scan_folder
@@ -285,22 +284,15 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``python -m benchmarks.bench_recipe``: measure, print, write the JSON (and docs)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_recipe", description=__doc__.split("\n")[0]
-    )
+    parser = bench_parser("benchmarks.bench_recipe", __doc__ or "", "bench-recipe", repo=True)
     parser.add_argument(
         "--folders",
         default=",".join(FOLDERS),
         help=f"comma-separated: {', '.join(FOLDERS)}, or paths of your own class folders",
     )
     parser.add_argument("--quick", action="store_true", help="a few images, seconds of budget")
-    parser.add_argument("--repo", default=".", help="the git repository to clone")
     parser.add_argument("--work", default=None, help="keep the clones and folders here")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="reports/bench-recipe.json")
-    parser.add_argument(
-        "--docs", default=None, help="docs file to update ('' = none; default: none if --quick)"
-    )
     args = parser.parse_args(argv)
     out, docs = outputs("bench-recipe", args.out, args.docs, args.quick)
     names = [n.strip() for n in args.folders.split(",") if n.strip()]

@@ -21,7 +21,6 @@ val/acc of both trainings: a resume that changed what is learned would show here
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -35,7 +34,7 @@ from typing import Any
 from benchmarks.harness.clock import Timer
 from benchmarks.harness.host_facts import cpu_facts
 from benchmarks.harness.procs import child_env, clone, run_timed
-from benchmarks.harness.publish import publish
+from benchmarks.harness.publish import bench_parser, outputs, publish
 from trainyard.training.resume import LAST_CKPT, RESUME_ROOT
 
 DOCS_KEY = "resume"
@@ -157,15 +156,10 @@ def markdown(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``python -m benchmarks.bench_resume``: measure, print, write the JSON and docs section."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_resume", description=__doc__.split("\n")[0]
-    )
+    parser = bench_parser("benchmarks.bench_resume", __doc__ or "", "bench-resume", repo=True)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--kill-after", type=int, default=2, help="epochs done at the SIGKILL")
     parser.add_argument("--limit", type=int, default=None, help="data.limit (default: all)")
-    parser.add_argument("--repo", default=".", help="the git repository to clone")
-    parser.add_argument("--out", default="reports/bench-resume.json")
-    parser.add_argument("--docs", default="docs/benchmarks.md", help="'' to leave it alone")
     args = parser.parse_args(argv)
     if not 0 < args.kill_after < args.epochs:
         parser.error("--kill-after must be between 0 and --epochs, exclusive")
@@ -173,7 +167,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = measure(
             Path(args.repo).resolve(), Path(work), args.epochs, args.kill_after, args.limit
         )
-    publish(result, markdown(result), args.out, args.docs, DOCS_KEY)
+    publish(
+        result, markdown(result), *outputs("bench-resume", args.out, args.docs, False), DOCS_KEY
+    )
     return result
 
 

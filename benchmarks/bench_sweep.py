@@ -19,7 +19,6 @@ runs the repository's MLflow store holds (they run in copies DVC deletes).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import tempfile
@@ -30,7 +29,7 @@ from typing import Any
 from benchmarks.harness.clock import Timer
 from benchmarks.harness.host_facts import cpu_facts
 from benchmarks.harness.procs import child_env, clone, run_timed
-from benchmarks.harness.publish import publish
+from benchmarks.harness.publish import bench_parser, outputs, publish
 from trainyard.track.store import count_runs
 
 DOCS_KEY = "sweep"
@@ -112,15 +111,10 @@ def markdown(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``python -m benchmarks.bench_sweep``: measure, print, write the JSON and docs section."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_sweep", description=__doc__.split("\n")[0]
-    )
+    parser = bench_parser("benchmarks.bench_sweep", __doc__ or "", "bench-sweep", repo=True)
     parser.add_argument("--lrs", default="0.001,0.002,0.004,0.008", help="the grid of train.lr")
     parser.add_argument("--limit", type=int, default=8000, help="data.limit")
     parser.add_argument("--epochs", type=int, default=1, help="train.max_epochs")
-    parser.add_argument("--repo", default=".", help="the git repository to clone")
-    parser.add_argument("--out", default="reports/bench-sweep.json")
-    parser.add_argument("--docs", default="docs/benchmarks.md", help="'' to leave it alone")
     args = parser.parse_args(argv)
     lrs = [v.strip() for v in args.lrs.split(",") if v.strip()]
     source = Path(args.repo).resolve()
@@ -138,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio": round(sweeps[1]["seconds"] / sweeps[0]["seconds"], 3),
         **cpu_facts(),
     }
-    publish(result, markdown(result), args.out, args.docs, DOCS_KEY)
+    out, docs = outputs("bench-sweep", args.out, args.docs, quick=False)
+    publish(result, markdown(result), out, docs, DOCS_KEY)
     return result
 
 

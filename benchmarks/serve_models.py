@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness.clock import per_item_s
 from benchmarks.harness.exported import IMAGENET_MEAN, IMAGENET_STD, export_classifier, image_card
 from benchmarks.serve_figures import LARGE
 
@@ -115,8 +116,5 @@ def decode_ms(model: Path, images: Sequence[bytes], seconds: float) -> float:
     from trainyard.runtime.sessions import load_onnx
 
     card = card_from_metadata(load_onnx(model, device="cpu", intra_op_threads=1).metadata)
-    done, start = 0, time.perf_counter()
-    while done < len(images) or time.perf_counter() - start < seconds:
-        decode_image(images[done % len(images)], card)
-        done += 1
-    return (time.perf_counter() - start) * 1000 / done
+    decode_all = lambda: [decode_image(data, card) for data in images]  # noqa: E731
+    return 1000 * per_item_s(decode_all, len(images), seconds, warmup=0)

@@ -8,6 +8,7 @@ next heading or marked block (``replace_section``: the serving benchmarks')."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -47,6 +48,26 @@ def provenance(module: str, argv: list[str] | None, when: str = "%Y-%m-%d") -> d
         "command": command_of(module, argv),
         "commit": git_commit(),
     }
+
+
+def bench_parser(module: str, doc: str, name: str, repo: bool = False) -> argparse.ArgumentParser:
+    """The command line every benchmark starts from: its doc as the help, ``--out``
+    (reports/NAME.json) and ``--docs`` (its section of docs/benchmarks.md), read by
+    ``outputs``; with ``repo``, ``--repo`` (the git repository its clones are made from)."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", help=f"JSON results (default reports/{name}.json)")
+    parser.add_argument(
+        "--docs",
+        help=f"markdown file whose section is replaced (default {DOCS}; not written with "
+        "--quick unless given); '' to skip",
+    )
+    if repo:
+        parser.add_argument("--repo", default=".", help="the git repository to clone")
+    return parser
 
 
 def outputs(name: str, out: str | None, docs: str | None, quick: bool) -> tuple[Path, str]:
