@@ -275,8 +275,40 @@ class TargetClock(L.Callback):
             trainer.should_stop = True
 
 
+def fit_to_target(
+    data: Data,
+    make_model: Callable[[], Any],
+    run: tuple[str, str, int],
+    target: float,
+    log: Callable[[str], None],
+    on_window: Callable[[bool], None] | None = None,
+    **datamodule: Any,
+) -> TargetClock:
+    """Fit the model ``make_model`` builds (``run``: device, precision, max epochs) on the
+    train split, checking *test* accuracy after each epoch, until it reaches ``target``;
+    the clock: seconds of training steps, the history, the epoch that reached it."""
+    from trainyard.data.datamodule import ImageDataModule
+    from trainyard.training.builder import build_trainer
+
+    device, precision, max_epochs = run
+    arrays = dict(data["arrays"])
+    arrays["val"] = arrays["test"]  # the target is *test* accuracy, checked each epoch
+    L.seed_everything(0, verbose=False)
+    dm = ImageDataModule(arrays=arrays, card=data["card"], seed=0, **datamodule)
+    clock = TargetClock(device, target, log, on_window=on_window)
+    trainer = build_trainer(
+        accelerator="gpu" if device == "cuda" else "cpu",
+        precision=precision,
+        max_epochs=max_epochs,
+        num_sanity_val_steps=0,
+        callbacks=[clock],
+    )
+    trainer.fit(make_model(), datamodule=dm)
+    return clock
+
+
 def time_to_target(
-    data: dict[str, Any],
+    data: Data,
     preset: dict[str, Any],
     target: float,
     max_epochs: int,
@@ -286,43 +318,33 @@ def time_to_target(
     steps only (evaluation after each epoch is excluded, as airbench does)."""
     import torch
 
-    from trainyard.data.datamodule import ImageDataModule
-    from trainyard.training.builder import build_trainer
-
     tp = preset["train"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     precision = tp.get("precision", "32-true") if device == "cuda" else "32-true"
-    arrays = dict(data["arrays"])
-    arrays["val"] = arrays["test"]  # the target is *test* accuracy, checked each epoch
-    L.seed_everything(0, verbose=False)
-    dm = ImageDataModule(
-        arrays=arrays,
-        card=data["card"],
+
+    def model() -> Any:
+        return classifier(
+            tp["arch"],
+            data["card"],
+            lr=tp["lr"],
+            weight_decay=tp.get("weight_decay", 5e-4),
+            label_smoothing=tp.get("label_smoothing", 0.1),
+            augment=tp.get("augment", True),
+            channels_last=tp.get("channels_last", False) and device == "cuda",
+            compile=tp.get("compile", False),
+        )
+
+    clock = fit_to_target(
+        data,
+        model,
+        (device, precision, max_epochs),
+        target,
+        log,
         batch_size=tp["batch_size"],
         eval_batch_size=2048,
-        seed=0,
         data_path=tp.get("data_path", "fast"),
         device_resident=tp.get("device_resident", True),
     )
-    model = classifier(
-        tp["arch"],
-        data["card"],
-        lr=tp["lr"],
-        weight_decay=tp.get("weight_decay", 5e-4),
-        label_smoothing=tp.get("label_smoothing", 0.1),
-        augment=tp.get("augment", True),
-        channels_last=tp.get("channels_last", False) and device == "cuda",
-        compile=tp.get("compile", False),
-    )
-    clock = TargetClock(device, target, log)
-    trainer = build_trainer(
-        accelerator=device,
-        precision=precision,
-        max_epochs=max_epochs,
-        num_sanity_val_steps=0,
-        callbacks=[clock],
-    )
-    trainer.fit(model, datamodule=dm)
     return {
         "device": device,
         "precision": precision,
