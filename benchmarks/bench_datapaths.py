@@ -36,8 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_training import NvmlSampler, round_robin
+from benchmarks.bench_training import NvmlSampler
 from benchmarks.common import classifier
+from benchmarks.harness.clock import round_robin
 from benchmarks.harness.fit_window import StepWindow, window_trainer
 from benchmarks.harness.host_facts import usable_cores
 from benchmarks.harness.ratios import ratios_of

@@ -12,7 +12,7 @@ import lightning as L
 import numpy as np
 
 from benchmarks.common import Data, classifier
-from benchmarks.harness.clock import Timer, median_runs
+from benchmarks.harness.clock import Timer, round_robin
 from benchmarks.harness.fit_window import Steps, StepWindow, window_trainer
 from benchmarks.harness.ratios import ratios_of
 from trainyard.training.gpu_busy import NvmlSampler  # the one NVML sampler, training's too
@@ -106,19 +106,6 @@ def lightning_throughput(
     trainer = window_trainer(device, warmup + steps, [window], precision)
     trainer.fit(model, datamodule=dm)
     return window.img_per_s
-
-
-def round_robin(
-    rows: dict[str, Callable[[], float]], repeats: int, log: Callable[[str], None], unit: str
-) -> dict[str, dict[str, Any]]:
-    """Each row ``repeats`` times, repeat by repeat: drift in machine load (shared, noisy
-    hosts) then spreads over all rows instead of biasing whichever ran last."""
-    runs: dict[str, list[float]] = {name: [] for name in rows}
-    for rep in range(repeats):
-        for name, fn in rows.items():
-            runs[name].append(fn())
-            log(f"bench: [{rep + 1}/{repeats}] {name:32s} {runs[name][-1]:>12,.0f} {unit}")
-    return median_runs(runs)
 
 
 def training_benchmarks(

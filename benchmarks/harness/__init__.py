@@ -1,7 +1,7 @@
 """What every benchmark stands on, so each ``bench_*`` module holds only what it measures.
 
 - ``clock``: the one clock (device-synchronised windows, medians after warm-up calls,
-  seconds per item over a budget);
+  seconds per item over a budget, rows repeated round robin);
 - ``fit_window``: the timed window of a Lightning fit (imports lightning: GPU benchmarks);
 - ``ratios``: side-by-side ratios of measured rows and their Markdown;
 - ``publish``: provenance, the JSON report, and a benchmark's own section of

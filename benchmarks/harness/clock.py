@@ -94,6 +94,15 @@ def per_item_s(fn: Callable[[], Any], items: int, seconds: float, warmup: int = 
     return (time.perf_counter() - t0) / (calls * items)
 
 
-def median_runs(runs: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
-    """``{row: {"median", "runs"}}``: what a row of repeated measurements reports."""
+def round_robin(
+    rows: dict[str, Callable[[], float]], repeats: int, log: Callable[[str], None], unit: str
+) -> dict[str, dict[str, Any]]:
+    """Each row ``repeats`` times, repeat by repeat: drift in machine load (shared, noisy
+    hosts) then spreads over all rows instead of biasing whichever ran last. ``{row:
+    {"median", "runs"}}``."""
+    runs: dict[str, list[float]] = {name: [] for name in rows}
+    for rep in range(repeats):
+        for name, fn in rows.items():
+            runs[name].append(fn())
+            log(f"bench: [{rep + 1}/{repeats}] {name:32s} {runs[name][-1]:>12,.0f} {unit}")
     return {name: {"median": statistics.median(v), "runs": v} for name, v in runs.items()}
