@@ -20,6 +20,7 @@ import numpy as np
 
 from benchmarks.harness.clock import Timer, per_item_s
 from benchmarks.harness.host_facts import usable_cores
+from benchmarks.harness.rss import tree_memory
 from benchmarks.predict_inputs import REPO
 from benchmarks.predict_report import GROWTH_LIMIT
 from benchmarks.serve_load import BOUNDARY, multipart_body, start_server, stop_server
@@ -294,33 +295,6 @@ def service_rows(
 
 
 # ----------------------------------------------------------------------------- 5. memory
-
-
-def tree_memory(pid: int) -> tuple[int, int, int, int]:
-    """(RSS summed over the process tree, PSS summed, processes, RSS of ``pid`` itself)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0, 0, 0, 0
-    rss = pss = own = 0
-    for p in procs:
-        try:
-            r = p.memory_info().rss
-        except psutil.Error:
-            continue
-        rss += r
-        own = r if p.pid == pid else own
-        try:
-            for line in Path(f"/proc/{p.pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    pss += int(line.split()[1]) * 1024
-                    break
-        except (OSError, ValueError):
-            pss += r
-    return rss, pss, len(procs), own
 
 
 def memory_run(tiny: Path, count: int, model: Path, work: Path) -> dict[str, Any]:

@@ -25,7 +25,6 @@ import io
 import json
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 
 from benchmarks.harness.host_facts import load_facts
 from benchmarks.harness.publish import replace_section
+from benchmarks.harness.rss import RssSampler, worker_pids
 from benchmarks.serve_load import (
     BOUNDARY,
     REPO,
@@ -299,53 +299,6 @@ def _pct(x: float | None) -> str:
 
 
 # ---------------------------------------------------------------------------- the run
-
-
-def worker_pids(serve_pid: int) -> list[int]:
-    """The `bentoml serve` workers: its child processes running the service worker."""
-    import psutil
-
-    out = []
-    for child in psutil.Process(serve_pid).children(recursive=True):
-        try:
-            if any("worker" in part for part in child.cmdline()):
-                out.append(child.pid)
-        except psutil.Error:
-            continue
-    return sorted(out)
-
-
-class RssSampler(threading.Thread):
-    """Every ``interval`` s, the RSS of each worker; sample() takes one now."""
-
-    def __init__(self, pids: list[int], interval: float) -> None:
-        super().__init__(daemon=True)
-        self.pids, self.interval = pids, interval
-        self.samples: dict[str, list[tuple[float, int]]] = {str(p): [] for p in pids}
-        self.lost: list[int] = []
-        self.t0 = time.monotonic()
-        self._done = threading.Event()
-
-    def sample(self) -> None:
-        """One RSS sample of every worker now; a worker gone is noted as lost."""
-        import psutil
-
-        now = time.monotonic() - self.t0
-        for pid in self.pids:
-            try:
-                self.samples[str(pid)].append((now, psutil.Process(pid).memory_info().rss))
-            except psutil.Error:
-                if pid not in self.lost:
-                    self.lost.append(pid)
-
-    def run(self) -> None:
-        while not self._done.wait(self.interval):
-            self.sample()
-
-    def stop(self) -> None:
-        """Stop the periodic sampling and wait for its thread."""
-        self._done.set()
-        self.join()
 
 
 def run_wrk(url: str, script: Path, clients: int, seconds: int) -> dict[str, Any]:

@@ -8,6 +8,7 @@
   docs/benchmarks.md (marked ``<!-- bench:KEY -->`` blocks or ``## Heading`` sections);
 - ``host_facts``: the CPU, cores, load and library versions a figure was measured with;
 - ``procs``: timed subprocesses, clones of the committed repository, their environment;
+- ``rss``: the memory of the processes a benchmark starts (a tree's, a server's workers');
 - ``made_once``: generated input folders made once and reused while their manifest matches;
 - ``exported``: a dataset card and a Classifier exported as the export stage does.
 
