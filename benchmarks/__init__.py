@@ -11,12 +11,14 @@ Run from the repository root (this package is not in the wheel):
 
 One module per thing measured: ``bench_training`` (training throughput, GPU utilisation,
 time to a target accuracy), ``bench_datapaths`` (an image folder read four ways),
-``bench_inference`` (torch vs ONNX Runtime), ``bench_prepare`` (the prepare stage),
+``bench_inference`` (torch vs ONNX Runtime), ``bench_prepare`` (the prepare stage, with
+``prepare_photos``: its folder, and ``prepare_report``: its docs section),
 ``bench_resume`` (a resume after a SIGKILL), ``bench_predict`` (bulk scoring against a plain
 loop and the service, with ``predict_inputs``: its photos, PNGs and models, and
-``predict_report``: its docs section); ``main`` runs the first three, ``timing`` is
-the one clock they all use, ``common`` the data, hardware and docs helpers, ``report`` the
-tables and chart. Serving: ``bench_serve`` (the load test's steps) with ``serve_load``
+``predict_report``: its docs section); ``main`` runs the first three, ``common`` holds the
+Fashion-MNIST data, ``training_figures`` the tables and chart. Every one of them stands on
+``harness`` (the clock, ratios, host facts, subprocesses, made-once inputs, the JSON report
+and its docs section). Serving: ``bench_serve`` (the load test's steps) with ``serve_load``
 (request bodies, servers, wrk), ``serve_models`` (the larger model, ONNX Runtime alone),
 ``serve_figures`` (levels, targets, verdicts) and ``serve_report`` (its docs section);
 ``reference_server`` (the bare Starlette yardstick) and ``soak`` (the bounded soak test).

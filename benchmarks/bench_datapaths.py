@@ -30,16 +30,18 @@ the paths come much closer together. On a GPU only ``cnn`` runs, with the config
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_training import NvmlSampler, ratios_of, round_robin
+from benchmarks.bench_training import NvmlSampler
 from benchmarks.common import classifier
-from benchmarks.timing import StepWindow, window_trainer
+from benchmarks.harness.clock import round_robin
+from benchmarks.harness.fit_window import StepWindow, window_trainer
+from benchmarks.harness.host_facts import usable_cores
+from benchmarks.harness.ratios import ratios_of
 
 WORK = Path(tempfile.gettempdir()) / "trainyard-bench-datapaths"
 SEED = 0
@@ -53,11 +55,6 @@ TARGETS = {
     "device-resident / ImageFolder 0 workers": ("prepared_device", "imagefolder_w0", 5.0),
     "device-resident / ImageFolder {w} workers": ("prepared_device", "imagefolder_w{w}", None),
 }
-
-
-def cores() -> int:
-    """CPUs this process may run on (its affinity), else the machine's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def textbook_loader(
@@ -172,7 +169,7 @@ def fit_row(
 def folder_photos(cfg: dict[str, Any], log: Callable[[str], None]) -> tuple[Path, dict, Path]:
     """(the image folder, what it holds, the work folder): the user's own images as they
     are, or bench_prepare's generated JPEGs, made once and reused."""
-    from benchmarks.bench_prepare import ensure_photos
+    from benchmarks.prepare_photos import ensure_photos
 
     if cfg.get("photos"):  # the user's own class-per-folder images, used as they are
         photos = Path(cfg["photos"])
@@ -318,7 +315,8 @@ def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[s
     """The image-folder comparison: prepare's figures, then rows (a)-(d) for each model."""
     import torch
 
-    from benchmarks.bench_prepare import run_prepare, warm_cache
+    from benchmarks.bench_prepare import run_prepare
+    from benchmarks.harness.made_once import warm_cache
     from trainyard.core.card import load_card
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -326,7 +324,7 @@ def folder_benchmarks(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[s
     cfg = device_config(cfg, gpu)
     size, bs = cfg["image_size"], cfg["batch_size"]
     names = cfg["folder_models"]
-    w = cores()
+    w = usable_cores()
     photos, made, work = folder_photos(cfg, log)
     work.mkdir(parents=True, exist_ok=True)
     warm_cache(photos)  # every path then reads from the page cache alike

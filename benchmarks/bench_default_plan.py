@@ -22,10 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import yaml
 
-from benchmarks.bench_training import TargetClock, lightning_throughput, plain_loop_throughput
+from benchmarks.bench_training import fit_to_target, lightning_throughput, plain_loop_throughput
+from benchmarks.harness.fit_window import Steps
 
 METRICS = Path("reports/metrics.json")  # make run's test accuracy (the CPU default, committed)
 FALLBACK_TARGET = 0.92
@@ -65,17 +65,8 @@ def train_to_target(
     """The plan's training (its arch, batch, lr, augment, epochs) until test accuracy reaches
     ``target``; seconds of training steps, img/s and GPU busy % over those steps."""
     from trainyard.model.classifier import classifier_for
-    from trainyard.training.builder import build_trainer
-    from trainyard.training.datamodule import ImageDataModule
     from trainyard.training.gpu_busy import NvmlSampler
 
-    arrays = dict(data["arrays"])
-    arrays["val"] = arrays["test"]  # the target is *test* accuracy, checked each epoch
-    L.seed_everything(0, verbose=False)
-    dm = ImageDataModule(
-        arrays=arrays, card=data["card"], batch_size=tp.batch_size, eval_batch_size=4096, seed=0
-    )  # type: ignore[arg-type]
-    model = classifier_for(tp, data["card"])
     sampler = None
     busy: dict[str, Any]
     if device == "cuda":
@@ -83,21 +74,22 @@ def train_to_target(
             sampler = NvmlSampler()
         except Exception as err:
             busy = {"skipped": f"NVML unavailable: {err}"}
-    clock = TargetClock(device, target, log, on_window=sampler.window if sampler else None)
-    trainer = build_trainer(
-        accelerator="gpu" if device == "cuda" else "cpu",
-        precision=precision,
-        max_epochs=tp.max_epochs,
-        num_sanity_val_steps=0,
-        callbacks=[clock],
+    clock = fit_to_target(
+        data,
+        lambda: classifier_for(tp, data["card"]),
+        (device, precision, tp.max_epochs),
+        target,
+        log,
+        sampler.window if sampler else None,
+        batch_size=tp.batch_size,
+        eval_batch_size=4096,
     )
-    trainer.fit(model, datamodule=dm)
     if sampler is not None:
         busy = sampler.close()
     elif device != "cuda":
         busy = {"skipped": "no CUDA GPU"}
     epochs = len(clock.history)
-    images = epochs * len(arrays["train"][1])
+    images = epochs * len(data["arrays"]["train"][1])
     train_s = clock.timer.seconds
     return {
         "reached": clock.reached,
@@ -136,12 +128,9 @@ def default_plan_benchmark(
         tp = tp.model_copy(update={"max_epochs": cfg["plan_epochs"]})
     out["plan"] = {"device": name, "precision": precision, **gpu_plan.to_dict()}
     steps, warm = cfg["gpu_steps"] if gpu else cfg["steps"], cfg["warmup"]
-    plain = plain_loop_throughput(
-        data, tp.arch, device, tp.batch_size, steps, warm, "device", precision=precision
-    )
-    ours = lightning_throughput(
-        data, tp.arch, device, tp.batch_size, steps, warm, "fast", precision, tp.channels_last
-    )
+    run = Steps(device, tp.batch_size, steps, warm)
+    plain = plain_loop_throughput(data, tp.arch, run, "device", precision=precision)
+    ours = lightning_throughput(data, tp.arch, run, "fast", precision, tp.channels_last)
     out["loop"] = {
         "batch_size": tp.batch_size,
         "plain_loop_img_per_s": round(plain),
@@ -152,9 +141,8 @@ def default_plan_benchmark(
     out["to_target"] = train_to_target(data, tp, device, precision, target, log)
     # The CPU default plan on this machine's cores: its epochs at the img/s measured here.
     ctp = cpu_plan.train
-    cpu_rate = lightning_throughput(
-        data, ctp.arch, "cpu", ctp.batch_size, cfg["steps"], cfg["warmup"], "fast", "32-true"
-    )
+    cpu_run = Steps("cpu", ctp.batch_size, cfg["steps"], cfg["warmup"])
+    cpu_rate = lightning_throughput(data, ctp.arch, cpu_run, "fast", "32-true")
     cpu_s = ctp.max_epochs * len(data["arrays"]["train"][1]) / cpu_rate
     out["cpu_default"] = {
         "arch": ctp.arch,

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.harness.exported import image_card
+
 TARGET_BUSY_PCT = 80.0  # issue 32: on an H200, the fine-tune keeps the GPU busy >= 80%
 ARCH = "efficientnet_lite0"  # trainyard.model.lite.LITE_ARCH (not imported: see skip_reason)
 AUGMENT = "flip"  # the Classifier's default; a folder whose mirror images keep their classes
@@ -48,8 +50,6 @@ def generated_splits(n: int, size: int, classes: int, seed: int = 0) -> tuple[di
     same for any pixels."""
     import numpy as np
 
-    from trainyard.core.card import Card
-
     rng = np.random.default_rng(seed)
     n_val = max(classes, n // 16)
     arrays = {
@@ -59,18 +59,9 @@ def generated_splits(n: int, size: int, classes: int, seed: int = 0) -> tuple[di
         )
         for split, k in (("train", n), ("val", n_val))
     }
-    card = Card(
-        source="generated",
-        classes=tuple(f"class{i}" for i in range(classes)),
-        channels=3,
-        height=size,
-        width=size,
-        mean=(0.5, 0.5, 0.5),
-        std=(0.25, 0.25, 0.25),
-        resize="crop",
-        counts={s: {"total": len(y)} for s, (_, y) in arrays.items()},
-        extra={"median_shorter_side": size},
-    )
+    counts = {s: {"total": len(y)} for s, (_, y) in arrays.items()}
+    names = tuple(f"class{i}" for i in range(classes))
+    card = image_card(names, size, counts=counts, extra={"median_shorter_side": size})
     return arrays, card
 
 
@@ -185,7 +176,7 @@ def timed_fit(
     model: Any, dm: Any, device: str, precision: str, window_spec: tuple[int, int, int]
 ) -> tuple[float, dict[str, Any]]:
     """(img/s, GPU busy) of a fit's steps after ``warmup``: (warmup, steps, batch)."""
-    from benchmarks.timing import StepWindow, window_trainer
+    from benchmarks.harness.fit_window import StepWindow, window_trainer
     from trainyard.training.gpu_busy import NvmlSampler
 
     warmup, steps, batch = window_spec

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,12 +52,24 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_prepare import hardware
-from benchmarks.common import update_docs
+from benchmarks.harness.clock import Timer
+from benchmarks.harness.host_facts import cpu_facts
+from benchmarks.harness.made_once import warm_cache
+from benchmarks.harness.publish import (
+    bench_parser,
+    command_of,
+    git_commit,
+    outputs,
+    publish,
+    update_docs,
+)
 from benchmarks.predict_contenders import (
     SAMPLE_S,
+    costs,
     log,
     memory_run,
+    model_card,
+    plain_loop,
     predict_row,
     run_predict,
     service_rows,
@@ -69,7 +80,6 @@ from benchmarks.predict_inputs import (
     ensure_models,
     ensure_photos,
     ensure_tiny,
-    warm_cache,
 )
 from benchmarks.predict_report import (
     PROB_LIMIT,
@@ -99,117 +109,6 @@ QUICK = {
     "cost_seconds": 0.2,
 }
 MILLION_MODEL = "cnn-28"
-# ----------------------------------------------------------------------------- 2. plain loop
-
-
-def model_card(model: Path) -> Any:
-    """The dataset card the exported model carries (size, channels, mean/std, classes)."""
-    import onnxruntime as ort
-
-    from trainyard.core.card import card_from_metadata
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-    return card_from_metadata(dict(session.get_modelmeta().custom_metadata_map), str(model))
-
-
-def plain_loop(files: list[Path], model: Path, card: Any, keep: set[int]) -> dict[str, Any]:
-    """What a user writes by hand: one file at a time, PIL then ONNX Runtime at batch 1.
-    Returns the row and the probabilities of the files whose index is in ``keep``."""
-    import onnxruntime as ort
-    from PIL import Image
-
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    name, logits_out = session.get_inputs()[0].name, [session.get_outputs()[0].name]
-    mode = "L" if card.channels == 1 else "RGB"
-    size = (card.width, card.height)
-    mean = np.asarray(card.mean, np.float32).reshape(-1, 1, 1)
-    std = np.asarray(card.std, np.float32).reshape(-1, 1, 1)
-    # Output 0 only (the logits), as predict asks: an embedding output is not copied back.
-    session.run(logits_out, {name: np.zeros((1, *card.input_shape), np.float32)})  # warm-up
-    kept: dict[int, list[float]] = {}
-    load = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    for i, path in enumerate(files):
-        im = Image.open(path).convert(mode).resize(size)
-        x = np.asarray(im, np.float32) / 255.0
-        x = x[None] if mode == "L" else x.transpose(2, 0, 1)
-        x = (x - mean) / std
-        logits = session.run(logits_out, {name: x[None]})[0][0]
-        if i in keep:
-            e = np.exp(logits - logits.max())
-            kept[i] = (e / e.sum()).tolist()
-    dt = time.perf_counter() - t0
-    row = {
-        "images": len(files),
-        "seconds": dt,
-        "img_per_s": len(files) / dt,
-        "loadavg": [load, os.getloadavg()[0]],
-    }
-    return {"row": row, "probabilities": kept}
-
-
-def _rate(fn: Any, items: int, seconds: float) -> float:
-    """Seconds per item of ``fn()`` (which handles ``items`` items), over ``seconds`` at
-    least and 3 calls at least, after one untimed call."""
-    fn()
-    calls, t0 = 0, time.perf_counter()
-    while calls < 3 or time.perf_counter() - t0 < seconds:
-        fn()
-        calls += 1
-    return (time.perf_counter() - t0) / (calls * items)
-
-
-def costs(files: list[Path], model: Path, card: Any, seconds: float) -> dict[str, Any]:
-    """What one image costs here, each part alone, in this process: the bulk decode
-    (``decode_image`` with predict's limits) and the plain loop's PIL calls on up to 64
-    of the files; ONNX Runtime at batch 64 on one intra-op thread and on one per core, at
-    batch 1 on one thread, and the plain loop's session at batch 1. ``ceiling``: the img/s
-    of predict if decode and inference shared the cores perfectly: cores / (decode + the
-    better of batch 1 and 64 on one thread, per image)."""
-    import math
-
-    import onnxruntime as ort
-    from PIL import Image
-
-    from trainyard.runtime.inputs import decode_image
-    from trainyard.runtime.sessions import load_onnx
-
-    sample = [p.read_bytes() for p in files[:64]]
-    mode = "L" if card.channels == 1 else "RGB"
-    size = (card.width, card.height)
-    out: dict[str, Any] = {"files": len(sample)}
-
-    def bulk_decode() -> None:
-        for data in sample:
-            decode_image(data, card, max_pixels=10**9, field="file", max_aspect_ratio=math.inf)
-
-    def plain_decode() -> None:
-        for path in files[: len(sample)]:
-            Image.open(path).convert(mode).resize(size)
-
-    out["decode_ms"] = 1000 * _rate(bulk_decode, len(sample), seconds)
-    out["plain_decode_ms"] = 1000 * _rate(plain_decode, len(sample), seconds)
-    batch = np.zeros((64, *card.input_shape), np.float32)
-    for threads, key in ((1, "infer_b64_1thread_ms"), (0, "infer_b64_ms")):
-        session = load_onnx(model, device="cpu", intra_op_threads=threads, say=False)
-        out[key] = 1000 * _rate(lambda s=session: s.run(batch), len(batch), seconds)
-    single = load_onnx(model, device="cpu", intra_op_threads=1, say=False)
-    out["infer_b1_1thread_ms"] = 1000 * _rate(lambda: single.run(batch[:1]), 1, seconds)
-    # predict's workers run one thread each at the batch its probe finds fastest
-    out["infer_1thread_ms"] = min(out["infer_b1_1thread_ms"], out["infer_b64_1thread_ms"])
-    plain = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    name, one, logits_out = plain.get_inputs()[0].name, batch[:1], [plain.get_outputs()[0].name]
-    out["infer_b1_default_ms"] = 1000 * _rate(
-        lambda: plain.run(logits_out, {name: one}), 1, seconds
-    )
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    out["cores"] = cores
-    out["ceiling_img_per_s"] = 1000 * (cores or 1) / (out["decode_ms"] + out["infer_1thread_ms"])
-    return out
-
-
 # ----------------------------------------------------------------------------- 4. check
 
 
@@ -281,11 +180,7 @@ def run_check(
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench_parser(MODULE, __doc__ or "", "bench-predict")
     p.add_argument("--count", type=int, help=f"JPEGs in the folder (default {FULL['count']:,})")
     p.add_argument(
         "--models",
@@ -313,12 +208,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="seconds: 40 JPEGs, small cnn, 400 PNGs")
     p.add_argument("--work", help="folder for the images, models and outputs (default: temp dir)")
-    p.add_argument("--out", help="JSON results (default reports/bench-predict.json)")
-    p.add_argument(
-        "--docs",
-        help="markdown file whose 'Bulk scoring' section is replaced (default "
-        "docs/benchmarks.md; not written with --quick unless given); '' to skip",
-    )
     p.add_argument("--render", action="store_true", help="only rewrite the docs from --out")
     p.add_argument("--build-model", nargs="+", metavar="KIND=PATH", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -343,12 +232,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def machine() -> dict[str, Any]:
-    """bench-prepare's hardware line, with ONNX Runtime's version and the load average."""
+    """The CPU, Pillow's and ONNX Runtime's versions and the load average."""
     import onnxruntime as ort
+    from PIL import __version__ as pillow
 
-    hw = hardware()
-    hw.pop("numpy", None)
-    return hw | {"onnxruntime": ort.__version__, "loadavg_start": list(os.getloadavg())}
+    versions = {"pillow": pillow, "onnxruntime": ort.__version__}
+    return cpu_facts() | versions | {"loadavg_start": list(os.getloadavg())}
 
 
 def measure_model(
@@ -452,20 +341,12 @@ def measure(args: argparse.Namespace, work: Path, tmp: Path) -> dict[str, Any]:
     }
 
 
-def commit() -> str:
-    proc = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    )
-    return proc.stdout.strip() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``python -m benchmarks.bench_predict``: the run, its JSON and docs section; returns
     the result (``--render``: only the docs section, from the JSON)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    out = Path(args.out or f"reports/bench-predict{'-quick' if args.quick else ''}.json")
-    docs = args.docs if args.docs is not None else ("" if args.quick else "docs/benchmarks.md")
+    out, docs = outputs("bench-predict", args.out, args.docs, args.quick)
     if args.build_model:
         from benchmarks.predict_inputs import build_model
         from trainyard.core.config import load_params
@@ -487,16 +368,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     hw = machine()
     log(f"bench-predict: {hw['cpu']}, {hw['cores']} cores, load {hw['loadavg_start'][0]:.2f}")
-    began = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench-predict-", dir=work) as tmp:
+    with Timer() as clock, tempfile.TemporaryDirectory(prefix="bench-predict-", dir=work) as tmp:
         measured = measure(args, work, Path(tmp))
     hw["loadavg_end"] = list(os.getloadavg())
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": f"python -m {MODULE} {' '.join(argv)}".strip(),
-        "commit": commit(),
+        "command": command_of(MODULE, argv),
+        "commit": git_commit(REPO),
         "machine": hw,
-        "wall_s": round(time.perf_counter() - began, 1),
+        "wall_s": round(clock.seconds, 1),
         "work": str(work),
         "service": {
             "params": "params.yaml",
@@ -504,12 +384,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         **measured,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"bench-predict: wrote {out}")
-    if docs:
-        update_docs(Path(docs), DOCS_KEY, markdown(result))
-        log(f"bench-predict: updated {docs}")
+    publish(result, markdown(result), out, docs, DOCS_KEY, lambda m: log(f"bench-predict: {m}"))
     print_summary(result)
     return result
 

@@ -31,6 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness.clock import Timer
+from benchmarks.harness.exported import export_classifier, image_card
+
 TARGET_BUSY_PCT = 80.0  # issue 34: resnet18 at 224 px keeps an H200 >= 80% busy
 MODELS = {"resnet18": 224, "efficientnet_lite0": 160}
 
@@ -71,27 +74,9 @@ def make_folder(root: Path, images: int, size: tuple[int, int]) -> Path:
 def export_model(arch: str, side: int, folder: Path) -> tuple[Path, Any]:
     """The Classifier ``arch`` for ``side`` px RGB (random weights) as trainyard exports it
     (ONNX with its card + the .sha256 sidecar); (path, the torch model in eval mode)."""
-    from trainyard.core.card import Card
-    from trainyard.core.io import sha256_file
-    from trainyard.export.onnx_export import export_onnx, model_metadata
-    from trainyard.model.classifier import Classifier
-
-    card = Card(
-        source="generated",
-        classes=tuple(f"c{i}" for i in range(4)),
-        channels=3,
-        height=side,
-        width=side,
-        mean=(0.5, 0.5, 0.5),
-        std=(0.25, 0.25, 0.25),
-        resize="crop",
-    )
-    model = Classifier(card=card.contract(), arch=arch).eval()
+    card = image_card(tuple(f"c{i}" for i in range(4)), side)
     path = folder / arch / "model.onnx"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    export_onnx(model, path, 18, model_metadata(model, "", "", ""))
-    path.with_name("model.onnx.sha256").write_text(f"{sha256_file(path)}  model.onnx\n")
-    return path, model
+    return path, export_classifier(card, arch, path, 18, "")
 
 
 def bulk_row(source: Path, model: Path, out: Path, quick: bool) -> dict[str, Any]:
@@ -110,13 +95,13 @@ def bulk_row(source: Path, model: Path, out: Path, quick: bool) -> dict[str, Any
     ]
     if quick:
         argv += ["--batch-size", "8"]
-    t0 = time.perf_counter()
-    summary = command.predict(parser.parse_args(argv))
+    with Timer() as clock:
+        summary = command.predict(parser.parse_args(argv))
     speed = summary["speed"]
     return {
         "backend": f"onnxruntime {speed['provider']}",
         "img_per_s": speed["img_per_s"],
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": clock.seconds,
         "batch_size": speed["batch_size"],
         "workers": speed["workers"],
         "gpu_busy_pct": (speed.get("gpu_busy") or {}).get("mean_pct"),

@@ -6,21 +6,8 @@
 
 The folder (``--work DIR``, default ``<system temp>/trainyard-bench-prepare/<N>``) is made
 once and reused while its ``manifest.json`` matches (image count, seed, recipe version):
-
-- ``full/photos/`` holds N RGB JPEG files (Pillow, ``quality=90``) in 10 class folders
-  ``0_circle``, ``1_square``, ``2_triangle``, ``3_circle``, ... (the shape cycles over
-  circle/square/triangle); image ``i`` goes to class ``i % 10`` as ``img_<i:06d>.jpg``.
-- Image ``i`` is drawn from its own generator ``numpy.random.default_rng([seed, i])``:
-  width and height each uniform in 128..224 px, then ``draw_shape(kind, (w, h), rng)`` from
-  ``examples/make_shapes.py`` (a light shape on a random dark background), then Gaussian
-  noise (sigma 12 grey levels, per pixel and channel, clipped to 0..255) so the JPEGs are
-  not trivially compressible (about 12 KiB each: 20,000 make 240 MiB). Where
-  ``examples/make_shapes.py`` cannot be loaded (an installed package without the
-  repository), the base image is a flat per-class colour instead (same noise on top); the
-  manifest (``full/manifest.json``) records which recipe drew it.
-- Generation runs in a ``multiprocessing`` pool of one process per core, and is timed.
-- ``subset/photos/`` holds the first N/4 images (hard links to the same files): the
-  largest configuration runs on it too, to show how peak memory depends on N.
+``benchmarks.prepare_photos`` says how it is drawn. ``subset/photos/`` holds its first N/4
+images: the largest configuration runs on it too, to show how peak memory depends on N.
 
 Every file is read once before the runs (page cache warm for all of them alike). Each
 configuration then runs ``trainyard.data.sources.prepare_source`` (source ``folder``, the default
@@ -38,14 +25,9 @@ never torch, lightning, mlflow, dvc or bentoml.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import multiprocessing
-import os
-import platform
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,21 +36,18 @@ from typing import Any
 
 import numpy as np
 
-import trainyard.data.arrays as arrays_module
-from benchmarks.common import update_docs
-from trainyard.core.host import cpu_name
+from benchmarks.harness.host_facts import cpu_facts
+from benchmarks.harness.made_once import warm_cache
+from benchmarks.harness.procs import python_child
+from benchmarks.harness.publish import bench_parser, command_of, outputs, publish
+from benchmarks.prepare_photos import NUM_CLASSES, ensure_photos
+from benchmarks.prepare_report import markdown, print_summary
 
+MODULE = "benchmarks.bench_prepare"
 DOCS_KEY = "prepare"
-RECIPE = 1  # bump when the way images are drawn changes: old folders are then remade
-NUM_CLASSES = 10
-SHAPES = ("circle", "square", "triangle")
-SIZE_RANGE = (128, 224)  # px, both sides, inclusive
-JPEG_QUALITY = 90
-NOISE_SIGMA = 12.0
 FULL_IMAGES = 20_000
 QUICK_IMAGES = 512  # the subset (N/4 = 128) still gets the 2 workers prepare asks for
 HEAVY = ("torch", "lightning", "mlflow", "dvc", "bentoml")
-MAKE_SHAPES = Path(__file__).resolve().parents[1] / "examples" / "make_shapes.py"
 
 # (name, workers, image_size, on the subset): the subset row repeats the largest one.
 CONFIGS = (
@@ -78,147 +57,6 @@ CONFIGS = (
     ("workers=2, 224 px", 2, 224, False),
     ("workers=2, 224 px, N/4", 2, 224, True),
 )
-
-
-# ----------------------------------------------------------------------------- the folder
-
-
-def class_names() -> list[str]:
-    return [f"{k}_{SHAPES[k % len(SHAPES)]}" for k in range(NUM_CLASSES)]
-
-
-def image_path(root: Path, i: int) -> Path:
-    return root / class_names()[i % NUM_CLASSES] / f"img_{i:06d}.jpg"
-
-
-_draw: Any = None  # draw_shape from examples/make_shapes.py, loaded once per process
-
-
-def load_draw_shape() -> Any:
-    """``draw_shape`` from the repository's examples/make_shapes.py, or None."""
-    global _draw
-    if _draw is None:
-        _draw = False
-        try:
-            spec = importlib.util.spec_from_file_location("_trainyard_make_shapes", MAKE_SHAPES)
-            if spec is not None and spec.loader is not None and MAKE_SHAPES.is_file():
-                mod = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(mod)
-                _draw = mod.draw_shape
-        except Exception:  # any failure: the noise recipe below draws instead
-            _draw = False
-    return _draw or None
-
-
-def _make_image(job: tuple[str, int, int]) -> int:
-    """Draw and write image ``i`` (pool task); returns its size in bytes."""
-    from PIL import Image
-
-    root, i, seed = job
-    rng = np.random.default_rng([seed, i])
-    w, h = (int(v) for v in rng.integers(SIZE_RANGE[0], SIZE_RANGE[1] + 1, 2))
-    draw = load_draw_shape()
-    k = i % NUM_CLASSES
-    if draw is not None:
-        base = np.asarray(draw(SHAPES[k % len(SHAPES)], (w, h), rng), dtype=np.float32)
-    else:
-        base = np.empty((h, w, 3), dtype=np.float32)
-        base[:] = np.array([(37 * k) % 256, (91 * k) % 256, (151 * k) % 256], np.float32)
-    noisy = base + rng.normal(0.0, NOISE_SIGMA, base.shape).astype(np.float32)
-    im = Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB")
-    path = image_path(Path(root), i)
-    im.save(path, format="JPEG", quality=JPEG_QUALITY)
-    return path.stat().st_size
-
-
-def _manifest(n: int, seed: int) -> dict[str, Any]:
-    return {
-        "images": n,
-        "seed": seed,
-        "recipe": RECIPE,
-        "classes": NUM_CLASSES,
-        "size_range_px": list(SIZE_RANGE),
-        "jpeg_quality": JPEG_QUALITY,
-        "noise_sigma": NOISE_SIGMA,
-        "drawn_with": "examples/make_shapes.py:draw_shape"
-        if load_draw_shape()
-        else "uniform noise (examples/make_shapes.py not found)",
-    }
-
-
-def _matches(folder: Path, want: dict[str, Any]) -> dict[str, Any] | None:
-    """The folder's manifest when it was made the way ``want`` says and is complete."""
-    try:
-        have = json.loads((folder / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return None
-    same = all(have.get(k) == v for k, v in want.items())
-    if same and all(image_path(folder / "photos", i).is_file() for i in range(want["images"])):
-        return have
-    return None
-
-
-def ensure_photos(
-    folder: Path, n: int, seed: int, log: Any, source: Path | None = None
-) -> dict[str, Any]:
-    """``folder/photos`` with the N images (made, or reused when the manifest matches).
-
-    With ``source`` (a folder already holding at least these images) the files are hard
-    links to its images 0..n-1 (copies where links fail) instead of being drawn again.
-    Returns the manifest plus ``generation_s`` (None when reused) and ``reused``.
-    """
-    want = _manifest(n, seed)
-    have = _matches(folder, want)
-    if have is not None:
-        log(
-            f"bench-prepare: reusing {n:,} images in {folder / 'photos'} "
-            f"({have.get('how')} in {have.get('generation_s')} s when made)"
-        )
-        return have | {"reused": True}
-    photos = folder / "photos"
-    shutil.rmtree(photos, ignore_errors=True)
-    (folder / "manifest.json").unlink(missing_ok=True)
-    for name in class_names():
-        (photos / name).mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    if source is not None:
-        total = 0
-        for i in range(n):
-            src, dst = image_path(source / "photos", i), image_path(photos, i)
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copyfile(src, dst)
-            total += dst.stat().st_size
-        how = f"linked from {source / 'photos'}"
-        processes = 1
-    else:
-        processes = os.cpu_count() or 1
-        jobs = [(str(photos), i, seed) for i in range(n)]
-        # By its importable name: run as __main__ (python -m, runpy), this module's own
-        # functions would not pickle by reference.
-        from benchmarks.bench_prepare import _make_image as make_image
-
-        with multiprocessing.Pool(processes) as pool:
-            total = sum(pool.imap_unordered(make_image, jobs, chunksize=64))
-        how = f"drawn by {processes} processes"
-    dt = time.perf_counter() - t0
-    made = want | {"bytes": total, "how": how, "processes": processes, "generation_s": round(dt, 2)}
-    (folder / "manifest.json").write_text(json.dumps(made, indent=2) + "\n")
-    log(
-        f"bench-prepare: {'generated' if source is None else 'made'} {n:,} JPEGs "
-        f"({total / 2**20:,.0f} MiB) in {dt:.1f} s, {how} ({n / dt:,.0f} images/s)"
-    )
-    return made | {"reused": False}
-
-
-def warm_cache(photos: Path) -> int:
-    """Read every file once so each run finds them all in the page cache alike."""
-    total = 0
-    for path in sorted(photos.rglob("*")):
-        if path.is_file():
-            total += len(path.read_bytes())
-    return total
 
 
 # ----------------------------------------------------------------------------- one run
@@ -333,16 +171,8 @@ def run_prepare(
         "image_size": image_size,
         "seed": seed,
     }
-    t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "benchmarks.bench_prepare", "--child", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    outer = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"bench-prepare: prepare failed (workers={workers}, {image_size} px):\n"
-            + proc.stderr[-4000:]
-        )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    what = f"bench-prepare: prepare (workers={workers}, {image_size} px)"
+    outer, result = python_child(MODULE, "--child", json.dumps(spec), what=what)
     result["process_s"] = outer  # with interpreter start-up and imports
     result["output_bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     if not keep:
@@ -350,107 +180,11 @@ def run_prepare(
     return result
 
 
-# ----------------------------------------------------------------------------- reporting
-
-STATS_BYTES = getattr(arrays_module, "_STATS_BYTES", 16 << 20)
-
-
-def table(result: dict[str, Any]) -> str:
-    lines = [
-        "| configuration | images | wall s | images/s | peak RSS MiB | output MiB |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["runs"]:
-        lines.append(
-            f"| {r['name']} | {r['images']:,} | {r['wall_s']:.1f} | "
-            f"{r['images_per_s']:,.0f} | {r['peak_rss_mib']:,.0f} | {r['output_mib']:,.0f} |"
-        )
-    return "\n".join(lines)
-
-
-def phases_table(result: dict[str, Any]) -> str:
-    lines = [
-        "| configuration | pool | header pass s | decode pass s | stats s | hash s | "
-        "rest s | RSS main, passes MiB | RSS main MiB | RSS worker MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["runs"]:
-        p = r["phases_s"]
-        rest = r["wall_s"] - sum(p.values())
-        lines.append(
-            f"| {r['name']} | {r['pool_workers']} | {p['header_pass_s']:.1f} | "
-            f"{p['decode_pass_s']:.1f} | {p['stats_s']:.1f} | {p['hash_s']:.1f} | "
-            f"{rest:.1f} | {r['rss_main_passes_mib']:,.0f} | {r['rss_main_mib']:,.0f} | "
-            f"{r['rss_worker_mib']:,.0f} |"
-        )
-    return "\n".join(lines)
-
-
-def markdown(result: dict[str, Any]) -> str:
-    hw, ds = result["hardware"], result["dataset"]
-    gen = f"{ds['how']} in {ds['generation_s']:.1f} s" + (
-        ", reused from an earlier run" if ds["reused"] else ""
-    )
-    lines = [
-        "## Prepare: image folder -> memory-mapped arrays",
-        "",
-        f"Measured {result['date']} on {hw['cpu']}, {hw['cores']} cores "
-        f"({hw['cores_usable']} usable), Python {hw['python']}, Pillow {hw['pillow']}, "
-        f"with `{result['command']}`.",
-        "",
-        f"The folder: {ds['images']:,} RGB JPEGs ({ds['bytes'] / 2**20:,.0f} MiB, {gen}), "
-        f"JPEG quality {ds['jpeg_quality']}, width and height each uniform in "
-        f"{ds['size_range_px'][0]}-{ds['size_range_px'][1]} px, in {ds['classes']} class "
-        f"folders; image i is drawn with `numpy.random.default_rng([seed={ds['seed']}, i])` "
-        f"by {ds['drawn_with']} (shape kind cycling circle/square/triangle over the "
-        f"classes) plus Gaussian noise of sigma {ds['noise_sigma']:g} grey levels. "
-        f"The N/4 row runs on the first {result['subset']['images']:,} of the same files. "
-        "Every file was read once before the runs (page cache warm for all). Each row is "
-        "one `prepare` (source `folder`, resize `crop`, val/test fractions 0.1) in a "
-        "fresh process; wall time excludes interpreter start-up; images/s = images "
-        "prepared / wall time; peak RSS is the largest single process (the stage's own "
-        "process or its largest pool worker; `VmHWM` or `ru_maxrss`, which include "
-        "resident pages of the memory-mapped output); output = the prepared folder's size.",
-        "",
-        table(result),
-        "",
-    ]
-    lines += [f"- {k}: **{v:.2f}x**" for k, v in result["ratios"].items()]
-    runs = result["runs"]
-    passes = [r["rss_main_passes_mib"] for r in runs]
-    workers = [r["rss_worker_mib"] for r in runs if r["pool_workers"] > 1]
-    lines += [
-        "",
-        f"While streaming (both passes) the prepare process peaks at {min(passes):,.0f}-"
-        f"{max(passes):,.0f} MiB in every row"
-        + (f" and each pool worker at {max(workers):,.0f} MiB at most" if workers else "")
-        + ", whatever the image count. The statistics pass after it (`channel_stats`) reads "
-        f"the train array in {STATS_BYTES / 2**20:,.0f} MiB blocks with plain reads (not a "
-        "memory map, whose touched pages would count as resident), so it adds about three "
-        "blocks: one read, its uint16 squares.",
-    ]
-    lines += [
-        "",
-        "Where the time and memory went (pool: the worker processes prepare started; "
-        "header/decode pass: its two passes over the files; stats: the train split's "
-        "per-channel mean/std; hash: sha256 of the arrays; RSS main, passes: the prepare "
-        "process's peak before the statistics, i.e. while streaming into the memory maps):",
-        "",
-        phases_table(result),
-        "",
-    ]
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- main
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_prepare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser(MODULE, __doc__ or "", "bench-prepare")
     parser.add_argument("--images", type=int, help=f"folder size (default {FULL_IMAGES:,})")
     parser.add_argument(
         "--quick", action="store_true", help=f"{QUICK_IMAGES} images (seconds; for tests)"
@@ -458,12 +192,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--work", help="folder for the images and the prepared outputs (default: temp dir)"
-    )
-    parser.add_argument("--out", help="JSON results (default reports/bench-prepare.json)")
-    parser.add_argument(
-        "--docs",
-        help="markdown file whose prepare section is replaced (default docs/benchmarks.md; "
-        "not written with --quick unless given); '' to skip",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one prepare run: JSON spec
     return parser
@@ -473,15 +201,7 @@ def hardware() -> dict[str, Any]:
     """The CPU, its cores and the library versions the table is measured with."""
     from PIL import __version__ as pillow_version
 
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
-        "cores_usable": usable,
-        "python": platform.python_version(),
-        "pillow": pillow_version,
-        "numpy": np.__version__,
-    }
+    return cpu_facts() | {"pillow": pillow_version, "numpy": np.__version__}
 
 
 def run_configs(work: Path, n: int, n_sub: int, seed: int, log: Any) -> list[dict[str, Any]]:
@@ -536,18 +256,6 @@ def ratios_of(runs: list[dict[str, Any]], n: int, n_sub: int) -> dict[str, float
     return ratios
 
 
-def _publish(result: dict[str, Any], out_path: Path, docs: str, log: Any) -> None:
-    """Write the JSON (and the docs section when ``docs``), then print the tables."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"bench-prepare: wrote {out_path}")
-    if docs:
-        update_docs(Path(docs), DOCS_KEY, markdown(result))
-        log(f"bench-prepare: updated {docs}")
-    ratios = "".join(f"{k}: {v:.2f}x\n" for k, v in result["ratios"].items())
-    print(f"\n{table(result)}\n\n{ratios}\n{phases_table(result)}")
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``python -m benchmarks.bench_prepare``: make (or reuse) the folder, run every
     configuration, write the results; returns them."""
@@ -561,8 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = args.images or (QUICK_IMAGES if args.quick else FULL_IMAGES)
     if n < 40:
         parser.error("--images must be at least 40 (4 per class, N/4 >= 1 per split)")
-    out_path = Path(args.out or f"reports/bench-prepare{'-quick' if args.quick else ''}.json")
-    docs = args.docs if args.docs is not None else ("" if args.quick else "docs/benchmarks.md")
+    out_path, docs = outputs("bench-prepare", args.out, args.docs, args.quick)
     work = Path(args.work or Path(tempfile.gettempdir()) / "trainyard-bench-prepare" / str(n))
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     hw = hardware()
@@ -571,15 +278,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     full = ensure_photos(work / "full", n, args.seed, log)
     n_sub = max(NUM_CLASSES * 4, n // 4)
     subset = ensure_photos(work / "subset", n_sub, args.seed, log, source=work / "full")
-    warm_cache(work / "full" / "photos")
+    warm_cache(work / "full" / "photos")  # the page cache warm for every run alike
 
     runs = run_configs(work, n, n_sub, args.seed, log)
-    command = "python -m benchmarks.bench_prepare " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "command": command.strip(),
+        "command": command_of(MODULE, argv),
         "hardware": hw,
         "work": str(work),
         "dataset": dict(full),
@@ -590,7 +294,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "largest ru_maxrss among its finished pool workers); includes resident pages of "
         "memory-mapped files",
     }
-    _publish(result, out_path, docs, log)
+    publish(
+        result, markdown(result), out_path, docs, DOCS_KEY, lambda m: log(f"bench-prepare: {m}")
+    )
+    print_summary(result)
     return result
 
 

@@ -35,25 +35,24 @@ quick mode).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 
-from benchmarks.common import provenance, update_docs
+from benchmarks.harness.clock import Timer
+from benchmarks.harness.host_facts import cpu_facts
+from benchmarks.harness.procs import child_env, clone
+from benchmarks.harness.publish import bench_parser, outputs, provenance, publish
 from benchmarks.recipe_folders import clipart_folder, digits_folder, emoji_folder
 from benchmarks.recipe_textbook import TEXTBOOK, textbook
-from trainyard.core.host import cpu_name
 from trainyard.data.walk import scan_folder
 from trainyard.track import quiet_mlflow
 from trainyard.track.store import STORE_FILE, tracking_client
@@ -158,27 +157,16 @@ def build_folder(name: str, work: Path, quick: bool, seed: int = 0) -> Path:
 # --- trainyard, through DVC --------------------------------------------------------------
 
 
-def _env() -> dict[str, str]:
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    env.pop("MLFLOW_TRACKING_URI", None)  # the clone's own store
-    env.pop("PYTEST_CURRENT_TEST", None)  # pytest's marker turns on MLflow's test-only checks
-    return env
-
-
 def trainyard_run(source: Path, repo: Path, folder: Path, sets: list[str]) -> dict[str, Any]:
     """``dvc exp run`` of the whole pipeline on ``folder`` in a clone of ``source``'s
     committed files: its wall time, test accuracy and what the recipe chose."""
-    subprocess.run(["git", "clone", "-q", str(source), str(repo)], check=True)
+    clone(source, repo)
     cmd = ["dvc", "exp", "run", "-S", "data.source=folder", "-S", f"data.folder={folder}"]
     for s in sets:
         cmd += ["-S", s]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=repo, env=_env(), capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    with Timer() as clock:
+        proc = subprocess.run(cmd, cwd=repo, env=child_env(), capture_output=True, text=True)
+    wall = clock.seconds
     out = proc.stdout + proc.stderr
     (repo.parent / f"{repo.name}.log").write_text(out)
     if proc.returncode != 0:
@@ -296,29 +284,21 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``python -m benchmarks.bench_recipe``: measure, print, write the JSON (and docs)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_recipe", description=__doc__.split("\n")[0]
-    )
+    parser = bench_parser("benchmarks.bench_recipe", __doc__ or "", "bench-recipe", repo=True)
     parser.add_argument(
         "--folders",
         default=",".join(FOLDERS),
         help=f"comma-separated: {', '.join(FOLDERS)}, or paths of your own class folders",
     )
     parser.add_argument("--quick", action="store_true", help="a few images, seconds of budget")
-    parser.add_argument("--repo", default=".", help="the git repository to clone")
     parser.add_argument("--work", default=None, help="keep the clones and folders here")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="reports/bench-recipe.json")
-    parser.add_argument(
-        "--docs", default=None, help="docs file to update ('' = none; default: none if --quick)"
-    )
     args = parser.parse_args(argv)
-    docs = args.docs if args.docs is not None else ("" if args.quick else "docs/benchmarks.md")
+    out, docs = outputs("bench-recipe", args.out, args.docs, args.quick)
     names = [n.strip() for n in args.folders.split(",") if n.strip()]
     doc: dict[str, Any] = {
         "provenance": provenance("benchmarks.bench_recipe", argv),
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
+        **cpu_facts(),
         "quick": args.quick,
         "textbook": TEXTBOOK,
         "folders": [],
@@ -332,10 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result = measure(name, Path(args.repo).resolve(), sub, args.quick, args.seed)
             doc["folders"].append(result)
             print(table(result), end="\n\n", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    if docs:
-        update_docs(Path(docs), DOCS_KEY, markdown(doc))
+    publish(doc, markdown(doc), out, docs, DOCS_KEY, log=lambda m: print(f"bench-recipe: {m}"))
     return doc
 
 

@@ -21,36 +21,28 @@ val/acc of both trainings: a resume that changed what is learned would show here
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from benchmarks.common import publish
-from trainyard.core.host import cpu_name
+from benchmarks.harness.clock import Timer
+from benchmarks.harness.host_facts import cpu_facts
+from benchmarks.harness.procs import child_env, clone, run_timed
+from benchmarks.harness.publish import bench_parser, outputs, publish
 from trainyard.training.resume import LAST_CKPT, RESUME_ROOT
 
 DOCS_KEY = "resume"
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
-    return seconds, out
+    seconds, proc = run_timed(cmd, cwd, env)
+    return seconds, proc.stdout + proc.stderr
 
 
 def _checkpoint_epoch(path: Path) -> int | None:
@@ -67,7 +59,8 @@ def _checkpoint_epoch(path: Path) -> int | None:
 
 def _kill_after(repo: Path, env: dict[str, str], epochs_done: int) -> float:
     """``dvc repro train``, SIGKILLed once its checkpoint holds ``epochs_done`` epochs."""
-    t0 = time.perf_counter()
+    clock = Timer()
+    clock.start()
     log = repo / "killed.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -97,7 +90,7 @@ def _kill_after(repo: Path, env: dict[str, str], epochs_done: int) -> float:
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    return time.perf_counter() - t0
+    return clock.stop()
 
 
 def _best(repo: Path) -> float:
@@ -107,18 +100,10 @@ def _best(repo: Path) -> float:
 def measure(source: Path, work: Path, epochs: int, kill_after: int, limit: int | None) -> dict:
     """Steps 1-4 above, in a clone of ``source`` under ``work``: their seconds and best val/acc."""
     repo = work / "trainyard"
-    subprocess.run(["git", "clone", "-q", str(source), str(repo)], check=True)
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["train"]["max_epochs"] = epochs
-    if limit:
-        params["data"]["limit"] = limit
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    env.pop("MLFLOW_TRACKING_URI", None)  # the clone's own store
+    clone(
+        source, repo, {"train": {"max_epochs": epochs}, "data": {"limit": limit} if limit else {}}
+    )
+    env = child_env()
     _run(["dvc", "repro", "prepare"], repo, env)
     killed_s = _kill_after(repo, env, kill_after)
     resumed_s, out = _run(["dvc", "repro", "train"], repo, env)
@@ -140,9 +125,7 @@ def measure(source: Path, work: Path, epochs: int, kill_after: int, limit: int |
         "saved_s": round(full_s - resumed_s, 1),
         "best_val_acc_resumed": resumed_best,
         "best_val_acc_uninterrupted": _best(repo),
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
+        **cpu_facts(),
     }
 
 
@@ -173,15 +156,10 @@ def markdown(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``python -m benchmarks.bench_resume``: measure, print, write the JSON and docs section."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_resume", description=__doc__.split("\n")[0]
-    )
+    parser = bench_parser("benchmarks.bench_resume", __doc__ or "", "bench-resume", repo=True)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--kill-after", type=int, default=2, help="epochs done at the SIGKILL")
     parser.add_argument("--limit", type=int, default=None, help="data.limit (default: all)")
-    parser.add_argument("--repo", default=".", help="the git repository to clone")
-    parser.add_argument("--out", default="reports/bench-resume.json")
-    parser.add_argument("--docs", default="docs/benchmarks.md", help="'' to leave it alone")
     args = parser.parse_args(argv)
     if not 0 < args.kill_after < args.epochs:
         parser.error("--kill-after must be between 0 and --epochs, exclusive")
@@ -189,7 +167,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = measure(
             Path(args.repo).resolve(), Path(work), args.epochs, args.kill_after, args.limit
         )
-    publish(result, markdown(result), args.out, args.docs, DOCS_KEY)
+    publish(
+        result, markdown(result), *outputs("bench-resume", args.out, args.docs, False), DOCS_KEY
+    )
     return result
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.clock import Timer
+from benchmarks.harness.host_facts import load_facts
 from benchmarks.serve_figures import BATCH_LEVELS, FASHION, LARGE, LATENCY_CLIENTS, LEVELS
 from benchmarks.serve_int8 import (
     FIGURES,
@@ -115,9 +116,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def build_large(path: Path) -> float:
     """Build and export the larger model to ``path`` in a child process; its seconds."""
     print(f"building {path.name} (random init) and exporting it to ONNX", flush=True)
-    t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", MODULE, "--build-large", str(path)], cwd=REPO, check=True)
-    return time.monotonic() - t0
+    with Timer() as clock:
+        command = [sys.executable, "-m", MODULE, "--build-large", str(path)]
+        subprocess.run(command, cwd=REPO, check=True)
+    return clock.seconds
 
 
 def load_cold_and_latency(bench: Bench, settings: Any, fashion: dict[str, Any]) -> None:
@@ -295,12 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     if ready is None:
         return 2
     settings, command = ready
-    from trainyard.core.host import cpu_name
     from trainyard.core.io import atomic_write_json
 
-    loadavg = os.getloadavg()[0]
-    began = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
+    machine = load_facts()
+    with Timer() as clock, tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
         run = measure_all(args, settings, Path(tmp_name))
     bench = run["bench"]
     if args.int8_only:
@@ -317,14 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": command,
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "loadavg": loadavg},
+        "machine": machine,
         "provider": run["provider"],
         "threads": settings.model_threads(),
         "access_log": getattr(settings, "access_log", None),
         "seconds": args.seconds,
         "warmup": args.warmup,
         "first_seconds": args.first_seconds,
-        "wall_s": round(time.monotonic() - began, 1),
+        "wall_s": round(clock.seconds, 1),
         "models": models_record(args, run),
         "servers": bench.servers,
         "cold_start": bench.cold,

@@ -19,49 +19,30 @@ runs the repository's MLflow store holds (they run in copies DVC deletes).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from benchmarks.common import publish
-from trainyard.core.host import cpu_name
+from benchmarks.harness.clock import Timer
+from benchmarks.harness.host_facts import cpu_facts
+from benchmarks.harness.procs import child_env, clone, run_timed
+from benchmarks.harness.publish import bench_parser, outputs, publish
 from trainyard.track.store import count_runs
 
 DOCS_KEY = "sweep"
 
 
-def _env() -> dict[str, str]:
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    env.pop("MLFLOW_TRACKING_URI", None)  # the clone's own store
-    return env
-
-
 def _dvc(repo: Path, *args: str) -> str:
-    proc = subprocess.run(["dvc", *args], cwd=repo, env=_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"dvc {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    _, proc = run_timed(["dvc", *args], repo, child_env())
     return proc.stdout
 
 
-def clone(source: Path, dest: Path, limit: int, epochs: int) -> Path:
+def baseline_clone(source: Path, dest: Path, limit: int, epochs: int) -> Path:
     """A clone of ``source`` with the sweep's baseline params committed, data prepared."""
-    subprocess.run(["git", "clone", "-q", str(source), str(dest)], check=True)
-    params = yaml.safe_load((dest / "params.yaml").read_text())
-    params["data"]["limit"] = limit
-    params["train"]["max_epochs"] = epochs
-    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    clone(source, dest, {"data": {"limit": limit}, "train": {"max_epochs": epochs}})
     git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
     subprocess.run([*git, "commit", "-qam", "sweep baseline"], cwd=dest, check=True)
     _dvc(dest, "repro", "prepare")
@@ -71,14 +52,14 @@ def clone(source: Path, dest: Path, limit: int, epochs: int) -> Path:
 def sweep(repo: Path, lrs: list[str], jobs: int) -> dict[str, Any]:
     """Queue one experiment per learning rate, run them ``jobs`` at a time; timed."""
     _dvc(repo, "exp", "run", "--queue", "-S", f"train.lr={','.join(lrs)}")
-    t0 = time.perf_counter()
-    _dvc(repo, "queue", "start", "-j", str(jobs))
-    while True:
-        status = _dvc(repo, "queue", "status")
-        if "Queued" not in status and "Running" not in status:
-            break
-        time.sleep(2)
-    seconds = time.perf_counter() - t0
+    with Timer() as clock:
+        _dvc(repo, "queue", "start", "-j", str(jobs))
+        while True:
+            status = _dvc(repo, "queue", "status")
+            if "Queued" not in status and "Running" not in status:
+                break
+            time.sleep(2)
+    seconds = clock.seconds
     shown = json.loads(_dvc(repo, "exp", "show", "--json"))
     accuracy = {
         exp["name"]: rev["data"]["metrics"]["reports/metrics.json"]["data"]["test"]["accuracy"]
@@ -130,22 +111,17 @@ def markdown(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``python -m benchmarks.bench_sweep``: measure, print, write the JSON and docs section."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_sweep", description=__doc__.split("\n")[0]
-    )
+    parser = bench_parser("benchmarks.bench_sweep", __doc__ or "", "bench-sweep", repo=True)
     parser.add_argument("--lrs", default="0.001,0.002,0.004,0.008", help="the grid of train.lr")
     parser.add_argument("--limit", type=int, default=8000, help="data.limit")
     parser.add_argument("--epochs", type=int, default=1, help="train.max_epochs")
-    parser.add_argument("--repo", default=".", help="the git repository to clone")
-    parser.add_argument("--out", default="reports/bench-sweep.json")
-    parser.add_argument("--docs", default="docs/benchmarks.md", help="'' to leave it alone")
     args = parser.parse_args(argv)
     lrs = [v.strip() for v in args.lrs.split(",") if v.strip()]
     source = Path(args.repo).resolve()
     sweeps = []
     with tempfile.TemporaryDirectory(prefix="trainyard-bench-sweep-") as work:
         for jobs in (1, 2):
-            repo = clone(source, Path(work) / f"j{jobs}", args.limit, args.epochs)
+            repo = baseline_clone(source, Path(work) / f"j{jobs}", args.limit, args.epochs)
             sweeps.append(sweep(repo, lrs, jobs))
             print(f"-j {jobs}: {sweeps[-1]}", flush=True)
     result = {
@@ -154,10 +130,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "epochs": args.epochs,
         "sweeps": sweeps,
         "ratio": round(sweeps[1]["seconds"] / sweeps[0]["seconds"], 3),
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
+        **cpu_facts(),
     }
-    publish(result, markdown(result), args.out, args.docs, DOCS_KEY)
+    out, docs = outputs("bench-sweep", args.out, args.docs, quick=False)
+    publish(result, markdown(result), out, docs, DOCS_KEY)
     return result
 
 

@@ -5,27 +5,21 @@ while the fast path trains; the `fast` preset's time to a target test accuracy."
 from __future__ import annotations
 
 import functools
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import numpy as np
 
-from benchmarks.common import classifier
-from benchmarks.timing import StepWindow, Timer, window_trainer
+from benchmarks.common import Data, classifier
+from benchmarks.harness.clock import Timer, round_robin
+from benchmarks.harness.fit_window import Steps, StepWindow, window_trainer
+from benchmarks.harness.ratios import ratios_of
 from trainyard.training.gpu_busy import NvmlSampler  # the one NVML sampler, training's too
 
 
 def plain_loop_throughput(
-    data: dict[str, Any],
-    arch: str,
-    device: str,
-    batch_size: int,
-    steps: int,
-    warmup: int,
-    loader: str = "textbook",
-    precision: str = "32-true",
+    data: Data, arch: str, run: Steps, loader: str = "textbook", precision: str = "32-true"
 ) -> float:
     """img/s of a hand-written PyTorch loop: same model, optimiser, augmentation, batch.
 
@@ -40,6 +34,7 @@ def plain_loop_throughput(
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
+    device, batch_size, steps, warmup = run
     from trainyard.model.augment import augment_batch, normalize_on_device
     from trainyard.model.networks import build_model
     from trainyard.training.datamodule import PerSampleDataset, TensorBatches
@@ -86,12 +81,9 @@ def plain_loop_throughput(
 
 
 def lightning_throughput(
-    data: dict[str, Any],
+    data: Data,
     arch: str,
-    device: str,
-    batch_size: int,
-    steps: int,
-    warmup: int,
+    run: Steps,
     data_path: str = "fast",
     precision: str = "32-true",
     channels_last: bool = False,
@@ -100,6 +92,7 @@ def lightning_throughput(
     """img/s of trainyard's own training (ImageDataModule + Classifier + Lightning)."""
     from trainyard.training.datamodule import ImageDataModule
 
+    device, batch_size, steps, warmup = run
     L.seed_everything(0, verbose=False)
     dm = ImageDataModule(
         arrays=data["arrays"],
@@ -113,19 +106,6 @@ def lightning_throughput(
     trainer = window_trainer(device, warmup + steps, [window], precision)
     trainer.fit(model, datamodule=dm)
     return window.img_per_s
-
-
-def round_robin(
-    rows: dict[str, Callable[[], float]], repeats: int, log: Callable[[str], None], unit: str
-) -> dict[str, dict[str, Any]]:
-    """Each row ``repeats`` times, repeat by repeat: drift in machine load (shared, noisy
-    hosts) then spreads over all rows instead of biasing whichever ran last."""
-    runs: dict[str, list[float]] = {name: [] for name in rows}
-    for rep in range(repeats):
-        for name, fn in rows.items():
-            runs[name].append(fn())
-            log(f"bench: [{rep + 1}/{repeats}] {name:32s} {runs[name][-1]:>12,.0f} {unit}")
-    return {name: {"median": statistics.median(v), "runs": v} for name, v in runs.items()}
 
 
 def training_benchmarks(
@@ -166,7 +146,7 @@ def training_benchmarks(
                 # channels_last only where it pays: tensor-core convolutions on the GPU.
                 kw = {"precision": precision, "channels_last": nhwc and device == "cuda"}
             rows[f"{device}/{name}"] = functools.partial(
-                fn, data, arch, device, bs, n, warm, path, **kw
+                fn, data, arch, Steps(device, bs, n, warm), path, **kw
             )
     if not torch.cuda.is_available():
         log("bench: no CUDA GPU here: GPU training rows skipped")
@@ -181,10 +161,7 @@ def training_benchmarks(
             lightning_throughput(
                 data,
                 arch,
-                "cuda",
-                bs,
-                cfg["gpu_util_steps"],
-                warm,
+                Steps("cuda", bs, cfg["gpu_util_steps"], warm),
                 "fast",
                 "bf16-mixed",
                 channels_last=True,
@@ -199,17 +176,6 @@ def training_benchmarks(
         out["gpu_utilisation"] = {"skipped": "no CUDA GPU"}
     out["ratios"] = training_ratios(out["img_per_s"])
     return out
-
-
-def ratios_of(
-    rows: dict[str, dict[str, Any]], pairs: dict[str, tuple[str, str]]
-) -> dict[str, float]:
-    """``{label: median(a) / median(b)}`` for the pairs whose two rows were measured."""
-    return {
-        label: rows[a]["median"] / rows[b]["median"]
-        for label, (a, b) in pairs.items()
-        if a in rows and b in rows
-    }
 
 
 def training_ratios(r: dict[str, Any]) -> dict[str, float]:
@@ -296,8 +262,40 @@ class TargetClock(L.Callback):
             trainer.should_stop = True
 
 
+def fit_to_target(
+    data: Data,
+    make_model: Callable[[], Any],
+    run: tuple[str, str, int],
+    target: float,
+    log: Callable[[str], None],
+    on_window: Callable[[bool], None] | None = None,
+    **datamodule: Any,
+) -> TargetClock:
+    """Fit the model ``make_model`` builds (``run``: device, precision, max epochs) on the
+    train split, checking *test* accuracy after each epoch, until it reaches ``target``;
+    the clock: seconds of training steps, the history, the epoch that reached it."""
+    from trainyard.training.builder import build_trainer
+    from trainyard.training.datamodule import ImageDataModule
+
+    device, precision, max_epochs = run
+    arrays = dict(data["arrays"])
+    arrays["val"] = arrays["test"]  # the target is *test* accuracy, checked each epoch
+    L.seed_everything(0, verbose=False)
+    dm = ImageDataModule(arrays=arrays, card=data["card"], seed=0, **datamodule)
+    clock = TargetClock(device, target, log, on_window=on_window)
+    trainer = build_trainer(
+        accelerator="gpu" if device == "cuda" else "cpu",
+        precision=precision,
+        max_epochs=max_epochs,
+        num_sanity_val_steps=0,
+        callbacks=[clock],
+    )
+    trainer.fit(make_model(), datamodule=dm)
+    return clock
+
+
 def time_to_target(
-    data: dict[str, Any],
+    data: Data,
     preset: dict[str, Any],
     target: float,
     max_epochs: int,
@@ -307,43 +305,33 @@ def time_to_target(
     steps only (evaluation after each epoch is excluded, as airbench does)."""
     import torch
 
-    from trainyard.training.builder import build_trainer
-    from trainyard.training.datamodule import ImageDataModule
-
     tp = preset["train"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     precision = tp.get("precision", "32-true") if device == "cuda" else "32-true"
-    arrays = dict(data["arrays"])
-    arrays["val"] = arrays["test"]  # the target is *test* accuracy, checked each epoch
-    L.seed_everything(0, verbose=False)
-    dm = ImageDataModule(
-        arrays=arrays,
-        card=data["card"],
+
+    def model() -> Any:
+        return classifier(
+            tp["arch"],
+            data["card"],
+            lr=tp["lr"],
+            weight_decay=tp.get("weight_decay", 5e-4),
+            label_smoothing=tp.get("label_smoothing", 0.1),
+            augment=tp.get("augment", True),
+            channels_last=tp.get("channels_last", False) and device == "cuda",
+            compile=tp.get("compile", False),
+        )
+
+    clock = fit_to_target(
+        data,
+        model,
+        (device, precision, max_epochs),
+        target,
+        log,
         batch_size=tp["batch_size"],
         eval_batch_size=2048,
-        seed=0,
         data_path=tp.get("data_path", "fast"),
         device_resident=tp.get("device_resident", True),
     )
-    model = classifier(
-        tp["arch"],
-        data["card"],
-        lr=tp["lr"],
-        weight_decay=tp.get("weight_decay", 5e-4),
-        label_smoothing=tp.get("label_smoothing", 0.1),
-        augment=tp.get("augment", True),
-        channels_last=tp.get("channels_last", False) and device == "cuda",
-        compile=tp.get("compile", False),
-    )
-    clock = TargetClock(device, target, log)
-    trainer = build_trainer(
-        accelerator=device,
-        precision=precision,
-        max_epochs=max_epochs,
-        num_sanity_val_steps=0,
-        callbacks=[clock],
-    )
-    trainer.fit(model, datamodule=dm)
     return {
         "device": device,
         "precision": precision,

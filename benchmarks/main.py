@@ -40,19 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    find_raw_dir,
-    hardware,
-    hardware_label,
-    load_data,
-    provenance,
-    update_docs,
-)
+from benchmarks.common import find_raw_dir, load_data
+from benchmarks.harness.clock import Timer
+from benchmarks.harness.host_facts import hardware_label, torch_facts
+from benchmarks.harness.publish import provenance, update_docs, write_json
 from benchmarks.training_figures import chart, markdown
 
 FULL = {
@@ -245,95 +240,95 @@ def run_parts(
     return out
 
 
-def predict_rows(
-    cfg: dict[str, Any], quick: bool, log: Callable[[str], None]
+def gpu_part(
+    what: str,
+    quick: bool,
+    log: Callable[[str], None],
+    needs: tuple[str, ...],
+    measure: Callable[[], dict[str, Any]],
+    why_not: Callable[[], str | None] = lambda: None,
+    fatal: bool = False,
 ) -> dict[str, Any] | None:
-    """Bulk scoring on a GPU (benchmarks/bench_predict_gpu.py): on a GPU, or anywhere with
-    --quick (the code path); skipped with the reason where pydantic (params) or pyarrow
-    (the table) is missing; a failure is logged, not fatal (the check's other figures)."""
+    """A GPU part of the check: run on a GPU, or anywhere with --quick (the code path);
+    skipped with the reason where a package it ``needs`` (make gpu-wheels) is missing or
+    ``why_not`` says; unless ``fatal``, a failure is logged, not raised (the check keeps
+    its other figures)."""
     import importlib.util
 
     import torch
 
     if not (torch.cuda.is_available() or quick):
-        log("bench: no CUDA GPU here: the bulk scoring row skipped (it is a GPU figure)")
+        log(f"bench: no CUDA GPU here: {what} skipped (GPU figures)")
         return None
-    missing = [m for m in ("pydantic", "pyarrow") if importlib.util.find_spec(m) is None]
+    missing = ", ".join(m for m in needs if importlib.util.find_spec(m) is None)
     if missing:
-        log(f"bench: no {', '.join(missing)} (make gpu-wheels): the bulk scoring row skipped")
-        return {"skipped": f"no {', '.join(missing)}: carry make gpu-wheels' .whl"}
-    from benchmarks.bench_predict_gpu import predict_gpu_benchmark
-
+        log(f"bench: no {missing} (make gpu-wheels): {what} skipped")
+        return {"skipped": f"no {missing}: carry make gpu-wheels' .whl"}
+    why = why_not()
+    if why is not None:
+        log(f"bench: {what} skipped: {why}")
+        return {"skipped": why}
     try:
-        return predict_gpu_benchmark(cfg["predict"], log)
+        return measure()
     except Exception as err:
+        if fatal:
+            raise
         import traceback
 
         log(traceback.format_exc().rstrip())
-        log(f"bench: the bulk scoring row failed: {type(err).__name__}: {err}")
+        log(f"bench: {what} failed: {type(err).__name__}: {err}")
         return {"skipped": f"failed: {type(err).__name__}: {err}"}
+
+
+def predict_rows(
+    cfg: dict[str, Any], quick: bool, log: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """Bulk scoring on a GPU (benchmarks/bench_predict_gpu.py)."""
+
+    def measure() -> dict[str, Any]:
+        from benchmarks.bench_predict_gpu import predict_gpu_benchmark
+
+        return predict_gpu_benchmark(cfg["predict"], log)
+
+    return gpu_part("the bulk scoring row", quick, log, ("pydantic", "pyarrow"), measure)
 
 
 def default_plan_rows(
     data: dict[str, Any], cfg: dict[str, Any], quick: bool, log: Callable[[str], None]
 ) -> dict[str, Any] | None:
-    """What a user gets (benchmarks/bench_default_plan.py): on a GPU, or anywhere with
-    --quick (1 epoch: the code path); skipped with the reason otherwise."""
-    import importlib.util
+    """What a user gets (benchmarks/bench_default_plan.py), 1 epoch with --quick."""
 
-    import torch
+    def measure() -> dict[str, Any]:
+        from benchmarks.bench_default_plan import default_plan_benchmark
 
-    if not (torch.cuda.is_available() or quick):
-        log("bench: no CUDA GPU here: the default plan's rows skipped (they are GPU figures)")
-        return None
-    if importlib.util.find_spec("pydantic") is None:  # params are validated by pydantic
-        log("bench: no pydantic (make gpu-wheels): the default plan's rows skipped")
-        return {"skipped": "no pydantic: carry make gpu-wheels' .whl"}
-    from benchmarks.bench_default_plan import default_plan_benchmark
+        return default_plan_benchmark(data, cfg | ({"plan_epochs": 1} if quick else {}), log)
 
-    return default_plan_benchmark(data, cfg | ({"plan_epochs": 1} if quick else {}), log)
+    return gpu_part("the default plan's rows", quick, log, ("pydantic",), measure, fatal=True)
 
 
 def finetune_rows(
     cfg: dict[str, Any], quick: bool, log: Callable[[str], None]
 ) -> dict[str, Any] | None:
-    """The default pretrained fine-tune (benchmarks/bench_finetune.py): on a GPU, or
-    anywhere with --quick (tiny sizes: the code path); skipped with the reason otherwise,
-    or where its weights or pydantic (the recipe's params) are missing."""
-    import importlib.util
+    """The default pretrained fine-tune (benchmarks/bench_finetune.py)."""
 
-    import torch
+    def measure() -> dict[str, Any]:
+        from benchmarks.bench_finetune import finetune_benchmark
 
-    if not (torch.cuda.is_available() or quick):
-        log("bench: no CUDA GPU here: the fine-tune row skipped (it is a GPU figure)")
-        return None
-    if importlib.util.find_spec("pydantic") is None:  # the recipe validates params
-        log("bench: no pydantic (make gpu-wheels): the fine-tune row skipped")
-        return {"skipped": "no pydantic: carry make gpu-wheels' .whl"}
-    from benchmarks.bench_finetune import finetune_benchmark, skip_reason
-
-    why = skip_reason()
-    if why is not None:
-        log(f"bench: the fine-tune row skipped: {why}")
-        return {"skipped": why}
-    try:
         return finetune_benchmark(cfg["finetune"], log)
-    except Exception as err:  # the last row: a failure must not cost the check its figures
-        import traceback
 
-        log(traceback.format_exc().rstrip())
-        log(f"bench: the fine-tune row failed: {type(err).__name__}: {err}")
-        return {"skipped": f"failed: {type(err).__name__}: {err}"}
+    def why_not() -> str | None:  # imported only once pydantic is known to be there
+        from benchmarks.bench_finetune import skip_reason
+
+        return skip_reason()
+
+    return gpu_part("the fine-tune row", quick, log, ("pydantic",), measure, why_not)
 
 
 def write_outputs(
     args: argparse.Namespace, result: dict[str, Any], log: Callable[[str], None]
 ) -> None:
     """The JSON, the chart and this hardware's docs section; the section printed."""
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"bench: wrote {out}")
+    log(f"bench: wrote {write_json(args.out, result)}")
     if args.chart:
         chart(result, Path(args.chart))
         log(f"bench: wrote {args.chart}")
@@ -352,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     # Lightning announces the accelerators (and a tip) at every fit: dozens of fits here.
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    hw = hardware()
+    hw = torch_facts()
     log(f"bench: hardware: {hardware_label(hw)}")
     data = load_data(find_raw_dir(args.raw), cfg["limit"])
     result: dict[str, Any] = {
@@ -361,8 +356,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": cfg,
         "classes": data["card"].num_classes,
     }
-    t0 = time.perf_counter()
-    result.update(run_parts(args, data, cfg, log))
-    result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    with Timer() as clock:
+        result.update(run_parts(args, data, cfg, log))
+    result["elapsed_s"] = round(clock.seconds, 1)
     write_outputs(args, result, log)
     return result

@@ -1,6 +1,7 @@
-"""The contenders of ``benchmarks.bench_predict`` that run in other processes:
-``trainyard predict`` itself (1), posting every file to ``bentoml serve`` (3), and the
-memory check's run of predict on many small files with its process tree's RSS (5)."""
+"""The contenders of ``benchmarks.bench_predict``: ``trainyard predict`` itself (1, a
+subprocess), the plain loop (2, in this process) with what each part of an image costs
+alone, posting every file to ``bentoml serve`` (3), and the memory check's run of predict
+on many small files with its process tree's RSS (5)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from benchmarks.harness.clock import Timer, per_item_s
+from benchmarks.harness.host_facts import usable_cores
+from benchmarks.harness.rss import tree_memory
 from benchmarks.predict_inputs import REPO
 from benchmarks.predict_report import GROWTH_LIMIT
+from benchmarks.serve_load import BOUNDARY, multipart_body, start_server, stop_server
 from trainyard.bulk.table import summary_path
 
 MODULE = "benchmarks.bench_predict"
 SAMPLE_S = 0.5
-BOUNDARY = "trainyardbench"
 
 
 def log(msg: str) -> None:
@@ -92,15 +98,107 @@ def predict_row(run: dict[str, Any], count: int) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------- 3. service
+# ----------------------------------------------------------------------------- 2. plain loop
 
 
-def multipart(data: bytes, filename: str, content_type: str) -> bytes:
-    head = (
-        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; '
-        f'filename="{filename}"\r\nContent-Type: {content_type}\r\n\r\n'
+def model_card(model: Path) -> Any:
+    """The dataset card the exported model carries (size, channels, mean/std, classes)."""
+    import onnxruntime as ort
+
+    from trainyard.core.card import card_from_metadata
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    return card_from_metadata(dict(session.get_modelmeta().custom_metadata_map), str(model))
+
+
+def plain_loop(files: list[Path], model: Path, card: Any, keep: set[int]) -> dict[str, Any]:
+    """What a user writes by hand: one file at a time, PIL then ONNX Runtime at batch 1.
+    Returns the row and the probabilities of the files whose index is in ``keep``."""
+    import onnxruntime as ort
+    from PIL import Image
+
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    name, logits_out = session.get_inputs()[0].name, [session.get_outputs()[0].name]
+    mode = "L" if card.channels == 1 else "RGB"
+    size = (card.width, card.height)
+    mean = np.asarray(card.mean, np.float32).reshape(-1, 1, 1)
+    std = np.asarray(card.std, np.float32).reshape(-1, 1, 1)
+    # Output 0 only (the logits), as predict asks: an embedding output is not copied back.
+    session.run(logits_out, {name: np.zeros((1, *card.input_shape), np.float32)})  # warm-up
+    kept: dict[int, list[float]] = {}
+    load = os.getloadavg()[0]
+    with Timer() as clock:
+        for i, path in enumerate(files):
+            im = Image.open(path).convert(mode).resize(size)
+            x = np.asarray(im, np.float32) / 255.0
+            x = x[None] if mode == "L" else x.transpose(2, 0, 1)
+            x = (x - mean) / std
+            logits = session.run(logits_out, {name: x[None]})[0][0]
+            if i in keep:
+                e = np.exp(logits - logits.max())
+                kept[i] = (e / e.sum()).tolist()
+    dt = clock.seconds
+    row = {
+        "images": len(files),
+        "seconds": dt,
+        "img_per_s": len(files) / dt,
+        "loadavg": [load, os.getloadavg()[0]],
+    }
+    return {"row": row, "probabilities": kept}
+
+
+def costs(files: list[Path], model: Path, card: Any, seconds: float) -> dict[str, Any]:
+    """What one image costs here, each part alone, in this process: the bulk decode
+    (``decode_image`` with predict's limits) and the plain loop's PIL calls on up to 64
+    of the files; ONNX Runtime at batch 64 on one intra-op thread and on one per core, at
+    batch 1 on one thread, and the plain loop's session at batch 1. ``ceiling``: the img/s
+    of predict if decode and inference shared the cores perfectly: cores / (decode + the
+    better of batch 1 and 64 on one thread, per image)."""
+    import math
+
+    import onnxruntime as ort
+    from PIL import Image
+
+    from trainyard.runtime.inputs import decode_image
+    from trainyard.runtime.sessions import load_onnx
+
+    sample = [p.read_bytes() for p in files[:64]]
+    mode = "L" if card.channels == 1 else "RGB"
+    size = (card.width, card.height)
+    out: dict[str, Any] = {"files": len(sample)}
+
+    def bulk_decode() -> None:
+        for data in sample:
+            decode_image(data, card, max_pixels=10**9, field="file", max_aspect_ratio=math.inf)
+
+    def plain_decode() -> None:
+        for path in files[: len(sample)]:
+            Image.open(path).convert(mode).resize(size)
+
+    out["decode_ms"] = 1000 * per_item_s(bulk_decode, len(sample), seconds)
+    out["plain_decode_ms"] = 1000 * per_item_s(plain_decode, len(sample), seconds)
+    batch = np.zeros((64, *card.input_shape), np.float32)
+    for threads, key in ((1, "infer_b64_1thread_ms"), (0, "infer_b64_ms")):
+        session = load_onnx(model, device="cpu", intra_op_threads=threads, say=False)
+        out[key] = 1000 * per_item_s(lambda s=session: s.run(batch), len(batch), seconds)
+    single = load_onnx(model, device="cpu", intra_op_threads=1, say=False)
+    out["infer_b1_1thread_ms"] = 1000 * per_item_s(lambda: single.run(batch[:1]), 1, seconds)
+    # predict's workers run one thread each at the batch its probe finds fastest
+    out["infer_1thread_ms"] = min(out["infer_b1_1thread_ms"], out["infer_b64_1thread_ms"])
+    plain = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    name, one, logits_out = plain.get_inputs()[0].name, batch[:1], [plain.get_outputs()[0].name]
+    out["infer_b1_default_ms"] = 1000 * per_item_s(
+        lambda: plain.run(logits_out, {name: one}), 1, seconds
     )
-    return head.encode() + data + f"\r\n--{BOUNDARY}--\r\n".encode()
+    cores = usable_cores()
+    out["cores"] = cores
+    out["ceiling_img_per_s"] = 1000 * (cores or 1) / (out["decode_ms"] + out["infer_1thread_ms"])
+    return out
+
+
+# ----------------------------------------------------------------------------- 3. service
 
 
 class Client:
@@ -111,7 +209,7 @@ class Client:
         self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
 
     def classify(self, path: Path, top_k: int | None = None) -> dict[str, Any]:
-        body = multipart(path.read_bytes(), path.name, "image/jpeg")
+        body = multipart_body(path.read_bytes(), path.name, "image/jpeg")
         query = f"?top_k={top_k}" if top_k else ""
         headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
         self.conn.request("POST", f"/classify{query}", body, headers)
@@ -173,8 +271,6 @@ def service_rows(
 ) -> dict[str, Any]:
     """Start the service as bench-serve does, warm it up, post every file sequentially and
     from ``threads`` clients, then ask for the ``check`` files' full probabilities."""
-    from benchmarks.serve_load import start_server, stop_server
-
     log("3. the service: bentoml serve (params.yaml as it is), TRAINYARD_MODEL = the model")
     proc, url, ready_s = start_server(REPO / "params.yaml", model, tmp / f"serve-{model.stem}.log")
     log(f"   ready in {ready_s:.1f} s at {url}")
@@ -199,33 +295,6 @@ def service_rows(
 
 
 # ----------------------------------------------------------------------------- 5. memory
-
-
-def tree_memory(pid: int) -> tuple[int, int, int, int]:
-    """(RSS summed over the process tree, PSS summed, processes, RSS of ``pid`` itself)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0, 0, 0, 0
-    rss = pss = own = 0
-    for p in procs:
-        try:
-            r = p.memory_info().rss
-        except psutil.Error:
-            continue
-        rss += r
-        own = r if p.pid == pid else own
-        try:
-            for line in Path(f"/proc/{p.pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    pss += int(line.split()[1]) * 1024
-                    break
-        except (OSError, ValueError):
-            pss += r
-    return rss, pss, len(procs), own
 
 
 def memory_run(tiny: Path, count: int, model: Path, work: Path) -> dict[str, Any]:

@@ -27,17 +27,16 @@ import gzip
 import hashlib
 import importlib.util
 import json
-import multiprocessing
 import os
-import shutil
-import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.harness.exported import IMAGENET_MEAN, IMAGENET_STD, export_classifier, image_card
+from benchmarks.harness.made_once import Log, generate, manifest_ok, wanted
+from benchmarks.harness.procs import run_timed
 
 REPO = Path(__file__).resolve().parents[1]
 PHOTO_RECIPE = 1  # bump when the way photos are drawn changes: old folders are then remade
@@ -52,7 +51,11 @@ TINY_SIZE = 28
 TINY_SUBFOLDERS = 10  # per class: 100 folders in all (a million files: 10,000 a folder)
 FASHION_GZ = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
-Log = Callable[[str], None]
+
+def say(log: Log) -> Log:
+    """``log`` with this benchmark's prefix."""
+    return lambda msg: log(f"bench-predict: {msg}")
+
 
 # Models: kind -> (arch, image size, channels, ImageNet weights wanted).
 MODELS: dict[str, tuple[str, int, int, bool]] = {
@@ -60,8 +63,8 @@ MODELS: dict[str, tuple[str, int, int, bool]] = {
     "cnn-64": ("cnn", 64, 3, False),
     "cnn-28": ("cnn", 28, 1, False),
 }
+GREY_STATS = {"mean": (0.286,), "std": (0.353,)}  # Fashion-MNIST's
 MODEL_SOURCES = ("src/trainyard/model", "src/trainyard/export", "src/trainyard/core/card.py")
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def class_names() -> list[str]:
@@ -149,56 +152,6 @@ def _make_photo(job: tuple[str, list[str], int, int, tuple[int, int]]) -> int:
     return path.stat().st_size
 
 
-def _manifest_ok(folder: Path, want: dict[str, Any], files: Callable[[int], Path]) -> dict | None:
-    """The folder's manifest when it was made as ``want`` says and every file is there."""
-    try:
-        have = json.loads((folder / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if all(have.get(k) == v for k, v in want.items()) and all(
-        files(i).is_file() for i in range(want["images"])
-    ):
-        return have
-    return None
-
-
-def _generate(
-    folder: Path,
-    want: dict[str, Any],
-    files: Callable[[int], Path],
-    task: Callable[[Any], int],
-    jobs: Any,
-    dirs: list[Path],
-    log: Log,
-    what: str,
-) -> dict[str, Any]:
-    """(Re)make ``folder``'s images with ``task`` over ``jobs`` in a pool, one process per
-    core; write and return the manifest (``reused`` False), or the old one (True)."""
-    have = _manifest_ok(folder, want, files)
-    if have is not None:
-        log(
-            f"bench-predict: reusing {want['images']:,} {what} in {folder} "
-            f"(made in {have.get('generation_s')} s)"
-        )
-        return have | {"reused": True}
-    shutil.rmtree(folder / "photos", ignore_errors=True)
-    (folder / "manifest.json").unlink(missing_ok=True)
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-    processes = os.cpu_count() or 1
-    t0 = time.perf_counter()
-    with multiprocessing.Pool(processes) as pool:
-        total = sum(pool.imap_unordered(task, jobs, chunksize=256))
-    dt = time.perf_counter() - t0
-    made = want | {"bytes": total, "processes": processes, "generation_s": round(dt, 2)}
-    (folder / "manifest.json").write_text(json.dumps(made, indent=2) + "\n")
-    log(
-        f"bench-predict: generated {want['images']:,} {what} ({total / 2**20:,.1f} MiB) in "
-        f"{dt:.1f} s by {processes} processes ({want['images'] / dt:,.0f} files/s)"
-    )
-    return made | {"reused": False}
-
-
 def ensure_photos(
     work: Path, count: int, seed: int, log: Log, sides: tuple[int, int] = PHOTO_SIDES
 ) -> dict[str, Any]:
@@ -209,15 +162,15 @@ def ensure_photos(
     suffix = "" if tuple(sides) == PHOTO_SIDES else f"-{sides[0]}-{sides[1]}"
     folder = work / f"photos-{count}-s{seed}{suffix}"
     photos = folder / "photos"
-    want = {
-        "images": count,
-        "seed": seed,
-        "recipe": PHOTO_RECIPE,
-        "sides_px": list(sides),
-        "jpeg_quality": list(PHOTO_QUALITY),
-        "crop_share": list(CROP_SHARE),
-    }
-    if _manifest_ok(folder, want, lambda i: photo_path(photos, i)) is None:
+    want = wanted(
+        count,
+        seed,
+        PHOTO_RECIPE,
+        sides_px=list(sides),
+        jpeg_quality=list(PHOTO_QUALITY),
+        crop_share=list(CROP_SHARE),
+    )
+    if manifest_ok(folder, want, lambda i: photo_path(photos, i)) is None:
         sources = sample_photos()
         if not sources:
             raise SystemExit(
@@ -233,16 +186,7 @@ def ensure_photos(
         jobs = iter(())
     from benchmarks.predict_inputs import _make_photo as make  # pickles by importable name
 
-    made = _generate(
-        folder,
-        want,
-        lambda i: photo_path(photos, i),
-        make,
-        jobs,
-        [photos / c for c in class_names()],
-        log,
-        "real-photo JPEGs",
-    )
+    made = generate(folder, want, lambda i: photo_path(photos, i), make, jobs, say(log), "JPEGs")
     return made | {"folder": str(photos)}
 
 
@@ -291,39 +235,17 @@ def ensure_tiny(work: Path, count: int, seed: int, log: Log) -> dict[str, Any]:
     """``work/tiny-<count>-s<seed>/photos``: ``count`` 28x28 greyscale PNGs."""
     folder = work / f"tiny-{count}-s{seed}"
     photos = folder / "photos"
-    want = {
-        "images": count,
-        "seed": seed,
-        "recipe": TINY_RECIPE,
-        "size_px": TINY_SIZE,
-        "content": "Fashion-MNIST train images, shifted by up to 1 px"
+    content = (
+        "Fashion-MNIST train images, shifted by up to 1 px"
         if _fashion() is not None
-        else "a seeded pattern (Fashion-MNIST not found)",
-    }
+        else "a seeded pattern (Fashion-MNIST not found)"
+    )
+    want = wanted(count, seed, TINY_RECIPE, size_px=TINY_SIZE, content=content)
     from benchmarks.predict_inputs import _make_tiny as make
 
-    dirs = [photos / f"class{k}" / str(j) for k in range(NUM_CLASSES) for j in range(10)]
-    made = _generate(
-        folder,
-        want,
-        lambda i: tiny_path(photos, i),
-        make,
-        ((str(photos), i, seed) for i in range(count)),
-        dirs,
-        log,
-        f"{TINY_SIZE}x{TINY_SIZE} PNGs",
-    )
+    jobs = ((str(photos), i, seed) for i in range(count))
+    made = generate(folder, want, lambda i: tiny_path(photos, i), make, jobs, say(log), "PNGs")
     return made | {"folder": str(photos)}
-
-
-def warm_cache(folder: Path) -> int:
-    """Read every file once, so every contender finds them all in the page cache."""
-    total = 0
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as fh:
-                total += len(fh.read())
-    return total
 
 
 # ----------------------------------------------------------------------------- models
@@ -353,33 +275,19 @@ def build_model(kind: str, path: Path, opset: int) -> dict[str, Any]:
     export stage does, with its ``.sha256``. Runs in the child process."""
     import torch
 
-    from trainyard.core.card import Card
-    from trainyard.core.io import atomic_write_text, sha256_file
-    from trainyard.export.onnx_export import export_onnx, model_metadata
-    from trainyard.model.classifier import Classifier
+    from trainyard.core.io import sha256_file
 
     arch, size, channels, imagenet = MODELS[kind]
     torch.manual_seed(0)
-    card = Card(
-        source="folder",
-        classes=tuple(class_names()),
-        channels=channels,
-        height=size,
-        width=size,
-        mean=IMAGENET_MEAN[:channels] if channels == 3 else (0.286,),
-        std=IMAGENET_STD[:channels] if channels == 3 else (0.353,),
-        resize="crop",
-    )
+    stats = {"mean": IMAGENET_MEAN, "std": IMAGENET_STD} if channels == 3 else GREY_STATS
+    card = image_card(tuple(class_names()), size, channels, source="folder", **stats)
     pretrained = None
     if imagenet:
         from trainyard.model.weights import packaged_file
 
         if packaged_file(arch)[0] is not None:
             pretrained = "imagenet"
-    model = Classifier(card=card.contract(), arch=arch, pretrained=pretrained).eval()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    export_onnx(model, path, opset, model_metadata(model, "bench-predict", "", ""))
-    atomic_write_text(path.with_name(path.name + ".sha256"), f"{sha256_file(path)}  {path.name}\n")
+    model = export_classifier(card, arch, path, opset, "bench-predict", pretrained)
     info = {
         "kind": kind,
         "arch": arch,
@@ -412,13 +320,9 @@ def ensure_models(work: Path, kinds: list[str], module: str, log: Log) -> dict[s
     build_s = 0.0
     if missing:
         log(f"bench-predict: building and exporting {', '.join(missing)} (no training)")
-        t0 = time.perf_counter()
         specs = [f"{k}={paths[k]}" for k in missing]
         cmd = [sys.executable, "-m", module, "--build-model", *specs]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise SystemExit(f"bench-predict: model export failed:\n{proc.stderr[-3000:]}")
-        build_s = time.perf_counter() - t0
+        build_s, _ = run_timed(cmd, cwd=REPO, what="bench-predict: model export")
         log(f"bench-predict: exported in {build_s:.1f} s")
     out = {}
     for k, p in paths.items():

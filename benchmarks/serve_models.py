@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness.clock import per_item_s
+from benchmarks.harness.exported import IMAGENET_MEAN, IMAGENET_STD, export_classifier, image_card
 from benchmarks.serve_figures import LARGE
 
 ORT_BATCHES = (1, 8, 32)
@@ -27,7 +29,6 @@ LARGE_CLASSES = (
     "ship",
     "truck",
 )
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def build_large_model(path: Path, opset: int) -> None:
@@ -38,25 +39,10 @@ def build_large_model(path: Path, opset: int) -> None:
     so the bench's own process never imports torch."""
     import torch
 
-    from trainyard.core.card import Card
-    from trainyard.core.io import atomic_write_text, sha256_file
-    from trainyard.export.onnx_export import export_onnx, model_metadata
-    from trainyard.model.classifier import Classifier
-
     torch.manual_seed(0)
-    card = Card(
-        source="folder",
-        classes=LARGE_CLASSES,
-        channels=3,
-        height=LARGE_SIZE,
-        width=LARGE_SIZE,
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
-        resize="crop",
-    )
-    model = Classifier(card=card.contract(), arch=LARGE).eval()
-    export_onnx(model, path, opset, model_metadata(model, "random-init", "", ""))
-    atomic_write_text(path.with_name(path.name + ".sha256"), f"{sha256_file(path)}  {path.name}\n")
+    stats = {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}
+    card = image_card(LARGE_CLASSES, LARGE_SIZE, source="folder", **stats)
+    export_classifier(card, LARGE, path, opset, "random-init")
 
 
 def ort_rate(session: Any, x: np.ndarray, seconds: float, callers: int = 1) -> dict[str, Any]:
@@ -130,8 +116,5 @@ def decode_ms(model: Path, images: Sequence[bytes], seconds: float) -> float:
     from trainyard.runtime.sessions import load_onnx
 
     card = card_from_metadata(load_onnx(model, device="cpu", intra_op_threads=1).metadata)
-    done, start = 0, time.perf_counter()
-    while done < len(images) or time.perf_counter() - start < seconds:
-        decode_image(images[done % len(images)], card)
-        done += 1
-    return (time.perf_counter() - start) * 1000 / done
+    decode_all = lambda: [decode_image(data, card) for data in images]  # noqa: E731
+    return 1000 * per_item_s(decode_all, len(images), seconds, warmup=0)

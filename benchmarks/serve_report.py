@@ -4,9 +4,9 @@ JSON, the console summary, and the section swap that leaves other sections as th
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.publish import replace_section
 from benchmarks.serve_figures import (
     FASHION,
     LARGE,
@@ -21,6 +21,7 @@ from benchmarks.serve_figures import (
 )
 
 SECTION = "## Serving"
+__all__ = ["SECTION", "markdown", "print_summary", "replace_section", "summary"]
 
 
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
@@ -291,23 +292,6 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [*_intro(result), *_targets(s), *_throughput_latency(result, s)]
     lines += [*_cold_start(result, s), *_batching(result, s), *_onnx_runtime(result, s)]
     return "\n".join(lines)
-
-
-def replace_section(doc: Path, section: str, heading: str = SECTION) -> None:
-    """Put ``section`` in place of the existing ``heading`` section (or at the end).
-    The section ends at the next "## " heading or marked block (``<!-- bench:...``), so
-    other benchmarks' sections and markers are left as they are."""
-    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    start = text.find(f"\n{heading}\n")
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    else:
-        body = start + len(heading) + 2
-        ends = [i for i in (text.find("\n## ", body), text.find("\n<!-- bench:", body)) if i != -1]
-        tail = "\n" + text[min(ends) :].lstrip("\n") if ends else ""
-        text = text[: start + 1] + section.rstrip("\n") + "\n" + tail
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
 
 
 def print_summary(result: dict[str, Any]) -> None:

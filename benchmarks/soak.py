@@ -23,15 +23,16 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.host_facts import load_facts
+from benchmarks.harness.publish import replace_section
+from benchmarks.harness.rss import RssSampler, worker_pids
 from benchmarks.serve_load import (
     BOUNDARY,
     REPO,
@@ -44,7 +45,6 @@ from benchmarks.serve_load import (
     test_images,
     wrk_summary,
 )
-from benchmarks.serve_report import replace_section
 
 SECTION = "## Soak"
 RSS_LIMIT = 0.10  # growth per worker, end vs after warm-up
@@ -301,53 +301,6 @@ def _pct(x: float | None) -> str:
 # ---------------------------------------------------------------------------- the run
 
 
-def worker_pids(serve_pid: int) -> list[int]:
-    """The `bentoml serve` workers: its child processes running the service worker."""
-    import psutil
-
-    out = []
-    for child in psutil.Process(serve_pid).children(recursive=True):
-        try:
-            if any("worker" in part for part in child.cmdline()):
-                out.append(child.pid)
-        except psutil.Error:
-            continue
-    return sorted(out)
-
-
-class RssSampler(threading.Thread):
-    """Every ``interval`` s, the RSS of each worker; sample() takes one now."""
-
-    def __init__(self, pids: list[int], interval: float) -> None:
-        super().__init__(daemon=True)
-        self.pids, self.interval = pids, interval
-        self.samples: dict[str, list[tuple[float, int]]] = {str(p): [] for p in pids}
-        self.lost: list[int] = []
-        self.t0 = time.monotonic()
-        self._done = threading.Event()
-
-    def sample(self) -> None:
-        """One RSS sample of every worker now; a worker gone is noted as lost."""
-        import psutil
-
-        now = time.monotonic() - self.t0
-        for pid in self.pids:
-            try:
-                self.samples[str(pid)].append((now, psutil.Process(pid).memory_info().rss))
-            except psutil.Error:
-                if pid not in self.lost:
-                    self.lost.append(pid)
-
-    def run(self) -> None:
-        while not self._done.wait(self.interval):
-            self.sample()
-
-    def stop(self) -> None:
-        """Stop the periodic sampling and wait for its thread."""
-        self._done.set()
-        self.join()
-
-
 def run_wrk(url: str, script: Path, clients: int, seconds: int) -> dict[str, Any]:
     """One wrk run of the mix: rates, latencies, socket errors and each status code's count."""
     r = wrk_summary(url, script, clients, seconds, "SOAKJSON")
@@ -417,10 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     if ready is None:
         return 2
     settings, command = ready
-    from trainyard.core.host import cpu_name
     from trainyard.core.io import atomic_write_json
 
-    loadavg = os.getloadavg()[0]
+    machine = load_facts()
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp_name:
         run = soak_run(args, settings, Path(tmp_name))
     load = run["load"]
@@ -428,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": command,
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "loadavg": loadavg},
+        "machine": machine,
         "workers": len(run["pids"]),
         "access_log": settings.access_log,
         "clients": args.clients,

@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks import bench_datapaths as datapaths
 from benchmarks import bench_finetune as finetune
 from benchmarks import bench_predict_gpu as predict_gpu
-from benchmarks.common import bars, hardware_label
+from benchmarks.harness.host_facts import hardware_label
+from benchmarks.harness.ratios import ratio_table
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -32,8 +35,7 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---:|",
         ]
         lines += [f"| {k} | {v['median']:,.0f} |" for k, v in tr["img_per_s"].items()]
-        lines += ["", "| ratio | value |", "|---|---:|"]
-        lines += [f"| {k} | {v:.2f}x |" for k, v in tr["ratios"].items()]
+        lines += ["", *ratio_table(tr["ratios"])]
         util = tr.get("gpu_utilisation", {})
         lines += [
             "",
@@ -152,3 +154,24 @@ def default_plan_markdown(dp: dict[str, Any] | None) -> list[str]:
         f"Target {dp['target']:.4f}: {dp['target_from']}.",
         "",
     ]
+
+
+def bars(ax: Any, labels: list[str], series: dict[str, list[float]], xlabel: str) -> None:
+    """Horizontal bars with their values written on them; log scale only when the values
+    span more than 20x (CPU vs GPU), and then from a tenth of the smallest, so bar lengths
+    are not exaggerated by a clipped axis."""
+    values = [v for vs in series.values() for v in vs if v > 0]
+    ypos = np.arange(len(labels))
+    height = 0.8 / max(len(series), 1)
+    for i, (name, vs) in enumerate(series.items()):
+        offs = ypos - 0.4 + height * (i + 0.5)
+        drawn = ax.barh(offs, vs, height, label=name)
+        ax.bar_label(drawn, labels=[f"{v:,.0f}" if v else "n/a" for v in vs], fontsize=7, padding=2)
+    ax.set_yticks(ypos, labels)
+    if values and max(values) / min(values) > 20:
+        ax.set_xscale("log")
+        ax.set_xlim(left=min(values) / 10)
+        xlabel += " (log)"
+    ax.set_xlim(right=max(values or [1]) * 1.25)
+    ax.set_xlabel(xlabel)
+    ax.invert_yaxis()

@@ -1,62 +1,25 @@
-"""The one clock every benchmark uses: wall time with the device synchronised at both ends.
-
-CUDA kernels run asynchronously to the Python that queues them, so a timer that does not
-synchronise measures how fast work is *queued*, not done. On the CPU ``sync`` is free.
-"""
+"""The timed window of a Lightning fit: training steps ``[warmup, warmup + steps)`` on the
+harness clock, and a trainer that runs those steps and nothing else. Imports lightning:
+only the training benchmarks use it."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 
-
-def sync(device: str) -> None:
-    """Wait for the device's queued work (a no-op on the CPU)."""
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
+from benchmarks.harness.clock import Timer
 
 
-class Timer:
-    """Seconds between ``start()`` and ``stop()``, synchronised; ``seconds`` accumulates
-    over several windows (e.g. the training part of each epoch)."""
+class Steps(NamedTuple):
+    """A timed training row's shape: ``steps`` timed steps of ``batch_size`` images on
+    ``device``, after ``warmup`` untimed ones."""
 
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = device
-        self.seconds = 0.0
-        self._t0: float | None = None
-
-    def start(self) -> None:
-        """Open a window (after the device's queued work)."""
-        sync(self.device)
-        self._t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        """Close the window: its seconds, also added to ``seconds``."""
-        if self._t0 is None:
-            raise RuntimeError("Timer.stop() before start()")
-        sync(self.device)
-        dt = time.perf_counter() - self._t0
-        self.seconds += dt
-        self._t0 = None
-        return dt
-
-    @property
-    def running(self) -> bool:
-        """Whether a window is open."""
-        return self._t0 is not None
-
-    def __enter__(self) -> Timer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    device: str
+    batch_size: int
+    steps: int
+    warmup: int
 
 
 class StepWindow(L.Callback):
@@ -100,30 +63,6 @@ class StepWindow(L.Callback):
         if self.timer.running or self.timer.seconds == 0:
             raise RuntimeError("the timed window did not complete: too few steps in the fit")
         return self.steps * self.batch_size / self.timer.seconds
-
-
-def median_call_s(
-    fn: Callable[[], Any],
-    budget_s: float,
-    min_calls: int = 5,
-    max_calls: int = 2000,
-    device: str = "cpu",
-) -> float:
-    """Median seconds per call of ``fn``, after 3 warm-up calls: at least ``min_calls``,
-    then until ``budget_s`` has passed or ``max_calls`` were made."""
-    for _ in range(3):
-        fn()
-    sync(device)
-    times: list[float] = []
-    start = time.perf_counter()
-    timer = Timer(device)
-    while len(times) < max_calls and (
-        len(times) < min_calls or time.perf_counter() - start < budget_s
-    ):
-        timer.start()
-        fn()
-        times.append(timer.stop())
-    return statistics.median(times)
 
 
 def window_trainer(

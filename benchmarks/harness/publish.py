@@ -1,0 +1,138 @@
+"""A benchmark's ending: its JSON report, the header every result carries (date, command,
+commit), and its own section of docs/benchmarks.md, replaced in place so every other
+benchmark's section stays as it is.
+
+Two kinds of section live in that file: blocks between ``<!-- bench:KEY:start -->`` and
+``<!-- bench:KEY:end -->`` (``update_docs``), and ``## Heading`` sections that end at the
+next heading or marked block (``replace_section``: the serving benchmarks')."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DOCS_START = "<!-- bench:{key}:start -->"
+DOCS_END = "<!-- bench:{key}:end -->"
+DOCS = "docs/benchmarks.md"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def git_commit(cwd: Path | None = None) -> str:
+    """The short commit of the checkout (``unknown`` outside git)."""
+    proc = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return proc.stdout.strip() or "unknown"
+
+
+def command_of(module: str, argv: list[str] | None) -> str:
+    """The command as typed: ``python -m MODULE ARGS``."""
+    args = argv if argv is not None else sys.argv[1:]
+    return f"python -m {module} {' '.join(args)}".strip()
+
+
+def provenance(module: str, argv: list[str] | None, when: str = "%Y-%m-%d") -> dict[str, str]:
+    """Date, the command as typed, and the git commit: the header of every result."""
+    return {
+        "date": time.strftime(when),
+        "command": command_of(module, argv),
+        "commit": git_commit(),
+    }
+
+
+def bench_parser(module: str, doc: str, name: str, repo: bool = False) -> argparse.ArgumentParser:
+    """The command line every benchmark starts from: its doc as the help, ``--out``
+    (reports/NAME.json) and ``--docs`` (its section of docs/benchmarks.md), read by
+    ``outputs``; with ``repo``, ``--repo`` (the git repository its clones are made from)."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", help=f"JSON results (default reports/{name}.json)")
+    parser.add_argument(
+        "--docs",
+        help=f"markdown file whose section is replaced (default {DOCS}; not written with "
+        "--quick unless given); '' to skip",
+    )
+    if repo:
+        parser.add_argument("--repo", default=".", help="the git repository to clone")
+    return parser
+
+
+def outputs(name: str, out: str | None, docs: str | None, quick: bool) -> tuple[Path, str]:
+    """Where a run writes: ``out`` or ``reports/NAME[-quick].json``, and ``docs`` or
+    docs/benchmarks.md ('' with ``--quick``: a smoke run leaves the docs alone unless asked)."""
+    path = Path(out or f"reports/{name}{'-quick' if quick else ''}.json")
+    return path, docs if docs is not None else ("" if quick else DOCS)
+
+
+def write_json(path: str | Path, result: dict[str, Any]) -> Path:
+    """``result`` as indented JSON (its folder made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def update_docs(path: Path, key: str, body: str) -> None:
+    """Replace the ``key`` block of docs/benchmarks.md (or append it); the rest untouched."""
+    start, end = DOCS_START.format(key=key), DOCS_END.format(key=key)
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"{start}\n{body}\n{end}"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def replace_section(doc: Path, section: str, heading: str | None = None) -> None:
+    """Put ``section`` in place of the existing ``heading`` section (or at the end);
+    ``heading`` defaults to the section's first line.
+    The section ends at the next "## " heading or marked block (``<!-- bench:...``), so
+    other benchmarks' sections and markers are left as they are."""
+    heading = heading or section.splitlines()[0]
+    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
+    start = text.find(f"\n{heading}\n")
+    if start == -1:
+        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    else:
+        body = start + len(heading) + 2
+        ends = [i for i in (text.find("\n## ", body), text.find("\n<!-- bench:", body)) if i != -1]
+        tail = "\n" + text[min(ends) :].lstrip("\n") if ends else ""
+        text = text[: start + 1] + section.rstrip("\n") + "\n" + tail
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+
+
+def publish(
+    result: dict[str, Any],
+    text: str,
+    out: str | Path,
+    docs: str,
+    key: str,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Write ``result`` as JSON to ``out`` and replace section ``key`` of ``docs`` with the
+    Markdown ``text`` ('' leaves the docs alone); with ``log`` each write is logged,
+    without it ``text`` is printed."""
+    write_json(out, result)
+    if log:
+        log(f"wrote {out}")
+    else:
+        print(text)
+    if docs:
+        update_docs(Path(docs), key, text)
+        if log:
+            log(f"updated {docs}")
