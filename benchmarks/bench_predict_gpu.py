@@ -96,7 +96,7 @@ def export_model(arch: str, side: int, folder: Path) -> tuple[Path, Any]:
 
 def bulk_row(source: Path, model: Path, out: Path, quick: bool) -> dict[str, Any]:
     """``trainyard predict SOURCE --model MODEL`` as a user runs it (its job, in process)."""
-    from trainyard.bulk import command
+    from trainyard.bulk import job as command
 
     parser = command.add_arguments(argparse.ArgumentParser())
     argv = [

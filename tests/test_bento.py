@@ -913,7 +913,7 @@ def test_image_bento_path_is_bentomls():
 
 
 def test_predict_job_is_an_indexed_job_of_n_shards_with_the_bento_model():
-    from trainyard.bulk import command
+    from trainyard.bulk import job as command
     from trainyard.bulk.inputs import parse_shard
 
     score, _ = job_docs()
@@ -971,7 +971,7 @@ def test_predict_job_is_an_indexed_job_of_n_shards_with_the_bento_model():
 
 
 def test_predict_merge_job_merges_the_n_parts_of_the_indexed_job():
-    from trainyard.bulk import command
+    from trainyard.bulk import job as command
 
     score, merge = job_docs()
     n = score["spec"]["completions"]

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from trainyard.bulk import command
+from trainyard.bulk import job as command
 from trainyard.bulk.inputs import list_inputs, parse_shard, shard_range
 from trainyard.core.card import Card
 from trainyard.core.errors import DataError

@@ -29,10 +29,11 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from trainyard.commands import tune
 from trainyard.core.errors import ParamsError
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
-from trainyard.experiments import tune, workers
+from trainyard.experiments import workers
 from trainyard.track.store import ensure_experiment
 from trainyard.track.study_runs import StudyRuns
 

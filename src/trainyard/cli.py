@@ -8,10 +8,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from trainyard.bulk import command as bulk
-from trainyard.doctor import command as doctor
-from trainyard.experiments import exps, report, tune
-from trainyard.stages import drift, predict, promote
+from trainyard.bulk import job as bulk
+from trainyard.commands import doctor, exps, promote, tune
+from trainyard.commands import drift_check as drift
+from trainyard.experiments import baseline_report as report
+from trainyard.stages import predict
 
 # name -> (help, add_arguments(parser), run(args) -> exit code).
 COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace], int]]] = {

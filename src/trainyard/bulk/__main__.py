@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from trainyard.bulk import command
+from trainyard.bulk import job as command
 
 
 def main(argv: list[str] | None = None) -> int:

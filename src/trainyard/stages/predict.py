@@ -10,7 +10,7 @@ as its dependencies in dvc.lock, and an MLflow run in the model's experiment
 import argparse
 import logging
 
-from trainyard.bulk import command
+from trainyard.bulk import job as command
 from trainyard.core.config import Params, load_params
 from trainyard.stages.runner import configure_logging, stage_main
 from trainyard.track.predict_run import record_predict_run

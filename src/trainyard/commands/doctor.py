@@ -2,7 +2,7 @@
 
     trainyard doctor            # a readable table (also: make doctor)
     trainyard doctor --json     # one JSON document
-    python -m trainyard.doctor.command  # the same, without the console script
+    python -m trainyard.commands.doctor  # the same, without the console script
 
 Reports the CPU and RAM; each GPU (memory, compute capability, bf16, driver, torch's CUDA
 runtime); RAM against GPU memory (the 2x rule); the torch and ONNX Runtime builds and which
@@ -66,7 +66,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainyard.doctor.command [--json] [--params P] [--data D]``."""
+    """``python -m trainyard.commands.doctor [--json] [--params P] [--data D]``."""
     parser = add_arguments(
         argparse.ArgumentParser(prog="trainyard doctor", description=__doc__.splitlines()[0])
     )

@@ -189,7 +189,7 @@ def render_md(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainyard.experiments.exps``."""
+    """``python -m trainyard.commands.exps``."""
     parser = add_arguments(argparse.ArgumentParser(prog="trainyard exps"))
     return run(parser.parse_args(argv))
 
