@@ -30,15 +30,15 @@ from mlflow.exceptions import MlflowException
 
 from trainyard.core.errors import PromotionRefused, TrackingError
 from trainyard.track.interrupts import signals_deferred
-from trainyard.track.registry import (
+from trainyard.track.registry import move_alias
+from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
+from trainyard.track.versions import (
     CHAMPION,
     DECISION_TAG,
     PROMOTE_REASON_TAG,
     SHA_TAG,
     current_alias,
-    move_alias,
 )
-from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
 
 ACTION_TAG, TIME_TAG, USER_TAG = "promote.action", "promote.time", "promote.user"
 PREVIOUS_TAG, FORCED_TAG, FROM_TAG = (
