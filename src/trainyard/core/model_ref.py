@@ -88,6 +88,8 @@ def parse_model_ref(text: str, field: str, base: Path | None = None) -> ModelRef
     if not text:
         raise _refused(text, field, "it is empty")
     parsed = urllib.parse.urlparse(text, allow_fragments=False)
+    if parsed.scheme in (MODELS_SCHEME, RUNS_SCHEME) and parsed.netloc:
+        raise _refused(text, field, f"one slash after {parsed.scheme}:, not two")
     if parsed.scheme == MODELS_SCHEME:
         return _registered(text, field, parsed.path)
     if parsed.scheme == RUNS_SCHEME:
@@ -113,7 +115,7 @@ def _registered(text: str, field: str, path: str) -> ModelRef:
         if suffix.isdigit():
             return ModelRef(text, field, name, None, suffix)
         why = f"{suffix!r} is not a version number"
-        if suffix.lower() == "latest" or suffix.strip():
+        if suffix.strip():  # MLflow would read it as 'latest' or a stage
             why += " (MLflow's 'latest' and stages are not served: name an alias or a version)"
         raise _refused(text, field, why)
     if len(parts) == 1 and "@" in parts[0]:

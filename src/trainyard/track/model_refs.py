@@ -56,7 +56,7 @@ class MlflowRegistry:
         if not expected or not artifact or not mv.run_id:
             return None
         dest = Path(cache_dir) / ref.name / str(mv.version) / f"model{INT8_SUFFIX}"
-        what = f"{ref} (v{mv.version}) int8 model"
+        what = f"{ref.field}: {ref} (v{mv.version}) int8 model"
         download_verified(mv, artifact, dest, expected, tracking_uri, what)
         atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
         return dest
@@ -65,7 +65,7 @@ class MlflowRegistry:
         """The drift reference (``REFERENCE_ARTIFACT``) of the version ``ref`` names,
         checked against its ``reference_sha256`` tag."""
         mv, tracking_uri = version_of(ref)
-        what = f"{ref.field} {ref} (v{mv.version})"
+        what = f"{ref.field}: {ref} (v{mv.version})"
         expected = mv.tags.get(REFERENCE_TAG)
         if not expected or not mv.run_id:
             raise TrackingError(
@@ -85,7 +85,7 @@ class MlflowRegistry:
         client = mlflow.MlflowClient(tracking_uri=resolve_tracking_uri())
         mv = current_alias(client, ref.name, ref.alias)
         if mv is None:
-            raise TrackingError(f"{ref}: the alias no longer exists in the registry")
+            raise TrackingError(f"{ref.field}: {ref}: the alias no longer exists in the registry")
         if str(mv.version) == str(current):
             return None
         path, provenance = fetch_registered(ref, cache_dir, mv)
@@ -123,7 +123,7 @@ def fetch_registered(ref: ModelRef, cache_dir: Path, mv: Any | None = None) -> F
     expected = mv.tags.get(SHA_TAG)
     if not expected:
         raise TrackingError(
-            f"{ref} (v{mv.version}) has no {SHA_TAG} tag; refusing to serve a "
+            f"{ref.field}: {ref} (v{mv.version}) has no {SHA_TAG} tag; refusing to serve a "
             "model whose bytes cannot be checked"
         )
     dest = Path(cache_dir) / mv.name / str(mv.version) / "model.onnx"
@@ -158,12 +158,14 @@ def _download_model(ref: ModelRef, mv: Any, dest: Path, expected: str, tracking_
         )
         got = folder / "model.onnx"
         if not got.is_file():
-            raise TrackingError(f"{ref} (v{mv.version}): the registered model has no model.onnx")
+            raise TrackingError(
+                f"{ref.field}: {ref} (v{mv.version}): the registered model has no model.onnx"
+            )
         actual = sha256_file(got)
         if actual != expected:
             raise TrackingError(
-                f"{ref} (v{mv.version}): downloaded model.onnx has sha256 {actual}, the "
-                f"registry records {expected}; refusing it"
+                f"{ref.field}: {ref} (v{mv.version}): downloaded model.onnx has sha256 "
+                f"{actual}, the registry records {expected}; refusing it"
             )
         # A rename within one folder: two workers fetching one version at once (a champion
         # move seen by all of them) each replace the file whole, never mix it.

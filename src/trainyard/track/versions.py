@@ -48,7 +48,7 @@ def version_of(ref: ModelRef) -> tuple[Any, str]:
     check_tracking_uri(tracking_uri)
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     if not ref.name:
-        raise TrackingError(f"{ref.field} {ref}: not a registered model's version")
+        raise TrackingError(f"{ref.field}: {ref}: not a registered model's version")
     try:
         mv = (
             client.get_model_version_by_alias(ref.name, ref.alias)
@@ -57,7 +57,7 @@ def version_of(ref: ModelRef) -> tuple[Any, str]:
         )
     except MlflowException as err:
         raise TrackingError(
-            f"{ref.field} {ref}: not found in the registry at {tracking_uri} ({err.message})"
+            f"{ref.field}: {ref}: not found in the registry at {tracking_uri} ({err.message})"
         ) from None
     return mv, tracking_uri
 
