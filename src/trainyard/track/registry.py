@@ -26,6 +26,15 @@ writes) had decided, and gets its ``decision`` tag written by whoever finds it. 
 service, no database access and no clock shared between clients is needed. Versions
 registered by hand carry no ``decision`` tag and take no part; a sweep's versions register
 without the ticket and do not wait, since they never move `champion`.
+
+A registration (``register_and_promote``) is complete once its alias points at it. Nothing
+less is left behind: if anything fails or is interrupted (Ctrl-C, also while waiting) before
+that, the version is deleted again, since a version without its alias would look like a
+decision that was never made. A rerun for the same model (same run, ONNX sha256, data and
+accuracy) whose version still holds its alias reuses that version instead of registering
+the model a second time (an evaluate interrupted after the alias moved, or a forced rerun);
+one that finds versions of this run cut off before their decision (SIGKILL, or a Ctrl-C
+inside MLflow's own register call) deletes them first.
 """
 
 from __future__ import annotations
@@ -153,15 +162,7 @@ def register_and_promote(
     what a version takes and answers without downloading it. The turn: the module's
     docstring; ``stale_after_s``: how long a lower version may stay pending before it is
     taken for abandoned. ``extra_tags``: more tags in the creating write (the int8 file's).
-
-    A registration is complete once its alias points at it. Nothing less is left behind:
-    if anything fails or is interrupted (Ctrl-C, also while waiting) before that, the
-    version is deleted again, since a version without its alias would look like a decision
-    that was never made. A rerun for the same model (same run, ONNX sha256, data and
-    accuracy) whose version still holds its alias reuses that version instead of
-    registering the model a second time (an evaluate interrupted after the alias moved, or
-    a forced rerun); one that finds versions of this run cut off before their decision
-    (SIGKILL, or a Ctrl-C inside MLflow's own register call) deletes them first.
+    What a failed, interrupted or repeated registration leaves: the module's docstring.
     """
     tags = version_tags(run_id, test_acc, data_version, onnx_sha256, contract, sweep, extra_tags)
     done = _already_registered(client, name, run_id, tags, extra_tags)
