@@ -138,7 +138,7 @@ def _run(text: str, field: str, path: str) -> ModelRef:
 
 
 def _refused(text: str, field: str, why: str) -> ModelError:
-    return ModelError(f"{field}: {text!r} is not a model reference ({why}); give {ACCEPTED}")
+    return ModelError(f"{field}: {text!r} is not a model reference ({why}); expected {ACCEPTED}")
 
 
 class FetchedModel(NamedTuple):
