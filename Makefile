@@ -140,7 +140,7 @@ bench-sweep: venv data
 # installed into that Python). Without them those rows say why in one line and are skipped.
 # Nothing beyond such an image is needed (tests/test_gpu_bare.py runs the check with every
 # other package hidden); the doctor runs the same way: PYTHONPATH=src:$(GPU_SITE) python3 -m
-# trainyard.doctor.command --json. About 1 minute of the check is the folder rows, about
+# trainyard.commands.doctor --json. About 1 minute of the check is the folder rows, about
 # 30 s the fine-tune row (EfficientNet-Lite0 at 224 px, the recipe's batch; target: GPU busy
 # >= 80%), about a minute the bulk scoring row (trainyard predict and torch on the same decode
 # workers, resnet18 at 224 px and EfficientNet-Lite0 at 160 px on 8,000 JPEGs; target: busy

@@ -96,9 +96,9 @@ def export_model(arch: str, side: int, folder: Path) -> tuple[Path, Any]:
 
 def bulk_row(source: Path, model: Path, out: Path, quick: bool) -> dict[str, Any]:
     """``trainyard predict SOURCE --model MODEL`` as a user runs it (its job, in process)."""
-    from trainyard.bulk import command
+    from trainyard.bulk import command_line, job
 
-    parser = command.add_arguments(argparse.ArgumentParser())
+    parser = command_line.add_predict_arguments(argparse.ArgumentParser())
     argv = [
         str(source),
         "--out",
@@ -111,7 +111,7 @@ def bulk_row(source: Path, model: Path, out: Path, quick: bool) -> dict[str, Any
     if quick:
         argv += ["--batch-size", "8"]
     t0 = time.perf_counter()
-    summary = command.predict(parser.parse_args(argv))
+    summary = job.predict(command_line.predict_options(parser.parse_args(argv)))
     speed = summary["speed"]
     return {
         "backend": f"onnxruntime {speed['provider']}",

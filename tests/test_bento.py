@@ -913,7 +913,7 @@ def test_image_bento_path_is_bentomls():
 
 
 def test_predict_job_is_an_indexed_job_of_n_shards_with_the_bento_model():
-    from trainyard.bulk import command
+    from trainyard.bulk import command_line
     from trainyard.bulk.inputs import parse_shard
 
     score, _ = job_docs()
@@ -938,7 +938,7 @@ def test_predict_job_is_an_indexed_job_of_n_shards_with_the_bento_model():
         "1/$(Y)"
     ]
 
-    parser = command.add_arguments(argparse.ArgumentParser())
+    parser = command_line.add_predict_arguments(argparse.ArgumentParser())
     runs = []
     for k in range(n):
         argv = container_argv(container, k)
@@ -971,7 +971,7 @@ def test_predict_job_is_an_indexed_job_of_n_shards_with_the_bento_model():
 
 
 def test_predict_merge_job_merges_the_n_parts_of_the_indexed_job():
-    from trainyard.bulk import command
+    from trainyard.bulk import command_line
 
     score, merge = job_docs()
     n = score["spec"]["completions"]
@@ -983,7 +983,7 @@ def test_predict_merge_job_merges_the_n_parts_of_the_indexed_job():
     check_hardened_pod(pod, container)
     argv = container_argv(container, 0)
     assert argv[:4] == ["python", "-m", "trainyard.bulk", "merge"]
-    args = command.add_merge_arguments(argparse.ArgumentParser()).parse_args(argv[4:])
+    args = command_line.add_merge_arguments(argparse.ArgumentParser()).parse_args(argv[4:])
     (scorer,) = score["spec"]["template"]["spec"]["containers"]
     parts = [f"/data/out/part-{k}.parquet" for k in range(n)]
     assert [str(p) for p in args.shards] == parts  # every part, each once

@@ -18,11 +18,11 @@ import yaml
 from PIL import Image
 
 from trainyard import cli
+from trainyard.commands.doctor import main as doctor_main
 from trainyard.core.card import SPLITS, Card
 from trainyard.core.config import parse_params
 from trainyard.data.sources import prepare_source
 from trainyard.doctor.collect import collect
-from trainyard.doctor.command import main as doctor_main
 from trainyard.doctor.dataset import collect_dataset
 from trainyard.doctor.machine import PROBE_MODEL, probe, probe_provider
 from trainyard.doctor.render import emit, render_table
@@ -153,7 +153,7 @@ def test_asking_for_a_gpu_this_machine_lacks_exits_1_with_what_to_do(tmp_path):
 
 def test_module_run_never_imports_mlflow_dvc_or_bentoml():
     code = (
-        "import sys, trainyard.doctor.command as d\n"
+        "import sys, trainyard.commands.doctor as d\n"
         "code = d.main(['--json'])\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -243,7 +243,7 @@ def test_gpu_check_quick_runs_with_only_the_image_and_gpu_wheels(bare_env, fashi
 
 
 def test_doctor_runs_with_only_the_image_and_gpu_wheels(bare_env):
-    proc = run_bare(bare_env, "-m", "trainyard.doctor.command", "--json", timeout=120)
+    proc = run_bare(bare_env, "-m", "trainyard.commands.doctor", "--json", timeout=120)
     why = f"{asked_for(bare_env)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, why
     doc = json.loads(proc.stdout)  # the whole of stdout is the one document

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from trainyard.bulk import command
+from trainyard.bulk import command_line
+from trainyard.bulk import job as command
 from trainyard.bulk.inputs import list_inputs, parse_shard, shard_range
 from trainyard.core.card import Card
 from trainyard.core.errors import DataError
@@ -55,10 +56,11 @@ def photos(tmp_path_factory) -> tuple[Path, dict]:
     return root, made
 
 
-def job(source: Path | str, out: Path, model: Path, *extra: str) -> argparse.Namespace:
-    parser = command.add_arguments(argparse.ArgumentParser())
+def job(source: Path | str, out: Path, model: Path, *extra: str) -> command.PredictOptions:
+    parser = command_line.add_predict_arguments(argparse.ArgumentParser())
     args = [str(source), "--out", str(out), "--model", str(model), "--workers", "2"]
-    return parser.parse_args([*args, "--params", str(REPO / "params.yaml"), *extra])
+    parsed = parser.parse_args([*args, "--params", str(REPO / "params.yaml"), *extra])
+    return command_line.predict_options(parsed)
 
 
 def rows(path: Path) -> list[dict]:

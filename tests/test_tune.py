@@ -29,10 +29,11 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from trainyard.commands import tune
 from trainyard.core.errors import ParamsError
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
-from trainyard.experiments import tune, workers
+from trainyard.experiments import workers
 from trainyard.track.store import ensure_experiment
 from trainyard.track.study_runs import StudyRuns
 
@@ -153,16 +154,16 @@ def test_overrides_apply_before_validation_and_a_bad_key_is_named(tmp_path):
         tune.parse_override("train.max_epochs=1"),
         tune.parse_override("data.limit=8000"),
     ]
-    setup = tune.load_setup(ns)
+    setup = tune.load_setup(**vars(ns))
     assert (setup.base.train.max_epochs, setup.base.data.limit, setup.trials) == (1, 8000, 3)
     assert setup.study_name == "fashion-mnist-tune"
     assert setup.overrides == {"train.max_epochs": 1, "data.limit": 8000}  # tune.* never kept
     ns.overrides = [tune.parse_override("train.max_epoch=1")]
     with pytest.raises(ParamsError, match=r"train\.max_epoch: unknown key"):
-        tune.load_setup(ns)
+        tune.load_setup(**vars(ns))
     ns.overrides, ns.study = [], "no spaces allowed"
     with pytest.raises(ParamsError, match=r"tune\.study"):
-        tune.load_setup(ns)
+        tune.load_setup(**vars(ns))
     with pytest.raises(argparse.ArgumentTypeError):
         tune.parse_override("train.lr")
 
@@ -177,11 +178,11 @@ def test_a_password_in_the_storage_url_is_refused_without_saying_it(tmp_path, ur
     )
     ns.overrides = [tune.parse_override(f"tune.storage={url}")]
     with pytest.raises(ParamsError) as err:
-        tune.load_setup(ns)
+        tune.load_setup(**vars(ns))
     assert "tune.storage: the URL holds a password" in str(err.value)
     assert "PGPASSWORD or ~/.pgpass" in str(err.value) and "s3cr3t" not in str(err.value)
     ns.overrides = [tune.parse_override("tune.storage=postgresql://tune@db/optuna")]
-    assert tune.load_setup(ns).url == "postgresql://tune@db/optuna"
+    assert tune.load_setup(**vars(ns)).url == "postgresql://tune@db/optuna"
 
 
 def test_a_dead_worker_is_told_from_a_live_one():

@@ -1,76 +1,52 @@
-"""The ``trainyard`` command: ``trainyard <command> ...`` (doctor, tune, report, predict, exps,
-drift, promote, rollback)."""
+"""The ``trainyard`` command: ``trainyard <command> ...``, one module of trainyard.commands
+per command (as DVC's dvc/cli/parser.py lists dvc/commands/). A new command: its module,
+and one line in ``COMMANDS`` (the README's command table lists it too: tests/test_cli.py)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from typing import Any
 
-from trainyard.bulk import command as bulk
-from trainyard.doctor import command as doctor
-from trainyard.experiments import exps, report, tune
-from trainyard.stages import drift, predict, promote
+from trainyard.commands import (
+    doctor,
+    drift_check,
+    exps,
+    parse,
+    pr_report,
+    predict_files,
+    predict_merge,
+    promote,
+    rollback,
+    tune,
+)
 
-# name -> (help, add_arguments(parser), run(args) -> exit code).
-COMMANDS: dict[str, tuple[str, Callable[..., Any], Callable[[argparse.Namespace], int]]] = {
-    "doctor": (
-        "check this machine and what trainyard will do on it",
-        doctor.add_arguments,
-        doctor.run,
-    ),
-    "tune": (
-        "hyperparameter search with Optuna over params.yaml's tune.space",
-        tune.add_arguments,
-        tune.run,
-    ),
-    "report": (
-        "reports/report.md: this workspace against a baseline revision (main)",
-        report.add_arguments,
-        report.run,
-    ),
-    "predict": (
-        "score a folder, CSV, list of paths or glob of images in bulk (docs/predict.md)",
-        predict.add_cli_arguments,
-        predict.cli_run,
-    ),
-    "predict-merge": (
-        "merge the outputs of a job's --shard K/N runs into one table",
-        bulk.add_merge_arguments,
-        predict.cli_merge,
-    ),
-    "drift": (
-        "a prediction log or predict table against the model's reference (docs/drift.md)",
-        drift.add_cli_arguments,
-        drift.cli_run,
-    ),
-    "promote": (
-        "move a registered model's champion alias to a version that ran as the shadow",
-        promote.add_promote_arguments,
-        promote.run_promote,
-    ),
-    "rollback": (
-        "move a registered model's champion alias back to the one it replaced",
-        promote.add_rollback_arguments,
-        promote.run_rollback,
-    ),
-    "exps": (
-        "the DVC experiments table with only the columns people compare",
-        exps.add_arguments,
-        exps.run,
-    ),
-}
+# In the order `trainyard --help` lists them.
+COMMANDS = [
+    doctor,
+    tune,
+    pr_report,
+    predict_files,
+    predict_merge,
+    drift_check,
+    promote,
+    rollback,
+    exps,
+]
+
+
+def get_parser() -> argparse.ArgumentParser:
+    """``trainyard``'s parser: each command's subparser, whose ``func`` is its command."""
+    parser = argparse.ArgumentParser(prog="trainyard", description="trainyard commands")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """The ``trainyard`` console script; returns the exit code (2 for bad usage)."""
-    parser = argparse.ArgumentParser(prog="trainyard", description="trainyard commands")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (help_text, add, func) in COMMANDS.items():
-        add(sub.add_parser(name, help=help_text, description=help_text)).set_defaults(func=func)
-    args = doctor.parse(parser, argv)
-    return args if isinstance(args, int) else args.func(args)
+    args = parse(get_parser(), argv)
+    return args if isinstance(args, int) else args.func(args).run()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``python -m trainyard.bulk SOURCE --out FILE --model model.onnx``: bulk scoring without
 MLflow (a bento's or a Kubernetes Job's environment); ``python -m trainyard.bulk merge``
-joins shard outputs. ``trainyard predict`` adds registry models and the MLflow run."""
+joins shard outputs. ``trainyard predict`` adds registry models and the MLflow run; both
+read the same flags (trainyard.bulk.command_line)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from trainyard.bulk import command
+from trainyard.bulk import command_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,9 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("trainyard").setLevel(logging.INFO)
     if argv[:1] == ["merge"]:
         parser = argparse.ArgumentParser(prog="python -m trainyard.bulk merge")
-        return command.run_merge(command.add_merge_arguments(parser).parse_args(argv[1:]))
+        args = command_line.add_merge_arguments(parser).parse_args(argv[1:])
+        return command_line.run_merge(args.shards, args.out)
     parser = argparse.ArgumentParser(prog="python -m trainyard.bulk")
-    return command.run_command(command.add_arguments(parser).parse_args(argv))
+    args = command_line.add_predict_arguments(parser).parse_args(argv)
+    return command_line.run_predict(command_line.predict_options(args))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.core.config import DEFAULT_PARAMS, parse_params
 from trainyard.core.errors import ParamsError, Terminated, TrainyardError
 from trainyard.experiments import best as best_mod
@@ -33,7 +34,8 @@ from trainyard.experiments.trials import Setup, Tuner, set_key
 from trainyard.stages.runner import configure_logging
 from trainyard.track.interrupts import release_interrupted_store
 
-log = logging.getLogger("trainyard.experiments.tune")
+log = logging.getLogger("trainyard.experiments.tune")  # the trials' logger too
+HELP = "hyperparameter search with Optuna over params.yaml's tune.space"
 
 
 # ---------------------------------------------------------------- command line
@@ -64,8 +66,8 @@ def _positive(kind: type) -> Any:
     return check
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The command's options on ``parser``."""
+def add_parser(subparsers: Subparsers) -> None:
+    parser = command_parser(subparsers, "tune", HELP, CmdTune)
     parser.add_argument(
         "--trials",
         type=_positive(int),
@@ -100,7 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="do not queue the best trial as a DVC experiment",
     )
-    return parser
 
 
 def load_raw(path: Path) -> dict[str, Any]:
@@ -115,23 +116,30 @@ def load_raw(path: Path) -> dict[str, Any]:
     return raw or {}
 
 
-def load_setup(args: argparse.Namespace) -> Setup:
-    """The params file with the -S overrides and the flags (as ``tune.*`` keys), validated
-    as a whole: a bad key or value names itself."""
-    path = Path(args.params)
+def load_setup(
+    params: str | Path,
+    overrides: list[tuple[str, Any]],
+    trials: int | None = None,
+    timeout: float | None = None,
+    study: str | None = None,
+) -> Setup:
+    """The params file with the -S overrides (KEY, VALUE) and the flags (as ``tune.*``
+    keys), validated as a whole: a bad key or value names itself."""
+    path = Path(params)
     raw = load_raw(path)
-    overrides = dict(args.overrides)
-    flags = {"tune.trials": args.trials, "tune.timeout_min": args.timeout, "tune.study": args.study}
-    for key, value in [*overrides.items(), *((k, v) for k, v in flags.items() if v is not None)]:
+    given_overrides = dict(overrides)
+    flags = {"tune.trials": trials, "tune.timeout_min": timeout, "tune.study": study}
+    chosen = [(k, v) for k, v in flags.items() if v is not None]
+    for key, value in [*given_overrides.items(), *chosen]:
         set_key(raw, key, value)
-    given = bool(overrides) or any(v is not None for v in flags.values())
+    given = bool(given_overrides) or any(v is not None for v in flags.values())
     base = parse_params(raw, f"{path} with the command's -S and flags" if given else str(path))
     if base.train.num_nodes > 1 or (isinstance(base.train.devices, int) and base.train.devices > 1):
         raise ParamsError(
             "train.devices / train.num_nodes: trainyard tune trains each trial on one device; "
             "for several GPUs run one tune worker per GPU (CUDA_VISIBLE_DEVICES=N)"
         )
-    keep = {k: v for k, v in overrides.items() if not k.startswith("tune.")}
+    keep = {k: v for k, v in given_overrides.items() if not k.startswith("tune.")}
     return Setup(raw, base, keep, st.storage_url(base.tune))
 
 
@@ -175,35 +183,42 @@ def _terminate(signum: int, frame: Any) -> None:
     raise Terminated
 
 
-def run(args: argparse.Namespace) -> int:
-    """``trainyard tune``: 0 when the study has a completed trial, 1 on an error or when
-    none completed, 130/143 when interrupted (a rerun continues)."""
-    configure_logging("tune")
-    quiet_optuna()
-    signal.signal(signal.SIGTERM, _terminate)
-    tuner: Tuner | None = None
-    try:
-        tuner = Tuner(load_setup(args))
-        tuner.open()
-        tuner.run_trials()
-        study = tuner.finish()
-        return 0 if report_best(tuner, study, queue=not args.no_queue) else 1
-    except TrainyardError as err:
-        print(f"trainyard tune: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as err:
-        term = isinstance(err, Terminated)
-        what = "SIGTERM" if term else "Ctrl-C (SIGINT)"
-        if tuner is not None and tuner.runs.parent_id:
-            tuner.lock.release()
-            release_interrupted_store(err)
-            try:
-                tuner.finish(interrupted=f"{what} in trainyard tune")
-            except Exception as end_err:
-                log.warning("could not end the study's MLflow run: %s", end_err)
-        print(
-            f"trainyard tune: {'terminated (SIGTERM)' if term else 'interrupted'}; "
-            "`trainyard tune` again continues the study",
-            file=sys.stderr,
-        )
-        return 143 if term else 130
+class CmdTune(Command):
+    def run(self) -> int:
+        """0 when the study has a completed trial, 1 on an error or when none completed,
+        130/143 when interrupted (a rerun continues)."""
+        configure_logging("tune")
+        quiet_optuna()
+        signal.signal(signal.SIGTERM, _terminate)
+        a = self.args
+        tuner: Tuner | None = None
+        try:
+            tuner = Tuner(load_setup(a.params, a.overrides, a.trials, a.timeout, a.study))
+            tuner.open()
+            tuner.run_trials()
+            study = tuner.finish()
+            return 0 if report_best(tuner, study, queue=not a.no_queue) else 1
+        except TrainyardError as err:
+            print(f"trainyard tune: error: {err}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as err:
+            return _interrupted(tuner, err)
+
+
+def _interrupted(tuner: Tuner | None, err: KeyboardInterrupt) -> int:
+    """End the study's MLflow run as interrupted; 130 (Ctrl-C) or 143 (SIGTERM)."""
+    term = isinstance(err, Terminated)
+    what = "SIGTERM" if term else "Ctrl-C (SIGINT)"
+    if tuner is not None and tuner.runs.parent_id:
+        tuner.lock.release()
+        release_interrupted_store(err)
+        try:
+            tuner.finish(interrupted=f"{what} in trainyard tune")
+        except Exception as end_err:
+            log.warning("could not end the study's MLflow run: %s", end_err)
+    print(
+        f"trainyard tune: {'terminated (SIGTERM)' if term else 'interrupted'}; "
+        "`trainyard tune` again continues the study",
+        file=sys.stderr,
+    )
+    return 143 if term else 130

@@ -1,4 +1,5 @@
-"""``trainyard report``: ``reports/report.md``, this workspace against a baseline revision.
+"""``reports/report.md``: this workspace against a baseline revision (``trainyard report``,
+trainyard.commands.pr_report).
 
 Offline, for a pull-request comment (``gh pr comment --body-file reports/report.md``): the
 params that changed and the metrics with their deltas (DVC's own ``params diff`` and
@@ -11,10 +12,8 @@ folder can be attached or committed as it is.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,36 +50,6 @@ class Baseline:
     name: str
     sha: str
     note: str = ""
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The command's options on ``parser``."""
-    parser.add_argument(
-        "--baseline",
-        metavar="REV",
-        default=None,
-        help=f"git revision to compare with (default {DEFAULT_BASELINE}; HEAD if there is none)",
-    )
-    parser.add_argument(
-        "--out",
-        metavar="PATH",
-        type=Path,
-        default=None,
-        help=f"the report's file (default {DEFAULT_OUT} of the repository); its pictures go "
-        "to the folder of the same name beside it",
-    )
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    """``trainyard report``: 0 written, 1 an error, 2 a baseline that does not exist."""
-    try:
-        path = write_report(Path.cwd(), args.baseline, args.out)
-    except TrainyardError as err:
-        print(f"trainyard report: error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, NoSuchRevision) else 1
-    print(path)
-    return 0
 
 
 def write_report(cwd: Path, baseline: str | None, out: Path | None) -> Path:

@@ -1,4 +1,6 @@
-"""``trainyard predict``'s arguments and the job they describe; ``predict-merge`` of shards.
+"""A bulk-scoring job: its typed options, the job they describe (``predict``), and the one
+table of a job's shards (``merge``). The command line that makes the options:
+trainyard.bulk.command_line.
 
 The options default to params.yaml's ``predict`` section; the model to ``predict.model``
 (``auto``: ``serve.model``, what ``make serve`` serves), a local exported model checked
@@ -9,13 +11,10 @@ model files only, as in a bento or a Kubernetes Job).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import math
-import sys
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from trainyard.bulk.summary import summary_line, tally
 from trainyard.bulk.table import output_format, read_tables, summary_path, write_table
 from trainyard.core.card import card_from_metadata
 from trainyard.core.config import DEFAULT_PARAMS, Params, load_params
-from trainyard.core.errors import DataError, ModelError, TrainyardError
+from trainyard.core.errors import DataError, ModelError
 from trainyard.core.io import atomic_write_json
 from trainyard.runtime.model_file import open_verified
 from trainyard.runtime.sessions import CUDA
@@ -38,33 +37,23 @@ REGISTRY_SCHEME, RUN_SCHEME = "models:/", "runs:/"
 FetchModel = Callable[[str, Path], tuple[Path, dict[str, str]]]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``trainyard predict SOURCE [--out FILE] [...]``; unset options read params.yaml."""
-    p.add_argument("source", help="a folder, a CSV (.csv/.tsv), a text file of paths, or a glob")
-    p.add_argument(
-        "--out", help="the table, .parquet or .csv (default: predictions/<source name>.parquet)"
-    )
-    p.add_argument(
-        "--model",
-        help="an exported .onnx, models:/NAME@ALIAS, models:/NAME/N or runs:/RUN_ID "
-        "(default: predict.model, whose auto is serve.model)",
-    )
-    p.add_argument("--params", default=str(DEFAULT_PARAMS), help="params file")
-    p.add_argument("--top-k", type=int, help="labels per row (predict.top_k)")
-    p.add_argument(
-        "--min-confidence",
-        type=float,
-        help="flag rows whose top-1 probability is below this (predict.min_confidence)",
-    )
-    p.add_argument("--batch-size", type=int, help="images per model call (predict.batch_size)")
-    p.add_argument("--workers", type=int, help="decode processes (predict.workers)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="predict.device")
-    p.add_argument("--chunk-rows", type=int, help="rows per resumable chunk (predict.chunk_rows)")
-    p.add_argument(
-        "--shard", default="0/1", help="K/N: score the K-th of N slices (0-based), N machines"
-    )
-    p.add_argument("--strict", action="store_true", help="stop at the first unreadable file")
-    return p
+@dataclass(frozen=True)
+class PredictOptions:
+    """A job as asked: the source, the table (None: ``default_out``), the params file, and
+    what overrides its ``predict`` section (None: the params file's value)."""
+
+    source: str
+    out: str | None = None
+    model: str | None = None
+    params: str = str(DEFAULT_PARAMS)
+    top_k: int | None = None
+    min_confidence: float | None = None
+    batch_size: int | None = None
+    workers: int | None = None
+    device: str | None = None
+    chunk_rows: int | None = None
+    shard: str = "0/1"  # K/N: the K-th of N slices (0-based)
+    strict: bool = False  # stop at the first unreadable file
 
 
 def default_out(source: str) -> Path:
@@ -73,17 +62,17 @@ def default_out(source: str) -> Path:
     return Path("predictions") / f"{name.replace('*', '_')}.parquet"
 
 
-def settings(args: argparse.Namespace, params: Params) -> dict[str, Any]:
-    """The job's settings: an option given on the command line wins over params.yaml's
+def settings(options: PredictOptions, params: Params) -> dict[str, Any]:
+    """The job's settings: an option given (on the command line) wins over params.yaml's
     ``predict`` (validated there: an out-of-range option is the same error as the key's)."""
     given = {
-        "top_k": args.top_k,
-        "min_confidence": args.min_confidence,
-        "batch_size": args.batch_size,
-        "workers": args.workers,
-        "device": args.device,
-        "chunk_rows": args.chunk_rows,
-        "model": args.model,
+        "top_k": options.top_k,
+        "min_confidence": options.min_confidence,
+        "batch_size": options.batch_size,
+        "workers": options.workers,
+        "device": options.device,
+        "chunk_rows": options.chunk_rows,
+        "model": options.model,
     }
     merged = params.predict.model_dump() | {k: v for k, v in given.items() if v is not None}
     try:
@@ -117,22 +106,22 @@ def resolve_model(
 
 
 def build_job(
-    args: argparse.Namespace, fetch: FetchModel | None = None
+    options: PredictOptions, fetch: FetchModel | None = None
 ) -> tuple[engine.Job, Params]:
     """Read params, list the source, open and verify the model: the job, ready to run."""
-    params_file = Path(args.params).resolve()
+    params_file = Path(options.params).resolve()
     params = load_params(params_file)
-    opts = settings(args, params)
-    shard = parse_shard(args.shard)
-    out = Path(args.out) if args.out else default_out(args.source)
+    opts = settings(options, params)
+    shard = parse_shard(options.shard)
+    out = Path(options.out) if options.out else default_out(options.source)
     fmt = output_format(out)
     inputs = list_inputs(
-        args.source,
+        options.source,
         image_column=params.data.csv_image_column,
         label_column=params.data.csv_label_column,
     )
     # --model is relative to where the command runs; predict.model to the params file.
-    base = Path.cwd() if args.model else None
+    base = Path.cwd() if options.model else None
     path, provenance = resolve_model(model_source(opts["model"], params), params_file, fetch, base)
     model, sha = open_verified(path, opts["device"], 0)
     card = card_from_metadata(model.metadata, str(path))
@@ -167,7 +156,7 @@ def build_job(
         workers=worker_count(opts["workers"]),
         chunk_rows=opts["chunk_rows"],
         shard=shard,
-        strict=args.strict,
+        strict=options.strict,
         about={
             "source": str(path),
             "run_id": provenance.get("run_id") or model.metadata.get("mlflow_run_id", ""),
@@ -177,10 +166,10 @@ def build_job(
     return job, params
 
 
-def predict(args: argparse.Namespace, fetch: FetchModel | None = None) -> dict[str, Any]:
-    """Build and run the job that ``args`` describe; the summary (also written beside the
-    table). A rerun after a kill continues from the chunks written."""
-    job, _params = build_job(args, fetch)
+def predict(options: PredictOptions, fetch: FetchModel | None = None) -> dict[str, Any]:
+    """Build and run the job that ``options`` describe; the summary (also written beside
+    the table). A rerun after a kill continues from the chunks written."""
+    job, _params = build_job(options, fetch)
     start, stop = job.rows
     log.info(
         "scoring %s rows of %s (%s%s) with %s (%s, sha256 %s) on %s%s, batch %d, %d decode "
@@ -254,48 +243,3 @@ def merge(shards: list[Path], out: Path) -> dict[str, Any]:
     }
     atomic_write_json(summary_path(out), merged)
     return merged
-
-
-def add_merge_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``trainyard predict-merge SHARD... --out FILE``."""
-    p.add_argument(
-        "shards", nargs="+", type=Path, help="the shards' tables (their .summary.json beside them)"
-    )
-    p.add_argument("--out", required=True, type=Path, help="the merged table: .parquet or .csv")
-    return p
-
-
-def run_merge(args: argparse.Namespace) -> int:
-    """The ``predict-merge`` command: exit 0, or 1 with the reason."""
-    try:
-        merged = merge(args.shards, args.out)
-    except TrainyardError as err:
-        print(f"trainyard predict-merge: error: {err}", file=sys.stderr)
-        return 1
-    log.info("%d shard(s) -> %s: %s", len(args.shards), args.out, summary_line(merged))
-    return 0
-
-
-def run_command(
-    args: argparse.Namespace,
-    fetch: FetchModel | None = None,
-    record: Callable[[argparse.Namespace, dict[str, Any]], None] | None = None,
-) -> int:
-    """``trainyard predict``: 0; 1 with the reason; 130 on Ctrl-C (the chunks written are
-    kept: the same command continues). ``record``: logs the finished job (MLflow)."""
-    t0 = time.monotonic()
-    try:
-        summary = predict(args, fetch)
-        if record is not None:
-            record(args, summary)
-    except TrainyardError as err:
-        print(f"trainyard predict: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(
-            f"trainyard predict: interrupted after {math.floor(time.monotonic() - t0)} s; the "
-            "chunks scored so far are kept: rerun the same command to continue",
-            file=sys.stderr,
-        )
-        return 130
-    return 0

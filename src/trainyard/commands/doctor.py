@@ -2,7 +2,7 @@
 
     trainyard doctor            # a readable table (also: make doctor)
     trainyard doctor --json     # one JSON document
-    python -m trainyard.doctor.command  # the same, without the console script
+    python -m trainyard.commands.doctor  # the same, without the console script
 
 Reports the CPU and RAM; each GPU (memory, compute capability, bf16, driver, torch's CUDA
 runtime); RAM against GPU memory (the 2x rule); the torch and ONNX Runtime builds and which
@@ -13,12 +13,13 @@ verdict says why, and the verdicts are the pipeline's own decisions: placement i
 Runtime providers ``runtime.sessions.choose_providers``, the folder's images ``data.walk``.
 
 Exit status: 0 fine (warnings allowed), 1 a broken setup (the message says what is broken
-and what to do), 2 bad usage. Never imports mlflow, dvc or bentoml.
+and what to do), 2 bad usage. Never imports mlflow, dvc or bentoml (it runs on a bare GPU
+machine: tests/test_gpu_bare.py).
 
-Layout: ``collect`` gathers facts (reads the machine: ``machine`` for CPU, RAM, GPUs, torch
-and ONNX Runtime, ``dataset`` for the disk and the dataset); ``verdicts`` (with ``report``)
-are pure functions of those facts, so they are tested on crafted facts for machines we do
-not have; ``render`` prints them; this module is the command line.
+Layout: ``trainyard.doctor.collect`` gathers facts (reads the machine: ``machine`` for CPU,
+RAM, GPUs, torch and ONNX Runtime, ``dataset`` for the disk and the dataset); ``verdicts``
+(with ``report``) are pure functions of those facts, so they are tested on crafted facts for
+machines we do not have; ``render`` prints them; this module is the command line.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from trainyard.commands import Command, Subparsers, command_parser, parse
 from trainyard.core.card import CARD_FILE
 from trainyard.core.config import DEFAULT_PARAMS
 from trainyard.doctor.collect import collect
@@ -34,9 +36,11 @@ from trainyard.doctor.render import emit
 from trainyard.doctor.terms import DEFAULT_DATA
 from trainyard.doctor.verdicts import report
 
+HELP = "check this machine and what trainyard will do on it"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The doctor's options on ``parser`` (its own, or ``trainyard doctor``'s subparser)."""
+    """The doctor's options on ``parser`` (``trainyard doctor``'s, or ``main``'s own)."""
     parser.add_argument(
         "--params", default=None, help=f"params file (default: ./{DEFAULT_PARAMS}, if present)"
     )
@@ -49,29 +53,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
-    """``trainyard doctor`` with parsed arguments: 0 fine, 1 broken, 2 bad usage."""
-    if args.params is not None and not Path(args.params).is_file():
-        print(f"trainyard doctor: error: --params {args.params}: no such file", file=sys.stderr)
-        return 2
-    return emit(report(collect(args.params, args.data)), args.json)
+def add_parser(subparsers: Subparsers) -> None:
+    add_arguments(command_parser(subparsers, "doctor", HELP, CmdDoctor))
 
 
-def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace | int:
-    """The parsed arguments, or the exit status argparse chose (usage error, ``--help``)."""
-    try:
-        return parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: 2 for bad usage, 0 for --help
-        return exc.code if isinstance(exc.code, int) else 2
+class CmdDoctor(Command):
+    def run(self) -> int:
+        """0 fine, 1 broken, 2 bad usage."""
+        params = self.args.params
+        if params is not None and not Path(params).is_file():
+            print(f"trainyard doctor: error: --params {params}: no such file", file=sys.stderr)
+            return 2
+        return emit(report(collect(params, self.args.data)), self.args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainyard.doctor.command [--json] [--params P] [--data D]``."""
+    """``python -m trainyard.commands.doctor [--json] [--params P] [--data D]``."""
     parser = add_arguments(
         argparse.ArgumentParser(prog="trainyard doctor", description=__doc__.splitlines()[0])
     )
     args = parse(parser, argv)
-    return args if isinstance(args, int) else run(args)
+    return args if isinstance(args, int) else CmdDoctor(args).run()
 
 
 if __name__ == "__main__":

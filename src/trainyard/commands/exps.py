@@ -8,14 +8,16 @@ shrinks them to "…" on a terminal of any width. This reads DVC's own ``dvc exp
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
 
+from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.core.config import flatten
+
+HELP = "the DVC experiments table with only the columns people compare"
 
 # Metrics always shown when present (others only when they differ between rows);
 # reports/metrics.json's sample counts and provider describe the run, not its quality.
@@ -25,8 +27,9 @@ HIDDEN_PARAMS = ("tune.",)  # the search space shapes no single experiment
 CELL = 28  # widest cell in the plain table; longer values (folder paths) are cut in the middle
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``trainyard exps``'s options (those of ``dvc exp show`` that choose the rows)."""
+def add_parser(subparsers: Subparsers) -> None:
+    """``trainyard exps``'s options: those of ``dvc exp show`` that choose the rows."""
+    parser = command_parser(subparsers, "exps", HELP, CmdExps)
     parser.add_argument("-A", "--all-commits", action="store_true", help="all commits' experiments")
     parser.add_argument("--rev", default=None, help="experiments of this baseline (default HEAD)")
     parser.add_argument("-n", "--num", type=int, default=None, help="the last N baseline commits")
@@ -35,39 +38,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--md", action="store_true", help="a Markdown table (pull requests)")
     parser.add_argument("--all-params", action="store_true", help="every param, also unchanged")
-    return parser
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print the table; 1 when DVC cannot list the experiments (its message says why)."""
+class CmdExps(Command):
+    def run(self) -> int:
+        """Print the table; 1 when DVC cannot list the experiments (its message says why),
+        2 for a --sort-by column that is not in it."""
+        a = self.args
+        show = exp_show(a.all_commits, a.rev, a.num)
+        if show is None:
+            return 1
+        rows = table_rows(show)
+        if not rows:
+            print("no experiments (dvc exp run, or dvc exp run --queue then dvc queue start)")
+            return 0
+        columns = choose_columns(rows, a.all_params)
+        if a.sort_by:
+            found = [c for c in columns if _header(c) == a.sort_by]
+            if not found:
+                shown = ", ".join(_header(c) for c in columns[3:])
+                print(
+                    f"trainyard exps: --sort-by {a.sort_by}: no such column ({shown})",
+                    file=sys.stderr,
+                )
+                return 2
+            rows = sort_rows(rows, found[0])
+        print(render_md(rows, columns) if a.md else render_plain(rows, columns))
+        return 0
+
+
+def exp_show(all_commits: bool, rev: str | None, num: int | None) -> list[dict[str, Any]] | None:
+    """``dvc exp show --json``'s experiments; None when DVC fails (its message printed)."""
     cmd = [sys.executable, "-m", "dvc", "exp", "show", "--json"]
-    if args.all_commits:
+    if all_commits:
         cmd.append("-A")
-    if args.rev:
-        cmd += ["--rev", args.rev]
-    if args.num is not None:
-        cmd += ["-n", str(args.num)]
+    if rev:
+        cmd += ["--rev", rev]
+    if num is not None:
+        cmd += ["-n", str(num)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"trainyard exps: dvc exp show failed: {proc.stderr.strip()}", file=sys.stderr)
-        return 1
-    rows = table_rows(json.loads(proc.stdout or "[]"))
-    if not rows:
-        print("no experiments (dvc exp run, or dvc exp run --queue then dvc queue start)")
-        return 0
-    columns = choose_columns(rows, args.all_params)
-    if args.sort_by:
-        found = [c for c in columns if _header(c) == args.sort_by]
-        if not found:
-            shown = ", ".join(_header(c) for c in columns[3:])
-            print(
-                f"trainyard exps: --sort-by {args.sort_by}: no such column ({shown})",
-                file=sys.stderr,
-            )
-            return 2
-        rows = sort_rows(rows, found[0])
-    print(render_md(rows, columns) if args.md else render_plain(rows, columns))
-    return 0
+        return None
+    return json.loads(proc.stdout or "[]")
 
 
 def _entries(show: list[dict[str, Any]]) -> Iterator[tuple[str, str, dict[str, Any]]]:
@@ -186,13 +199,3 @@ def render_md(rows: list[dict[str, Any]], columns: list[str]) -> str:
         for r in rows
     ]
     return "\n".join([head, rule, *body])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m trainyard.experiments.exps``."""
-    parser = add_arguments(argparse.ArgumentParser(prog="trainyard exps"))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

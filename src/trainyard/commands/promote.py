@@ -1,6 +1,6 @@
-"""``trainyard promote`` and ``trainyard rollback``: move a registered model's `champion` by
-hand, with the shadow's evidence from the prediction log (docs/serving.md, "Promote and
-roll back").
+"""``trainyard promote``: move a registered model's `champion` by hand, with the shadow's
+evidence from the prediction log (docs/serving.md, "Promote and roll back"); what a move
+prints is shared with ``trainyard rollback`` (trainyard.commands.rollback).
 
 A version is promoted only after it ran as the service's shadow (``serve.shadow``) on at
 least ``--min-rows`` logged requests (``serve.log_predictions``): its agreement with the
@@ -11,11 +11,12 @@ is missing and how to get it).
 
 from __future__ import annotations
 
-import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.core.config import load_params
 from trainyard.core.errors import PromotionRefused, TrainyardError
 from trainyard.stages.runner import configure_logging
@@ -24,10 +25,12 @@ from trainyard.watch.agreement import shadow_figures
 from trainyard.watch.log import read_log
 
 MIN_ROWS = 200
+HELP = "move a registered model's champion alias to a version that ran as the shadow"
 
 
-def add_promote_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> None:
     """``trainyard promote NAME (--version N | --from ALIAS) [...]``."""
+    p = command_parser(subparsers, "promote", HELP, CmdPromote)
     p.add_argument("name", metavar="NAME", help="the registered model")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--version", type=int, metavar="N", help="the version to promote")
@@ -46,58 +49,66 @@ def add_promote_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
         help=f"logged requests the version must have shadowed (default {MIN_ROWS})",
     )
     p.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file")
-    return p
 
 
-def add_rollback_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``trainyard rollback NAME [--reason TEXT]``."""
-    p.add_argument("name", metavar="NAME", help="the registered model")
-    p.add_argument("--reason", default="", help="why: recorded on the version")
-    p.add_argument("--params", type=Path, default=Path("params.yaml"), help="params file")
-    return p
+class CmdPromote(Command):
+    def run(self) -> int:
+        """0 moved, 1 a registry failure, 2 refused."""
+        configure_logging("promote")
+        a = self.args
+
+        def move() -> dict[str, Any]:
+            return promote(
+                a.name,
+                (a.version, a.from_alias),
+                reason=a.reason,
+                force=a.force,
+                log=a.log,
+                params_file=a.params,
+                min_rows=a.min_rows,
+            )
+
+        return report_move("promote", move, a.params)
 
 
-def run_promote(args: argparse.Namespace) -> int:
-    """``trainyard promote``: 0 moved, 1 a registry failure, 2 refused."""
-    configure_logging("promote")
-    return _report("promote", lambda: _promote(args), args.params)
-
-
-def run_rollback(args: argparse.Namespace) -> int:
-    """``trainyard rollback``: 0 moved back, 1 a registry failure, 2 refused."""
-    configure_logging("rollback")
-
-    def move() -> dict[str, Any]:
-        client, _ = promotion.registry_client()
-        return promotion.rollback(client, args.name, reason=args.reason)
-
-    return _report("rollback", move, args.params)
-
-
-def _promote(args: argparse.Namespace) -> dict[str, Any]:
+def promote(
+    name: str,
+    which: tuple[int | None, str | None],
+    *,
+    reason: str,
+    force: bool,
+    log: Path | None,
+    params_file: Path,
+    min_rows: int = MIN_ROWS,
+) -> dict[str, Any]:
+    """Move ``name``'s champion to ``which`` (a version, or the one an alias points at),
+    with the figures of its shadow run in the prediction log (the folder ``log``, else
+    the params file's serve.log_dir); PromotionRefused below ``min_rows`` logged requests
+    unless ``force``."""
+    version, from_alias = which
     client, _ = promotion.registry_client()
-    target = promotion.find_version(client, args.name, args.version, args.from_alias)
-    registry_version = f"{args.name}/{target.version}"
-    folder = args.log or _log_dir(args.params)
+    target = promotion.find_version(client, name, version, from_alias)
+    registry_version = f"{name}/{target.version}"
+    folder = log or _log_dir(params_file)
     figures = shadow_figures(read_log(folder), registry_version)
-    if figures["rows"] < args.min_rows and not args.force:
+    if figures["rows"] < min_rows and not force:
         raise PromotionRefused(
-            f"{args.name} v{target.version} ran as the shadow on {figures['rows']} logged "
-            f"request(s) in {folder}, {args.min_rows} needed (--min-rows) to record its "
+            f"{name} v{target.version} ran as the shadow on {figures['rows']} logged "
+            f"request(s) in {folder}, {min_rows} needed (--min-rows) to record its "
             "agreement with the champion. Serve the champion with the candidate as its "
             f"shadow and the prediction log on (params.yaml: serve.model: "
-            f"models:/{args.name}@champion, serve.shadow: "
-            f"{args.from_alias or target.version}, serve.log_predictions: true, "
+            f"models:/{name}@champion, serve.shadow: "
+            f"{from_alias or target.version}, serve.log_predictions: true, "
             "serve.log_dir), let traffic come, and run this again; or --force to promote "
             "without the figures (recorded as forced)"
         )
     return promotion.promote(
         client,
         target,
-        reason=args.reason,
+        reason=reason,
         figures=figures if figures["rows"] else None,
-        forced=args.force and figures["rows"] < args.min_rows,
-        from_alias=args.from_alias,
+        forced=force and figures["rows"] < min_rows,
+        from_alias=from_alias,
     )
 
 
@@ -114,7 +125,7 @@ def _reload_s(params_file: Path) -> float | None:
         return None
 
 
-def _report(command: str, move: Any, params_file: Path) -> int:
+def report_move(command: str, move: Callable[[], dict[str, Any]], params_file: Path) -> int:
     """Run ``move``; print what moved (or why not) and when a following service sees it."""
     try:
         done = move()

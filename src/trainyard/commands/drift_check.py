@@ -8,12 +8,12 @@ names the file or option), for a cron job or a CI step.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from datetime import datetime
 from pathlib import Path
 
+from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.core.config import DEFAULT_PARAMS, load_params
 from trainyard.core.errors import TrainyardError
 from trainyard.stages.runner import configure_logging
@@ -24,12 +24,13 @@ from trainyard.watch.log import utc_now
 from trainyard.watch.reference import DEFAULT_PATH, Reference, load_reference
 from trainyard.watch.report import write_report
 
-log = logging.getLogger("trainyard.stages.drift")
+log = logging.getLogger("trainyard.commands.drift_check")
 NO_DRIFT, DRIFT, BAD_INPUT = 0, 1, 2
+HELP = "a prediction log or predict table against the model's reference (docs/drift.md)"
 
 
-def add_cli_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``trainyard drift``'s options."""
+def add_parser(subparsers: Subparsers) -> None:
+    p = command_parser(subparsers, "drift", HELP, CmdDrift)
     p.add_argument("source", help="a prediction-log folder, or a `trainyard predict` table")
     p.add_argument(
         "--reference",
@@ -43,20 +44,34 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     window.add_argument("--since", help="a log folder's rows from this ISO time (UTC default)")
     p.add_argument("--until", help="... up to this ISO time (default: now)")
     p.add_argument("--params", default=str(DEFAULT_PARAMS), help="params file (its drift: keys)")
-    return p
 
 
-def time_window(args: argparse.Namespace) -> tuple[datetime | None, datetime | None]:
+class CmdDrift(Command):
+    def run(self) -> int:
+        """0 no drift, 1 drift; bad input of any kind exits 2 with a message naming it."""
+        configure_logging("drift")
+        a = self.args
+        try:
+            window = time_window(a.last, a.since, a.until)
+            return drift(a.source, a.reference, a.out, Path(a.params), window)
+        except TrainyardError as err:
+            print(f"trainyard drift: error: {err}", file=sys.stderr)
+            return BAD_INPUT
+
+
+def time_window(
+    last: str | None, since: str | None, until: str | None
+) -> tuple[datetime | None, datetime | None]:
     """(since, until) from --last, or --since/--until; (None, None) for everything."""
-    until = parse_time(args.until, "--until") if args.until else None
-    if args.last:
-        if until is not None:
+    end = parse_time(until, "--until") if until else None
+    if last:
+        if end is not None:
             raise TrainyardError("--last and --until: give --since/--until for a past window")
-        return utc_now() - parse_duration(args.last), None
-    since = parse_time(args.since, "--since") if args.since else None
-    if since is not None and until is not None and since >= until:
-        raise TrainyardError(f"--since {args.since} is not before --until {args.until}")
-    return since, until
+        return utc_now() - parse_duration(last), None
+    start = parse_time(since, "--since") if since else None
+    if start is not None and end is not None and start >= end:
+        raise TrainyardError(f"--since {since} is not before --until {until}")
+    return start, end
 
 
 def reference_of(spec: str, params_file: Path) -> Reference:
@@ -66,29 +81,21 @@ def reference_of(spec: str, params_file: Path) -> Reference:
     return load_reference(spec)
 
 
-def drift(args: argparse.Namespace) -> int:
-    """Compare, report, print the line; the exit code (0 or 1). Raises TrainyardError."""
-    params = load_params(args.params)
-    since, until = time_window(args)
-    reference = reference_of(args.reference, Path(args.params))
-    window = read_window(args.source, model_sha256=reference.model_sha256, since=since, until=until)
+def drift(
+    source: str,
+    reference_spec: str,
+    out: str,
+    params_file: Path,
+    time: tuple[datetime | None, datetime | None] = (None, None),
+) -> int:
+    """Compare ``source`` (rows in the ``time`` window: since, until) with the reference,
+    report into ``out``, print the line; the exit code (0 or 1). Raises TrainyardError."""
+    params = load_params(params_file)
+    since, until = time
+    reference = reference_of(reference_spec, params_file)
+    window = read_window(source, model_sha256=reference.model_sha256, since=since, until=until)
     result = compare(reference, window, params.drift)
-    paths = write_report(result, reference, window, args.out)
+    paths = write_report(result, reference, window, out)
     log.info("report: %s", paths["report.md"])
     print(result.summary)
     return DRIFT if result.drifted else NO_DRIFT
-
-
-def cli_run(args: argparse.Namespace) -> int:
-    """``trainyard drift``: bad input of any kind exits 2 with a message naming it."""
-    configure_logging("drift")
-    try:
-        return drift(args)
-    except TrainyardError as err:
-        print(f"trainyard drift: error: {err}", file=sys.stderr)
-        return BAD_INPUT
-
-
-if __name__ == "__main__":
-    parser = add_cli_arguments(argparse.ArgumentParser(prog="trainyard drift"))
-    sys.exit(cli_run(parser.parse_args()))
