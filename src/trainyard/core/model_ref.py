@@ -69,7 +69,7 @@ class ModelRef:
 
     def with_alias(self, alias: str) -> ModelRef:
         """``models:/NAME@ALIAS`` of this reference's registered model."""
-        return ModelRef(f"models:/{self.name}@{alias}", self.field, self.name, alias)
+        return registered_alias(self.name, alias, self.field)
 
     def __str__(self) -> str:
         return self.uri
@@ -78,6 +78,11 @@ class ModelRef:
 def registered_version(name: str, version: str | int, field: str) -> ModelRef:
     """``models:/NAME/VERSION``: a version a provenance or a registry answer named."""
     return ModelRef(f"models:/{name}/{version}", field, name, None, str(version))
+
+
+def registered_alias(name: str, alias: str, field: str) -> ModelRef:
+    """``models:/NAME@ALIAS``: the version an alias of ``name`` points at."""
+    return ModelRef(f"models:/{name}@{alias}", field, name, alias)
 
 
 def parse_model_ref(text: str, field: str, base: Path | None = None) -> ModelRef:

@@ -51,11 +51,11 @@ class MlflowRegistry:
         """The int8 model of the version ``ref`` names, downloaded beside the fp32 file's
         and checked against its ``int8_sha256`` tag, with the .sha256 sidecar the service
         verifies; None for a version registered without one (export.quantize none)."""
-        mv, tracking_uri = version_of(ref)
+        mv, tracking_uri = _version(ref)
         expected, artifact = mv.tags.get(INT8_SHA_TAG), mv.tags.get(INT8_ARTIFACT_TAG)
         if not expected or not artifact or not mv.run_id:
             return None
-        dest = Path(cache_dir) / ref.name / str(mv.version) / f"model{INT8_SUFFIX}"
+        dest = Path(cache_dir) / mv.name / str(mv.version) / f"model{INT8_SUFFIX}"
         what = f"{ref.field}: {ref} (v{mv.version}) int8 model"
         download_verified(mv, artifact, dest, expected, tracking_uri, what)
         atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
@@ -64,7 +64,7 @@ class MlflowRegistry:
     def fetch_reference(self, ref: ModelRef, cache_dir: Path) -> Path:
         """The drift reference (``REFERENCE_ARTIFACT``) of the version ``ref`` names,
         checked against its ``reference_sha256`` tag."""
-        mv, tracking_uri = version_of(ref)
+        mv, tracking_uri = _version(ref)
         what = f"{ref.field}: {ref} (v{mv.version})"
         expected = mv.tags.get(REFERENCE_TAG)
         if not expected or not mv.run_id:
@@ -72,7 +72,7 @@ class MlflowRegistry:
                 f"{what} has no {REFERENCE_TAG} tag: it was registered before evaluate "
                 "stored a reference; rerun `dvc repro evaluate` for that model"
             )
-        dest = Path(cache_dir) / ref.name / str(mv.version) / "model.reference.npz"
+        dest = Path(cache_dir) / mv.name / str(mv.version) / "model.reference.npz"
         return download_verified(mv, REFERENCE_ARTIFACT, dest, expected, tracking_uri, what)
 
     def follow(self, ref: ModelRef, current: str, cache_dir: Path) -> FetchedModel | None:
@@ -92,6 +92,13 @@ class MlflowRegistry:
         # A move by hand says its own reason (maybe none); evaluate's decision, the one it made.
         reason = mv.tags.get(PROMOTE_REASON_TAG, mv.tags.get("decision_reason", ""))
         return FetchedModel(path, provenance | {"reason": reason})
+
+
+def _version(ref: ModelRef) -> tuple[Any, str]:
+    """(the ModelVersion, tracking URI) a ``models:/`` or ``runs:/`` reference names."""
+    if ref.run_id:
+        return version_of_run(ref), resolve_tracking_uri()
+    return version_of(ref)
 
 
 def version_of_run(ref: ModelRef) -> Any:
