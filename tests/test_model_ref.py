@@ -11,7 +11,7 @@ import pytest
 
 from trainyard.core.errors import ModelError, TrackingError, TrainyardError
 from trainyard.core.io import sha256_file
-from trainyard.core.model_ref import ACCEPTED, ModelRef, parse_model_ref
+from trainyard.core.model_ref import ACCEPTED, FetchedModel, ModelRef, parse_model_ref
 
 from conftest import fashion_card, write_tiny_onnx
 
@@ -245,3 +245,75 @@ def test_following_an_alias_fetches_the_version_it_moved_to(registered, registry
     client.delete_registered_model_alias("refs", "moving")
     with pytest.raises(TrainyardError, match="the alias no longer exists"):
         registry.follow(followed, "2", tmp_path)
+
+
+# ---------------------------------------------------------------------------- the entry points
+
+
+class Recording:
+    """A ModelRegistry that records what it was asked for and answers ``answer``."""
+
+    def __init__(self, answer: Path) -> None:
+        self.answer, self.asked = answer, []
+
+    def fetch(self, ref: ModelRef, cache_dir: Path) -> FetchedModel:
+        self.asked.append(("fetch", ref, cache_dir))
+        return FetchedModel(self.answer, {"model_source": ref.uri, "registry_version": "1"})
+
+    def fetch_reference(self, ref: ModelRef, cache_dir: Path) -> Path:
+        self.asked.append(("fetch_reference", ref, cache_dir))
+        return self.answer
+
+
+def test_bulk_scoring_reads_its_model_as_a_reference(tmp_path):
+    from trainyard.bulk.job import resolve_model
+
+    params = tmp_path / "params.yaml"
+    local = resolve_model("models/m.onnx", "predict.model", params, None)
+    assert local == (tmp_path / "models" / "m.onnx", {"model_source": str(local.path)})
+    assert resolve_model("m.onnx", "--model", params, None, Path("/w")).path == Path("/w/m.onnx")
+    with pytest.raises(ModelError, match=r"^--model: models:/clf@champion: a registry model"):
+        resolve_model("models:/clf@champion", "--model", params, None)
+    with pytest.raises(ModelError, match=r"^predict\.model: 'models:/clf' is not a model ref"):
+        resolve_model("models:/clf", "predict.model", params, None)
+    registry = Recording(tmp_path / "got.onnx")
+    got = resolve_model("runs:/abc/model", "--model", params, registry)  # type: ignore[arg-type]
+    assert got.path == tmp_path / "got.onnx"
+    assert registry.asked == [
+        ("fetch", parse_model_ref("runs:/abc/model", "--model"), tmp_path / ".cache" / "registry")
+    ]
+
+
+def test_drift_reads_its_reference_as_a_model_reference(tmp_path):
+    from trainyard.commands.drift_check import reference_of
+
+    params = tmp_path / "params.yaml"
+    with pytest.raises(ModelError, match=r"^--reference: 'models:/clf' is not a model ref"):
+        reference_of("models:/clf", params, None)
+    with pytest.raises(TrainyardError, match=r"^--reference models:/clf/2: a registry model"):
+        reference_of("models:/clf/2", params, None)
+    registry = Recording(tmp_path / "missing.npz")
+    with pytest.raises(TrainyardError, match=r"missing\.npz"):  # what the registry handed back
+        reference_of("models:/clf@champion", params, registry)  # type: ignore[arg-type]
+    assert registry.asked == [
+        (
+            "fetch_reference",
+            parse_model_ref("models:/clf@champion", "--reference"),
+            tmp_path / ".cache" / "registry",
+        )
+    ]
+
+
+def test_mlflow_registry_is_the_protocol_method_for_method():
+    """No type checker runs in the suite: the implementation's methods are compared with
+    the protocol's, name, parameters and annotations."""
+    import inspect
+
+    from trainyard.core.model_ref import ModelRegistry
+    from trainyard.track.model_refs import MlflowRegistry
+
+    wanted = {n for n, f in vars(ModelRegistry).items() if inspect.isfunction(f) and n[0] != "_"}
+    assert wanted == {"fetch", "fetch_int8", "fetch_reference", "follow"}
+    for name in wanted:
+        protocol = inspect.signature(getattr(ModelRegistry, name))
+        assert inspect.signature(getattr(MlflowRegistry, name)) == protocol, name
