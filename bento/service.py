@@ -4,17 +4,11 @@
     curl -F image=@photo.jpg http://127.0.0.1:3000/classify
     curl --data-binary @photo.jpg -H 'Content-Type: image/jpeg' 'http://127.0.0.1:3000/classify?top_k=3'
     curl -F images=@a.jpg -F images=@b.png http://127.0.0.1:3000/classify_batch
-    bentoml.SyncHTTPClient("http://127.0.0.1:3000").classify(image=Path("photo.jpg"))
 
-A request's way: the ``@bentoml.api`` method below reads it (trainyard.serve.api: bytes,
-pixels, ints, or a ``Refused`` 4xx), hands that to the Predictor (trainyard.serve.predictor:
-decode by the model's dataset card, ONNX Runtime, the answer) and returns the JSON. Every
-knob is the ``serve`` section of params.yaml, read here once.
-
-BentoML runs the process model (workers), the traffic limits (max concurrency, timeout),
-/metrics, the probes, the OpenAPI document (/docs.json) and the bento. With
-``serve.batching`` on, /classify is itself BentoML's batchable method: its adaptive batcher
-merges concurrent requests into one ONNX Runtime run (trainyard.serve.batching).
+A request: read by trainyard.serve.api (or a ``Refused`` 4xx), answered by the Predictor
+(trainyard.serve.predictor: the model's dataset card, ONNX Runtime). Every knob is
+params.yaml's ``serve`` section. BentoML runs the workers, traffic limits, /metrics, the
+probes, /docs.json, the bento, and with ``serve.batching`` its batcher (serve.batching).
 """
 
 from __future__ import annotations
@@ -25,50 +19,46 @@ from typing import Any
 import bentoml
 from starlette.responses import Response
 
+from trainyard.core.model_ref import ModelRegistry
 from trainyard.serve.api import (
     BatchForm,
     ClassifyForm,
     Prediction,
     Predictions,
-    answer,
-    read_batch,
-    read_classify,
+    classify_many,
+    classify_one,
 )
 from trainyard.serve.app import build_app
 from trainyard.serve.balance import balance_connections
 from trainyard.serve.batching import answer_batch, batched_classify
 from trainyard.serve.guard import RequestGuard
 from trainyard.serve.lifecycle import freeze_heap, stop_listening_on_sigterm
-from trainyard.serve.refused import Refused
 from trainyard.serve.settings import service_config
 from trainyard.serve.startup import start
-from trainyard.serve.swap import swap_into, watch_if_following
 
 # bentoml.serve's handlers are the ones `bentoml serve` prints; a child logger shares them.
 log = logging.getLogger("bentoml.serve.trainyard")
 
 
-def registry(name: str) -> Any:
-    """trainyard.track.registry's function ``name`` (MLflow), for a models:/ source; None
-    where it cannot be imported: a bento has neither MLflow nor trainyard.track."""
+def mlflow_registry() -> ModelRegistry | None:
+    """MLflow's model registry, loaded only for a models:/ or runs:/ source; None where it
+    cannot be imported: a bento has neither MLflow nor trainyard.track."""
     try:
-        from trainyard.track import registry as track_registry
+        from trainyard.track.model_refs import MlflowRegistry
     except ImportError:
         return None
-    return getattr(track_registry, name)
+    return MlflowRegistry()
 
 
-# The model, shadow, log folder, reference and alias to follow, resolved and checked now,
-# in the `bentoml serve` process itself (trainyard.serve.startup).
-START = start(registry)
-SETTINGS, PARAMS = START.settings, START.params
+# Model, shadow, log folder, reference, alias: checked now, in `bentoml serve` (startup).
+START = start(mlflow_registry)
+PARAMS = START.params
 PAGES = build_app()  # GET /metadata, /ui, /docs, / and the JSON 404 (trainyard.serve.app)
 
 
 @bentoml.service(**service_config(PARAMS, ["/metrics", "/healthz", "/livez", "/readyz"]))
 class ImageClassifier:
-    """Any trainyard model: the ONNX file the pipeline exported and verified, served by
-    trainyard.serve's Predictor (one per worker)."""
+    """The ONNX file the pipeline exported and verified; one Predictor per worker."""
 
     def __init__(self) -> None:
         self.predictor = START.predictor()  # with its observer: log, shadow, drift score
@@ -87,23 +77,13 @@ class ImageClassifier:
         self.predictor.warm_up()
 
     @bentoml.on_startup
-    def answer_pages(self) -> None:
-        """The mounted app of the other routes: GET /metadata answers from this worker's
-        predictor, a 404 lists the api methods."""
+    def join_the_pool(self) -> None:
+        """The pages answer from this predictor (GET /metadata, the 404's routes); a watcher
+        swaps in each version models:/NAME@ALIAS moves to; connections spread over workers,
+        and on SIGTERM the port stops listening before uvicorn drains what is in flight."""
         PAGES.state.predictor = self.predictor
         PAGES.state.api_routes = frozenset(m.route for m in ImageClassifier.apis.values())
-
-    @bentoml.on_startup
-    def follow_the_alias(self) -> None:
-        """Serving models:/NAME@ALIAS: a watcher thread swaps in each version it moves to."""
-        swap = swap_into(self, PAGES.state, START.trace, START.carry_observer)
-        source, provenance = SETTINGS.model_source, START.provenance
-        self.watcher = watch_if_following(source, PARAMS, provenance, START.follow, swap)
-
-    @bentoml.on_startup
-    def share_connections(self) -> None:
-        """Keep-alive connections spread over the workers; on SIGTERM the port stops
-        listening before uvicorn drains the requests in flight."""
+        self.watcher = START.watch(self, PAGES.state)
         balance_connections(PARAMS.workers_count(), bentoml.server_context.worker_index)
         stop_listening_on_sigterm()
 
@@ -121,24 +101,13 @@ class ImageClassifier:
         async def classify(self, ctx: bentoml.Context) -> Response:
             """One image: a multipart file field 'image', or the whole body sent with its image
             Content-Type (image/png, image/jpeg, ...); top_k and invert as form fields or query."""
-            predictor = self.predictor  # read once: a swap meanwhile leaves it its model
-            try:
-                ask = await read_classify(ctx.request, predictor.card, PARAMS)
-                return answer(await predictor.classify(ask.image, ask.top_k, ask.invert))
-            except Refused as err:
-                return err.answer(ctx)
+            return await classify_one(ctx, self.predictor, PARAMS)  # read once: a swap waits
 
     @bentoml.api(route="/classify_batch", input_spec=BatchForm, output_spec=Predictions)
     async def classify_batch(self, ctx: bentoml.Context) -> Response:
         """Images as repeated multipart fields 'images', or JSON {"images": [pixel arrays
         shaped as /metadata's input.image]}; top_k and invert as form fields or query."""
-        predictor = self.predictor  # read once: a swap meanwhile leaves this request's model
-        try:
-            ask = await read_batch(ctx.request, predictor.card, PARAMS)
-            results = await predictor.classify_batch(ask.images, ask.top_k, ask.invert)
-            return answer(results)
-        except Refused as err:
-            return err.answer(ctx)
+        return await classify_many(ctx, self.predictor, PARAMS)
 
     @bentoml.api(route="/metadata")
     def metadata(self) -> dict[str, Any]:

@@ -7,7 +7,9 @@ never imports a heavy library; those are the packages the bento ships whole, and
 it runs reaches torch, Lightning, MLflow, DVC, Optuna or matplotlib however many imports
 away (followed from bento/service.py and ``python -m trainyard.bulk``). No module hides an
 import inside a function body except a probe (an import inside ``try`` that handles its
-failure, as the doctor does to report a broken build).
+failure, as the doctor does to report a broken build), nor looks a
+function of trainyard's up by its name (``getattr(module, name)``; a benchmark may read a
+constant that way, with a default for older checkouts).
 
 Each outside library lives behind one place: MLflow in track/, DVC's Python API in
 experiments/dvc_repo.py, Optuna in experiments/study.py. ``bento/`` (the thin BentoML entry)
@@ -267,6 +269,38 @@ def _home_rule(where: str, name: str, rel: str | None) -> Iterator[str]:
     yield f"{where}: {top} is imported only in src/trainyard/{home}; call its functions"
 
 
+def _trainyard_bindings(tree: ast.AST, package: str) -> set[str]:
+    """The names an import binds to something of trainyard's (a module or what it holds)."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound |= {
+                alias.asname or alias.name.split(".")[0]
+                for alias in node.names
+                if alias.name.split(".")[0] == "trainyard"
+            }
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and _resolve(node.module or "", node.level, package).split(".")[0] == "trainyard"
+        ):
+            bound |= {alias.asname or alias.name for alias in node.names}
+    return bound
+
+
+def _looked_up_by_name(tree: ast.AST, package: str) -> Iterator[tuple[ast.AST, str]]:
+    """``getattr(m, ...)`` on a name imported from trainyard: a function looked up by its
+    name as a string, a seam that neither the import rule nor a type checker sees."""
+    bound = _trainyard_bindings(tree, package)
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "getattr"
+            and node.args
+            and getattr(node.args[0], "id", None) in bound
+        ):
+            yield node, node.args[0].id  # type: ignore[attr-defined]
+
+
 def violations(path: Path, source: str | None = None, repo: Path = REPO) -> list[str]:
     """What in ``path`` (a module of ``repo``'s src/trainyard, bento/ or benchmarks/)
     breaks the import rule, as readable lines (empty: none)."""
@@ -297,6 +331,11 @@ def violations(path: Path, source: str | None = None, repo: Path = REPO) -> list
         elif area == "library":
             hidden = id(node) in in_function and not _is_probe(node, parents)
             found += _library_rules(where, name, layer, hidden)
+    for node, name in _looked_up_by_name(tree, package) if area != "benchmarks" else ():
+        found.append(
+            f"{path.relative_to(repo)}:{node.lineno}: getattr on trainyard's {name}: a "
+            "function looked up by name; import it, or take a typed object (a Protocol)"
+        )
     return found
 
 
@@ -424,6 +463,23 @@ CAUGHT = [
         "ImportError probe",
     ),
     ("bento/service.py", "import benchmarks.soak\n", "never imports the benchmarks"),
+    # a function looked up by its name: the seam no import rule sees
+    (
+        "bento/service.py",
+        "try:\n    from trainyard.track import registry\nexcept ImportError:\n"
+        "    registry = None\nfetch = getattr(registry, name)\n",
+        "getattr on trainyard's registry",
+    ),
+    (
+        "src/trainyard/serve/x.py",
+        "from . import settings\ndef f(name):\n    return getattr(settings, name)\n",
+        "function looked up by name",
+    ),
+    (
+        "src/trainyard/stages/x.py",
+        "import trainyard.track.registry as r\ngetattr(r, 'fetch_model')\n",
+        "getattr on trainyard's r",
+    ),
 ]
 
 
@@ -455,6 +511,8 @@ ALLOWED_CASES = [
         "    except ImportError:\n        return\n",
     ),
     ("benchmarks/bench_x.py", "import torch\nfrom trainyard.track.store import count_runs\n"),
+    ("src/trainyard/serve/x.py", "import sys\ndef f(obj):\n    return getattr(obj, 'x', sys)\n"),
+    ("benchmarks/bench_x.py", "import trainyard.data.arrays as a\nN = getattr(a, '_N', 1)\n"),
     (
         "benchmarks/bench_x.py",
         "def f():\n    from trainyard.training.builder import build_trainer\n",

@@ -21,6 +21,7 @@ from test_serving import Server, classify, png, server_env, write_params
 
 from trainyard import cli
 from trainyard.core.io import sha256_file
+from trainyard.core.model_ref import parse_model_ref
 from trainyard.watch.log import PredictionLog, read_log, utc_now
 
 from conftest import REPO, fashion_card, sqlite_mlflow_server, write_tiny_onnx
@@ -241,11 +242,12 @@ def test_an_unknown_model_version_or_alias_is_named(server, tmp_path, capsys):
 def test_follow_alias_fetches_a_moved_version_once_also_from_workers_at_once(
     server, tmp_path, capsys
 ):
-    from trainyard.track.registry import follow_alias
+    from trainyard.track.model_refs import MlflowRegistry
 
     shas = register(server, tmp_path, "followed", [0.9, 0.8], distinct=True)
     uri, cache = "models:/followed@champion", tmp_path / "cache"
-    assert follow_alias(uri, cache, "1") is None  # not moved: nothing fetched
+    ref, registry = parse_model_ref(uri, "serve.model"), MlflowRegistry()
+    assert registry.follow(ref, "1", cache) is None  # not moved: nothing fetched
     assert not cache.exists()
     forced = ("--force", "--log", tmp_path / "none", "--reason", "r")
     assert trainyard(capsys, "promote", "followed", "--version", 2, *forced)[0] == 0
@@ -253,7 +255,7 @@ def test_follow_alias_fetches_a_moved_version_once_also_from_workers_at_once(
 
     def worker() -> None:
         try:
-            results.append(follow_alias(uri, cache, "1"))
+            results.append(registry.follow(ref, "1", cache))
         except Exception as err:  # reported by the assertion below
             results.append(err)
 

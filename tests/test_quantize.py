@@ -209,6 +209,7 @@ def test_a_registry_version_carries_its_int8_file_to_the_service(
     from trainyard.export.onnx_export import normalized_example
     from trainyard.serve.startup import start
     from trainyard.track import registry
+    from trainyard.track.model_refs import MlflowRegistry
     from trainyard.track.quantized import INT8_ARTIFACT, INT8_FOLDER, int8_tags
 
     int8 = int8_dir / "model.int8.onnx"
@@ -243,7 +244,7 @@ def test_a_registry_version_carries_its_int8_file_to_the_service(
     monkeypatch.setenv("TRAINYARD_PARAMS", str(params))
     monkeypatch.setenv("TRAINYARD_MODEL", f"models:/int8-model@{v1['alias']}")
     monkeypatch.setenv("TRAINYARD_MODEL_CACHE", str(tmp_path / "cache"))
-    begun = start(lambda name: getattr(registry, name))
+    begun = start(MlflowRegistry)
     assert begun.model_path == tmp_path / "cache" / "int8-model" / "1" / "model.int8.onnx"
     assert sha256_file(begun.model_path) == sha256_file(int8)
     described = begun.predictor().describe()
@@ -254,7 +255,7 @@ def test_a_registry_version_carries_its_int8_file_to_the_service(
     client.set_registered_model_alias("int8-model", "plain", "2")
     monkeypatch.setenv("TRAINYARD_MODEL", "models:/int8-model@plain")
     with pytest.raises(ModelError, match=r"registered without an int8.*export\.quantize: int8"):
-        start(lambda name: getattr(registry, name))
+        start(MlflowRegistry)
 
 
 def _export_record(int8, gate: dict, model_uri: str) -> dict:

@@ -16,6 +16,7 @@ from test_serve_unit import DATA_SHA, RUN_ID, write_tiny_model
 from trainyard.core.config import ServeParams
 from trainyard.core.errors import ModelError
 from trainyard.core.io import sha256_file
+from trainyard.core.model_ref import FetchedModel, ModelRef
 from trainyard.serve.settings import (
     load_model,
     model_provenance,
@@ -73,14 +74,16 @@ def test_a_registry_uri_goes_to_the_fetcher_given_and_only_then(tmp_path):
         resolve_model(settings)
     calls = []
 
-    def fetch(uri: str, cache: Path) -> tuple[Path, dict[str, str]]:
-        calls.append((uri, cache))
-        return tmp_path / "got.onnx", {"registry_model": "clf"}
+    class Registry:
+        def fetch(self, ref: ModelRef, cache: Path) -> FetchedModel:
+            calls.append((str(ref), ref.field, cache))
+            return FetchedModel(tmp_path / "got.onnx", {"registry_model": "clf"})
 
-    assert resolve_model(settings, fetch) == (tmp_path / "got.onnx", {"registry_model": "clf"})
-    assert calls == [("models:/clf@champion", tmp_path / ".cache" / "registry")]
+    got = resolve_model(settings, Registry())  # type: ignore[arg-type]  # fetch alone is used
+    assert got == (tmp_path / "got.onnx", {"registry_model": "clf"})
+    assert calls == [("models:/clf@champion", "serve.model", tmp_path / ".cache" / "registry")]
     local = read_settings({"TRAINYARD_PARAMS": str(params), "TRAINYARD_MODEL": "m.onnx"})
-    resolve_model(local, fetch)
+    resolve_model(local, Registry())  # type: ignore[arg-type]
     assert len(calls) == 1
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from starlette.testclient import TestClient
 from test_serve_unit import echo
 
+from trainyard.core.model_ref import parse_model_ref
 from trainyard.serve.guard import RequestGuard
 from trainyard.serve.swap import ModelWatcher, TraceHeaders, follow_plan, follows
 
@@ -78,13 +79,16 @@ def test_a_failed_fetch_keeps_the_old_model_says_it_once_and_retries(caplog):
 
 
 def test_only_a_registry_alias_is_followed_and_the_start_up_line_says_which():
-    assert follows(SOURCE, 10) and not follows(SOURCE, 0)
-    assert not follows("models:/clf/3", 10) and not follows("models/model.onnx", 10)
+    alias, version, path = (
+        parse_model_ref(s, "serve.model") for s in (SOURCE, "models:/clf/3", "models/model.onnx")
+    )
+    assert follows(alias, 10) and not follows(alias, 0)
+    assert not follows(version, 10) and not follows(path, 10)
     follow = Registry().follow
-    assert "a look every 10 s" in follow_plan(SOURCE, 10, follow)
-    assert "off (serve.reload_s: 0)" in follow_plan(SOURCE, 0, follow)
-    assert "names a version: never reloaded" in follow_plan("models:/clf/3", 10, follow)
-    assert "a model file: never reloaded" in follow_plan("models/model.onnx", 10, None)
+    assert "a look every 10 s" in follow_plan(alias, 10, follow)
+    assert "off (serve.reload_s: 0)" in follow_plan(alias, 0, follow)
+    assert "names a version: never reloaded" in follow_plan(version, 10, follow)
+    assert "a model file: never reloaded" in follow_plan(path, 10, None)
 
 
 def test_the_trace_headers_are_the_answering_models_at_each_response():

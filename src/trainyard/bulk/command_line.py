@@ -20,10 +20,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from trainyard.bulk.job import FetchModel, PredictOptions, merge, predict
+from trainyard.bulk.job import PredictOptions, merge, predict
 from trainyard.bulk.summary import summary_line
 from trainyard.core.config import DEFAULT_PARAMS
 from trainyard.core.errors import TrainyardError
+from trainyard.core.model_ref import ModelRegistry
 
 log = logging.getLogger("trainyard.bulk")
 
@@ -75,14 +76,16 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_predict(
-    options: PredictOptions, fetch: FetchModel | None = None, record: Record | None = None
+    options: PredictOptions,
+    registry: ModelRegistry | None = None,
+    record: Record | None = None,
 ) -> int:
     """Score: 0; 1 with the reason; 130 on Ctrl-C (the chunks written are kept: the same
-    command continues). ``fetch``: gets a registry model; ``record``: logs the finished
+    command continues). ``registry``: gets a registry model; ``record``: logs the finished
     job (MLflow)."""
     t0 = time.monotonic()
     try:
-        summary = predict(options, fetch)
+        summary = predict(options, registry)
         if record is not None:
             record(options, summary)
     except TrainyardError as err:

@@ -3,17 +3,17 @@ table of a job's shards (``merge``). The command line that makes the options:
 trainyard.bulk.command_line.
 
 The options default to params.yaml's ``predict`` section; the model to ``predict.model``
-(``auto``: ``serve.model``, what ``make serve`` serves), a local exported model checked
-against its ``.sha256``, or a registry model fetched by the function the caller passes
-(MLflow lives in trainyard.track; ``python -m trainyard.bulk``, which has no MLflow, scores
-model files only, as in a bento or a Kubernetes Job).
+(``auto``: ``serve.model``, what ``make serve`` serves), a model reference
+(trainyard.core.model_ref): a local exported model checked against its ``.sha256``, or a
+registry model fetched by the ``ModelRegistry`` the caller passes (MLflow lives in
+trainyard.track; ``python -m trainyard.bulk``, which has no MLflow, scores model files
+only, as in a bento or a Kubernetes Job).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,14 +27,11 @@ from trainyard.core.card import card_from_metadata
 from trainyard.core.config import DEFAULT_PARAMS, Params, load_params
 from trainyard.core.errors import DataError, ModelError
 from trainyard.core.io import atomic_write_json
+from trainyard.core.model_ref import FetchedModel, ModelRegistry, parse_model_ref
 from trainyard.runtime.model_file import open_verified
 from trainyard.runtime.sessions import CUDA
 
 log = logging.getLogger("trainyard.bulk")
-
-REGISTRY_SCHEME, RUN_SCHEME = "models:/", "runs:/"
-# (model URI, download folder) -> (local .onnx, provenance): trainyard.track's fetcher.
-FetchModel = Callable[[str, Path], tuple[Path, dict[str, str]]]
 
 
 @dataclass(frozen=True)
@@ -81,32 +78,38 @@ def settings(options: PredictOptions, params: Params) -> dict[str, Any]:
         raise DataError(str(err)) from None
 
 
-def model_source(chosen: str, params: Params) -> str:
-    """``predict.model: auto`` is ``serve.model``: bulk answers come from the served model."""
-    return params.serve.model if chosen == "auto" else chosen
+def model_source(options: PredictOptions, chosen: str, params: Params) -> tuple[str, str]:
+    """(the model, where it was written): ``--model``, else ``predict.model``, whose
+    ``auto`` is ``serve.model``: bulk answers come from the served model."""
+    if chosen == "auto":
+        return params.serve.model, "serve.model"
+    return chosen, "--model" if options.model else "predict.model"
 
 
 def resolve_model(
-    source: str, params_file: Path, fetch: FetchModel | None, base: Path | None = None
-) -> tuple[Path, dict[str, str]]:
+    source: str,
+    field: str,
+    params_file: Path,
+    registry: ModelRegistry | None,
+    base: Path | None = None,
+) -> FetchedModel:
     """(a local .onnx, provenance) for a path (relative to ``base``, else the params
-    file's folder), a registry URI or a run (downloaded by ``fetch``, sha256-checked)."""
-    if source.startswith((REGISTRY_SCHEME, RUN_SCHEME)):
-        if fetch is None:
-            raise ModelError(
-                f"model {source}: a registry model needs MLflow, which `python -m "
-                "trainyard.bulk` does not use: pass an exported model file, or run `trainyard "
-                "predict` in the development environment"
-            )
-        return fetch(source, params_file.parent / ".cache" / "registry")
-    path = Path(source).expanduser()
-    if not path.is_absolute():
-        path = (base or params_file.parent) / path
-    return path, {"model_source": str(path)}
+    file's folder), a registry URI or a run (downloaded by ``registry``, sha256-checked);
+    ``field``: where ``source`` was written, for messages."""
+    ref = parse_model_ref(source, field, base or params_file.parent)
+    if ref.path is not None:
+        return FetchedModel(ref.path, {"model_source": str(ref.path)})
+    if registry is None:
+        raise ModelError(
+            f"{field}: {ref}: a registry model needs MLflow, which `python -m "
+            "trainyard.bulk` does not use: pass an exported model file, or run `trainyard "
+            "predict` in the development environment"
+        )
+    return registry.fetch(ref, params_file.parent / ".cache" / "registry")
 
 
 def build_job(
-    options: PredictOptions, fetch: FetchModel | None = None
+    options: PredictOptions, registry: ModelRegistry | None = None
 ) -> tuple[engine.Job, Params]:
     """Read params, list the source, open and verify the model: the job, ready to run."""
     params_file = Path(options.params).resolve()
@@ -122,7 +125,8 @@ def build_job(
     )
     # --model is relative to where the command runs; predict.model to the params file.
     base = Path.cwd() if options.model else None
-    path, provenance = resolve_model(model_source(opts["model"], params), params_file, fetch, base)
+    source, field = model_source(options, opts["model"], params)
+    path, provenance = resolve_model(source, field, params_file, registry, base)
     model, sha = open_verified(path, opts["device"], 0)
     card = card_from_metadata(model.metadata, str(path))
     folder_labels(inputs, model.classes)
@@ -166,10 +170,10 @@ def build_job(
     return job, params
 
 
-def predict(options: PredictOptions, fetch: FetchModel | None = None) -> dict[str, Any]:
+def predict(options: PredictOptions, registry: ModelRegistry | None = None) -> dict[str, Any]:
     """Build and run the job that ``options`` describe; the summary (also written beside
     the table). A rerun after a kill continues from the chunks written."""
-    job, _params = build_job(options, fetch)
+    job, _params = build_job(options, registry)
     start, stop = job.rows
     log.info(
         "scoring %s rows of %s (%s%s) with %s (%s, sha256 %s) on %s%s, batch %d, %d decode "

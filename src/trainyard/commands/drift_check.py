@@ -16,9 +16,10 @@ from pathlib import Path
 from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.core.config import DEFAULT_PARAMS, load_params
 from trainyard.core.errors import TrainyardError
+from trainyard.core.model_ref import ModelRegistry, parse_model_ref
 from trainyard.evaluation.drift_report import write_report
 from trainyard.stages.runner import configure_logging
-from trainyard.track.registry import fetch_reference
+from trainyard.track.model_refs import MlflowRegistry
 from trainyard.watch.current import parse_duration, parse_time, read_window
 from trainyard.watch.drift_score import compare
 from trainyard.watch.log import utc_now
@@ -36,7 +37,7 @@ def add_parser(subparsers: Subparsers) -> None:
         "--reference",
         default=str(DEFAULT_PATH),
         help="the model's reference: a .npz (default %(default)s, written by evaluate) or "
-        "models:/NAME@ALIAS, models:/NAME/N (the registered version's)",
+        "models:/NAME@ALIAS, models:/NAME/N, runs:/RUN_ID (the registered version's)",
     )
     p.add_argument("--out", default="reports/drift", help="report folder (default %(default)s)")
     window = p.add_mutually_exclusive_group()
@@ -53,7 +54,7 @@ class CmdDrift(Command):
         a = self.args
         try:
             window = time_window(a.last, a.since, a.until)
-            return drift(a.source, a.reference, a.out, Path(a.params), window)
+            return drift(a.source, a.reference, a.out, Path(a.params), window, MlflowRegistry())
         except TrainyardError as err:
             print(f"trainyard drift: error: {err}", file=sys.stderr)
             return BAD_INPUT
@@ -74,11 +75,14 @@ def time_window(
     return start, end
 
 
-def reference_of(spec: str, params_file: Path) -> Reference:
+def reference_of(spec: str, params_file: Path, registry: ModelRegistry | None) -> Reference:
     """The reference a ``--reference`` names: a file, or a registered version's."""
-    if spec.startswith("models:/"):
-        return load_reference(fetch_reference(spec, params_file.parent / ".cache" / "registry"))
-    return load_reference(spec)
+    ref = parse_model_ref(spec, "--reference")
+    if not ref.from_registry:
+        return load_reference(spec)  # as written: its errors name the file so
+    if registry is None:
+        raise TrainyardError(f"--reference {spec}: a registry model needs MLflow")
+    return load_reference(registry.fetch_reference(ref, params_file.parent / ".cache" / "registry"))
 
 
 def drift(
@@ -87,12 +91,14 @@ def drift(
     out: str,
     params_file: Path,
     time: tuple[datetime | None, datetime | None] = (None, None),
+    registry: ModelRegistry | None = None,
 ) -> int:
-    """Compare ``source`` (rows in the ``time`` window: since, until) with the reference,
-    report into ``out``, print the line; the exit code (0 or 1). Raises TrainyardError."""
+    """Compare ``source`` (rows in the ``time`` window: since, until) with the reference
+    (a file, or with ``registry`` a registered version's), report into ``out``, print the
+    line; the exit code (0 or 1). Raises TrainyardError."""
     params = load_params(params_file)
     since, until = time
-    reference = reference_of(reference_spec, params_file)
+    reference = reference_of(reference_spec, params_file, registry)
     window = read_window(source, model_sha256=reference.model_sha256, since=since, until=until)
     result = compare(reference, window, params.drift)
     paths = write_report(result, reference, window, out)

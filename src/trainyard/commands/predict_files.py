@@ -17,8 +17,8 @@ from trainyard.bulk.job import PredictOptions
 from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.core.config import load_params
 from trainyard.stages.runner import configure_logging
+from trainyard.track.model_refs import MlflowRegistry
 from trainyard.track.predict_run import record_predict_run
-from trainyard.track.registry import fetch_model
 
 log = logging.getLogger("trainyard.commands.predict_files")
 HELP = "score a folder, CSV, list of paths or glob of images in bulk (docs/predict.md)"
@@ -34,7 +34,7 @@ class CmdPredict(Command):
         """Score, then record the MLflow run: 0; 1 with the reason; 130 on Ctrl-C."""
         configure_logging("predict")
         record = None if self.args.no_track else record_run
-        return run_predict(predict_options(self.args), fetch_model, record)
+        return run_predict(predict_options(self.args), MlflowRegistry(), record)
 
 
 def record_run(options: PredictOptions, summary: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.core.config import load_params
 from trainyard.core.errors import PromotionRefused, TrainyardError
+from trainyard.core.model_ref import ModelRef, registered_alias, registered_version
 from trainyard.stages.runner import configure_logging
 from trainyard.track import promotion
 from trainyard.watch.agreement import shadow_figures
@@ -57,10 +58,14 @@ class CmdPromote(Command):
         configure_logging("promote")
         a = self.args
 
+        if a.version is not None:
+            target = registered_version(a.name, a.version, "--version")
+        else:
+            target = registered_alias(a.name, a.from_alias, "--from")
+
         def move() -> dict[str, Any]:
             return promote(
-                a.name,
-                (a.version, a.from_alias),
+                target,
                 reason=a.reason,
                 force=a.force,
                 log=a.log,
@@ -72,8 +77,7 @@ class CmdPromote(Command):
 
 
 def promote(
-    name: str,
-    which: tuple[int | None, str | None],
+    which: ModelRef,
     *,
     reason: str,
     force: bool,
@@ -81,13 +85,13 @@ def promote(
     params_file: Path,
     min_rows: int = MIN_ROWS,
 ) -> dict[str, Any]:
-    """Move ``name``'s champion to ``which`` (a version, or the one an alias points at),
-    with the figures of its shadow run in the prediction log (the folder ``log``, else
-    the params file's serve.log_dir); PromotionRefused below ``min_rows`` logged requests
-    unless ``force``."""
-    version, from_alias = which
+    """Move the champion of ``which``'s model to the version it names (``models:/NAME/N``,
+    or the one ``models:/NAME@ALIAS`` points at), with the figures of its shadow run in the
+    prediction log (the folder ``log``, else the params file's serve.log_dir);
+    PromotionRefused below ``min_rows`` logged requests unless ``force``."""
+    name, from_alias = which.name, which.alias
     client, _ = promotion.registry_client()
-    target = promotion.find_version(client, name, version, from_alias)
+    target = promotion.find_version(client, which)
     registry_version = f"{name}/{target.version}"
     folder = log or _log_dir(params_file)
     figures = shadow_figures(read_log(folder), registry_version)

@@ -21,7 +21,7 @@ import numpy as np
 from bentoml.validators import ContentType
 from pydantic import BaseModel, Field, RootModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from trainyard.core.card import Card
 from trainyard.core.config import ServeParams
@@ -217,3 +217,22 @@ def _require_body(body: bytes, usage: str) -> None:
 def answer(result: Any) -> JSONResponse:
     """A prediction (or a list of them) as the 200 JSON answer."""
     return JSONResponse(result)
+
+
+async def classify_one(ctx: bentoml.Context, predictor: Any, params: ServeParams) -> Response:
+    """/classify without batching, on ``predictor`` (the service's, read once per request:
+    a swap meanwhile leaves this request its model); a Refused is its own 4xx answer."""
+    try:
+        ask = await read_classify(ctx.request, predictor.card, params)
+        return answer(await predictor.classify(ask.image, ask.top_k, ask.invert))
+    except Refused as err:
+        return err.answer(ctx)
+
+
+async def classify_many(ctx: bentoml.Context, predictor: Any, params: ServeParams) -> Response:
+    """/classify_batch on ``predictor`` (read once per request, as ``classify_one``)."""
+    try:
+        ask = await read_batch(ctx.request, predictor.card, params)
+        return answer(await predictor.classify_batch(ask.images, ask.top_k, ask.invert))
+    except Refused as err:
+        return err.answer(ctx)

@@ -1,16 +1,17 @@
 """What the service serves and how: params, environment, the model file and its provenance.
 
-The model source is $TRAINYARD_MODEL or serve.model: a local path (relative to the params
-file's folder) or a registry URI, ``models:/NAME@ALIAS`` / ``models:/NAME/N``. A registry
-URI needs MLflow, which this layer never imports: the caller passes the function that
-fetches it (bento/service.py does, in the development environment only; a bento has no
-MLflow and serves the model file it was built with).
+The model source is $TRAINYARD_MODEL or serve.model, a model reference
+(trainyard.core.model_ref): a local path (relative to the params file's folder) or a
+registry URI, ``models:/NAME@ALIAS`` / ``models:/NAME/N`` / ``runs:/RUN_ID``. A registry
+URI needs MLflow, which this layer never imports: the caller passes a ``ModelRegistry``
+(bento/service.py does, in the development environment only; a bento has no MLflow and
+serves the model file it was built with).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,13 @@ import onnxruntime as ort
 
 from trainyard.core.config import DriftParams, ServeParams, load_params
 from trainyard.core.errors import ModelError
+from trainyard.core.model_ref import (
+    FetchedModel,
+    ModelRef,
+    ModelRegistry,
+    parse_model_ref,
+    registered_version,
+)
 from trainyard.runtime.model_file import ORT_LOAD_ERRORS, int8_beside, open_verified, verify_model
 from trainyard.runtime.sessions import OnnxModel
 
@@ -27,14 +35,6 @@ __all__ = ["ORT_LOAD_ERRORS", "verify_model"]  # also read from here by the serv
 PARAMS_ENV, MODEL_ENV, API_KEY_ENV = "TRAINYARD_PARAMS", "TRAINYARD_MODEL", "TRAINYARD_API_KEY"
 SHADOW_ENV = "TRAINYARD_SHADOW"
 CACHE_ENV = "TRAINYARD_MODEL_CACHE"
-REGISTRY_SCHEME = "models:/"
-
-# (registry URI, download folder) -> (local .onnx path, provenance): track.registry's
-# fetch_registered_onnx, handed in by the caller.
-FetchRegistered = Callable[[str, Path], tuple[Path, dict[str, str]]]
-# (models:/NAME/N, download folder) -> the version's int8 file, or None: it has none
-# (track.quantized's fetch_int8, handed in by the caller).
-FetchInt8 = Callable[[str, Path], Path | None]
 
 
 @dataclass(frozen=True)
@@ -43,20 +43,21 @@ class Settings:
 
     params: ServeParams
     params_file: Path
-    model_source: str  # a path as written, or a models:/ URI
+    model_source: str  # a path as written, or a models:/ or runs:/ URI
     api_key: str | None
     cache_dir: Path  # where registry models are downloaded
     drift: DriftParams = field(default_factory=DriftParams)  # the windowed drift score
+    model_field: str = "serve.model"  # where model_source was written, for messages
+
+    @property
+    def model_ref(self) -> ModelRef:
+        """The model source read as a model reference (a ModelError naming its field)."""
+        return parse_model_ref(self.model_source, self.model_field, self.params_file.parent)
 
     @property
     def from_registry(self) -> bool:
         """Whether the model source is a registry URI rather than a file."""
-        return is_registry_uri(self.model_source)
-
-
-def is_registry_uri(source: str) -> bool:
-    """``models:/...``: a model version in the MLflow registry."""
-    return source.startswith(REGISTRY_SCHEME)
+        return self.model_ref.from_registry
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -73,33 +74,29 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         params=params,
         params_file=params_file,
         model_source=env.get(MODEL_ENV) or params.model,
+        model_field=f"${MODEL_ENV}" if env.get(MODEL_ENV) else "serve.model",
         api_key=env.get(API_KEY_ENV) or None,
         cache_dir=Path(env.get(CACHE_ENV) or params_file.parent / ".cache" / "registry"),
     )
 
 
-def resolve_model(
-    settings: Settings, fetch_registered: FetchRegistered | None = None
-) -> tuple[Path, dict[str, str]]:
+def resolve_model(settings: Settings, registry: ModelRegistry | None = None) -> FetchedModel:
     """(model path, provenance): a local path as is, a registry URI resolved now, downloaded
-    to the cache folder and checked against the version's recorded sha256 by
-    ``fetch_registered``. Only the .onnx file is used."""
-    source = settings.model_source
-    if is_registry_uri(source):
-        if fetch_registered is None:
-            raise registry_unavailable(source, "no registry client was given")
-        return fetch_registered(source, settings.cache_dir)
-    model = Path(source)
-    if not model.is_absolute():
-        model = settings.params_file.parent / model
-    return model, {"model_source": str(model)}
+    to the cache folder and checked against the version's recorded sha256 by ``registry``.
+    Only the .onnx file is used."""
+    ref = settings.model_ref
+    if ref.path is not None:
+        return FetchedModel(ref.path, {"model_source": str(ref.path)})
+    if registry is None:
+        raise registry_unavailable(ref.uri, "trainyard.track cannot be imported here")
+    return registry.fetch(ref, settings.cache_dir)
 
 
 def at_precision(
     settings: Settings,
     model: Path,
     provenance: dict[str, str],
-    fetch_int8: FetchInt8 | None = None,
+    registry: ModelRegistry | None = None,
 ) -> Path:
     """The file to serve at serve.precision: ``model`` itself (fp32), or its int8 model,
     beside it (models/model.int8.onnx) or the registry version's; a ModelError naming
@@ -108,8 +105,8 @@ def at_precision(
         return model
     name, number = provenance.get("registry_model"), provenance.get("registry_version")
     if name and number:
-        where = f"{REGISTRY_SCHEME}{name}/{number}"
-        found = None if fetch_int8 is None else fetch_int8(where, settings.cache_dir)
+        where = registered_version(name, number, settings.model_field)
+        found = None if registry is None else registry.fetch_int8(where, settings.cache_dir)
         missing = f"{where} was registered without an int8 model"
     else:
         found, missing = int8_beside(model), f"there is no {int8_beside(model)}"
@@ -127,26 +124,26 @@ def shadow_source(settings: Settings, environ: Mapping[str, str] | None = None) 
     written; a bare alias (``challenger``) names an alias of serve.model's registry model."""
     env = os.environ if environ is None else environ
     shadow = env.get(SHADOW_ENV) or settings.params.shadow
-    if shadow is None or is_registry_uri(shadow) or shadow.endswith(".onnx") or "/" in shadow:
+    if shadow is None or ":" in shadow or shadow.endswith(".onnx") or "/" in shadow:
         return shadow
-    if not settings.from_registry:
+    if not settings.model_ref.name:
         raise ModelError(
             f"serve.shadow: {shadow!r} is an alias, which needs serve.model to be a registry "
             f"model (models:/NAME@champion), not {settings.model_source}; or set serve.shadow "
             f"to models:/NAME@{shadow}, models:/NAME/N or an .onnx file"
         )
-    name = settings.model_source[len(REGISTRY_SCHEME) :].split("@")[0].split("/")[0]
-    return f"{REGISTRY_SCHEME}{name}@{shadow}"
+    return settings.model_ref.with_alias(shadow).uri
 
 
 def resolve_shadow(
-    settings: Settings, fetch_registered: FetchRegistered | None = None
-) -> tuple[Path, dict[str, str]] | None:
+    settings: Settings, registry: ModelRegistry | None = None
+) -> FetchedModel | None:
     """(path, provenance) of the shadow model, resolved like the served one; None: none."""
     source = shadow_source(settings)
     if source is None:
         return None
-    return resolve_model(replace(settings, model_source=source), fetch_registered)
+    where = f"${SHADOW_ENV}" if os.environ.get(SHADOW_ENV) else "serve.shadow"
+    return resolve_model(replace(settings, model_source=source, model_field=where), registry)
 
 
 def log_folder(settings: Settings) -> Path | None:

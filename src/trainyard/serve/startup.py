@@ -5,9 +5,10 @@ whether it follows a registry alias. A missing or altered model, an unknown regi
 model or alias, or a 'cuda' that cannot be had stops the command with its message
 instead of leaving workers failing and respawning behind an unready port.
 
-Registry models need MLflow, which this layer never imports: the caller hands in
-``registry(name)``, trainyard.track.registry's function of that name, or None where
-MLflow is absent (a bento, which serves the files it was built with).
+Registry models need MLflow, which this layer never imports: the caller hands in a loader
+of its ``ModelRegistry`` (trainyard.core.model_ref), called only when a model source is a
+registry URI; it answers None where MLflow is absent (a bento, which serves the files it
+was built with).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from trainyard.core.config import ServeParams
 from trainyard.core.errors import TrainyardError
 from trainyard.core.host import x86_without_vnni
+from trainyard.core.model_ref import ModelRef, ModelRegistry, parse_model_ref, registered_version
 from trainyard.runtime.sessions import choose_providers
 from trainyard.serve.batch_choice import choose_batching
 from trainyard.serve.drift_watch import reference_beside
@@ -33,17 +35,25 @@ from trainyard.serve.settings import (
     log_folder,
     model_provenance,
     read_settings,
-    registry_unavailable,
     resolve_model,
     resolve_shadow,
+    shadow_source,
     trace_headers,
     verify_model,
 )
-from trainyard.serve.swap import Follow, TraceHeaders, follow_plan
+from trainyard.serve.swap import (
+    Follow,
+    ModelWatcher,
+    TraceHeaders,
+    follow_plan,
+    swap_into,
+    watch_if_following,
+)
 
 log = logging.getLogger("bentoml.serve.trainyard")
 
-Registry = Callable[[str], Any]  # a trainyard.track.registry function by name, or None
+# The registry (MLflow's, trainyard.track.model_refs), or None where it cannot be had.
+RegistryLoader = Callable[[], ModelRegistry | None]
 
 
 @dataclass
@@ -58,7 +68,7 @@ class Startup:
     reference: Path | None
     follow: Follow | None
     trace: TraceHeaders  # the headers of the model answering now (a swap changes them)
-    registry: Registry
+    registry: ModelRegistry | None
     batching_why: str = "serve.batching"  # who chose batching on or off (serve.batching: auto)
 
     @property
@@ -80,7 +90,7 @@ class Startup:
         return predictor
 
     def startup_line(self, predictor: Predictor) -> str:
-        follow = follow_plan(self.settings.model_source, self.params.reload_s, self.follow)
+        follow = follow_plan(self.settings.model_ref, self.params.reload_s, self.follow)
         message = predictor.startup_message(self.settings.params_file)
         return f"{message}; batching chosen by {self.batching_why}; {follow}"
 
@@ -90,8 +100,15 @@ class Startup:
         new.observer = old.observer
         if new.observer is not None:
             name, number = new.provenance["registry_model"], new.provenance["registry_version"]
-            reference = self.fetch_reference(f"models:/{name}/{number}")
+            reference = self.fetch_reference(registered_version(name, number, "serve.model"))
             new.observer.model_changed(reference_key(new), reference, self.settings.drift)
+
+    def watch(self, service: Any, pages: Any) -> ModelWatcher[Predictor] | None:
+        """Serving models:/NAME@ALIAS: a started watcher that swaps each version the alias
+        moves to into ``service`` and ``pages`` (trainyard.serve.swap); else None."""
+        swap = swap_into(service, pages, self.trace, self.carry_observer)
+        ref, provenance = self.settings.model_ref, self.provenance
+        return watch_if_following(ref, self.params, provenance, self.follow, swap)
 
     def guard_options(self) -> dict[str, Any]:
         """The request guard's arguments (trainyard.serve.guard): the key, the limits, the
@@ -108,35 +125,27 @@ class Startup:
             "shed": lambda: overloaded(p.max_latency_ms).response(),
         }
 
-    def fetch_reference(self, uri: str) -> Path | None:
+    def fetch_reference(self, ref: ModelRef) -> Path | None:
         """The reference evaluate stored with a registered version; None without MLflow or
         for a version registered before references existed (said once)."""
-        fetch = self.registry("fetch_reference")
-        if fetch is None:
+        if self.registry is None:
             return None
         try:
-            return fetch(uri, self.settings.cache_dir)  # type: ignore[no-any-return]
+            return self.registry.fetch_reference(ref, self.settings.cache_dir)
         except TrainyardError as err:
-            log.info("trainyard: %s: no reference (%s)", uri, err)
+            log.info("trainyard: %s: no reference (%s)", ref, err)
             return None
 
 
-def start(registry: Registry) -> Startup:
+def start(load_registry: RegistryLoader) -> Startup:
     """Resolve and check everything the workers need (see the module's docstring)."""
     settings = read_settings()
-
-    def fetch_registered(uri: str, cache: Path) -> tuple[Path, dict[str, str]]:
-        fetch = registry("fetch_registered_onnx")
-        if fetch is None:
-            raise registry_unavailable(uri, "trainyard.track cannot be imported here")
-        return fetch(uri, cache)  # type: ignore[no-any-return]
-
-    fp32_path, source = resolve_model(settings, fetch_registered)
+    # The registry (MLflow) is loaded only for a registry model: a local one needs none.
+    # Without it, a registry source is a ModelError saying to build from a model file.
+    registry = load_registry() if needs_registry(settings) else None
+    fp32_path, source = resolve_model(settings, registry)
     # serve.precision int8: the int8 file beside it / registered with it (ModelError if none).
-    # The registry (MLflow) is imported only for a registry model: a local one needs none.
-    int8_registered = settings.from_registry and settings.params.precision == "int8"
-    fetch_int8 = registry("fetch_int8") if int8_registered else None
-    model_path = at_precision(settings, fp32_path, source, fetch_int8)
+    model_path = at_precision(settings, fp32_path, source, registry)
     if settings.params.precision == "int8" and x86_without_vnni():
         log.warning(
             "trainyard: serving an int8 model on an x86 CPU without VNNI: ONNX Runtime's "
@@ -148,12 +157,10 @@ def start(registry: Registry) -> Startup:
     params, batching_why = choose_batching(settings.params, model_path)
     settings = replace(settings, params=params)
     provenance = model_provenance(model_path, source)
-    shadow = resolve_shadow(settings, fetch_registered)
+    shadow = resolve_shadow(settings, registry)
     if shadow is not None:
         verify_model(shadow[0])
-    follow = None
-    if settings.from_registry and (follow_alias := registry("follow_alias")) is not None:
-        follow = following(settings, follow_alias, fetch_int8)
+    follow = following(settings, registry) if registry and settings.from_registry else None
     begun = Startup(
         settings=settings,
         model_path=model_path,
@@ -168,23 +175,34 @@ def start(registry: Registry) -> Startup:
     )
     # What the model saw on its test split (evaluate's model.reference.npz): drift score.
     begun.reference = (
-        begun.fetch_reference(settings.model_source)
+        begun.fetch_reference(settings.model_ref)
         if settings.from_registry
         else reference_beside(fp32_path)  # an int8 model's is its fp32 model's
     )
     return begun
 
 
-def following(settings: Settings, follow_alias: Any, fetch_int8: Any) -> Follow:
+def needs_registry(settings: Settings) -> bool:
+    """Whether the served model or its shadow is a registry model (a ModelError naming the
+    field when either is no model reference)."""
+    if settings.from_registry:
+        return True
+    shadow = shadow_source(settings)
+    if shadow is None:
+        return False
+    return parse_model_ref(shadow, "serve.shadow", settings.params_file.parent).from_registry
+
+
+def following(settings: Settings, registry: ModelRegistry) -> Follow:
     """The alias watcher's look: the version the alias moved to, at serve.precision (a
     version without its int8 file raises: the answering model stays, the next look retries)."""
-    uri, cache = settings.model_source, settings.cache_dir
+    ref, cache = settings.model_ref, settings.cache_dir
 
     def moved(current: str) -> tuple[Path, dict[str, str]] | None:
-        found = follow_alias(uri, cache, current)
+        found = registry.follow(ref, current, cache)
         if found is None:
             return None
-        return at_precision(settings, found[0], found[1], fetch_int8), found[1]
+        return at_precision(settings, found.path, found.provenance, registry), found.provenance
 
     return moved
 

@@ -3,13 +3,13 @@ models without failing or holding a request.
 
 A ``ModelWatcher`` per worker looks every ``serve.reload_s`` seconds (jittered, so the
 workers of a fleet do not ask at the same instant) whether the alias moved, through a
-``follow`` callable the service hands in (track.registry's ``follow_alias``: this layer
-never imports MLflow). On a move, all off the answer path, in the watcher's thread: the new
-version is downloaded and checked against its recorded sha256, a new predictor is built and
-warmed up; then ``swap`` replaces the service's predictor reference in one assignment.
-A request reads that reference once, so one in flight finishes on the old model, and the
-next starts on the new one. A failed look or fetch is logged (once per distinct failure)
-and the old model goes on answering; the next look tries again.
+``follow`` callable built on the ``ModelRegistry`` the service hands in (its ``follow``:
+this layer never imports MLflow). On a move, all off the answer path, in the watcher's
+thread: the new version is downloaded and checked against its recorded sha256, a new
+predictor is built and warmed up; then ``swap`` replaces the service's predictor reference
+in one assignment. A request reads that reference once, so one in flight finishes on the
+old model, and the next starts on the new one. A failed look or fetch is logged (once per
+distinct failure) and the old model goes on answering; the next look tries again.
 
 A model file (a bento, which has no MLflow) or a URI naming a version never moves, and
 nothing polls.
@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from trainyard.core.config import ServeParams
+from trainyard.core.model_ref import ModelRef
 from trainyard.serve.predictor import Predictor
-from trainyard.serve.settings import is_registry_uri, model_provenance, trace_headers
+from trainyard.serve.settings import model_provenance, trace_headers
 
 log = logging.getLogger("bentoml.serve.trainyard")
 
@@ -40,18 +41,16 @@ Headers = Sequence[tuple[bytes, bytes]]
 Swap = Callable[[Any, str, dict[str, str]], None]
 
 
-def follows(source: str, reload_s: float) -> bool:
+def follows(source: ModelRef, reload_s: float) -> bool:
     """Whether a service serving ``source`` follows it: a registry alias, polled."""
-    if not (is_registry_uri(source) and reload_s > 0):
-        return False
-    return "@" in source.removeprefix("models:/")
+    return source.follows and reload_s > 0
 
 
-def follow_plan(source: str, reload_s: float, follow: Follow | None) -> str:
+def follow_plan(source: ModelRef, reload_s: float, follow: Follow | None) -> str:
     """The start-up line's words on whether and how the service follows its source."""
-    if not is_registry_uri(source):
+    if not source.from_registry:
         return "a model file: never reloaded (serve.reload_s applies to models:/NAME@ALIAS)"
-    if "@" not in source.removeprefix("models:/"):
+    if not source.follows:
         return f"{source} names a version: never reloaded"
     if follow is None:
         return f"{source}: no registry client here (no MLflow): never reloaded"
@@ -181,7 +180,7 @@ def swap_into(
 
 
 def watch_if_following(
-    source: str,
+    source: ModelRef,
     params: ServeParams,
     provenance: dict[str, str],
     follow: Follow | None,
@@ -192,7 +191,7 @@ def watch_if_following(
     if follow is None or not follows(source, params.reload_s):
         return None
     return ModelWatcher(
-        source=source,
+        source=source.uri,
         version=provenance.get("registry_version", ""),
         follow=follow,
         build=lambda path, moved: load_warm(path, moved, params),

@@ -15,8 +15,9 @@ from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_report
 from trainyard.stages.runner import stage_main
 from trainyard.track.continued_runs import log_to_open_run, logging_into, open_run
 from trainyard.track.quantized import int8_tags
-from trainyard.track.registry import REFERENCE_ARTIFACT, register_and_promote, tag_reference
+from trainyard.track.registry import register_and_promote, tag_reference
 from trainyard.track.store import DVC_EXP_NAME, in_temp_workspace, tracking_client
+from trainyard.track.versions import REFERENCE_ARTIFACT
 from trainyard.training.datamodule import load_split
 from trainyard.training.history import HISTORY_FILE, read_history
 from trainyard.watch.reference import reference_from_predictions, sample_rows, save_reference

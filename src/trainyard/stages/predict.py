@@ -13,8 +13,8 @@ import argparse
 from trainyard.bulk.job import PredictOptions, predict
 from trainyard.core.config import Params
 from trainyard.stages.runner import stage_main
+from trainyard.track.model_refs import MlflowRegistry
 from trainyard.track.predict_run import record_predict_run
-from trainyard.track.registry import fetch_model
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +28,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
     """Score the source with every other option from params.yaml (resuming an interrupted
     run's chunks), then record the run."""
     options = PredictOptions(source=args.source, out=args.out, params=args.params)
-    summary = predict(options, fetch_model)
+    summary = predict(options, MlflowRegistry())
     record_predict_run(params, summary, f"predict@{args.name}")
 
 

@@ -29,16 +29,17 @@ import mlflow
 from mlflow.exceptions import MlflowException
 
 from trainyard.core.errors import PromotionRefused, TrackingError
+from trainyard.core.model_ref import ModelRef, registered_alias
 from trainyard.track.interrupts import signals_deferred
-from trainyard.track.registry import (
+from trainyard.track.registry import move_alias
+from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
+from trainyard.track.versions import (
     CHAMPION,
     DECISION_TAG,
     PROMOTE_REASON_TAG,
     SHA_TAG,
     current_alias,
-    move_alias,
 )
-from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
 
 ACTION_TAG, TIME_TAG, USER_TAG = "promote.action", "promote.time", "promote.user"
 PREVIOUS_TAG, FORCED_TAG, FROM_TAG = (
@@ -67,9 +68,11 @@ def registry_client() -> tuple[Any, str]:
     return mlflow.MlflowClient(tracking_uri=uri), uri
 
 
-def find_version(client: Any, name: str, version: int | None, alias: str | None) -> Any:
-    """The version ``version`` of ``name``, or the one ``alias`` points at; an unknown
-    model, version or alias is a PromotionRefused naming it and what exists instead."""
+def find_version(client: Any, ref: ModelRef) -> Any:
+    """The version ``models:/NAME/N`` names, or the one ``models:/NAME@ALIAS`` points at;
+    an unknown model, version or alias is a PromotionRefused naming it and what exists
+    instead."""
+    name, version, alias = ref.name, ref.version, ref.alias
     try:
         model = client.get_registered_model(name)
     except MlflowException as err:
@@ -84,7 +87,7 @@ def find_version(client: Any, name: str, version: int | None, alias: str | None)
         if alias not in model.aliases:
             held = ", ".join(f"{a} -> v{v}" for a, v in sorted(model.aliases.items()))
             raise PromotionRefused(f"{name} has no alias {alias!r}; its aliases: {held or 'none'}")
-        version = int(model.aliases[alias])
+        version = str(model.aliases[alias])
     try:
         return client.get_model_version(name, str(version))
     except MlflowException:
@@ -140,7 +143,7 @@ def rollback(client: Any, name: str, *, reason: str) -> dict[str, Any]:
     """Move `champion` back to the version the current champion replaced."""
     champion = current_alias(client, name, CHAMPION)
     if champion is None:
-        find_version(client, name, None, CHAMPION)  # names an unknown model first
+        find_version(client, registered_alias(name, CHAMPION, "NAME"))  # an unknown model
     previous = previous_champion(champion)
     if previous is None:
         raise PromotionRefused(

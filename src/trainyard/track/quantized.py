@@ -4,19 +4,15 @@ The export stage logs models/model.int8.onnx into the train run under ``INT8_ART
 evaluate registers the fp32 model as the version and puts the int8 file's sha256, where it
 is and its gate's figures in the version's own tags, in the same write that creates it
 (``int8_tags``), so a service following an alias never sees the version without them.
-``fetch_int8`` is what ``serve.precision: int8`` with a ``models:/`` source downloads,
-checked against that sha256 as the fp32 file is against ``onnx_sha256``.
+``MlflowRegistry.fetch_int8`` (track.model_refs) is what ``serve.precision: int8`` with a
+``models:/`` source downloads, checked against that sha256 as the fp32 file is against
+``onnx_sha256``.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from trainyard.core.handoffs import Int8Export
-from trainyard.core.io import atomic_write_text
 from trainyard.runtime.model_file import INT8_SUFFIX
-from trainyard.track.versions import download_verified, version_of
 
 INT8_FOLDER = "int8"  # the train run's artifact folder
 INT8_ARTIFACT = f"{INT8_FOLDER}/model{INT8_SUFFIX}"
@@ -32,19 +28,3 @@ def int8_tags(int8: Int8Export) -> dict[str, str]:
         "int8.accuracy_drop": f"{int8.accuracy_drop:.4f}",  # percentage points
         "int8.accuracy": f"{int8.accuracy_int8:.6f}",
     }
-
-
-def fetch_int8(uri: str, cache_dir: str | os.PathLike[str]) -> Path | None:
-    """The int8 model of the version a ``models:/`` URI names, downloaded into
-    ``cache_dir`` (beside the fp32 file's download) and checked against its
-    ``int8_sha256`` tag, with the .sha256 sidecar the service verifies; None for a version
-    registered without one (export.quantize none)."""
-    name, mv, tracking_uri = version_of(uri, "model source")
-    expected, artifact = mv.tags.get(INT8_SHA_TAG), mv.tags.get(INT8_ARTIFACT_TAG)
-    if not expected or not artifact or not mv.run_id:
-        return None
-    dest = Path(cache_dir) / name / str(mv.version) / f"model{INT8_SUFFIX}"
-    what = f"{uri} (v{mv.version}) int8 model"
-    download_verified(mv, artifact, dest, expected, tracking_uri, what)
-    atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
-    return dest

@@ -26,6 +26,15 @@ writes) had decided, and gets its ``decision`` tag written by whoever finds it. 
 service, no database access and no clock shared between clients is needed. Versions
 registered by hand carry no ``decision`` tag and take no part; a sweep's versions register
 without the ticket and do not wait, since they never move `champion`.
+
+A registration (``register_and_promote``) is complete once its alias points at it. Nothing
+less is left behind: if anything fails or is interrupted (Ctrl-C, also while waiting) before
+that, the version is deleted again, since a version without its alias would look like a
+decision that was never made. A rerun for the same model (same run, ONNX sha256, data and
+accuracy) whose version still holds its alias reuses that version instead of registering
+the model a second time (an evaluate interrupted after the alias moved, or a forced rerun);
+one that finds versions of this run cut off before their decision (SIGKILL, or a Ctrl-C
+inside MLflow's own register call) deletes them first.
 """
 
 from __future__ import annotations
@@ -36,9 +45,7 @@ import json
 import logging
 import os
 import random
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -49,25 +56,22 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 
 from trainyard.core.errors import TrackingError
-from trainyard.core.io import atomic_write_text, sha256_file
 from trainyard.runtime.sessions import load_onnx
 from trainyard.track.interrupts import release_interrupted_store, signals_deferred
-from trainyard.track.quantized import fetch_int8  # noqa: F401  # the service looks it up here
-from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
-from trainyard.track.versions import download_verified, parse_model_uri, version_of
+from trainyard.track.versions import (
+    ACCURACY_TAG,
+    CHALLENGER,
+    CHAMPION,
+    DATA_TAG,
+    DECISION_TAG,
+    PENDING,
+    REFERENCE_TAG,
+    SHA_TAG,
+    current_alias,
+)
 
 log = logging.getLogger(__name__)
 
-CHAMPION, CHALLENGER = "champion", "challenger"
-ACCURACY_TAG, DATA_TAG, SHA_TAG = "test_accuracy", "data_version", "onnx_sha256"
-DECISION_TAG, PENDING = "decision", "pending"
-# The model's drift reference (trainyard.watch.reference): logged in the run under
-# REFERENCE_ARTIFACT, its sha256 tagged on the version so a download can be checked.
-REFERENCE_TAG = "reference_sha256"
-REFERENCE_ARTIFACT = "reference/model.reference.npz"
-# What a move of `champion` by hand (trainyard promote / rollback, track.promotion) records
-# on the version it moves to; read here too, for the reason a following service logs.
-PROMOTE_REASON_TAG = "promote.reason"
 # A registration waits only for lower pending versions, each of which waits only for lower
 # ones and then decides in milliseconds: a version pending this long was killed.
 STALE_AFTER_S = 600.0
@@ -99,17 +103,6 @@ def log_onnx_model(onnx_path: str | os.PathLike[str], example: np.ndarray) -> st
         onnx_execution_providers=["CPUExecutionProvider"],
     )
     return info.model_uri
-
-
-def current_alias(client: Any, name: str, alias: str) -> Any | None:
-    """The version of ``name`` that ``alias`` points at, or None (no such model or alias)."""
-
-    try:
-        return client.get_model_version_by_alias(name, alias)
-    except MlflowException as err:
-        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            return None
-        raise
 
 
 def decide(
@@ -169,15 +162,7 @@ def register_and_promote(
     what a version takes and answers without downloading it. The turn: the module's
     docstring; ``stale_after_s``: how long a lower version may stay pending before it is
     taken for abandoned. ``extra_tags``: more tags in the creating write (the int8 file's).
-
-    A registration is complete once its alias points at it. Nothing less is left behind:
-    if anything fails or is interrupted (Ctrl-C, also while waiting) before that, the
-    version is deleted again, since a version without its alias would look like a decision
-    that was never made. A rerun for the same model (same run, ONNX sha256, data and
-    accuracy) whose version still holds its alias reuses that version instead of
-    registering the model a second time (an evaluate interrupted after the alias moved, or
-    a forced rerun); one that finds versions of this run cut off before their decision
-    (SIGKILL, or a Ctrl-C inside MLflow's own register call) deletes them first.
+    What a failed, interrupted or repeated registration leaves: the module's docstring.
     """
     tags = version_tags(run_id, test_acc, data_version, onnx_sha256, contract, sweep, extra_tags)
     done = _already_registered(client, name, run_id, tags, extra_tags)
@@ -186,45 +171,75 @@ def register_and_promote(
     _remove_cut_off(client, name, run_id)
     if not sweep:  # the ticket: in the version's own creating write, never seen without it
         tags[DECISION_TAG] = PENDING
-    version = alias = None
+    version = None
     try:
         # A Ctrl-C or SIGTERM waits for each group of writes (milliseconds) and then stops
         # the stage; the wait between them is interruptible, and undone like the rest.
         with signals_deferred():
             version = _register_quietly(model_uri, name, tags)
-        abandoned = [] if sweep else _wait_for_turn(client, name, version, stale_after_s)
-        champion = current_alias(client, name, CHAMPION)
-        alias, reason = decide(test_acc, champion, margin, sweep)
-        if abandoned:
-            listed = ", ".join(f"v{v}" for v in abandoned)
-            reason += f" (not waited for: {listed}, pending over {stale_after_s:g} s, abandoned)"
-        previous = int(champion.version) if champion is not None else None
-        with signals_deferred():
-            client.set_model_version_tag(name, version.version, "decision_reason", reason)
-            client.set_model_version_tag(
-                name, version.version, "previous_champion", str(previous or "")
-            )
-            move_alias(client, name, alias, version.version)
-            client.set_model_version_tag(name, version.version, DECISION_TAG, alias)
+        alias, reason, previous = _decide_in_turn(
+            client, name, version, test_acc, margin, sweep, stale_after_s
+        )
     except BaseException as err:
         # BaseException: a Ctrl-C (KeyboardInterrupt) cuts a registration off as surely as a
         # store error does, and must not leave a version without its alias either.
         if not isinstance(err, Exception):
             release_interrupted_store(err)
-        _undo(client, name, run_id, alias, version)
+        _undo(client, name, run_id, version)
         if not isinstance(err, Exception):
             raise
         what = f"v{version.version}" if version is not None else "a new version"
         raise TrackingError(f"registering {name} {what} failed: {err}") from err
+    return _record(name, version.version, alias, reason, previous, model_uri, False)
+
+
+def _decide_in_turn(
+    client: Any,
+    name: str,
+    version: Any,
+    test_acc: float,
+    margin: float,
+    sweep: str | None,
+    stale_after_s: float,
+) -> tuple[str, str, int | None]:
+    """Wait for the turn (not a sweep's), decide against the champion the versions below
+    left, and write the decision: (alias, reason, the champion it replaced)."""
+    abandoned = [] if sweep else _wait_for_turn(client, name, version, stale_after_s)
+    champion = current_alias(client, name, CHAMPION)
+    alias, reason = decide(test_acc, champion, margin, sweep)
+    if abandoned:
+        listed = ", ".join(f"v{v}" for v in abandoned)
+        reason += f" (not waited for: {listed}, pending over {stale_after_s:g} s, abandoned)"
+    previous = int(champion.version) if champion is not None else None
+    with signals_deferred():
+        client.set_model_version_tag(name, version.version, "decision_reason", reason)
+        client.set_model_version_tag(
+            name, version.version, "previous_champion", str(previous or "")
+        )
+        move_alias(client, name, alias, version.version)
+        client.set_model_version_tag(name, version.version, DECISION_TAG, alias)
+    return alias, reason, previous
+
+
+def _record(
+    name: str,
+    version: Any,
+    alias: str,
+    reason: str,
+    previous: int | None,
+    source: str,
+    already: bool,
+) -> dict[str, Any]:
+    """register_and_promote's answer (core.handoffs.Registration's fields)."""
     return {
         "model_name": name,
-        "version": int(version.version),
+        "version": int(version),
         "alias": alias,
         "reason": reason,
         "previous_champion": previous,
         "model_uri": f"models:/{name}@{alias}",
-        "source": model_uri,
-        "already_registered": False,
+        "source": source,
+        "already_registered": already,
     }
 
 
@@ -365,16 +380,9 @@ def _already_registered(
         for key, value in (refresh or {}).items():
             client.set_model_version_tag(name, v.version, key, value)
         previous = v.tags.get("previous_champion", "")
-        return {
-            "model_name": name,
-            "version": int(v.version),
-            "alias": alias,
-            "reason": v.tags.get("decision_reason", ""),
-            "previous_champion": int(previous) if previous.isdigit() else None,
-            "model_uri": f"models:/{name}@{alias}",
-            "source": v.source,
-            "already_registered": True,
-        }
+        number = int(previous) if previous.isdigit() else None
+        reason = v.tags.get("decision_reason", "")
+        return _record(name, v.version, alias, reason, number, v.source, True)
     return None
 
 
@@ -409,122 +417,20 @@ def _remove_cut_off(client: Any, name: str, run_id: str) -> None:
         )
 
 
-def _undo(client: Any, name: str, run_id: str, alias: str | None, version: Any | None) -> None:
+def _undo(client: Any, name: str, run_id: str, version: Any | None) -> None:
     """After a failed or interrupted registration: remove what it left; never raises."""
     try:
         if version is None:
             # Cut off inside MLflow's register call, which may have created the version.
             _remove_cut_off(client, name, run_id)
-        elif alias is None or (
-            str(client.get_registered_model(name).aliases.get(alias)) != str(version.version)
-        ):
+            return
+        held = _held_alias(client.get_registered_model(name).aliases, version.version)
+        if held is None:  # cut off before its alias moved: a version nothing points at
             client.delete_model_version(name, version.version)
         else:  # the alias moved before the interruption: the registration is complete
-            client.set_model_version_tag(name, version.version, DECISION_TAG, alias)
+            _finish(client, name, version.version, held)
     except Exception:  # the store is already failing; report the first error
         log.exception("could not remove a half-registered version of %s", name)
-
-
-def fetch_registered_onnx(
-    uri: str, cache_dir: str | os.PathLike[str]
-) -> tuple[Any, dict[str, str]]:
-    """Resolve a registry URI, download its ONNX file into ``cache_dir``, verify its sha256.
-
-    Only the ``model.onnx`` file is ever used: nothing from the registry is unpickled or
-    imported. The sha256 must match the version's ``onnx_sha256`` tag (set by evaluate);
-    a version without the tag, or a file that does not match, is refused.
-    Returns (path, provenance).
-    """
-
-    name, mv, tracking_uri = version_of(uri, "model source")
-    expected = mv.tags.get(SHA_TAG)
-    if not expected:
-        raise TrackingError(
-            f"{uri} (v{mv.version}) has no {SHA_TAG} tag; refusing to serve a "
-            "model whose bytes cannot be checked"
-        )
-    dest = Path(cache_dir) / name / str(mv.version) / "model.onnx"
-    if not (dest.is_file() and sha256_file(dest) == expected):
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-            folder = Path(
-                mlflow.artifacts.download_artifacts(
-                    artifact_uri=f"models:/{name}/{mv.version}",
-                    dst_path=tmp,
-                    tracking_uri=tracking_uri,
-                )
-            )
-            got = folder / "model.onnx"
-            if not got.is_file():
-                raise TrackingError(
-                    f"{uri} (v{mv.version}): the registered model has no model.onnx"
-                )
-            actual = sha256_file(got)
-            if actual != expected:
-                raise TrackingError(
-                    f"{uri} (v{mv.version}): downloaded model.onnx has sha256 {actual}, the "
-                    f"registry records {expected}; refusing it"
-                )
-            # A rename within one folder: two workers fetching one version at once (a
-            # champion move seen by all of them) each replace the file whole, never mix it.
-            os.replace(got, dest)
-    # The same sidecar the export stage writes: one verification path for every model file.
-    atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
-    return dest, {
-        "model_source": uri,
-        "registry_model": name,
-        "registry_version": str(mv.version),
-        "registry_alias": parse_model_uri(uri)[1] or "",
-        "run_id": mv.run_id or "",
-        "data_version": mv.tags.get(DATA_TAG, ""),
-        "onnx_sha256": expected,
-    }
-
-
-def follow_alias(
-    uri: str, cache_dir: str | os.PathLike[str], current: str
-) -> tuple[Path, dict[str, str]] | None:
-    """For a service that follows ``models:/NAME@ALIAS``: None while the alias still points
-    at version ``current`` (one registry read), else the version it points at now, fetched
-    and checked as ``fetch_registered_onnx`` does, with its provenance naming the alias and
-    the reason recorded for the move (``reason``). A URI naming a version never moves."""
-    name, alias, _ = parse_model_uri(uri)
-    if alias is None:
-        return None
-    client = mlflow.MlflowClient(tracking_uri=resolve_tracking_uri())
-    mv = current_alias(client, name, alias)
-    if mv is None:
-        raise TrackingError(f"{uri}: the alias no longer exists in the registry")
-    if str(mv.version) == str(current):
-        return None
-    path, provenance = fetch_registered_onnx(f"models:/{name}/{mv.version}", cache_dir)
-    # A move by hand says its own reason (maybe none); evaluate's decision, the one it made.
-    reason = mv.tags.get(PROMOTE_REASON_TAG, mv.tags.get("decision_reason", ""))
-    return path, provenance | {"model_source": uri, "registry_alias": alias, "reason": reason}
-
-
-def fetch_model(uri: str, cache_dir: str | os.PathLike[str]) -> tuple[Any, dict[str, str]]:
-    """``fetch_registered_onnx`` for ``models:/...``, and for ``runs:/RUN_ID`` the model
-    version that run registered (its newest, when it registered more than one): the
-    registry's sha256 check applies to both."""
-    if not uri.startswith("runs:/"):
-        return fetch_registered_onnx(uri, cache_dir)
-    run_id = uri.removeprefix("runs:/").strip("/").split("/")[0]
-    tracking_uri = resolve_tracking_uri()
-    check_tracking_uri(tracking_uri)
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    try:
-        versions = client.search_model_versions(f"run_id = '{run_id}'") if run_id else []
-    except MlflowException as err:
-        raise TrackingError(f"model source {uri}: {err.message}") from None
-    if not versions:
-        raise TrackingError(
-            f"model source {uri}: no registered model version comes from run {run_id!r} "
-            f"in {tracking_uri} (evaluate registers the run's model: registry.enabled)"
-        )
-    newest = max(versions, key=lambda v: int(v.version))
-    path, provenance = fetch_registered_onnx(f"models:/{newest.name}/{newest.version}", cache_dir)
-    return path, provenance | {"model_source": uri}
 
 
 def tag_reference(client: Any, name: str, version: int | str, reference_sha256: str) -> None:
@@ -533,18 +439,3 @@ def tag_reference(client: Any, name: str, version: int | str, reference_sha256: 
         client.set_model_version_tag(name, str(version), REFERENCE_TAG, reference_sha256)
     except MlflowException as err:
         raise TrackingError(f"tagging {name} v{version}'s reference: {err.message}") from None
-
-
-def fetch_reference(uri: str, cache_dir: str | os.PathLike[str]) -> Path:
-    """The drift reference (``REFERENCE_ARTIFACT``) of the version a models:/ URI names,
-    downloaded into ``cache_dir`` and checked against its ``reference_sha256`` tag."""
-    name, mv, tracking_uri = version_of(uri, "--reference")
-    expected = mv.tags.get(REFERENCE_TAG)
-    if not expected or not mv.run_id:
-        raise TrackingError(
-            f"--reference {uri} (v{mv.version}) has no {REFERENCE_TAG} tag: it was registered "
-            "before evaluate stored a reference; rerun `dvc repro evaluate` for that model"
-        )
-    dest = Path(cache_dir) / name / str(mv.version) / "model.reference.npz"
-    what = f"--reference {uri} (v{mv.version})"
-    return download_verified(mv, REFERENCE_ARTIFACT, dest, expected, tracking_uri, what)

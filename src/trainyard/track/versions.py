@@ -1,7 +1,7 @@
-"""Which registry version a ``models:/`` URI names: ``models:/NAME@ALIAS`` or
-``models:/NAME/N``, resolved against the tracking store (the registry's readers: the
-served model, its drift reference and its int8 file), and the download of a version's
-file checked against the sha256 its tag records."""
+"""What a registered version records (its tags), which version a ``models:/`` reference
+names in the tracking store, and the download of a version's file checked against the
+sha256 its tag records: what the registry's writers (track.registry, track.promotion) and
+its reader (track.model_refs) share."""
 
 from __future__ import annotations
 
@@ -15,44 +15,51 @@ from mlflow.exceptions import MlflowException
 
 from trainyard.core.errors import TrackingError
 from trainyard.core.io import sha256_file
+from trainyard.core.model_ref import ModelRef
 from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
 
-
-def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
-    """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` -> (name, alias, version)."""
-    rest = uri.removeprefix("models:/")
-    if "@" in rest:
-        name, alias = rest.split("@", 1)
-        if name and alias and "/" not in name:
-            return name, alias, None
-    elif rest.count("/") == 1:
-        name, version = rest.split("/")
-        if name and version.isdigit():
-            return name, None, version
-    raise TrackingError(
-        f"model source {uri!r}: expected models:/NAME@ALIAS (e.g. models:/"
-        "fashion-mnist-classifier@champion) or models:/NAME/VERSION"
-    )
+CHAMPION, CHALLENGER = "champion", "challenger"
+ACCURACY_TAG, DATA_TAG, SHA_TAG = "test_accuracy", "data_version", "onnx_sha256"
+DECISION_TAG, PENDING = "decision", "pending"
+# The model's drift reference (trainyard.watch.reference): logged in the run under
+# REFERENCE_ARTIFACT, its sha256 tagged on the version so a download can be checked.
+REFERENCE_TAG = "reference_sha256"
+REFERENCE_ARTIFACT = "reference/model.reference.npz"
+# What a move of `champion` by hand (trainyard promote / rollback, track.promotion) records
+# on the version it moves to; read by a following service too, for the reason it logs.
+PROMOTE_REASON_TAG = "promote.reason"
 
 
-def version_of(uri: str, what: str) -> tuple[str, Any, str]:
-    """(model name, the ModelVersion, tracking URI) that ``models:/NAME@ALIAS`` or
-    ``models:/NAME/N`` names; a TrackingError starting with ``what`` when there is none."""
-    name, alias, version = parse_model_uri(uri)
+def current_alias(client: Any, name: str, alias: str) -> Any | None:
+    """The version of ``name`` that ``alias`` points at, or None (no such model or alias)."""
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def version_of(ref: ModelRef) -> tuple[Any, str]:
+    """(the ModelVersion, tracking URI) that ``models:/NAME@ALIAS`` or ``models:/NAME/N``
+    names; a TrackingError naming the reference's field when there is none."""
     tracking_uri = resolve_tracking_uri()
     check_tracking_uri(tracking_uri)
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    if not ref.name:
+        raise TrackingError(f"{ref.field}: {ref}: not a registered model's version")
     try:
         mv = (
-            client.get_model_version_by_alias(name, alias)
-            if alias
-            else client.get_model_version(name, version)
+            client.get_model_version_by_alias(ref.name, ref.alias)
+            if ref.alias
+            else client.get_model_version(ref.name, ref.version)
         )
     except MlflowException as err:
         raise TrackingError(
-            f"{what} {uri}: not found in the registry at {tracking_uri} ({err.message})"
+            f"{ref.field}: {ref}: not found in the registry at {tracking_uri} ({err.message})"
         ) from None
-    return name, mv, tracking_uri
+    return mv, tracking_uri
 
 
 def download_verified(
