@@ -10,7 +10,8 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from team.mlflow_server import wait_healthy
+from trainyard.core.pause_points import PAUSE_AT, PAUSE_FILE
 from trainyard.core.records import TrainRecord
 from trainyard.data.idx import write_idx_bytes
 
@@ -180,6 +182,29 @@ def stop_group(proc: subprocess.Popen, timeout: float = 15) -> bool:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return False
+
+
+def pause_env(step: str, announce: Path, **extra: str) -> dict[str, str]:
+    """``stage_env`` for a process that pauses at ``step`` (``name`` or ``name:n``, the n-th
+    arrival) and announces it in ``announce`` (trainyard.core.pause_points): a test's signal
+    lands at that step on any machine, never in a race with the process."""
+    return stage_env(**{PAUSE_AT: step, PAUSE_FILE: str(announce)}, **extra)
+
+
+def wait_paused(
+    announce: Path, proc: subprocess.Popen, output: Callable[[], str], timeout: float = 300
+) -> int:
+    """Wait for ``proc`` (or a process it started) to announce its pause in ``announce``;
+    the pausing process's pid. Fails with ``output()`` if ``proc`` ended first."""
+    deadline = time.monotonic() + timeout
+    while not announce.exists():
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"exited {proc.returncode} before pausing ({announce.name}):\n{output()[-4000:]}"
+            )
+        assert time.monotonic() < deadline, f"no pause ({announce.name}) within {timeout:g} s"
+        time.sleep(0.02)
+    return int(announce.read_text())
 
 
 def free_port() -> int:

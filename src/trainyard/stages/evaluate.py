@@ -10,6 +10,7 @@ import numpy as np
 
 from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json, sha256_file
+from trainyard.core.pause_points import pause_point
 from trainyard.core.records import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.data.datamodule import load_split
 from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_reports
@@ -145,6 +146,7 @@ def log_evaluation(
             m["provider"],
             run_id,
         )
+        pause_point("evaluate.logging")
         log_to_open_run(metrics={"test/accuracy": m["accuracy"], "test/macro_f1": m["macro_f1"]})
         # Class names may hold '/', spaces or any letter: keys are index + a safe spelling.
         classes = result["classes"]

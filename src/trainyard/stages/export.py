@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainyard.core.config import Params
+from trainyard.core.pause_points import pause_point
 from trainyard.core.records import EXPORT_RECORD, ExportRecord, Int8Export, TrainRecord
 from trainyard.data.datamodule import load_split
 from trainyard.export.onnx_export import export_and_verify, normalized_example
@@ -66,6 +67,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
     with logging_into(run_id, "export"):
         # Logging the model takes seconds: say so, and where it goes.
         log.info("logging the ONNX model to MLflow run %s", run_id)
+        pause_point("export.logging")
         log_to_open_run(
             metrics={
                 "export/max_abs_diff": report["max_abs_diff"],

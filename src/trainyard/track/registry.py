@@ -50,6 +50,7 @@ from mlflow.models import infer_signature
 
 from trainyard.core.errors import TrackingError
 from trainyard.core.io import atomic_write_text, sha256_file
+from trainyard.core.pause_points import pause_point
 from trainyard.runtime.sessions import load_onnx
 from trainyard.track.interrupts import release_interrupted_store, signals_deferred
 from trainyard.track.quantized import fetch_int8  # noqa: F401  # the service looks it up here
@@ -204,6 +205,7 @@ def register_and_promote(
             client.set_model_version_tag(
                 name, version.version, "previous_champion", str(previous or "")
             )
+            pause_point("registry.deciding")  # its tags written, its alias not yet moved
             move_alias(client, name, alias, version.version)
             client.set_model_version_tag(name, version.version, DECISION_TAG, alias)
     except BaseException as err:
@@ -270,6 +272,7 @@ def _wait_for_turn(client: Any, name: str, mine: Any, stale_after_s: float) -> l
                 listed = ", ".join(f"v{v.version}" for v in below)
                 log.info("%s v%s waits for %s to decide first", name, mine.version, listed)
                 said = True
+            pause_point("registry.waiting")
             time.sleep(POLL_S * random.uniform(0.5, 1.5))  # jitter: waiters do not march
 
 
