@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.core.pause_points import PAUSE_AT, pause_point
+from trainyard.core.pause_points import PAUSE_AT, PAUSE_FILE, pause_point
 
 from conftest import pause_env, wait_paused
 
@@ -84,8 +84,9 @@ def test_removing_the_file_lets_it_go_on(tmp_path):
     assert proc.returncode == 0 and out.endswith("went on\n"), err
 
 
-def test_off_the_main_thread_it_says_so(monkeypatch):
+def test_off_the_main_thread_it_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv(PAUSE_AT, "threaded")
+    monkeypatch.setenv(PAUSE_FILE, str(tmp_path / "never"))
     errors: list[BaseException] = []
 
     def run() -> None:

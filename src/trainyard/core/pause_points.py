@@ -29,7 +29,7 @@ from trainyard.core.io import atomic_write_text
 
 PAUSE_AT = "TRAINYARD_PAUSE_AT"
 PAUSE_FILE = "TRAINYARD_PAUSE_FILE"
-_arrivals: dict[str, int] = {}
+_arrivals: dict[tuple[str, str], int] = {}
 
 
 def pause_point(step: str) -> None:
@@ -37,12 +37,13 @@ def pause_point(step: str) -> None:
     wanted = os.environ.get(PAUSE_AT)
     if wanted is None or wanted.partition(":")[0] != step:
         return
-    _arrivals[step] = _arrivals.get(step, 0) + 1
-    if _arrivals[step] != int(wanted.partition(":")[2] or 1):
+    path = os.environ[PAUSE_FILE]
+    key = (wanted, path)  # counted per pause asked for: a test in-process asks afresh
+    _arrivals[key] = _arrivals.get(key, 0) + 1
+    if _arrivals[key] != int(wanted.partition(":")[2] or 1):
         return
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(f"pause point {step!r} is off the main thread: no signal reaches it")
-    path = os.environ[PAUSE_FILE]
     handled: list[int] = []
     # Python-level handlers only (None: installed outside Python, left alone).
     signals = (signal.SIGINT, signal.SIGTERM)
