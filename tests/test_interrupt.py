@@ -493,7 +493,7 @@ def test_ctrl_c_in_the_registry_step(repo, tmp_path):
 
     # Inside the registration's last group of writes: SIGINT waits for them (the registry
     # defers it a few milliseconds), so the new version stands whole with its alias.
-    hit = repro_interrupted(repo, log, "registry.deciding", half_registered)
+    hit = repro_interrupted(repo, log, "registry.moving_alias", half_registered)
     check_failed(hit, "evaluate")
     assert "[export] parity ok" in hit.log  # export ran whole in this repro
     assert "[evaluate] registering" in hit.log

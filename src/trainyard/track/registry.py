@@ -205,7 +205,6 @@ def register_and_promote(
             client.set_model_version_tag(
                 name, version.version, "previous_champion", str(previous or "")
             )
-            pause_point("registry.deciding")  # its tags written, its alias not yet moved
             move_alias(client, name, alias, version.version)
             client.set_model_version_tag(name, version.version, DECISION_TAG, alias)
     except BaseException as err:
@@ -320,6 +319,7 @@ def move_alias(client: Any, name: str, alias: str, version: Any) -> None:
     """Point ``alias`` at ``version``. Two first writes of one alias at once (a sweep's
     `challenger`, which takes no turn, and another's) clash in the server's insert (an
     IntegrityError, seen with four registrations at once); written again, it is a move."""
+    pause_point("registry.moving_alias")
     for attempt in range(3):
         try:
             client.set_registered_model_alias(name, alias, version)
