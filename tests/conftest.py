@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -25,6 +26,12 @@ from trainyard.core.records import TrainRecord
 from trainyard.data.idx import write_idx_bytes
 
 REPO = Path(__file__).resolve().parents[1]
+# A background job of a non-interactive shell (`cmd &` in a script) starts with SIGINT
+# ignored, and every process it starts inherits that: the Ctrl-C tests' stages would not
+# see their Ctrl-C. Python's own handler here; a process started from here then gets
+# SIGINT's default, as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 FASHION_DIR = Path(os.environ.get("TRAINYARD_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))
 VENV_BIN = Path(sys.executable).parent
 
@@ -170,7 +177,6 @@ def train_concurrently(repo: Path, outs: list[str], **env: str) -> list[Path]:
 def stop_group(proc: subprocess.Popen, timeout: float = 15) -> bool:
     """SIGTERM a server started with ``start_new_session=True`` (its whole process group),
     SIGKILL after ``timeout``; True when it stopped on SIGTERM (or had already exited)."""
-    import signal
 
     if proc.poll() is not None:
         return True
