@@ -51,7 +51,8 @@ def pause_point(step: str) -> None:
 
     def handle(signum: int, frame: Any) -> None:
         handled.append(signum)
-        for s, h in previous.items():  # the real handler runs as installed: it may look
+        # The real handler runs with itself installed (resume.interruptions checks that).
+        for s, h in previous.items():
             signal.signal(s, h)
         real = previous[signum]
         if callable(real):
