@@ -7,10 +7,12 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,16 @@ import yaml
 
 from team.mlflow_server import wait_healthy
 from trainyard.core.handoffs import TrainRecord
+from trainyard.core.pause_points import PAUSE_AT, PAUSE_FILE
 from trainyard.data.idx import write_idx_bytes
 
 REPO = Path(__file__).resolve().parents[1]
+# A background job of a non-interactive shell (`cmd &` in a script) starts with SIGINT
+# ignored, and every process it starts inherits that: the Ctrl-C tests' stages would not
+# see their Ctrl-C. Python's own handler here; a process started from here then gets
+# SIGINT's default, as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 FASHION_DIR = Path(os.environ.get("TRAINYARD_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))
 VENV_BIN = Path(sys.executable).parent
 
@@ -168,7 +177,6 @@ def train_concurrently(repo: Path, outs: list[str], **env: str) -> list[Path]:
 def stop_group(proc: subprocess.Popen, timeout: float = 15) -> bool:
     """SIGTERM a server started with ``start_new_session=True`` (its whole process group),
     SIGKILL after ``timeout``; True when it stopped on SIGTERM (or had already exited)."""
-    import signal
 
     if proc.poll() is not None:
         return True
@@ -180,6 +188,29 @@ def stop_group(proc: subprocess.Popen, timeout: float = 15) -> bool:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return False
+
+
+def pause_env(step: str, announce: Path, **extra: str) -> dict[str, str]:
+    """``stage_env`` for a process that pauses at ``step`` (``name`` or ``name:n``, the n-th
+    arrival) and announces it in ``announce`` (trainyard.core.pause_points): a test's signal
+    lands at that step on any machine, never in a race with the process."""
+    return stage_env(**{PAUSE_AT: step, PAUSE_FILE: str(announce)}, **extra)
+
+
+def wait_paused(
+    announce: Path, proc: subprocess.Popen, output: Callable[[], str], timeout: float = 300
+) -> int:
+    """Wait for ``proc`` (or a process it started) to announce its pause in ``announce``;
+    the pausing process's pid. Fails with ``output()`` if ``proc`` ended first."""
+    deadline = time.monotonic() + timeout
+    while not announce.exists():
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"exited {proc.returncode} before pausing ({announce.name}):\n{output()[-4000:]}"
+            )
+        assert time.monotonic() < deadline, f"no pause ({announce.name}) within {timeout:g} s"
+        time.sleep(0.02)
+    return int(announce.read_text())
 
 
 def free_port() -> int:

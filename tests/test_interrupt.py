@@ -2,7 +2,8 @@
 
 Fast: the registration cut off at each of its writes (a real sqlite MLflow store).
 Slow: a real `dvc repro` in a temp copy of the repository, its whole process group sent
-SIGINT as a terminal's Ctrl-C does, at a known point inside the stage's work. Each time:
+SIGINT as a terminal's Ctrl-C does, at a step inside the stage's work where the stage
+announces a pause (trainyard.core.pause_points): never a race with the stage. Each time:
 dvc repro fails promptly; every output of the interrupted stage is absent or whole; no temp
 file is left; dvc.lock still calls the stage out of date and earlier stages stay intact; the
 MLflow run is not left RUNNING and the registry holds no version without its alias; the next
@@ -17,7 +18,6 @@ import json
 import logging
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -40,7 +40,7 @@ from trainyard.core.handoffs import (
 from trainyard.track.continued_runs import END_REASON_TAG
 from trainyard.track.registry import CHALLENGER, CHAMPION, SHA_TAG, register_and_promote
 
-from conftest import REPO, copy_reproduced, dvc, set_params, stage_env
+from conftest import REPO, copy_reproduced, dvc, pause_env, set_params, stage_env, wait_paused
 
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 EXPORT_OUTS = ("models/model.onnx", "models/model.onnx.sha256", str(EXPORT_RECORD))
@@ -245,32 +245,26 @@ class Interrupted:
 
 
 def repro_interrupted(
-    repo: Path,
-    log: Path,
-    ready: Callable[[], bool],
-    what: str,
-    after_signal: Callable[[], None] = lambda: None,
+    repo: Path, log: Path, step: str, at_pause: Callable[[], None] = lambda: None
 ) -> Interrupted:
-    """`dvc repro` in its own process group; SIGINT to the whole group (as a terminal's
-    Ctrl-C) as soon as ``ready()``; wait until every process of the group is gone."""
+    """`dvc repro` in its own process group, its stages set to pause at ``step``; once the
+    stage has paused there, ``at_pause()`` and SIGINT to the whole group (as a terminal's
+    Ctrl-C); wait until every process of the group is gone."""
+    announce = log.with_suffix(".paused")
     proc = subprocess.Popen(
         ["dvc", "repro"],
         cwd=repo,
-        env=stage_env(),  # PYTHONUNBUFFERED: the stage's lines reach the log as printed
+        # PYTHONUNBUFFERED: the stage's lines reach the log as printed
+        env=pause_env(step, announce),
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 300
-        while not ready():
-            if proc.poll() is not None:
-                raise AssertionError(f"dvc repro ended before {what}:\n{log.read_text()[-3000:]}")
-            assert time.monotonic() < deadline, f"no {what} within 300 s"
-            time.sleep(0.005)
+        wait_paused(announce, proc, log.read_text)
+        at_pause()
         os.killpg(proc.pid, signal.SIGINT)
         t0 = time.monotonic()
-        after_signal()
         rc = proc.wait(timeout=60)
         while True:  # the stage may outlive dvc by a moment
             try:
@@ -285,12 +279,8 @@ def repro_interrupted(
             proc.wait()
         raise
     seconds = time.monotonic() - t0
-    print(f"\nSIGINT at {what}: dvc repro exited {rc}, all gone {seconds:.1f}s later")
+    print(f"\nSIGINT at {step}: dvc repro exited {rc}, all gone {seconds:.1f}s later")
     return Interrupted(rc, log.read_text(), seconds)
-
-
-def in_log(log: Path, text: str) -> Callable[[], bool]:
-    return lambda: log.is_file() and text in log.read_text()
 
 
 def ran(output: str) -> set[str]:
@@ -402,12 +392,17 @@ def test_ctrl_c_in_export(repo, tmp_path):
     set_params(repo, export={"opset": 19})  # a new ONNX file: export and evaluate rerun
     lock = lock_stages(repo)
 
-    # 1. While torch writes the ONNX file (atomic_file's temp beside models/model.onnx).
+    # 1. While the ONNX file is written (atomic_file's temp beside models/model.onnx).
     log = tmp_path / "export-write.log"
+    temps: list[Path] = []
     hit = repro_interrupted(
-        repo, log, lambda: any((repo / "models").glob(".model.onnx.*")), "the ONNX temp file"
+        repo,
+        log,
+        "export.onnx_written",
+        lambda: temps.extend((repo / "models").glob(".model.onnx.*")),
     )
     check_failed(hit, "export")
+    assert temps, "no ONNX temp file at the pause"
     assert whole_outputs(repo, EXPORT_OUTS) == set()  # DVC removed the old; none replaced them
     assert whole_outputs(repo, EVALUATE_OUTS) == set(EVALUATE_OUTS)  # not run: the old ones
     check_no_temp_files(repo)
@@ -418,9 +413,8 @@ def test_ctrl_c_in_export(repo, tmp_path):
 
     # 2. While the model is logged to the (reopened) train run.
     log = tmp_path / "export-mlflow.log"
-    hit = repro_interrupted(
-        repo, log, in_log(log, "[export] logging the ONNX model"), "MLflow logging"
-    )
+    hit = repro_interrupted(repo, log, "export.logging")
+    assert "[export] logging the ONNX model" in hit.log
     check_failed(hit, "export")
     # The model passed parity and is whole, with its checksum; export.json comes last.
     assert whole_outputs(repo, EXPORT_OUTS) == {"models/model.onnx", "models/model.onnx.sha256"}
@@ -447,9 +441,8 @@ def test_ctrl_c_in_evaluate(repo, tmp_path):
 
     # 1. While ONNX Runtime runs the test set.
     log = tmp_path / "evaluate-inference.log"
-    hit = repro_interrupted(
-        repo, log, in_log(log, "[evaluate] ONNX Runtime on"), "the test-set inference"
-    )
+    hit = repro_interrupted(repo, log, "evaluate.batch_scored")  # the first batch
+    assert "[evaluate] ONNX Runtime on" in hit.log
     check_failed(hit, "evaluate")
     assert whole_outputs(repo, EVALUATE_OUTS) == set()
     assert whole_outputs(repo, EXPORT_OUTS) == set(EXPORT_OUTS)
@@ -460,7 +453,8 @@ def test_ctrl_c_in_evaluate(repo, tmp_path):
 
     # 2. While its metrics and reports are logged to the (reopened) train run.
     log = tmp_path / "evaluate-mlflow.log"
-    hit = repro_interrupted(repo, log, in_log(log, "[evaluate] test accuracy"), "MLflow logging")
+    hit = repro_interrupted(repo, log, "evaluate.logging")
+    assert "[evaluate] test accuracy" in hit.log
     check_failed(hit, "evaluate")
     assert "[evaluate] registering" not in hit.log  # it stopped inside the logging
     assert whole_outputs(repo, EVALUATE_OUTS) == set(REPORTS)  # registry.json comes last
@@ -489,56 +483,27 @@ def test_ctrl_c_in_the_registry_step(repo, tmp_path):
     versions_before, aliases_before = registry_state(client_of(repo), MODEL)
     assert set(versions_before) == {1, 2}
     log = tmp_path / "registry.log"
-    db: list[sqlite3.Connection] = []
     seen: dict[str, Any] = {}
 
-    def half_registered() -> bool:
-        """Once evaluate says it registers: take the store's write lock and look. With v3
-        made but its alias not moved, keep the lock: the stage's next registry write waits
-        for it, so the SIGINT lands inside the registration, not after it."""
-        if not in_log(log, "[evaluate] registering")():
-            return False
-        if not db:
-            db.append(sqlite3.connect(repo / "mlflow.db", timeout=30, isolation_level=None))
-        con = db[0]
-        con.execute("BEGIN IMMEDIATE")
-        made = con.execute(
-            "SELECT count(*) FROM model_versions WHERE name = ? AND version = 3"
-            " AND current_stage != 'Deleted_Internal'",
-            (MODEL,),
-        ).fetchone()[0]
-        aliased = con.execute(
-            "SELECT alias FROM registered_model_aliases WHERE name = ? AND version = 3", (MODEL,)
-        ).fetchall()
-        if made and not aliased:
-            seen["tags"] = sorted(
-                k
-                for (k,) in con.execute(
-                    "SELECT key FROM model_version_tags WHERE name = ? AND version = 3", (MODEL,)
-                )
-            )
-            return True
-        con.execute("ROLLBACK")
-        assert not aliased, "the registration finished before the test could interrupt it"
-        return False
+    def half_registered() -> None:
+        """At the pause: v3 made with its tags, the decision about to move its alias."""
+        client = client_of(repo)
+        seen["tags"] = client.get_model_version(MODEL, "3").tags
+        seen["aliases"] = registry_state(client, MODEL)[1]
 
-    def release() -> None:
-        db[0].execute("ROLLBACK")
-        db[0].close()
-
-    hit = repro_interrupted(repo, log, half_registered, "v3 without its alias", release)
+    # Inside the registration's last group of writes: SIGINT waits for them (the registry
+    # defers it a few milliseconds), so the new version stands whole with its alias.
+    hit = repro_interrupted(repo, log, "registry.moving_alias", half_registered)
     check_failed(hit, "evaluate")
     assert "[export] parity ok" in hit.log  # export ran whole in this repro
-    assert SHA_TAG in seen["tags"]  # interrupted between the version and its alias
+    assert "[evaluate] registering" in hit.log
+    # interrupted between the version and its alias
+    assert SHA_TAG in seen["tags"] and 3 not in seen["aliases"].values()
 
-    # The registration was undone (v3 gone, aliases as before) or, if the alias had just
-    # moved, stands whole; never a version without its alias.
+    # Never a version without its alias: v3 stands whole, its alias moved.
     versions, aliases = registry_state(client_of(repo), MODEL)
     check_registry_consistent(versions, aliases)
-    if 3 in versions:
-        assert aliases[versions[3]["decision"]] == 3
-    else:
-        assert (versions, aliases) == (versions_before, aliases_before)
+    assert set(versions) == {1, 2, 3} and aliases[versions[3]["decision"]] == 3
     assert whole_outputs(repo, EVALUATE_OUTS) == set(REPORTS)  # no registry.json
     check_no_temp_files(repo)
     now = lock_stages(repo)
@@ -548,15 +513,13 @@ def test_ctrl_c_in_the_registry_step(repo, tmp_path):
     assert run.info.status == "FINISHED" and END_REASON_TAG not in run.data.tags
     check_nothing_running(repo)
 
-    # The next dvc repro registers it once (or finds it registered) and records it.
+    # The next dvc repro finds it registered (not a second version) and records it.
     out = check_rerun_finishes(repo, {"evaluate"})
     record = check_registry_json(repo)
-    stood = 3 in versions
-    assert (f"this model is already {MODEL} v3" in out) == stood
-    # MLflow never reuses a number: an undone v3 makes the rerun's v4.
-    assert record.version == (3 if stood else 4)
+    assert f"this model is already {MODEL} v3" in out
+    assert record.version == 3
     versions, aliases = registry_state(client_of(repo), MODEL)
-    assert set(versions) == {1, 2, record.version}
+    assert set(versions) == {1, 2, 3}
     assert aliases[CHAMPION] == (
         record.version if record.alias == CHAMPION else aliases_before[CHAMPION]
     )

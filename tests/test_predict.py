@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ from trainyard.bulk.listing import list_inputs, parse_shard, shard_range
 from trainyard.core.card import Card
 from trainyard.core.errors import DataError
 
-from conftest import REPO, make_photo_folder, stage_env, write_tiny_onnx
+from conftest import REPO, make_photo_folder, pause_env, stage_env, wait_paused, write_tiny_onnx
 
 CLASSES = ("circle", "square", "triangle")
 CARD = Card(
@@ -215,7 +214,8 @@ def many(tmp_path_factory) -> Path:
 
 def test_a_killed_run_continues_and_ends_with_the_same_file(model, many, tmp_path):
     """SIGKILL mid-run, then the same command: the same bytes as an uninterrupted run; a
-    Ctrl-C keeps the chunks too and says so."""
+    Ctrl-C keeps the chunks too and says so. Each signal lands once the run has written
+    its third chunk (announced at the pause point ``predict.chunk_written``)."""
     common = ["--model", str(model), "--chunk-rows", "20", "--workers", "1", "--batch-size", "4"]
     whole = run_cli(str(many), "--out", str(tmp_path / "whole.parquet"), *common)
     assert whole.returncode == 0, whole.stderr
@@ -223,25 +223,23 @@ def test_a_killed_run_continues_and_ends_with_the_same_file(model, many, tmp_pat
     out = tmp_path / "killed.parquet"
     parts = tmp_path / ".killed.parquet.parts"
     for sig in (signal.SIGKILL, signal.SIGINT):
-        before = len(list(parts.glob("chunk-*.parquet")))
+        announce = tmp_path / f"{sig.name}.paused"
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainyard.bulk", str(many), "--out", str(out), *common],
-            env=stage_env(),
+            env=pause_env("predict.chunk_written:3", announce),
             stderr=subprocess.PIPE,
             text=True,
         )
-        deadline = time.monotonic() + 120
-        while len(list(parts.glob("chunk-*.parquet"))) < before + 3:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.01)
+        wait_paused(announce, proc, lambda p=proc: p.communicate()[1])
         os.kill(proc.pid, sig)
         _, err = proc.communicate(timeout=60)
         assert not out.exists()
         if sig == signal.SIGINT:
             assert proc.returncode == 130, err
+            assert "continuing an interrupted run: 3 of 30 chunk(s)" in err
             assert "rerun the same command to continue" in err
     kept = len(list(parts.glob("chunk-*.parquet")))
-    assert 0 < kept < 30
+    assert kept == 6  # three chunks from each interrupted run
     rerun = run_cli(str(many), "--out", str(out), *common)
     assert rerun.returncode == 0, rerun.stderr
     assert f"continuing an interrupted run: {kept} of 30 chunk(s)" in rerun.stderr
@@ -357,22 +355,21 @@ def test_a_worker_that_dies_is_an_error_that_says_how_to_continue(model, many, t
     exit 1, the chunks kept; the rerun continues."""
     out = tmp_path / "w.parquet"
     args = [str(many), "--out", str(out), "--model", str(model), "--chunk-rows", "20"]
+    announce = tmp_path / "w.paused"
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainyard.bulk", *args, "--workers", "1"],
-        env=stage_env(),
+        env=pause_env("predict.chunk_written:2", announce),
         stderr=subprocess.PIPE,
         text=True,
     )
-    parts = tmp_path / ".w.parquet.parts"
-    deadline = time.monotonic() + 120
-    while len(list(parts.glob("chunk-*.parquet"))) < 2:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
+    # Paused once its second chunk is written, its workers busy with the next ones.
+    wait_paused(announce, proc, lambda: proc.communicate()[1])
     servers = children_of(proc.pid)  # the forkserver (and resource tracker)
     workers = [pid for server in servers for pid in children_of(server)]
     assert workers, "no decode worker found"
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
+    announce.unlink()  # the run goes on, and finds its workers gone
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, err
     assert "a decode worker died" in err and "rerun the same command to continue" in err

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from trainyard.core.pause_points import PAUSE_AT, PAUSE_FILE
 from trainyard.track.registry import (
     ACCURACY_TAG,
     CHALLENGER,
@@ -117,7 +118,7 @@ def test_a_version_killed_between_its_alias_and_decision_tag_is_finished(mlflow_
     assert (result["alias"], result["previous_champion"]) == (CHAMPION, 1)
 
 
-def test_ctrl_c_while_waiting_for_the_turn_leaves_nothing(mlflow_db):
+def test_ctrl_c_while_waiting_for_the_turn_leaves_nothing(mlflow_db, monkeypatch, tmp_path):
     import mlflow
 
     client = mlflow.MlflowClient(mlflow_db[0])
@@ -125,15 +126,19 @@ def test_ctrl_c_while_waiting_for_the_turn_leaves_nothing(mlflow_db):
     run_id, uri = logged_model(mlflow_db)
     name = f"m-{run_id}"
     left_pending(name, other_run, other_uri, 0.9)  # a teammate that takes its time
+    # The registration pauses in its wait (registered, its turn not come): the Ctrl-C lands
+    # there however fast or slow this machine is.
+    announce = tmp_path / "waiting.paused"
+    monkeypatch.setenv(PAUSE_AT, "registry.waiting")
+    monkeypatch.setenv(PAUSE_FILE, str(announce))
 
     def ctrl_c_once_waiting() -> None:  # a real SIGINT, as a terminal's Ctrl-C sends
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if len(client.search_model_versions(f"tags.run_id = '{run_id}'")) == 1:
-                time.sleep(0.5)  # registered; now in its wait
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.05)
+        deadline = time.monotonic() + 120
+        while not announce.exists():
+            if time.monotonic() > deadline:
+                return  # no SIGINT: the pytest.raises below fails, saying so
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
 
     thread = threading.Thread(target=ctrl_c_once_waiting)
     thread.start()

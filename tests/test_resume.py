@@ -30,7 +30,7 @@ from trainyard.training.resume import (
     resume_key,
 )
 
-from conftest import dvc, set_params, small_pipeline_repo, stage_env
+from conftest import dvc, pause_env, set_params, small_pipeline_repo, stage_env, wait_paused
 
 # ---------------------------------------------------------------- the decision (fast)
 
@@ -207,24 +207,23 @@ def history(client, run_id: str, key: str) -> dict[int, float]:
 
 
 def start_repro(repo: Path, log: Path) -> subprocess.Popen:
+    """`dvc repro train`, its train stage set to pause once it has written its first
+    last.ckpt (announced in ``log`` with the suffix .paused)."""
     return subprocess.Popen(
         ["dvc", "repro", "train"],
         cwd=repo,
-        env=stage_env(),
+        env=pause_env(f"train.checkpoint_saved.{LAST_CKPT}", log.with_suffix(".paused")),
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: dvc and the train stage
     )
 
 
-def kill_after_first_checkpoint(repo: Path, proc: subprocess.Popen, sig: int) -> str:
-    """Wait for the resume folder's first last.ckpt, send ``sig`` to the whole group,
-    wait until every process of it is gone; the run id from state.json."""
-    deadline = time.monotonic() + 300
-    while not list((repo / RESUME_ROOT).glob(f"*/{LAST_CKPT}")):
-        assert proc.poll() is None, "dvc repro ended before the first checkpoint"
-        assert time.monotonic() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.05)
+def kill_after_first_checkpoint(repo: Path, proc: subprocess.Popen, log: Path, sig: int) -> str:
+    """Wait for the train stage's pause after its first last.ckpt, send ``sig`` to the
+    whole group there, wait until every process of it is gone; the run id from
+    state.json."""
+    wait_paused(log.with_suffix(".paused"), proc, log.read_text)
     (ckpt,) = (repo / RESUME_ROOT).glob(f"*/{LAST_CKPT}")
     os.killpg(proc.pid, sig)
     proc.wait(timeout=120)
@@ -260,8 +259,9 @@ def check_resumed(repo: Path, run_id: str, rerun: subprocess.CompletedProcess) -
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigkill_in_train_then_rerun_resumes_the_same_run(repo, tmp_path):
-    proc = start_repro(repo, tmp_path / "killed.log")
-    run_id = kill_after_first_checkpoint(repo, proc, signal.SIGKILL)
+    log = tmp_path / "killed.log"
+    proc = start_repro(repo, log)
+    run_id = kill_after_first_checkpoint(repo, proc, log, signal.SIGKILL)
     client = client_of(repo)
     assert client.get_run(run_id).info.status == "RUNNING"  # what SIGKILL leaves
     t0 = time.perf_counter()
@@ -288,7 +288,7 @@ def test_sigterm_in_train_marks_killed_then_rerun_resumes(repo, tmp_path):
     set_params(repo, train={"lr": 0.002})  # new params: a fresh run first
     log = tmp_path / "terminated.log"
     proc = start_repro(repo, log)
-    run_id = kill_after_first_checkpoint(repo, proc, signal.SIGTERM)
+    run_id = kill_after_first_checkpoint(repo, proc, log, signal.SIGTERM)
     assert "[train] WARNING interrupted by SIGTERM; the next `dvc repro` resumes it" in (
         log.read_text()
     )

@@ -23,7 +23,14 @@ import pytest
 from trainyard.core.handoffs import TRAIN_RECORD, TrainRecord
 from trainyard.track.outage import unreachable
 
-from conftest import VENV_BIN, dvc, set_params, small_pipeline_repo, stage_env
+from conftest import (
+    VENV_BIN,
+    dvc,
+    pause_env,
+    set_params,
+    small_pipeline_repo,
+    wait_paused,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +145,8 @@ class Training:
     """The train stage as a process, its stderr read line by line as it comes."""
 
     def __init__(self, repo: Path, **env: str) -> None:
+        # It pauses once epoch 1 is checkpointed: the server is killed mid-fit on any machine.
+        self.paused = repo.parent / "epoch-1.paused"
         self.proc = subprocess.Popen(
             [
                 "python",
@@ -149,7 +158,7 @@ class Training:
                 "models",
             ],
             cwd=repo,
-            env=stage_env(**env),
+            env=pause_env("train.checkpoint_saved.last.ckpt", self.paused, **env),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -164,6 +173,14 @@ class Training:
             self.lines.append(line.rstrip("\n"))
             self._new.put(line)
         self._new.put(None)
+
+    def server_killed_after_epoch_1(self, server: Server) -> float:
+        """Kill ``server`` while the fit is paused after epoch 1, then let the fit go on;
+        the time it was killed."""
+        wait_paused(self.paused, self.proc, lambda: "\n".join(self.lines))
+        gone = server.kill()
+        self.paused.unlink()
+        return gone
 
     def wait_for(self, text: str, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
@@ -197,9 +214,9 @@ def test_server_back_during_the_fit_loses_nothing(repo, server):
     from mlflow.tracking import MlflowClient
 
     train = Training(repo, MLFLOW_TRACKING_URI=server.uri, TRAINYARD_TRACKING_WAIT_S="120")
-    train.wait_for("epoch 1/3 train/loss")
-    gone = server.kill()
-    time.sleep(2)
+    gone = train.server_killed_after_epoch_1(server)
+    train.wait_for("not reachable since epoch")
+    time.sleep(2)  # away a while: the system metrics (one a second) keep theirs
     back = server.start()
     rc = train.finish()
     log = "\n".join(train.lines)
@@ -236,8 +253,7 @@ def test_server_still_away_fails_at_the_end_and_the_rerun_completes(repo, server
 
     record_before = (repo / TRAIN_RECORD).read_text()  # the copy's committed one
     train = Training(repo, MLFLOW_TRACKING_URI=server.uri, TRAINYARD_TRACKING_WAIT_S="3")
-    train.wait_for("epoch 1/3 train/loss")
-    server.kill()
+    train.server_killed_after_epoch_1(server)
     train.wait_for("epoch 3/3 train/loss")  # the fit went on to its end
     ended = time.monotonic()
     rc = train.finish()

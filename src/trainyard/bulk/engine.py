@@ -29,6 +29,7 @@ from trainyard.bulk.table import ChunkStore, chunk_table, read_tables, summary_p
 from trainyard.core.errors import DataError
 from trainyard.core.io import atomic_write_json
 from trainyard.core.nvml_sampler import UNDERFED_PCT, NvmlSampler, unavailable
+from trainyard.core.pause_points import pause_point
 from trainyard.core.progress import Progress
 from trainyard.runtime.inputs import model_input, softmax
 from trainyard.runtime.sessions import CUDA, OnnxModel, load_onnx
@@ -278,6 +279,7 @@ def run(job: Job, progress_stream: Any = None) -> dict[str, Any]:
                             "command to continue"
                         ) from None
                     store.write(c, table)
+                    pause_point("predict.chunk_written")
                     bar.update(hi - lo)
     finally:
         if pool is not None:

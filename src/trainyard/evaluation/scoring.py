@@ -33,6 +33,7 @@ from torchmetrics.functional.classification import (
 from trainyard.core.card import card_from_metadata, normalize_pixels
 from trainyard.core.errors import DataError, ModelError
 from trainyard.core.io import atomic_write_bytes, atomic_write_text
+from trainyard.core.pause_points import pause_point
 from trainyard.evaluation.pictures import (
     confusion_png,
     learning_curves_png,
@@ -165,6 +166,7 @@ def _predict(
                 logits, embedding = model.run_with_embedding(x)
             else:
                 logits = model.run(x)
+            pause_point("evaluate.batch_scored")
             if embedding is not None:
                 lo, hi = np.searchsorted(embedding_rows, [start, start + x.shape[0]])
                 kept.append(np.asarray(embedding[embedding_rows[lo:hi] - start], np.float32))

@@ -23,6 +23,7 @@ from trainyard import __version__
 from trainyard.core.card import METADATA_KEY, card_from_metadata, normalize_pixels
 from trainyard.core.errors import ExportError
 from trainyard.core.io import atomic_file, atomic_write_text, sha256_file
+from trainyard.core.pause_points import pause_point
 from trainyard.model import networks
 from trainyard.model.classifier import Classifier
 from trainyard.runtime.sessions import EMBEDDING_OUTPUT, LOGITS_OUTPUT, OnnxModel, load_onnx
@@ -115,6 +116,7 @@ def export_onnx(
             "classes); its dataset card is in metadata_props['dataset_card']"
         )
         onnx.save(proto, str(tmp))
+        pause_point("export.onnx_written")  # the temp file whole, not yet renamed
 
 
 def model_metadata(model: Any, ckpt_sha256: str, run_id: str, data_sha256: str) -> dict[str, str]:

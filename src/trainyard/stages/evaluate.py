@@ -11,6 +11,7 @@ import numpy as np
 from trainyard.core.config import Params
 from trainyard.core.handoffs import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.core.io import atomic_write_json, sha256_file
+from trainyard.core.pause_points import pause_point
 from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.runner import stage_main
 from trainyard.track.continued_runs import log_to_open_run, logging_into, open_run
@@ -146,6 +147,7 @@ def log_evaluation(
             m["provider"],
             run_id,
         )
+        pause_point("evaluate.logging")
         log_to_open_run(metrics={"test/accuracy": m["accuracy"], "test/macro_f1": m["macro_f1"]})
         # Class names may hold '/', spaces or any letter: keys are index + a safe spelling.
         classes = result["classes"]

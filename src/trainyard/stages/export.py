@@ -14,6 +14,7 @@ from typing import Any
 
 from trainyard.core.config import Params
 from trainyard.core.handoffs import EXPORT_RECORD, ExportRecord, Int8Export, TrainRecord
+from trainyard.core.pause_points import pause_point
 from trainyard.export.onnx_export import export_and_verify, normalized_example
 from trainyard.export.quantize import calibration_sample, export_int8, remove_int8
 from trainyard.stages.runner import stage_main
@@ -66,6 +67,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
     with logging_into(run_id, "export"):
         # Logging the model takes seconds: say so, and where it goes.
         log.info("logging the ONNX model to MLflow run %s", run_id)
+        pause_point("export.logging")
         log_to_open_run(
             metrics={
                 "export/max_abs_diff": report["max_abs_diff"],

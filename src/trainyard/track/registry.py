@@ -56,6 +56,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 
 from trainyard.core.errors import TrackingError
+from trainyard.core.pause_points import pause_point
 from trainyard.runtime.sessions import load_onnx
 from trainyard.track.interrupts import release_interrupted_store, signals_deferred
 from trainyard.track.versions import (
@@ -285,6 +286,7 @@ def _wait_for_turn(client: Any, name: str, mine: Any, stale_after_s: float) -> l
                 listed = ", ".join(f"v{v.version}" for v in below)
                 log.info("%s v%s waits for %s to decide first", name, mine.version, listed)
                 said = True
+            pause_point("registry.waiting")
             time.sleep(POLL_S * random.uniform(0.5, 1.5))  # jitter: waiters do not march
 
 
@@ -332,6 +334,7 @@ def move_alias(client: Any, name: str, alias: str, version: Any) -> None:
     """Point ``alias`` at ``version``. Two first writes of one alias at once (a sweep's
     `challenger`, which takes no turn, and another's) clash in the server's insert (an
     IntegrityError, seen with four registrations at once); written again, it is a move."""
+    pause_point("registry.moving_alias")
     for attempt in range(3):
         try:
             client.set_registered_model_alias(name, alias, version)

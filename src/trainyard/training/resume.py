@@ -38,6 +38,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json, sha256_file
+from trainyard.core.pause_points import pause_point
 from trainyard.track.interrupts import signals_handled
 from trainyard.track.train_run import end_interrupted_run, run_status
 from trainyard.training.builder import RESUME_ROOT
@@ -116,6 +117,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
+            pause_point(f"train.checkpoint_saved.{path.name}")  # e.g. .last.ckpt
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
