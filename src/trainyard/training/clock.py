@@ -11,22 +11,13 @@ batch before any other callback's ``on_train_batch_end`` reads it.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
 
-
-class StepSplit(Protocol):
-    """What the clock marks for perf.StepClock (the input-bound meter's split)."""
-
-    def epoch_start(self, batches: Any) -> None: ...
-
-    def step_start(self) -> None: ...
-
-    def step_end(self) -> None: ...
-
-    def restart_wait(self) -> None: ...
+if TYPE_CHECKING:
+    from trainyard.training.perf import StepClock
 
 
 def batch_len(batch: Any) -> int:
@@ -47,7 +38,7 @@ class BatchClock(L.Callback):
     Readings are ``time.perf_counter()``; nothing here waits for a GPU."""
 
     def __init__(self) -> None:
-        self.split: StepSplit | None = None  # perf's step split, while a meter asks for it
+        self.split: StepClock | None = None  # perf's step split, while a meter asks for it
         self._start()
 
     @classmethod
@@ -81,14 +72,9 @@ class BatchClock(L.Callback):
         if self.split is not None:
             self.split.step_start()
 
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, *step: Any) -> None:
+        # Lightning passes (pl_module, outputs, batch, batch_idx) after the trainer.
+        batch = step[2]
         if self.split is not None:
             self.split.step_end()
         self.steps += 1
