@@ -119,8 +119,8 @@ def default_plan_benchmark(
         precision = "bf16-mixed" if gpu and torch.cuda.is_bf16_supported() else "32-true"
         name = torch.cuda.get_device_name(0) if gpu else "cpu"
         params = repo_params()
-        gpu_plan = plan(params, card, prepared, "gpu" if gpu else "cpu", precision, name)
-        cpu_plan = plan(params, card, prepared, "cpu", "32-true", "cpu")
+        gpu_plan = plan(params.train, card, prepared, "gpu" if gpu else "cpu", precision, name)
+        cpu_plan = plan(params.train, card, prepared, "cpu", "32-true", "cpu")
     for line in describe(gpu_plan):
         log(f"bench: {device} plan: {line}")
     tp = gpu_plan.train

@@ -145,7 +145,7 @@ def test_pretrained_auto_is_the_default_and_sizes_prepare_for_it() -> None:
 
 def test_the_recipe_takes_the_packaged_weights_for_images_of_some_size(tmp_path: Path) -> None:
     card = _prepared(tmp_path / "d", 32, side=300)
-    p = plan(parse_params({}), card, tmp_path / "d", "cpu", "32-true")
+    p = plan(parse_params({}).train, card, tmp_path / "d", "cpu", "32-true")
     by = {c.key: c for c in p.choices}
     assert by["pretrained"].value == "imagenet" and by["pretrained"].by == "recipe"
     assert "EfficientNet-Lite0" in by["pretrained"].reason and "300 px" in by["pretrained"].reason
@@ -154,19 +154,25 @@ def test_the_recipe_takes_the_packaged_weights_for_images_of_some_size(tmp_path:
     assert p.train.batch_size <= recipe.FINETUNE_MAX_BATCH
     assert "front frozen" in by["max_epochs"].reason and "nominal" in by["max_epochs"].reason
     assert recipe.describe(p)[0].startswith("recipe auto (fine-tune)")
-    gpu = plan(parse_params({}), card, tmp_path / "d", "gpu", "bf16-mixed", "GPU", lambda b: b)
+    gpu = plan(
+        parse_params({}).train, card, tmp_path / "d", "gpu", "bf16-mixed", "GPU", lambda b: b
+    )
     assert gpu.finetune and gpu.frozen_stages == 0  # a GPU fine-tunes the whole network
 
 
 def test_small_scans_and_scratch_archs_train_from_scratch(tmp_path: Path) -> None:
     card = _prepared(tmp_path / "d", 32, side=8)
-    p = plan(parse_params({}), card, tmp_path / "d", "cpu", "32-true")
+    p = plan(parse_params({}).train, card, tmp_path / "d", "cpu", "32-true")
     by = {c.key: c for c in p.choices}
     assert by["pretrained"].value is None and "8 px images" in by["pretrained"].reason
     assert p.train.arch == "cnn" and not p.finetune and p.frozen_stages == 0
-    cnn = plan(parse_params({"train": {"arch": "cnn"}}), card, tmp_path / "d", "cpu", "32-true")
+    cnn = plan(
+        parse_params({"train": {"arch": "cnn"}}).train, card, tmp_path / "d", "cpu", "32-true"
+    )
     assert {c.key: c for c in cnn.choices}["pretrained"].value is None
-    null = plan(parse_params({"train": {"pretrained": None}}), card, tmp_path / "d", "cpu", "32")
+    null = plan(
+        parse_params({"train": {"pretrained": None}}).train, card, tmp_path / "d", "cpu", "32"
+    )
     assert {c.key: c for c in null.choices}["pretrained"].by == "params"
 
 
@@ -175,14 +181,16 @@ def test_no_weights_reachable_is_one_line_and_the_scratch_plan(
 ) -> None:
     card = _prepared(tmp_path / "d", 32, side=200)
     monkeypatch.setattr(recipe, "packaged_file", lambda arch: (None, "not installed"))
-    p = plan(parse_params({}), card, tmp_path / "d", "cpu", "32-true")
+    p = plan(parse_params({}).train, card, tmp_path / "d", "cpu", "32-true")
     reason = {c.key: c for c in p.choices}["pretrained"].reason
     assert "no ImageNet weights reachable (not installed): from scratch" in reason
     assert p.train.arch == "cnn" and not p.finetune
     # a torchvision arch offline: its download fails fast, and the fit starts from scratch
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
     monkeypatch.setattr(recipe, "torchvision_weights", lambda arch: (None, "URLError: no network"))
-    tv = plan(parse_params({"train": {"arch": "resnet18"}}), card, tmp_path / "d", "cpu", "32")
+    tv = plan(
+        parse_params({"train": {"arch": "resnet18"}}).train, card, tmp_path / "d", "cpu", "32"
+    )
     assert "no ImageNet weights reachable for resnet18" in tv.choices[0].reason
     assert tv.train.pretrained is None and not tv.finetune
 

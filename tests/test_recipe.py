@@ -109,14 +109,14 @@ def test_flips_off_for_mirror_classes_on_for_symmetric_ones(tmp_path: Path) -> N
     x, y = _arrows(400)
     xv, yv = _arrows(100, seed=1)
     card = _prepared(tmp_path / "arrows", x, y, xv, yv)
-    p = plan(_params(max_epochs=2), card, tmp_path / "arrows", "cpu", "32-true")
+    p = plan(_params(max_epochs=2).train, card, tmp_path / "arrows", "cpu", "32-true")
     aug = {c.key: c for c in p.choices}["augment"]
     assert aug.value == "shift" and aug.by == "recipe" and "no flips" in aug.reason
 
     x, y = _rings(400)
     xv, yv = _rings(100, seed=1)
     card = _prepared(tmp_path / "rings", x, y, xv, yv)
-    p = plan(_params(max_epochs=2), card, tmp_path / "rings", "cpu", "32-true")
+    p = plan(_params(max_epochs=2).train, card, tmp_path / "rings", "cpu", "32-true")
     aug = {c.key: c for c in p.choices}["augment"]
     assert aug.value == "flip" and "horizontal flips" in aug.reason
 
@@ -124,7 +124,7 @@ def test_flips_off_for_mirror_classes_on_for_symmetric_ones(tmp_path: Path) -> N
 def test_every_auto_key_is_chosen_with_a_reason_and_the_users_keys_win(tmp_path: Path) -> None:
     x, y = _rings(300)
     card = _prepared(tmp_path / "d", x, y, *_rings(60, seed=1))
-    p = plan(_params(time_budget_min=0.05), card, tmp_path / "d", "cpu", "32-true")
+    p = plan(_params(time_budget_min=0.05).train, card, tmp_path / "d", "cpu", "32-true")
     by = {c.key: c for c in p.choices}
     assert set(by) == set(recipe.KEYS)
     assert all(c.by == "recipe" and c.reason for c in p.choices)
@@ -134,7 +134,7 @@ def test_every_auto_key_is_chosen_with_a_reason_and_the_users_keys_win(tmp_path:
     assert all(getattr(p.train, k) != "auto" for k in recipe.KEYS)
 
     mine = plan(
-        _params(batch_size=64, max_epochs=7, augment="none", lr=0.01, arch="resnet"),
+        _params(batch_size=64, max_epochs=7, augment="none", lr=0.01, arch="resnet").train,
         card,
         tmp_path / "d",
         "cpu",
@@ -152,7 +152,7 @@ def test_every_auto_key_is_chosen_with_a_reason_and_the_users_keys_win(tmp_path:
 def test_classic_recipe_is_the_old_fixed_defaults(tmp_path: Path) -> None:
     x, y = _rings(200)
     card = _prepared(tmp_path / "d", x, y, *_rings(40, seed=1))
-    p = plan(_params(recipe="classic"), card, tmp_path / "d", "cpu", "32-true")
+    p = plan(_params(recipe="classic").train, card, tmp_path / "d", "cpu", "32-true")
     assert {k: getattr(p.train, k) for k in CLASSIC} == CLASSIC
     assert all(c.by == "classic" for c in p.choices)
 
@@ -161,13 +161,13 @@ def test_plan_is_saved_and_reloaded_for_a_resumed_run(tmp_path: Path) -> None:
     x, y = _rings(200)
     card = _prepared(tmp_path / "d", x, y, *_rings(40, seed=1))
     params = _params(time_budget_min=0.05)
-    p = plan(params, card, tmp_path / "d", "cpu", "32-true")
+    p = plan(params.train, card, tmp_path / "d", "cpu", "32-true")
     p.save(tmp_path / "recipe.json")
-    again = load_plan(tmp_path / "recipe.json", params)
+    again = load_plan(tmp_path / "recipe.json", params.train)
     assert again is not None and again.train == p.train and again.choices == p.choices
     (tmp_path / "bad.json").write_text("{not json")
-    assert load_plan(tmp_path / "bad.json", params) is None
-    assert load_plan(tmp_path / "missing.json", params) is None
+    assert load_plan(tmp_path / "bad.json", params.train) is None
+    assert load_plan(tmp_path / "missing.json", params.train) is None
 
 
 def test_pretrained_weights_make_a_finetune_of_resnet18(tmp_path: Path) -> None:
@@ -185,7 +185,9 @@ def test_pretrained_weights_make_a_finetune_of_resnet18(tmp_path: Path) -> None:
     torch.save(torchvision.models.resnet18().state_dict(), weights)
     x, y = _rings(64, size=32)
     card = _prepared(tmp_path / "d", x, y, *_rings(32, size=32, seed=1))
-    p = plan(_params(pretrained=str(weights), max_epochs=2), card, tmp_path / "d", "cpu", "32-true")
+    p = plan(
+        _params(pretrained=str(weights), max_epochs=2).train, card, tmp_path / "d", "cpu", "32-true"
+    )
     by = {c.key: c for c in p.choices}
     assert p.finetune and p.train.arch == "resnet18" and str(weights) in by["arch"].reason
     assert p.train.lr == recipe.LR["finetune"] and p.train.pretrained == str(weights)
@@ -228,11 +230,11 @@ def test_the_fixed_plan_is_the_same_on_a_busy_machine(tmp_path: Path) -> None:
     x, y = _rings(600)
     card = _prepared(tmp_path / "d", x, y, *_rings(100, seed=1))
     params = _params(time_budget_min=0.5)
-    quiet = plan(params, card, tmp_path / "d", "cpu", "32-true")
+    quiet = plan(params.train, card, tmp_path / "d", "cpu", "32-true")
     hogs = _hog(60)
     try:
         time.sleep(0.5)  # the hogs are running before the plan starts
-        busy = plan(params, card, tmp_path / "d", "cpu", "32-true")
+        busy = plan(params.train, card, tmp_path / "d", "cpu", "32-true")
     finally:
         for h in hogs:
             h.kill()
@@ -300,7 +302,7 @@ def test_a_gpu_plan_fills_the_gpu_and_scales_the_lr(tmp_path: Path) -> None:
         calls.append(batch)
         return 300_000 * min(batch, 1024) / 1024
 
-    p = plan(_params(), card, tmp_path / "d", "gpu", "bf16-mixed", "NVIDIA H200", measure)
+    p = plan(_params().train, card, tmp_path / "d", "gpu", "bf16-mixed", "NVIDIA H200", measure)
     by = {c.key: c for c in p.choices}
     assert calls == [256, 512, 1024, 2048] and p.train.batch_size == 1024
     assert "the GPU's throughput" in by["batch_size"].reason
@@ -312,7 +314,7 @@ def test_a_gpu_plan_fills_the_gpu_and_scales_the_lr(tmp_path: Path) -> None:
         Facts(1, 1, 2, 1, 8, 8, "gpu", "bf16-mixed", "NVIDIA H200"), 3600.0
     )
     assert long_run is True and "pays" in why
-    cpu = plan(_params(), card, tmp_path / "d", "cpu", "32-true")
+    cpu = plan(_params().train, card, tmp_path / "d", "cpu", "32-true")
     assert cpu.train.compile is False and cpu.train.batch_size == 256  # the CPU rule, unchanged
     assert cpu.train.lr == recipe.LR["cnn"]
 
@@ -380,7 +382,13 @@ def test_the_doctors_forecast_is_the_batch_the_plan_takes(tmp_path: Path) -> Non
         facts = Facts(20_000, 500, 2, 1, 16, 16, accelerator, "bf16-mixed", device)
         batch, by, why = recipe.forecast_batch(_params().train, facts, measure)
         p = plan(
-            _params(max_epochs=2), card, tmp_path / "d", accelerator, "bf16-mixed", device, measure
+            _params(max_epochs=2).train,
+            card,
+            tmp_path / "d",
+            accelerator,
+            "bf16-mixed",
+            device,
+            measure,
         )
         assert (batch, by) == (p.train.batch_size, "recipe")
         assert why.endswith({c.key: c for c in p.choices}["batch_size"].reason)

@@ -17,6 +17,7 @@ import torch
 from trainyard.core.config import parse_params
 from trainyard.core.handoffs import TRAIN_RECORD, TrainRecord
 from trainyard.track.continued_runs import END_REASON_TAG
+from trainyard.training.job import TrainJob
 from trainyard.training.resume import (
     KEY_CODE,
     LAST_CKPT,
@@ -35,8 +36,11 @@ from conftest import dvc, pause_env, set_params, small_pipeline_repo, stage_env,
 # ---------------------------------------------------------------- the decision (fast)
 
 
-def key_of(data: str = "d" * 64, uri: str = "sqlite:///x.db", out: str = "models", **train):
-    return resume_key(parse_params({"train": train}), data, uri, out)
+def key_of(
+    data: str = "d" * 64, uri: str = "sqlite:///x.db", out: str = "models", seed: int = 42, **train
+):
+    job = TrainJob.from_params(parse_params({"seed": seed, "train": train}))
+    return resume_key(job, data, uri, out)
 
 
 def test_key_follows_what_defines_the_training():
@@ -47,7 +51,7 @@ def test_key_follows_what_defines_the_training():
     assert key_of(data="e" * 64) != base  # new data
     assert key_of(uri="sqlite:///other.db") != base  # another MLflow store
     assert key_of(out="elsewhere") != base
-    assert resume_key(parse_params({"seed": 1}), "d" * 64, "sqlite:///x.db", "models") != base
+    assert key_of(seed=1) != base
     # knobs that do not change what is learned
     assert key_of(resume="never") == base
     assert key_of(checkpoint_every_min=1) == base

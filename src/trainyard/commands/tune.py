@@ -1,6 +1,6 @@
 """``trainyard tune``: an Optuna search over params.yaml's ``tune.space``.
 
-Each trial is one real training (trainyard.training.fit.fit_and_track) on the base params
+Each trial is one real training (trainyard.training.fit.train) on the base params
 (params.yaml and the command's ``-S``) with the space's keys sampled by TPE, pruned on
 ``val/acc`` by the median pruner, and recorded as a child MLflow run of the study's run. The
 study lives in an Optuna RDB storage: running the command again continues it up to

@@ -36,7 +36,8 @@ from trainyard.stages import fetch as fetch_stage
 from trainyard.stages import prepare as prepare_stage
 from trainyard.track.store import check_tracking_uri, ensure_experiment, resolve_tracking_uri
 from trainyard.track.study_runs import StudyRuns
-from trainyard.training.fit import RunExtras, fit_and_track
+from trainyard.training.fit import train
+from trainyard.training.job import RunExtras, TrainJob, Workspace
 from trainyard.training.resume import ResumeCallback
 
 log = logging.getLogger("trainyard.experiments.tune")
@@ -288,9 +289,8 @@ class Tuner:
             tags=self.runs.trial_tags(name, trial.number),
             callbacks=(callback, st.pruning_callback(trial)),
         )
-        record = fit_and_track(
-            params, self.data_dir(params), out, self.setup.root, params_file, extras
-        )
+        ws = Workspace.at(self.data_dir(params), out, self.setup.root, params_file)
+        record = train(TrainJob.from_params(params), ws, extras)
         assert record is not None  # one device: this process is rank 0
         return record
 

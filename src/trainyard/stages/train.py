@@ -4,7 +4,8 @@ import argparse
 
 from trainyard.core.config import Params
 from trainyard.stages.runner import stage_main
-from trainyard.training.fit import fit_and_track
+from trainyard.training.fit import train
+from trainyard.training.job import TrainJob, Workspace
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -14,8 +15,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
-    """Fit and track the model (training.fit.fit_and_track)."""
-    fit_and_track(params, args.data, args.out, params_file=args.params)
+    """Fit and track the model (training.fit.train), params read once into the job."""
+    job = TrainJob.from_params(params)
+    train(job, Workspace.at(args.data, args.out, params_file=args.params))
 
 
 if __name__ == "__main__":

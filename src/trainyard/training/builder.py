@@ -16,6 +16,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint, Timer
 from lightning_utilities.core import rank_zero
 
+from trainyard.training.clock import BatchClock
 from trainyard.training.fit_log import ProgressLog
 
 if TYPE_CHECKING:
@@ -134,6 +135,8 @@ def build_trainer(
       the main address from torchrun, SLURM or MASTER_ADDR/NODE_RANK (train.nodes).
     - ``use_distributed_sampler=False``: trainyard's data paths shard by rank themselves
       (``datamodule.epoch_order``); Lightning's DistributedSampler would shard them twice.
+    - The fit's one per-batch clock (``clock.BatchClock``), first among the callbacks:
+      what the epoch and progress lines, the history and the input-bound meter read.
     - Checkpointing is on exactly when a ``ModelCheckpoint`` is among ``callbacks`` (Lightning
       refuses one with ``enable_checkpointing=False``, and adds its own default otherwise).
     - ``verbose``: for the pipeline's own run, the model's size in one line (Lightning's
@@ -144,6 +147,9 @@ def build_trainer(
     """
     quiet_lightning()
     callbacks = list(callbacks)
+    if not any(isinstance(c, BatchClock) for c in callbacks):
+        # first: a batch is counted before any other callback reads the clock
+        callbacks.insert(0, BatchClock())
     bar = False
     if verbose:
         bar = _stderr_is_terminal()

@@ -4,6 +4,8 @@ so `trainyard doctor` asks the very same function in about two seconds instead o
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +15,24 @@ from trainyard.core.host import cpu_has_bf16
 
 if TYPE_CHECKING:
     from trainyard.core.config import TrainParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Where and how the fit runs: Lightning's accelerator, the precision, the torch device."""
+
+    accelerator: str
+    precision: str
+    device: str
+
+
+def resolve_hardware(train: TrainParams) -> Hardware:
+    """The accelerator, precision and device ``train.*`` come to on this machine, said once."""
+    accelerator, precision, device = resolve_device(train)
+    log.info("training on %s (accelerator=%s, precision=%s)", device, accelerator, precision)
+    return Hardware(accelerator, precision, device)
 
 
 def resolve_device(train: TrainParams) -> tuple[str, str, str]:

@@ -1,13 +1,16 @@
-"""Train stage: Lightning fit with checkpoints, early stopping, seeds and MLflow tracking."""
+"""The fit, as a recipe card: hardware, the ranks' agreement and the plan, the data and the
+model, the MLflow run around the fit, the trainer, fit, the outputs (``train``).
+
+What wraps the plain fit lives beside it: the ranks' agreement (``nodes.agree``), the MLflow
+run's life with resume and a fit that finished while the server was away
+(``tracked_run.tracked_run``), signals and system metrics (``TrackedRun.watching``)."""
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 import warnings
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,25 +18,24 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 
-from trainyard.core.card import Card, load_card
-from trainyard.core.config import MlflowParams, Params, TrainParams
+from trainyard.core.card import Card
+from trainyard.core.config import TrainParams
 from trainyard.core.handoffs import TrainRecord
 from trainyard.core.io import atomic_file, sha256_file
 from trainyard.model.classifier import Classifier, classifier_for
-from trainyard.track.lineage import dvc_data_version, dvc_experiment_tags, run_tags
-from trainyard.track.store import DVC_EXP_NAME, check_tracking_uri, resolve_tracking_uri
 from trainyard.training.builder import build_trainer, time_limit_min
 from trainyard.training.datamodule import ImageDataModule
-from trainyard.training.device import resolve_device
+from trainyard.training.device import Hardware, resolve_hardware
 from trainyard.training.fit_log import EpochTimer
 from trainyard.training.gpu_busy import GpuBusyMeter
 from trainyard.training.history import HISTORY_FILE, History
-from trainyard.training.nodes import Nodes, ShareRun, join_nodes, what_trains
+from trainyard.training.job import RunExtras, TrainJob, Workspace
+from trainyard.training.nodes import ShareRun, agree
 from trainyard.training.perf import InputBoundMeter
-from trainyard.training.recipe import Plan, describe, few_steps_warning, load_plan, plan
-from trainyard.training.resume import RESUME_ROOT, AtomicCheckpointIO, ResumeCallback, resume_key
+from trainyard.training.recipe import Plan, few_steps_warning
+from trainyard.training.resume import AtomicCheckpointIO, ResumeCallback
 from trainyard.training.run_logger import GapEpoch
-from trainyard.training.tracked_run import RECIPE_FILE, FitResult, TrackedRun, join_run
+from trainyard.training.tracked_run import FitResult, TrackedRun, tracked_run
 
 log = logging.getLogger(__name__)
 
@@ -45,109 +47,67 @@ warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfe
 BEST_CKPT = "best.ckpt"
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """Where and how the fit runs: Lightning's accelerator, the precision, the torch device."""
-
-    accelerator: str
-    precision: str
-    device: str
-
-
-@dataclass(frozen=True)
-class RunExtras:
-    """What a caller above the train stage adds to a fit: ``trainyard tune`` names a trial's
-    run, tags it as a child of the study's run, and prunes it with Optuna's callback."""
-
-    run_name: str | None = None
-    tags: dict[str, str] = field(default_factory=dict)
-    callbacks: tuple[L.Callback, ...] = ()
-
-
-@dataclass
-class FitSetup:
-    """The trainer, and the callbacks whose results become the stage's outputs."""
-
-    trainer: L.Trainer
-    checkpoint: ModelCheckpoint
-    meter: InputBoundMeter
-
-
-def fit_and_track(
-    params: Params,
-    data_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    root: str | os.PathLike[str] = ".",
-    params_file: str | os.PathLike[str] | None = None,
-    extras: RunExtras | None = None,
-) -> TrainRecord | None:
-    """Fit the model; write ``out_dir/best.ckpt`` and ``out_dir/train.json`` (run id).
+def train(job: TrainJob, ws: Workspace, extras: RunExtras | None = None) -> TrainRecord | None:
+    """Fit the model of ``job``; write ``best.ckpt`` and ``train.json`` (the MLflow run's id)
+    in ``ws.out_dir``. ``extras``: what a caller above the stage adds (``trainyard tune``).
 
     Returns the record written, or None on a DDP rank other than 0 (which writes nothing).
     """
-    out_dir = Path(out_dir)
-    uri = resolve_tracking_uri(root)
-    hw = resolve_hardware(params.train)
-    # The launcher against train.num_nodes; across nodes the ranks join here, and rank 0
-    # checks the store and plans for all (agree_on_plan).
-    nodes = join_nodes(params.train, hw.accelerator)
-    if not nodes.joined:
-        check_tracking_uri(uri)  # before any work: a dead server fails in seconds
-    card = load_card(data_dir)
-    # From params as written (auto keys, not the plan): a rerun after a kill finds its run.
-    key = resume_key(params, card.data_sha256, uri, out_dir)
-    folder = Path(root) / RESUME_ROOT / key
-    recipe = agree_on_plan(nodes, params, card, data_dir, hw, uri, folder)
-    run_params = recipe.apply(params)  # every auto train key resolved
-    dm, model = nodes.together(lambda: data_and_model(run_params, data_dir, card, recipe))
     extras = extras or RunExtras()
-
-    def start(resume_mode: str | None = None) -> TrackedRun:
-        dvc_md5 = dvc_data_version(root)
-        tags = lineage_tags(root, card, model, hw, dvc_md5) | extras.tags
-        name = extras.run_name or run_name(run_params, key)
-        tracked = TrackedRun.open(run_params, key, root, uri, tags, name, dvc_md5, resume_mode)
-        tracked.begin(recipe, dm, data_dir, params_file)
-        return tracked
-
-    tracked = join_run(nodes, start, folder, uri) if nodes.joined else start()
-    # Finished while the server was away (TrackedRun.complete): nothing left to train.
-    result = None if nodes.joined else tracked.finished_fit(out_dir)
-    if result is None:
-        setup = build_fit(
-            run_params.train,
-            hw,
-            tracked,
-            dm.card.counts["train"]["total"],
-            out_dir,
-            time_limit_min(params.train, recipe.planned_epochs),
-            extras.callbacks,
-        )
-        fit_s = run_fit(setup, model, dm, tracked, params.mlflow)
-        if setup.trainer.global_rank != 0:
-            return None
-        trainer, meter, history = setup.trainer, setup.meter, out_dir / HISTORY_FILE
-        result = FitResult.of(trainer, setup.checkpoint, meter.result, fit_s, dm.placement, history)
-    tracked.complete(result)  # the server away past the wait: the state is kept, raises
-    record = write_outputs(run_params, out_dir, tracked, result, hw, dm)
-    tracked.close()  # done: a forced rerun of the same params trains anew
-    log.info(
-        "best val/acc %.4f; MLflow run %s at %s",
-        result.best_score,
-        record.run_id,
-        uri,
-    )
+    hw = resolve_hardware(job.train)
+    # Across nodes the ranks join here; rank 0 checks the store and plans for all.
+    team = agree(job, ws, hw)
+    job = job.planned(team.plan.train)  # every auto train key resolved
+    dm, model = team.nodes.together(lambda: data_and_model(job, ws, team.card, team.plan))
+    # The MLflow run's life around the fit: opened or reopened (resume), closed when done.
+    with tracked_run(job, ws, extras, team, hw, dm, model.pretrained_info) as tracked:
+        limit = time_limit_min(job.train, team.plan.planned_epochs)
+        result = tracked.finished or fit(job, ws, hw, tracked, dm, model, limit, extras)
+        if result is None:
+            return None  # another DDP rank: rank 0 writes the outputs
+        tracked.complete(result)  # the server away past the wait: the state is kept, raises
+        record = write_outputs(ws.out_dir, job, tracked, result, hw, dm)
+    log.info("best val/acc %.4f; MLflow run %s at %s", result.best_score, record.run_id, ws.uri)
     return record
 
 
+def fit(
+    job: TrainJob,
+    ws: Workspace,
+    hw: Hardware,
+    tracked: TrackedRun,
+    dm: ImageDataModule,
+    model: Classifier,
+    limit_min: float | None,
+    extras: RunExtras,
+) -> FitResult | None:
+    """The fit (from the last checkpoint when resuming) with system metrics; its result on
+    rank 0, None on the other ranks. ``limit_min``: a hard stop (``time_limit_min``).
+
+    A SIGTERM/SIGINT ends the run KILLED, keeps the checkpoint and exits 143/130.
+    """
+    n_train = dm.card.counts["train"]["total"]
+    trainer, checkpoint, meter = build_fit(
+        job, ws.out_dir, hw, tracked, n_train, limit_min, extras.callbacks
+    )
+    t0 = time.perf_counter()
+    with tracked.watching(trainer, job):
+        trainer.fit(model, datamodule=dm, ckpt_path=tracked.resume.ckpt_path)
+    fit_s = time.perf_counter() - t0
+    if trainer.global_rank != 0:
+        return None
+    history = ws.out_dir / HISTORY_FILE
+    return FitResult.of(trainer, checkpoint, meter.result, fit_s, dm.placement, history)
+
+
 def data_and_model(
-    params: Params, data_dir: str | os.PathLike[str], card: Card, recipe: Plan
+    job: TrainJob, ws: Workspace, card: Card, recipe: Plan
 ) -> tuple[ImageDataModule, Classifier]:
-    """The data module and the classifier of ``params`` (resolved by ``recipe``), seeded."""
+    """The data module and the classifier of ``job`` (planned by ``recipe``), seeded."""
     # After the plan: its timing probe draws random numbers, the fit must not see them.
-    L.seed_everything(params.seed, workers=True, verbose=False)
-    dm = load_data(params, data_dir, card)
-    tp = params.train
+    L.seed_everything(job.seed, workers=True, verbose=False)
+    dm = load_data(job, ws.data_dir, card)
+    tp = job.train
     # Epochs the recipe planned are the budget's (its own line says so); epochs set by hand
     # that leave a run of a few steps get the keys to change.
     n_train = dm.card.counts["train"]["total"]
@@ -155,74 +115,18 @@ def data_and_model(
         warning := few_steps_warning(n_train, tp.batch_size, tp.max_epochs)
     ):
         log.warning(warning)
-    return dm, classifier_for(
-        params.train, dm.card, params.seed, recipe.finetune, recipe.frozen_stages
-    )
+    return dm, classifier_for(tp, dm.card, job.seed, recipe.finetune, recipe.frozen_stages)
 
 
-def agree_on_plan(
-    nodes: Nodes,
-    params: Params,
-    card: Card,
-    data_dir: str | os.PathLike[str],
-    hw: Hardware,
-    uri: str,
-    folder: Path,
-) -> Plan:
-    """The recipe's plan (plan_training). Across nodes rank 0 alone plans (after checking
-    the tracking store) and every rank trains its plan: ranks timing their own probes
-    planned different epochs, and DDP hangs when one rank stops before the others."""
-    if not nodes.joined:
-        return plan_training(params, card, data_dir, hw, folder)
-
-    def decide() -> Plan:
-        check_tracking_uri(uri)
-        return plan_training(params, card, data_dir, hw, folder)
-
-    recipe = nodes.from_lead(decide, what_trains(params, card, hw.accelerator, hw.precision))
-    if not nodes.lead:
-        for line in describe(recipe):  # what this rank trains: rank 0's choices
-            log.info("%s", line)
-    return recipe
-
-
-def plan_training(
-    params: Params,
-    card: Card,
-    data_dir: str | os.PathLike[str],
-    hw: Hardware,
-    resume_folder: Path,
-) -> Plan:
-    """The recipe's plan for this data and hardware (trainyard.training.recipe), said once per
-    choice; an interrupted run of the same params (its ``resume_folder``) resumes with the
-    plan it made."""
-    recipe = load_plan(resume_folder / RECIPE_FILE, params) or plan(
-        params, card, data_dir, hw.accelerator, hw.precision, hw.device
-    )
-    for line in describe(recipe):
-        log.info(line)
-    return recipe
-
-
-def resolve_hardware(tp: TrainParams) -> Hardware:
-    """The accelerator, precision and device ``train.*`` come to on this machine, said once."""
-    accelerator, precision, device = resolve_device(tp)
-    log.info("training on %s (accelerator=%s, precision=%s)", device, accelerator, precision)
-    return Hardware(accelerator, precision, device)
-
-
-def load_data(
-    params: Params, data_dir: str | os.PathLike[str], card: Card | None = None
-) -> ImageDataModule:
-    """The prepared splits (described by ``card``, read from ``data_dir`` when not given)
-    as a data module; says what they hold."""
-    tp = params.train
+def load_data(job: TrainJob, data_dir: Path, card: Card) -> ImageDataModule:
+    """The prepared splits (described by ``card``) as a data module; says what they hold."""
+    tp = job.train
     dm = ImageDataModule(
         data_dir,
         card=card,
         batch_size=tp.batch_size,
-        eval_batch_size=params.evaluate.batch_size,
-        seed=params.seed,
+        eval_batch_size=job.eval_batch_size,
+        seed=job.seed,
         data_path=tp.data_path,
         device_resident=tp.device_resident,
         memory_budget=tp.memory_budget,
@@ -238,32 +142,6 @@ def load_data(
         tp.arch,
     )
     return dm
-
-
-def lineage_tags(
-    root: str | os.PathLike[str], card: Card, model: Classifier, hw: Hardware, dvc_md5: str
-) -> dict[str, str]:
-    """The run's tags: code, data, host, device, and the pretrained weights if any."""
-    tags = run_tags(root, card.data_sha256, hw.device)
-    tags["data.dvc_md5"] = dvc_md5 or "not in dvc.lock"
-    tags["precision"] = hw.precision
-    tags["data.source"] = card.source
-    tags["data.classes"] = str(card.num_classes)
-    tags["data.input_shape"] = "x".join(str(d) for d in card.input_shape)
-    tags["data.skipped_files"] = str(len(card.skipped))
-    # Which weights the backbone started from, their exact bytes and their licence.
-    for key, value in model.pretrained_info.items():
-        tags[f"pretrained.{key}"] = value
-    return tags | dvc_experiment_tags(root)
-
-
-def run_name(params: Params, key: str) -> str:
-    """A name a person can tell apart in the MLflow UI: the DVC experiment's name when DVC
-    runs one, else dataset, architecture and the first characters of the resume key (the
-    hash of params, data and code). MLflow's own random names were all the same: the seed
-    is set before the run is created."""
-    exp = os.environ.get(DVC_EXP_NAME, "").strip()
-    return exp or f"{params.dataset_name()}-{params.train.arch}-{key[:6]}"
 
 
 def checkpoint_callbacks(
@@ -297,17 +175,18 @@ def checkpoint_callbacks(
 
 
 def build_fit(
-    tp: TrainParams,
+    job: TrainJob,
+    out_dir: Path,
     hw: Hardware,
     tracked: TrackedRun,
     train_images: int,
-    out_dir: Path,
-    limit_min: float | None = None,
+    limit_min: float | None,
     extra_callbacks: tuple[L.Callback, ...] = (),
-) -> FitSetup:
+) -> tuple[L.Trainer, ModelCheckpoint, InputBoundMeter]:
     """The trainer with trainyard's callbacks: checkpoints, early stopping, timing, meter,
-    the per-epoch history; ``limit_min``: a hard stop after that many minutes
-    (``time_limit_min``)."""
+    the per-epoch history; ``limit_min``: a hard stop after that many minutes. Returned
+    with the callbacks whose results become the stage's outputs."""
+    tp = job.train
     checkpoint, resume_callbacks = checkpoint_callbacks(tp, tracked)
     early = EarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
     # Data wait / host->device copy / compute per step; the input-bound verdict at the end.
@@ -345,29 +224,12 @@ def build_fit(
         limit_train_batches=tp.limit_train_batches,
         max_time=None if limit_min is None else timedelta(minutes=limit_min),
     )
-    return FitSetup(trainer, checkpoint, meter)
-
-
-def run_fit(
-    setup: FitSetup,
-    model: Classifier,
-    dm: ImageDataModule,
-    tracked: TrackedRun,
-    mp: MlflowParams,
-) -> float:
-    """Fit (from the last checkpoint when resuming) with system metrics; its seconds.
-
-    A SIGTERM/SIGINT ends the run KILLED, keeps the checkpoint and exits 143/130.
-    """
-    t0 = time.perf_counter()
-    with tracked.watching(setup.trainer, mp):
-        setup.trainer.fit(model, datamodule=dm, ckpt_path=tracked.resume.ckpt_path)
-    return time.perf_counter() - t0
+    return trainer, checkpoint, meter
 
 
 def write_outputs(
-    params: Params,
     out_dir: Path,
+    job: TrainJob,
     tracked: TrackedRun,
     result: FitResult,
     hw: Hardware,
@@ -383,7 +245,7 @@ def write_outputs(
     record = TrainRecord(
         run_id=logger.run_id,
         experiment_id=logger.experiment_id,
-        experiment=params.experiment_name(),
+        experiment=job.experiment,
         best_val_acc=round(result.best_score, 6),
         best_epoch=int(_ckpt_epoch(best_dest)),
         epochs_run=result.epochs_run,

@@ -1,9 +1,9 @@
 """What a fit says as it goes, in log lines: the model's size once, a line every
 ``every_s`` seconds within an epoch when no progress bar draws, and why it stopped early.
 
-The per-epoch summary is EpochTimer's line; ProgressLog fills the time between
-those lines: an epoch of a large folder on a CPU takes many minutes, and a log (CI,
-`dvc exp run --queue`, a file) showed nothing until it ended.
+The per-epoch summary is EpochTimer's line; ProgressLog fills the time between those lines
+(both read the fit's one BatchClock): an epoch of a large folder on a CPU takes many
+minutes, and a log (CI, `dvc exp run --queue`, a file) showed nothing until it ended.
 """
 
 from __future__ import annotations
@@ -19,21 +19,11 @@ from lightning.pytorch.callbacks import EarlyStopping
 from torch.nn.parameter import UninitializedParameter
 
 from trainyard.core.progress import duration
+from trainyard.training.clock import BatchClock
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 30.0  # often enough to see a fit moving, rare enough to read the log
-
-
-def batch_len(batch: Any) -> int:
-    """Images in a batch: the first dimension of its first tensor (images, labels)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    if isinstance(batch, list | tuple) and batch:
-        return batch_len(batch[0])
-    if isinstance(batch, dict) and batch:
-        return batch_len(next(iter(batch.values())))
-    return 0
 
 
 def model_line(module: torch.nn.Module) -> str:
@@ -53,16 +43,14 @@ class ProgressLog(L.Callback):
 
     def __init__(self, periodic: bool = True, every_s: float = PROGRESS_EVERY_S) -> None:
         self.periodic, self.every_s = periodic, every_s
-        self.t0 = self.t_last = time.monotonic()
-        self.steps = self.seen = 0
+        self.t_last = time.perf_counter()  # the last line's time: the epoch's is the clock's
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero:
             log.info(model_line(pl_module))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.t0 = self.t_last = time.monotonic()
-        self.steps = self.seen = 0
+        self.t_last = time.perf_counter()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A fit resumed within an epoch (a timed checkpoint) skips on_train_epoch_start.
@@ -76,15 +64,13 @@ class ProgressLog(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self.steps += 1
-        self.seen += batch_len(batch)
-        now = time.monotonic()
+        now = time.perf_counter()
         if not self.periodic or now - self.t_last < self.every_s or not trainer.is_global_zero:
             return
         self.t_last = now
-        log.info(self.line(trainer, outputs, batch_idx + 1, now - self.t0))
+        log.info(self.line(trainer, outputs, batch_idx + 1, BatchClock.of(trainer)))
 
-    def line(self, trainer: L.Trainer, outputs: Any, step: int, elapsed: float) -> str:
+    def line(self, trainer: L.Trainer, outputs: Any, step: int, clock: BatchClock) -> str:
         """``epoch e/E step k/n (pct), loss x, r img/s, ETA t`` (ETA: of this epoch)."""
         total = trainer.num_training_batches
         text = f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs} step {step:,}"
@@ -93,11 +79,11 @@ class ProgressLog(L.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             text += f", loss {float(loss):.4f}"  # a sync, but once in every_s seconds
-        elapsed = max(elapsed, 1e-9)
+        elapsed = max(clock.t_batch_end - clock.t0, 1e-9)
         # Under DDP every rank trains an equal shard in lockstep: total = world_size x own.
-        text += f", {self.seen * trainer.world_size / elapsed:,.0f} img/s"
+        text += f", {clock.images * trainer.world_size / elapsed:,.0f} img/s"
         if math.isfinite(total) and step < total:
-            text += f", ETA {duration((total - step) * elapsed / self.steps)}"
+            text += f", ETA {duration((total - step) * elapsed / max(clock.steps, 1))}"
         return text
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -117,31 +103,14 @@ class ProgressLog(L.Callback):
 
 
 class EpochTimer(L.Callback):
-    """Logs epoch time and training throughput (img/s): the number that shows a fed GPU."""
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.t0, self.seen = time.perf_counter(), 0
-        self.t_train_end = self.t0
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # A fit resumed within an epoch (a timed checkpoint) skips on_train_epoch_start.
-        self.on_train_epoch_start(trainer, pl_module)
-
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        self.seen += int(batch[1].shape[0])
-        self.t_train_end = time.perf_counter()  # img/s counts training steps, not validation
+    """Logs epoch time and training throughput (img/s): the number that shows a fed GPU.
+    Both read the fit's BatchClock (img/s counts training steps, not validation)."""
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        dt = time.perf_counter() - self.t0
+        clock = BatchClock.of(trainer)
+        dt = clock.elapsed()
         # Under DDP every rank trains an equal shard in lockstep: total = world_size x own.
-        rate = self.seen * trainer.world_size / max(self.t_train_end - self.t0, 1e-9)
+        rate = clock.images * trainer.world_size / max(clock.t_batch_end - clock.t0, 1e-9)
         pl_module.log("train/epoch_time_s", dt, on_epoch=True, rank_zero_only=True)
         pl_module.log("train/img_per_s", rate, on_epoch=True, rank_zero_only=True)
         if not trainer.is_global_zero:

@@ -19,7 +19,6 @@ import csv
 import io
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from trainyard.core.errors import DataError
 from trainyard.core.io import atomic_write_text
+from trainyard.training.clock import BatchClock
 
 EPOCH, STEP, TRAIN_LOSS, VAL_LOSS, VAL_ACC, LR, EPOCH_TIME = (
     "epoch",
@@ -110,7 +110,6 @@ class History(L.Callback):
         self._loss_sum: torch.Tensor | None = None
         self._seen = 0
         self._lr: float | torch.Tensor | None = None
-        self._t0 = time.perf_counter()
 
     # -- resume: the rows travel in the checkpoint as plain lists (weights_only loads them)
 
@@ -137,7 +136,7 @@ class History(L.Callback):
         self._start_epoch()
 
     def _start_epoch(self) -> None:
-        self._t0, self._loss_sum, self._seen, self._lr = time.perf_counter(), None, 0, None
+        self._loss_sum, self._seen, self._lr = None, 0, None
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -162,7 +161,7 @@ class History(L.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not isinstance(loss, torch.Tensor):
             return
-        n = int(batch[1].shape[0])
+        n = BatchClock.of(trainer).batch_images
         # A tensor sum on the loss's device: float() here would wait for the GPU every step.
         weighted = loss.detach().float() * n
         self._loss_sum = weighted if self._loss_sum is None else self._loss_sum + weighted
@@ -184,7 +183,7 @@ class History(L.Callback):
             VAL_LOSS: _metric(metrics, "val/loss"),
             VAL_ACC: _metric(metrics, "val/acc"),
             LR: None if self._lr is None else float(self._lr),
-            EPOCH_TIME: round(time.perf_counter() - self._t0, 3),
+            EPOCH_TIME: round(BatchClock.of(trainer).elapsed(), 3),
         }
         # Validation more than once an epoch (val_check_interval < 1): the latest counts.
         self.rows = [r for r in self.rows if r[EPOCH] != row[EPOCH]] + [row]

@@ -24,18 +24,24 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import lightning as L
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import Strategy
 
-from trainyard.core.card import Card
-from trainyard.core.config import Params, TrainParams
+from trainyard.core.card import Card, load_card
+from trainyard.core.config import TrainParams
 from trainyard.core.errors import ParamsError, TrainyardError
+from trainyard.track.store import check_tracking_uri
 from trainyard.training.builder import RESUME_ROOT, build_trainer
-from trainyard.training.resume import LAST_CKPT
+from trainyard.training.device import Hardware
+from trainyard.training.recipe import RECIPE_FILE, Plan, describe, load_plan, plan
+from trainyard.training.resume import LAST_CKPT, resume_key
+
+if TYPE_CHECKING:
+    from trainyard.training.job import TrainJob, Workspace
 
 log = logging.getLogger(__name__)
 
@@ -200,14 +206,69 @@ def join_nodes(tp: TrainParams, accelerator: str) -> Nodes:
     return nodes
 
 
-def what_trains(params: Params, card: Card, accelerator: str, precision: str) -> dict[str, str]:
-    """What every rank of one fit must share: the params that shape the model, its data
-    and its steps, the data's hash, and the accelerator and precision."""
-    flat = params.flat()
+def what_trains(
+    flat: dict[str, Any], card: Card, accelerator: str, precision: str
+) -> dict[str, str]:
+    """What every rank of one fit must share: the params (``flat``, dotted keys) that shape
+    the model, its data and its steps, the data's hash, and the accelerator and precision."""
     keys = ["seed", "evaluate.batch_size", *(k for k in flat if k.startswith("train."))]
     same = {k: str(flat[k]) for k in keys}
     hardware = {"accelerator": accelerator, "precision": precision}
     return same | {"data sha256": card.data_sha256} | hardware
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank trains, settled before the fit: this process's place among the
+    ranks, the prepared data's card, the resume key and folder, and the recipe's plan."""
+
+    nodes: Nodes
+    card: Card
+    key: str  # resume_key: the job as written, the data, the code and the store
+    folder: Path  # the resume folder of ``key``
+    plan: Plan
+
+
+def agree(job: TrainJob, ws: Workspace, hw: Hardware) -> Agreement:
+    """Join the other ranks (``join_nodes``) and settle what the fit trains. Across nodes
+    rank 0 alone checks the tracking store and plans (``plan_training``), after every rank
+    showed it would train the same thing (``what_trains``), and every rank trains its plan:
+    ranks timing their own probes planned different epochs, and DDP hangs when one rank
+    stops before the others."""
+    nodes = join_nodes(job.train, hw.accelerator)
+    if not nodes.joined:
+        check_tracking_uri(ws.uri)  # before any work: a dead server fails in seconds
+    card = load_card(ws.data_dir)
+    # From the job as written (auto keys, not the plan): a rerun after a kill finds its run.
+    key = resume_key(job, card.data_sha256, ws.uri, ws.out_dir)
+    folder = ws.root / RESUME_ROOT / key
+    if not nodes.joined:
+        return Agreement(nodes, card, key, folder, plan_training(job, card, ws, hw, folder))
+
+    def decide() -> Plan:
+        check_tracking_uri(ws.uri)
+        return plan_training(job, card, ws, hw, folder)
+
+    same = what_trains(job.flat(), card, hw.accelerator, hw.precision)
+    recipe = nodes.from_lead(decide, same)
+    if not nodes.lead:
+        for line in describe(recipe):  # what this rank trains: rank 0's choices
+            log.info("%s", line)
+    return Agreement(nodes, card, key, folder, recipe)
+
+
+def plan_training(
+    job: TrainJob, card: Card, ws: Workspace, hw: Hardware, resume_folder: Path
+) -> Plan:
+    """The recipe's plan for this data and hardware (trainyard.training.recipe), said once per
+    choice; an interrupted run of the same job (its ``resume_folder``) resumes with the
+    plan it made."""
+    recipe = load_plan(resume_folder / RECIPE_FILE, job.train) or plan(
+        job.train, card, ws.data_dir, hw.accelerator, hw.precision, hw.device
+    )
+    for line in describe(recipe):
+        log.info(line)
+    return recipe
 
 
 def check_same(found: list[dict[str, str]]) -> None:

@@ -1,6 +1,8 @@
 """Is training input-bound? Each step split into data wait, host->device copy and compute.
 
-``InputBoundMeter`` (a Lightning callback) puts four marks on every training step:
+``InputBoundMeter`` (a Lightning callback) has four marks put on every training step, by the
+fit's one per-batch clock (``clock.BatchClock``, which marks its ``StepClock``) and by the
+meter's wrap of the batch's copy:
 
 * the end of the previous step (``on_train_batch_end``, or the epoch start),
 * just before and just after ``transfer_batch_to_device`` (the host->device copy),
@@ -39,6 +41,7 @@ import lightning as L
 import torch
 
 from trainyard.core.nvml_sampler import UNDERFED_PCT
+from trainyard.training.clock import BatchClock
 from trainyard.training.gpu_busy import meter_of
 from trainyard.training.run_logger import tag_run
 
@@ -346,7 +349,8 @@ class InputBoundMeter(L.Callback):
     """Per-step data wait / host->device copy / compute; per-epoch ``perf/*`` metrics; one
     verdict at the end of training (``self.result``), printed, and set as the MLflow tags
     ``perf.verdict`` and ``perf.fix`` when the trainer logs to MLflow. Only rank 0 logs,
-    prints and tags. The timing itself is a ``StepClock`` (``self.clock``).
+    prints and tags. The timing itself is a ``StepClock`` (``self.clock``), marked by the
+    fit's ``BatchClock`` at the step's hooks and by this meter around the batch's copy.
 
     ``data_path`` / ``device_resident``: trainyard's settings, for the fix; by default
     read from the trainer's datamodule (None for a plain DataLoader: a custom loader).
@@ -386,6 +390,7 @@ class InputBoundMeter(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.clock = StepClock(pl_module.device.type == "cuda", self.warmup_steps)
+        BatchClock.of(trainer).split = self.clock  # the fit's clock marks the steps
         self.result, self.epochs, self._wrapped = None, [], []
         owners = [pl_module]
         if trainer.datamodule is not None:
@@ -398,28 +403,9 @@ class InputBoundMeter(L.Callback):
             if "transfer_batch_to_device" in vars(owner):
                 delattr(owner, "transfer_batch_to_device")
         self._wrapped = []
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.clock.epoch_start(trainer.num_training_batches)
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self.clock.step_start()
-
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        self.clock.step_end()
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self.clock.restart_wait()
+        clock = BatchClock.of(trainer)
+        if clock.split is self.clock:
+            clock.split = None
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         epoch = self.clock.epoch_end()

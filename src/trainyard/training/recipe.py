@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from trainyard.core.card import Card
-from trainyard.core.config import SCRATCH_ARCHS, Params, TrainParams
+from trainyard.core.config import SCRATCH_ARCHS, TrainParams
 from trainyard.core.io import atomic_write_json
 from trainyard.data.image_size import PRETRAINED_MIN_SIDE
 from trainyard.model.backbones import torchvision_weights
@@ -87,6 +87,7 @@ from trainyard.training.speed import (
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
+RECIPE_FILE = "recipe.json"  # the plan, beside the resumable checkpoint and in the MLflow run
 # The keys the recipe fills, in the order it decides them.
 KEYS = (
     "pretrained",
@@ -162,10 +163,6 @@ class Plan:
     def planned_epochs(self) -> bool:
         """The recipe chose max_epochs (so the time budget is what bounds the fit)."""
         return any(c.key == "max_epochs" and c.by == "recipe" for c in self.choices)
-
-    def apply(self, params: Params) -> Params:
-        """``params`` with this plan's train section."""
-        return params.model_copy(update={"train": self.train})
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -397,7 +394,7 @@ def _given(tp: TrainParams, key: str) -> Any:
 
 
 def plan(
-    params: Params,
+    tp: TrainParams,
     card: Card,
     data_dir: str | os.PathLike[str],
     accelerator: str,
@@ -410,7 +407,6 @@ def plan(
     ``device``: the GPU's name (default: torch's name of GPU 0 when ``accelerator`` is
     gpu); ``measure``: batch -> img/s for the GPU's ladder (default: real timed steps).
     """
-    tp = params.train
     if device is None:
         device = torch.cuda.get_device_name(0) if accelerator == "gpu" else "cpu"
     facts = facts_from(card, accelerator, precision, device)
@@ -478,7 +474,7 @@ def forecast_batch(
     return batch, "recipe", f"{arch}: {why}" if facts.accelerator == "gpu" else why
 
 
-def load_plan(path: Path, params: Params) -> Plan | None:
+def load_plan(path: Path, tp: TrainParams) -> Plan | None:
     """The plan saved beside an interrupted run's checkpoint (a resumed fit keeps the
     epochs it planned, whatever a new timing probe would say), or None."""
     try:
@@ -492,7 +488,7 @@ def load_plan(path: Path, params: Params) -> Plan | None:
         return None
     values = {c.key: c.value for c in choices if c.key in KEYS}
     try:
-        train = params.train.model_copy(update=values)
+        train = tp.model_copy(update=values)
     except ValueError:
         return None
     log.info("recipe: the interrupted run's plan (%s)", path)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import numpy as np
@@ -36,12 +36,14 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from trainyard.core.config import Params
 from trainyard.core.io import atomic_write_json, sha256_file
 from trainyard.core.pause_points import pause_point
 from trainyard.track.interrupts import signals_handled
 from trainyard.track.train_run import end_interrupted_run, run_status
 from trainyard.training.builder import RESUME_ROOT
+
+if TYPE_CHECKING:
+    from trainyard.training.job import TrainJob
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +63,19 @@ PACKAGE = Path(__file__).resolve().parent.parent  # src/trainyard
 
 
 def resume_key(
-    params: Params, data_sha256: str, tracking_uri: str, out_dir: str | os.PathLike[str]
+    job: TrainJob, data_sha256: str, tracking_uri: str, out_dir: str | os.PathLike[str]
 ) -> str:
-    """A short hash of everything that defines this training and where it is recorded."""
-    train = {k: v for k, v in params.train.model_dump().items() if k not in NOT_IN_KEY}
+    """A short hash of everything that defines this training and where it is recorded
+    (``job`` as written, auto keys and all: a rerun after a kill finds its run)."""
+    train = {k: v for k, v in job.train.model_dump().items() if k not in NOT_IN_KEY}
     ident = {
-        "seed": params.seed,
+        "seed": job.seed,
         "train": train,
-        "eval_batch_size": params.evaluate.batch_size,
+        "eval_batch_size": job.eval_batch_size,
         "data_sha256": data_sha256,
         "code": {name: _code_sha256(PACKAGE / name) for name in KEY_CODE},
         "tracking_uri": tracking_uri,
-        "experiment": params.experiment_name(),
+        "experiment": job.experiment,
         "out": str(Path(out_dir).resolve()),
     }
     blob = json.dumps(ident, sort_keys=True, default=str).encode()

@@ -38,25 +38,27 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from trainyard.core.config import MlflowParams, Params
+from trainyard.core.card import Card
 from trainyard.core.errors import TrackingError
 from trainyard.core.io import atomic_write_json, atomic_write_text
+from trainyard.track.lineage import dvc_data_version, dvc_experiment_tags, run_tags
 from trainyard.track.outage import PENDING_FILE
-from trainyard.track.store import ensure_experiment, tracking_client
+from trainyard.track.store import DVC_EXP_NAME, ensure_experiment, tracking_client
 from trainyard.track.train_run import TrainRun
 from trainyard.training.builder import stop_reason
 from trainyard.training.datamodule import ImageDataModule
+from trainyard.training.device import Hardware
 from trainyard.training.gpu_busy import gpu_busy_of
 from trainyard.training.history import HISTORY_FILE
-from trainyard.training.nodes import Nodes, resume_mode
-from trainyard.training.recipe import Plan
+from trainyard.training.job import RunExtras, TrainJob, Workspace
+from trainyard.training.nodes import Agreement, Nodes, resume_mode
+from trainyard.training.recipe import RECIPE_FILE, Plan
 from trainyard.training.resume import LAST_CKPT, Resume, interruptions
 from trainyard.training.resume import prepare as prepare_resume
 from trainyard.training.run_logger import RunLogger
 
 log = logging.getLogger(__name__)
 
-RECIPE_FILE = "recipe.json"  # the plan, beside the resumable checkpoint and in the MLflow run
 FIT_DONE = "fit-done.json"  # in the resume folder: a finished fit whose run is not complete
 
 
@@ -130,6 +132,8 @@ class TrackedRun:
     dvc_md5: str  # DVC's hash of data/prepared, "" when dvc.lock has none
     run: TrainRun | None = None  # rank 0: the run in the store, its metrics through a gap
     peer_run_id: str | None = None  # on the other ranks: rank 0's run, once it is shared
+    finished: FitResult | None = None  # a fit that finished while the server was away
+    completed: bool = False  # the run ended FINISHED with its outputs (``complete``)
 
     @property
     def run_id(self) -> str | None:
@@ -142,25 +146,25 @@ class TrackedRun:
     @classmethod
     def open(
         cls,
-        params: Params,
+        job: TrainJob,
+        ws: Workspace,
         key: str,
-        root: str | os.PathLike[str],
-        uri: str,
         tags: dict[str, str],
         name: str,
         dvc_md5: str,
         resume_mode: str | None = None,
     ) -> TrackedRun:
         """The fit's run: an interrupted run of this very training (``key``, from
-        ``resume_key``), reopened, or a new one named ``name`` with the params (``params``:
-        as resolved, what MLflow records) and ``tags``, in the dataset's experiment
+        ``resume_key``), reopened, or a new one named ``name`` with the job's params (as
+        planned: what MLflow records) and ``tags``, in the job's experiment
         (``mlflow.experiment``). ``resume_mode`` overrides ``train.resume``."""
         lead = rank_zero_only.rank == 0
+        uri = ws.uri
         # An interrupted run of these exact params, data and code resumes: same MLflow run.
         client = tracking_client(uri) if lead else None
-        mode = resume_mode or params.train.resume
-        resume = prepare_resume(root, key, mode, uri, client, lead=lead)
-        experiment = params.experiment_name()
+        mode = resume_mode or job.train.resume
+        resume = prepare_resume(ws.root, key, mode, uri, client, lead=lead)
+        experiment = job.experiment
         if lead:  # before Lightning's logger, which would race another run creating it
             ensure_experiment(uri, experiment)
         logger = RunLogger(
@@ -176,9 +180,9 @@ class TrackedRun:
             return tracked
         tracked.run = TrainRun(uri, str(logger.run_id), client)  # the logger makes the run
         if resume.run_id:
-            tracked.run.reopen(params.flat())
+            tracked.run.reopen(job.flat())
         else:
-            tracked.run.log_params(params.flat())
+            tracked.run.log_params(job.flat())
         logger.gap = tracked.run.gap  # from now on: kept while the server is away
         return tracked
 
@@ -225,14 +229,14 @@ class TrackedRun:
         return result
 
     @contextlib.contextmanager
-    def watching(self, trainer: L.Trainer, mp: MlflowParams) -> Iterator[None]:
+    def watching(self, trainer: L.Trainer, job: TrainJob) -> Iterator[None]:
         """Around ``trainer.fit``: system metrics (rank 0, ``mlflow.system_metrics``), and
         SIGTERM/SIGINT recorded. A signal ends the run KILLED, keeps the checkpoint and
         exits 128 + its number; an error keeps what the server did not take, and is raised."""
         resume, run = self.resume, self.run
         monitor: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if run is not None:
-            interval_s, enabled = mp.system_metrics_interval_s, mp.system_metrics
+            interval_s, enabled = job.system_metrics_interval_s, job.system_metrics
             monitor = run.system_metrics(interval_s, enabled, resume.resuming)
         try:
             with interruptions(resume), monitor:
@@ -285,6 +289,7 @@ class TrackedRun:
             self.resume.release()
             raise
         if n is None:
+            self.completed = True
             return
         result.save(folder)
         self.resume.release()
@@ -320,3 +325,66 @@ def join_run(
         return opened[0]
     resume = Resume(Path(lead_folder), folder.name, ckpt_path=Path(ckpt) if ckpt else None)
     return TrackedRun.peer(uri, resume, run_id)
+
+
+@contextlib.contextmanager
+def tracked_run(
+    job: TrainJob,
+    ws: Workspace,
+    extras: RunExtras,
+    team: Agreement,
+    hw: Hardware,
+    dm: ImageDataModule,
+    pretrained: dict[str, str],
+) -> Iterator[TrackedRun]:
+    """The MLflow run around the fit: opened, or an interrupted one reopened (``open``: the
+    resume decision), every rank told which (across nodes: ``join_run``), and what it
+    learns from logged (``begin``); ``finished`` holds a fit that finished while the
+    server was away. Once the body has completed the run (``complete``), the resume folder
+    goes (``close``): a forced rerun of the same params trains anew."""
+
+    def start(resume_mode: str | None = None) -> TrackedRun:
+        dvc_md5 = dvc_data_version(ws.root)
+        tags = lineage_tags(ws.root, team.card, pretrained, hw, dvc_md5) | extras.tags
+        name = extras.run_name or run_name(job, team.key)
+        tracked = TrackedRun.open(job, ws, team.key, tags, name, dvc_md5, resume_mode)
+        tracked.begin(team.plan, dm, ws.data_dir, ws.params_file)
+        return tracked
+
+    joined = team.nodes.joined
+    tracked = join_run(team.nodes, start, team.folder, ws.uri) if joined else start()
+    # Finished while the server was away (TrackedRun.complete): nothing left to train.
+    tracked.finished = None if joined else tracked.finished_fit(ws.out_dir)
+    yield tracked
+    if tracked.completed:
+        tracked.close()
+
+
+def lineage_tags(
+    root: str | os.PathLike[str],
+    card: Card,
+    pretrained: dict[str, str],
+    hw: Hardware,
+    dvc_md5: str,
+) -> dict[str, str]:
+    """The run's tags: code, data, host, device, and the ``pretrained`` weights if any."""
+    tags = run_tags(root, card.data_sha256, hw.device)
+    tags["data.dvc_md5"] = dvc_md5 or "not in dvc.lock"
+    tags["precision"] = hw.precision
+    tags["data.source"] = card.source
+    tags["data.classes"] = str(card.num_classes)
+    tags["data.input_shape"] = "x".join(str(d) for d in card.input_shape)
+    tags["data.skipped_files"] = str(len(card.skipped))
+    # Which weights the backbone started from, their exact bytes and their licence.
+    for key, value in pretrained.items():
+        tags[f"pretrained.{key}"] = value
+    return tags | dvc_experiment_tags(root)
+
+
+def run_name(job: TrainJob, key: str) -> str:
+    """A name a person can tell apart in the MLflow UI: the DVC experiment's name when DVC
+    runs one, else dataset, architecture and the first characters of the resume key (the
+    hash of params, data and code). MLflow's own random names were all the same: the seed
+    is set before the run is created."""
+    exp = os.environ.get(DVC_EXP_NAME, "").strip()
+    return exp or f"{job.dataset}-{job.train.arch}-{key[:6]}"
