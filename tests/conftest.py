@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gzip
 import json
 import os
@@ -10,7 +11,9 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
+import traceback
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ import yaml
 
 from team.mlflow_server import wait_healthy
 from trainyard.core.records import TrainRecord
-from trainyard.data.idx import write_idx_bytes
+from trainyard.data.idx import read_idx, write_idx_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 FASHION_DIR = Path(os.environ.get("TRAINYARD_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))
@@ -40,6 +43,50 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------- scheduling (make test)
+
+# Minutes each long file's tests take in a row on a busy 2-core machine (`--durations=0`,
+# summed per file). `make test` (--dist loadfile) hands its workers the longest work first,
+# so that no long file starts last and makes the tail alone; a file not listed is short.
+FILE_MINUTES = {}
+# Long files whose tests share nothing costly (no expensive module fixture): their tests go
+# out one by one, so that both workers take a share instead of one running the whole file.
+SPLIT_FILES = frozenset()
+
+
+def unit_minutes(scope: str, tests_in_file: Counter[str]) -> float:
+    """A work unit's expected minutes: its file's, or its share of a split file's."""
+    name = Path(scope.split("::", 1)[0]).name
+    minutes = FILE_MINUTES.get(name, 0.0)
+    return minutes / tests_in_file[name] if "::" in scope else minutes
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadfile, longest work first (xdist's own order is by number of tests, which
+    leaves the few long pipeline and server tests for last), SPLIT_FILES test by test."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFirst(LoadFileScheduling):
+        ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return nodeid if Path(file).name in SPLIT_FILES else file
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # the first call: the queue is complete, nothing sent yet
+                per_file = Counter(Path(s.split("::", 1)[0]).name for s in self.workqueue)
+                units = sorted(self.workqueue.items(), key=lambda u: -unit_minutes(u[0], per_file))
+                self.workqueue = OrderedDict(units)
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -353,15 +400,84 @@ def small_pipeline_repo(dest: Path, fashion_dir: Path) -> Path:
     return repo
 
 
+def shared_folder(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]
+) -> Path:
+    """``build(folder)`` once per test run, whatever the number of xdist workers: the first
+    worker to ask builds under an exclusive lock in the run's common temp root, the others
+    wait for it and use its folder (pytest-xdist's "session-scoped fixtures execute only
+    once" recipe). A build that failed fails the other workers with its error instead of
+    running again. Users only read the folder: it is the run's one copy."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # popen-gwN's parent: the run's temp root, common to the workers
+    folder, failed = root / f"shared-{name}", root / f"shared-{name}.failed"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if failed.exists():
+            pytest.fail(
+                f"the shared {name}: its build failed in another worker:\n{failed.read_text()}"
+            )
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                build(folder)
+            except BaseException:
+                failed.write_text(traceback.format_exc()[-6000:])
+                raise
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def reproduced_pipeline(fashion_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The small pipeline after its first `dvc repro`, run once per session: modules take
-    their own copy (``copy_reproduced``) instead of each training from scratch. Never
-    changed itself; the first repro's output is beside it, in ``first_repro.log``."""
-    repo = small_pipeline_repo(tmp_path_factory.mktemp("reproduced") / "trainyard", fashion_dir)
-    first = dvc(repo, "repro")
-    (repo.parent / "first_repro.log").write_text(first.stdout + first.stderr)
-    return repo
+    """The small pipeline after its first `dvc repro`, run once per test run (shared by the
+    xdist workers): modules take their own copy (``copy_reproduced``) instead of each
+    training from scratch. Never changed itself; the first repro's output is beside it, in
+    ``first_repro.log``."""
+
+    def build(folder: Path) -> None:
+        repo = small_pipeline_repo(folder / "trainyard", fashion_dir)
+        first = dvc(repo, "repro")
+        (folder / "first_repro.log").write_text(first.stdout + first.stderr)
+
+    return shared_folder(tmp_path_factory, "reproduced", build) / "trainyard"
+
+
+SERVED_IMAGES = 240  # real test images the serving tests send and compare with offline ONNX
+
+
+@pytest.fixture(scope="session")
+def test_set(fashion_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The first SERVED_IMAGES Fashion-MNIST test images [N,28,28] and their labels."""
+    images = read_idx(fashion_dir / "t10k-images-idx3-ubyte.gz")[:SERVED_IMAGES]
+    labels = read_idx(fashion_dir / "t10k-labels-idx1-ubyte.gz")[:SERVED_IMAGES]
+    return images, labels
+
+
+@pytest.fixture(scope="session")
+def model_dir(fashion_dir: Path, test_set: tuple[np.ndarray, np.ndarray], tmp_path_factory) -> Path:
+    """models/model.onnx + .sha256 from the real export code (its parity gate on
+    ``test_set``), after a few training steps on real Fashion-MNIST: one model per test run,
+    shared by the xdist workers and the serving modules, which only read it."""
+    from trainyard.export.onnx_export import export_and_verify
+
+    def build(root: Path) -> None:
+        train = read_idx(fashion_dir / "train-images-idx3-ubyte.gz")[:512]
+        labels = read_idx(fashion_dir / "train-labels-idx1-ubyte.gz")[:512]
+        train_checkpoint(root, train, labels, steps=8, batch_size=64, mean=0.286, std=0.353)
+        export_and_verify(
+            root / "best.ckpt",
+            root / "model.onnx",
+            test_set[0][:, None],
+            opset=18,
+            max_abs_diff=1e-4,
+            run_id="run-for-serving-tests",
+            data_sha256="d" * 64,
+        )
+
+    return shared_folder(tmp_path_factory, "serving-model", build)
 
 
 def copy_reproduced(src: Path, dest: Path) -> Path:
