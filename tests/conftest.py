@@ -12,7 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import traceback
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from team.mlflow_server import wait_healthy
+from trainyard.core.card import Card
 from trainyard.core.records import TrainRecord
 from trainyard.data.idx import read_idx, write_idx_bytes
 
@@ -47,20 +48,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # ---------------------------------------------------------------- scheduling (make test)
 
-# Minutes each long file's tests take in a row on a busy 2-core machine (`--durations=0`,
-# summed per file). `make test` (--dist loadfile) hands its workers the longest work first,
-# so that no long file starts last and makes the tail alone; a file not listed is short.
-FILE_MINUTES = {}
+# Minutes each long file's tests took in a row (2 workers on a busy 2-core machine: the
+# ranking counts, not the values; a file's first user of `reproduced_pipeline` counts its
+# build). `make test` (--dist loadfile) hands its workers the longest work first, so that no
+# long file starts last and makes the tail alone; a file not listed is short.
+FILE_MINUTES = {
+    "test_tune.py": 21,
+    "test_pipeline.py": 18,
+    "test_pipeline_folder.py": 9,
+    "test_server_outage.py": 8,
+    "test_host_syncs.py": 7.5,
+    "test_resume.py": 7,
+    "test_team_stack.py": 7,
+    "test_tracking_server.py": 6,
+    "test_bento.py": 6,
+    "test_tune_shared.py": 5,
+    "test_sweep.py": 5,
+    "test_interrupt.py": 5,
+    "test_team.py": 4,
+    "test_serving.py": 4,
+    "test_promote.py": 3,
+    "test_registry_race.py": 3,
+    "test_multinode.py": 3,
+    "test_quantize.py": 3,
+    "test_ui_browser.py": 2,
+    "test_recipe.py": 2,
+    "test_client.py": 1.5,
+    "test_evaluation.py": 1.2,
+    "test_backbones.py": 1.2,
+    "test_serving_drain.py": 1,
+    "test_report.py": 1,
+}
 # Long files whose tests share nothing costly (no expensive module fixture): their tests go
-# out one by one, so that both workers take a share instead of one running the whole file.
-SPLIT_FILES = frozenset()
+# out one by one at their file's rank, so that both workers take a share of the file.
+SPLIT_FILES = frozenset({"test_tune.py", "test_host_syncs.py"})
 
 
-def unit_minutes(scope: str, tests_in_file: Counter[str]) -> float:
-    """A work unit's expected minutes: its file's, or its share of a split file's."""
-    name = Path(scope.split("::", 1)[0]).name
-    minutes = FILE_MINUTES.get(name, 0.0)
-    return minutes / tests_in_file[name] if "::" in scope else minutes
+def unit_minutes(scope: str) -> float:
+    """A work unit's rank: its file's minutes (each test of a split file has its file's)."""
+    return FILE_MINUTES.get(Path(scope.split("::", 1)[0]).name, 0.0)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -80,8 +106,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
         def _assign_work_unit(self, node: Any) -> None:
             if not self.ordered:  # the first call: the queue is complete, nothing sent yet
-                per_file = Counter(Path(s.split("::", 1)[0]).name for s in self.workqueue)
-                units = sorted(self.workqueue.items(), key=lambda u: -unit_minutes(u[0], per_file))
+                units = sorted(self.workqueue.items(), key=lambda u: -unit_minutes(u[0]))
                 self.workqueue = OrderedDict(units)
                 self.ordered = True
             super()._assign_work_unit(node)
@@ -322,6 +347,25 @@ def train_checkpoint(
     trainer.fit(Classifier(card=card.contract(), arch="cnn"), loader)
     trainer.save_checkpoint(root / "best.ckpt")
     return root / "best.ckpt"
+
+
+def make_card(
+    classes: int | tuple[str, ...],
+    shape: tuple[int, int, int],
+    mean: float | tuple[float, ...] = 0.5,
+    std: float | tuple[float, ...] = 0.25,
+    source: str = "folder",
+    **more: Any,
+) -> Card:
+    """A card for [C,H,W] images: ``classes`` named (or counted: c0, c1, ...); a single
+    ``mean``/``std`` holds for every channel; ``more``: Card's other fields."""
+    channels, height, width = shape
+    names = tuple(f"c{i}" for i in range(classes)) if isinstance(classes, int) else classes
+
+    def per_channel(value: float | tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(value) if isinstance(value, tuple) else (value,) * channels
+
+    return Card(source, names, channels, height, width, per_channel(mean), per_channel(std), **more)
 
 
 def write_tiny_onnx(

@@ -28,7 +28,7 @@ from trainyard.core.io import sha256_file
 from trainyard.runtime.sessions import load_onnx
 from trainyard.watch.log import read_log
 
-from conftest import REPO, VENV_BIN, has_cuda, stop_group, train_checkpoint
+from conftest import REPO, VENV_BIN, has_cuda, make_card, stop_group, train_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -329,23 +329,13 @@ RGB_CLASSES = ("red car", "Straße/β", "ünïcode ✓")
 def rgb_model(tmp_path_factory):
     """An RGB 3x40x48 model, centre-crop policy, class names with spaces, '/' and
     non-ASCII letters: trained a few steps by the real code and exported with its card."""
-    from trainyard.core.card import Card
     from trainyard.export.onnx_export import export_and_verify
 
     from conftest import draw_shape
 
     root = tmp_path_factory.mktemp("rgb-model")
     rng = np.random.default_rng(3)
-    card = Card(
-        source="folder",
-        classes=RGB_CLASSES,
-        channels=3,
-        height=40,
-        width=48,
-        mean=(0.5, 0.45, 0.4),
-        std=(0.25, 0.26, 0.27),
-        resize="crop",
-    )
+    card = make_card(RGB_CLASSES, (3, 40, 48), (0.5, 0.45, 0.4), (0.25, 0.26, 0.27), resize="crop")
     kinds = ("circle", "square", "triangle")
     images = np.stack(
         [
