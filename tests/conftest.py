@@ -368,6 +368,20 @@ def make_card(
     return Card(source, names, channels, height, width, per_channel(mean), per_channel(std), **more)
 
 
+def save_onnx(graph: Any, path: Path, props: dict[str, str]) -> Path:
+    """``graph`` as an opset-17 model (IR version 8, which every onnxruntime here reads),
+    with metadata ``props``, checked and saved at ``path``."""
+    import onnx
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    helper.set_model_props(model, props)
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
 def write_tiny_onnx(
     folder: Path,
     card: Any,
@@ -381,7 +395,6 @@ def write_tiny_onnx(
 
     One output, as models were exported before the embedding; ``embedding=True`` adds a
     second output, ``embedding`` = flat input @ weights["embedding_weight"] ([N, 4]), as now."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     from trainyard.core.card import METADATA_KEY
@@ -411,22 +424,15 @@ def write_tiny_onnx(
         outputs,
         initializer=initializer,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    helper.set_model_props(
-        model,
-        {
-            METADATA_KEY: json.dumps(card.contract()),
-            "classes": json.dumps(list(card.classes)),
-            "mlflow_run_id": run_id,
-            "data_sha256": data_sha,
-            "arch": "tiny",
-        },
-    )
-    onnx.checker.check_model(model)
+    props = {
+        METADATA_KEY: json.dumps(card.contract()),
+        "classes": json.dumps(list(card.classes)),
+        "mlflow_run_id": run_id,
+        "data_sha256": data_sha,
+        "arch": "tiny",
+    }
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "model.onnx"
-    onnx.save(model, path)
+    path = save_onnx(graph, folder / "model.onnx", props)
     path.with_name("model.onnx.sha256").write_text(f"{sha256_file(path)}  model.onnx\n")
     return path, weights
 
