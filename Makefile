@@ -217,7 +217,7 @@ exps: venv
 	$(BIN)/trainyard exps $(EXPS_ARGS)
 
 # Two processes, one test file each at a time (--dist loadfile: a module's fixtures stay in
-# one process; tests/conftest.py hands out the longest files first): the suite spends much
+# one process; tests/scheduling.py hands out the longest files first): the suite spends much
 # of its time waiting on real servers and pipelines. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
