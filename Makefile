@@ -217,8 +217,8 @@ exps: venv
 	$(BIN)/trainyard exps $(EXPS_ARGS)
 
 # Two processes, one test file each at a time (--dist loadfile: a module's fixtures stay in
-# one process): the suite spends much of its time waiting on real servers and pipelines,
-# so two cores run it in ~16 min instead of ~23. TEST_WORKERS=0 runs it in one process.
+# one process; tests/scheduling.py hands out the longest files first): the suite spends much
+# of its time waiting on real servers and pipelines. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
 test: venv

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gzip
 import json
 import os
@@ -12,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,14 @@ import numpy as np
 import pytest
 import yaml
 
+# make test's order of work (a pytest-xdist hook: registered by being here).
+from scheduling import pytest_xdist_make_scheduler  # noqa: F401
+
 from team.mlflow_server import wait_healthy
+from trainyard.core.card import Card
 from trainyard.core.handoffs import TrainRecord
 from trainyard.core.pause_points import PAUSE_AT, PAUSE_FILE
-from trainyard.data.idx import write_idx_bytes
+from trainyard.data.idx import read_idx, write_idx_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 # A background job of a non-interactive shell (`cmd &` in a script) starts with SIGINT
@@ -308,6 +314,39 @@ def train_checkpoint(
     return root / "best.ckpt"
 
 
+def make_card(
+    classes: int | tuple[str, ...],
+    shape: tuple[int, int, int],
+    mean: float | tuple[float, ...] = 0.5,
+    std: float | tuple[float, ...] = 0.25,
+    source: str = "folder",
+    **more: Any,
+) -> Card:
+    """A card for [C,H,W] images: ``classes`` named (or counted: c0, c1, ...); a single
+    ``mean``/``std`` holds for every channel; ``more``: Card's other fields."""
+    channels, height, width = shape
+    names = tuple(f"c{i}" for i in range(classes)) if isinstance(classes, int) else classes
+
+    def per_channel(value: float | tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(value) if isinstance(value, tuple) else (value,) * channels
+
+    return Card(source, names, channels, height, width, per_channel(mean), per_channel(std), **more)
+
+
+def save_onnx(graph: Any, path: Path, props: dict[str, str]) -> Path:
+    """``graph`` as an opset-17 model (IR version 8, which every onnxruntime here reads),
+    with metadata ``props``, checked and saved at ``path``."""
+    import onnx
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    helper.set_model_props(model, props)
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
 def write_tiny_onnx(
     folder: Path,
     card: Any,
@@ -321,7 +360,6 @@ def write_tiny_onnx(
 
     One output, as models were exported before the embedding; ``embedding=True`` adds a
     second output, ``embedding`` = flat input @ weights["embedding_weight"] ([N, 4]), as now."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     from trainyard.core.card import METADATA_KEY
@@ -351,22 +389,15 @@ def write_tiny_onnx(
         outputs,
         initializer=initializer,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    helper.set_model_props(
-        model,
-        {
-            METADATA_KEY: json.dumps(card.contract()),
-            "classes": json.dumps(list(card.classes)),
-            "mlflow_run_id": run_id,
-            "data_sha256": data_sha,
-            "arch": "tiny",
-        },
-    )
-    onnx.checker.check_model(model)
+    props = {
+        METADATA_KEY: json.dumps(card.contract()),
+        "classes": json.dumps(list(card.classes)),
+        "mlflow_run_id": run_id,
+        "data_sha256": data_sha,
+        "arch": "tiny",
+    }
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "model.onnx"
-    onnx.save(model, path)
+    path = save_onnx(graph, folder / "model.onnx", props)
     path.with_name("model.onnx.sha256").write_text(f"{sha256_file(path)}  model.onnx\n")
     return path, weights
 
@@ -384,15 +415,84 @@ def small_pipeline_repo(dest: Path, fashion_dir: Path) -> Path:
     return repo
 
 
+def shared_folder(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]
+) -> Path:
+    """``build(folder)`` once per test run, whatever the number of xdist workers: the first
+    worker to ask builds under an exclusive lock in the run's common temp root, the others
+    wait for it and use its folder (pytest-xdist's "session-scoped fixtures execute only
+    once" recipe). A build that failed fails the other workers with its error instead of
+    running again. Users only read the folder: it is the run's one copy."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # popen-gwN's parent: the run's temp root, common to the workers
+    folder, failed = root / f"shared-{name}", root / f"shared-{name}.failed"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if failed.exists():
+            pytest.fail(
+                f"the shared {name}: its build failed in another worker:\n{failed.read_text()}"
+            )
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                build(folder)
+            except BaseException:
+                failed.write_text(traceback.format_exc()[-6000:])
+                raise
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def reproduced_pipeline(fashion_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The small pipeline after its first `dvc repro`, run once per session: modules take
-    their own copy (``copy_reproduced``) instead of each training from scratch. Never
-    changed itself; the first repro's output is beside it, in ``first_repro.log``."""
-    repo = small_pipeline_repo(tmp_path_factory.mktemp("reproduced") / "trainyard", fashion_dir)
-    first = dvc(repo, "repro")
-    (repo.parent / "first_repro.log").write_text(first.stdout + first.stderr)
-    return repo
+    """The small pipeline after its first `dvc repro`, run once per test run (shared by the
+    xdist workers): modules take their own copy (``copy_reproduced``) instead of each
+    training from scratch. Never changed itself; the first repro's output is beside it, in
+    ``first_repro.log``."""
+
+    def build(folder: Path) -> None:
+        repo = small_pipeline_repo(folder / "trainyard", fashion_dir)
+        first = dvc(repo, "repro")
+        (folder / "first_repro.log").write_text(first.stdout + first.stderr)
+
+    return shared_folder(tmp_path_factory, "reproduced", build) / "trainyard"
+
+
+SERVED_IMAGES = 240  # real test images the serving tests send and compare with offline ONNX
+
+
+@pytest.fixture(scope="session")
+def test_set(fashion_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The first SERVED_IMAGES Fashion-MNIST test images [N,28,28] and their labels."""
+    images = read_idx(fashion_dir / "t10k-images-idx3-ubyte.gz")[:SERVED_IMAGES]
+    labels = read_idx(fashion_dir / "t10k-labels-idx1-ubyte.gz")[:SERVED_IMAGES]
+    return images, labels
+
+
+@pytest.fixture(scope="session")
+def model_dir(fashion_dir: Path, test_set: tuple[np.ndarray, np.ndarray], tmp_path_factory) -> Path:
+    """models/model.onnx + .sha256 from the real export code (its parity gate on
+    ``test_set``), after a few training steps on real Fashion-MNIST: one model per test run,
+    shared by the xdist workers and the serving modules, which only read it."""
+    from trainyard.export.onnx_export import export_and_verify
+
+    def build(root: Path) -> None:
+        train = read_idx(fashion_dir / "train-images-idx3-ubyte.gz")[:512]
+        labels = read_idx(fashion_dir / "train-labels-idx1-ubyte.gz")[:512]
+        train_checkpoint(root, train, labels, steps=8, batch_size=64, mean=0.286, std=0.353)
+        export_and_verify(
+            root / "best.ckpt",
+            root / "model.onnx",
+            test_set[0][:, None],
+            opset=18,
+            max_abs_diff=1e-4,
+            run_id="run-for-serving-tests",
+            data_sha256="d" * 64,
+        )
+
+    return shared_folder(tmp_path_factory, "serving-model", build)
 
 
 def copy_reproduced(src: Path, dest: Path) -> Path:

@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from trainyard.core.card import Card
 from trainyard.core.config import ExportParams, parse_params
 from trainyard.core.errors import ParamsError
 from trainyard.export.onnx_export import check_parity, export_onnx
@@ -21,6 +20,8 @@ from trainyard.model.backbones import BACKBONES
 from trainyard.model.classifier import Classifier
 from trainyard.model.networks import build_model
 from trainyard.runtime.sessions import load_onnx
+
+from conftest import make_card
 
 torchvision = pytest.importorskip("torchvision")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -64,15 +65,7 @@ def test_every_backbone_exports_to_onnx_with_parity(tmp_path, arch):
     stem is torchvision's own). Tiny images keep it quick (the export's trace dominates)."""
     assert parse_params({"train": {"arch": arch}}).train.arch == arch
     torch.manual_seed(0)
-    card = Card(
-        source="folder",
-        classes=("a", "b", "c"),
-        channels=1,
-        height=32,
-        width=32,
-        mean=(0.5,),
-        std=(0.25,),
-    )
+    card = make_card(("a", "b", "c"), (1, 32, 32))
     model = Classifier(card, arch=arch).eval()
     path = tmp_path / f"{arch}.onnx"
     export_onnx(model, path, ExportParams().opset, {"arch": arch})

@@ -43,7 +43,7 @@ import yaml
 from pathspec import PathSpec
 from test_layers import BENTO_ENTRIES, BENTO_PACKAGES
 
-from conftest import REPO, VENV_BIN, dvc, repo_files, small_pipeline_repo, stage_env, stop_group
+from conftest import REPO, VENV_BIN, copy_reproduced, repo_files, stage_env, stop_group
 
 BENTO_NAME = "trainyard_classifier"
 MANIFEST = REPO / "deploy" / "kubernetes.yaml"
@@ -251,27 +251,13 @@ def clean_env(venv: Path | None = None, **extra: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------- fixtures
 
 
-def write_reference(models: Path) -> None:
-    """A drift reference for the exported model, as evaluate writes it (the fixture runs no
-    evaluate): the bento must ship it, and its service load it."""
-    from trainyard.core.io import sha256_file
-    from trainyard.runtime.sessions import load_onnx
-    from trainyard.watch.reference import build_reference, save_reference
-
-    model = load_onnx(models / "model.onnx", "cpu", say=False)
-    probs = np.random.default_rng(0).dirichlet(np.ones(len(model.classes)), 500)
-    sha = sha256_file(models / "model.onnx")
-    reference = build_reference(model.classes, probs, None, model_sha256=sha)
-    save_reference(reference, models / "model.reference.npz")
-
-
 @pytest.fixture(scope="module")
-def pipeline_repo(fashion_dir, tmp_path_factory) -> Path:
-    """A repository copy after a real `dvc repro export` (3,000-image slice, 1 epoch), plus
-    decoys that a loose include pattern would pick up."""
-    repo = small_pipeline_repo(tmp_path_factory.mktemp("bento-pipeline") / "trainyard", fashion_dir)
-    dvc(repo, "repro", "export")
-    write_reference(repo / "models")
+def pipeline_repo(reproduced_pipeline, tmp_path_factory) -> Path:
+    """A copy of the session's reproduced small pipeline (a real `dvc repro`: 3,000-image
+    slice, 1 epoch; evaluate's drift reference included, which the bento must ship and its
+    service load), plus decoys that a loose include pattern would pick up."""
+    repo = copy_reproduced(reproduced_pipeline, tmp_path_factory.mktemp("bento") / "trainyard")
+    assert (repo / "models/model.reference.npz").is_file()
     run = repo / "mlruns" / "0" / "decoy-run" / "artifacts"
     for rel, data in {
         "config/params.yaml": (repo / "params.yaml").read_bytes(),  # MLflow's copy

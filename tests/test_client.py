@@ -21,9 +21,8 @@ from test_serving import API_KEY, png
 
 from trainyard.core.io import sha256_file
 
-# test_serving's module-scoped fixtures, used here by name (one model, two servers).
-model_dir, test_set, offline = test_serving.model_dir, test_serving.test_set, test_serving.offline
-server, keyed_server = test_serving.server, test_serving.keyed_server
+# test_serving's module-scoped fixtures, used here by name (two servers of conftest's model).
+offline, server, keyed_server = test_serving.offline, test_serving.server, test_serving.keyed_server
 
 pytestmark = pytest.mark.slow
 

@@ -25,6 +25,8 @@ from trainyard.evaluation.scoring import (
 )
 from trainyard.runtime.inputs import softmax
 
+from conftest import save_onnx
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Every awkward thing a folder name can hold: spaces, '/', CSV and TeX specials, accents,
 # CJK (no glyphs in DejaVu), a newline, a lone carriage return, and names that differ only
@@ -55,7 +57,6 @@ def make_card(classes: list[str], shape: tuple[int, int, int] = (3, 8, 6)) -> Ca
 
 def make_model(path: Path, card: Card, outputs: int | None = None, seed: int = 0) -> np.ndarray:
     """An ONNX model: logits = flatten(x) @ W (W returned), the card in its metadata."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     k = card.num_classes if outputs is None else outputs
@@ -71,11 +72,7 @@ def make_model(path: Path, card: Card, outputs: int | None = None, seed: int = 0
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", k])],
         initializer=[numpy_helper.from_array(weight, "W")],
     )
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    proto.ir_version = 8
-    helper.set_model_props(proto, {METADATA_KEY: json.dumps(card.contract())})
-    onnx.checker.check_model(proto)
-    onnx.save(proto, path)
+    save_onnx(graph, path, {METADATA_KEY: json.dumps(card.contract())})
     return weight
 
 

@@ -23,6 +23,8 @@ from test_serve_unit import CARD, client_for, png, write_tiny_model
 
 from trainyard.core.card import Card
 
+from conftest import make_card
+
 MAX_PIXELS = 200_000  # the clients' serve.max_image_pixels: sizes up to it stay fast
 FUZZ = settings(
     max_examples=200,
@@ -31,16 +33,7 @@ FUZZ = settings(
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-RGB_PAD = Card(
-    source="folder",
-    classes=("a", "b"),
-    channels=3,
-    height=8,
-    width=6,
-    mean=(0.5, 0.5, 0.5),
-    std=(0.25, 0.25, 0.25),
-    resize="pad",
-)
+RGB_PAD = make_card(("a", "b"), (3, 8, 6), resize="pad")
 
 
 def clients(folder, card: Card, batching: bool) -> Iterator[TestClient]:

@@ -37,6 +37,8 @@ from trainyard.training.gpu_busy import GpuBusyMeter
 from trainyard.training.history import History
 from trainyard.training.perf import InputBoundMeter
 
+from conftest import make_card
+
 aten = torch.ops.aten
 # What .item(), float(t), int(t), bool(t), `if t:` and torch.equal dispatch to: each one
 # copies a value to the host, which on a GPU waits for the queue to drain.
@@ -105,15 +107,7 @@ class CountSyncs(L.Callback):
 
 
 def _card() -> Card:
-    return Card(
-        source="test",
-        classes=tuple(f"c{i}" for i in range(4)),
-        channels=1,
-        height=16,
-        width=16,
-        mean=(0.3,),
-        std=(0.35,),
-    )
+    return make_card(4, (1, 16, 16), 0.3, 0.35, source="test")
 
 
 def _arrays(n_train: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -28,7 +28,7 @@ from trainyard.runtime.inputs import model_input, softmax
 from trainyard.runtime.sessions import CPU, CUDA, binding_device, load_onnx, run_bound
 from trainyard.serve.predictor import Predictor
 
-from conftest import write_tiny_onnx
+from conftest import save_onnx, write_tiny_onnx
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainyard"
 CARD = Card("folder", tuple(f"c{i}" for i in range(5)), 1, 12, 12, (0.3,), (0.2,))
@@ -57,11 +57,7 @@ def conv_model(path: Path, card: Card = CARD) -> Path:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", card.num_classes])],
         initializer=[numpy_helper.from_array(v.astype(np.float32), k) for k, v in init.items()],
     )
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    proto.ir_version = 8
-    helper.set_model_props(proto, {METADATA_KEY: json.dumps(card.contract())})
-    onnx.checker.check_model(proto)
-    onnx.save(proto, path)
+    save_onnx(graph, path, {METADATA_KEY: json.dumps(card.contract())})
     return path
 
 

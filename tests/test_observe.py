@@ -21,30 +21,12 @@ from trainyard.runtime.inputs import decode_image
 from trainyard.serve.settings import Settings, shadow_source
 from trainyard.watch.log import PredictionLog, keep_under, log_files, read_log
 
-from conftest import write_tiny_onnx
+from conftest import make_card, write_tiny_onnx
 
 PNG = {"Content-Type": "image/png"}
-CARD = Card(
-    source="folder",
-    classes=("circle", "square", "triangle"),
-    channels=3,
-    height=8,
-    width=8,
-    mean=(0.5, 0.5, 0.5),
-    std=(0.25, 0.25, 0.25),
-    resize="stretch",
-)
+CARD = make_card(("circle", "square", "triangle"), (3, 8, 8), resize="stretch")
 # The challenger asks for another input (grayscale, 6x6): it decodes the upload itself.
-OTHER = Card(
-    source="folder",
-    classes=("circle", "square", "triangle"),
-    channels=1,
-    height=6,
-    width=6,
-    mean=(0.5,),
-    std=(0.25,),
-    resize="stretch",
-)
+OTHER = make_card(CARD.classes, (1, 6, 6), resize="stretch")
 
 
 def model_input(card: Card, image: Image.Image) -> np.ndarray:

@@ -17,7 +17,7 @@ import pytest
 import requests
 from starlette.testclient import TestClient
 from test_serve_unit import CLASSES, PHOTOS, service_client, write_tiny_model
-from test_serving import model_dir, server, test_set  # noqa: F401  (fixtures, for the slow test)
+from test_serving import server  # noqa: F401  (a fixture, for the slow test; model_dir: conftest)
 
 ENDPOINTS = {"/classify", "/classify_batch", "/metadata"}  # POST, BentoML api methods
 PROBES = ("/healthz", "/livez", "/readyz", "/metrics")

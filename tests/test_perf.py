@@ -25,7 +25,7 @@ from trainyard.training.datamodule import TensorBatches
 from trainyard.training.gpu_busy import GpuBusyMeter, NvmlSampler, busy_figures, gpu_busy_of
 from trainyard.training.perf import LEVELS, InputBoundMeter, StepTotals, level_of, verdict
 
-from conftest import has_cuda
+from conftest import has_cuda, make_card
 
 # ------------------------------------------------------------------ verdict (pure)
 
@@ -100,15 +100,7 @@ def test_step_totals_fraction():
 
 
 def card(channels: int, size: int, classes: int = 4) -> dict:
-    return Card(
-        source="folder",
-        classes=tuple(f"c{i}" for i in range(classes)),
-        channels=channels,
-        height=size,
-        width=size,
-        mean=(0.5,) * channels,
-        std=(0.25,) * channels,
-    ).contract()
+    return make_card(classes, (channels, size, size)).contract()
 
 
 class JpegFolder(Dataset):

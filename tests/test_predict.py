@@ -24,22 +24,20 @@ from PIL import Image
 from trainyard.bulk import command_line
 from trainyard.bulk import job as command
 from trainyard.bulk.listing import list_inputs, parse_shard, shard_range
-from trainyard.core.card import Card
 from trainyard.core.errors import DataError
 
-from conftest import REPO, make_photo_folder, pause_env, stage_env, wait_paused, write_tiny_onnx
+from conftest import (
+    REPO,
+    make_card,
+    make_photo_folder,
+    pause_env,
+    stage_env,
+    wait_paused,
+    write_tiny_onnx,
+)
 
 CLASSES = ("circle", "square", "triangle")
-CARD = Card(
-    source="folder",
-    classes=CLASSES,
-    channels=3,
-    height=12,
-    width=12,
-    mean=(0.5, 0.4, 0.3),
-    std=(0.25, 0.2, 0.3),
-    resize="crop",
-)
+CARD = make_card(CLASSES, (3, 12, 12), (0.5, 0.4, 0.3), (0.25, 0.2, 0.3), resize="crop")
 
 
 @pytest.fixture(scope="module")

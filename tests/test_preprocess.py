@@ -14,25 +14,11 @@ from trainyard.core.card import METADATA_KEY, Card, card_from_metadata
 from trainyard.core.errors import InputError, ModelError
 from trainyard.runtime.inputs import decode_image, model_input, pixel_arrays, softmax
 
-CONTRACT = Card(
-    source="test",
-    classes=tuple(f"c{i}" for i in range(10)),
-    channels=1,
-    height=28,
-    width=28,
-    mean=(0.3,),
-    std=(0.35,),
-    resize="pad",
-)
-RGB = Card(
-    source="test",
-    classes=("a", "b"),
-    channels=3,
-    height=8,
-    width=6,
-    mean=(0.1, 0.2, 0.3),
-    std=(0.5, 0.25, 0.2),
-    resize="crop",
+from conftest import make_card
+
+CONTRACT = make_card(10, (1, 28, 28), 0.3, 0.35, source="test", resize="pad")
+RGB = make_card(
+    ("a", "b"), (3, 8, 6), (0.1, 0.2, 0.3), (0.5, 0.25, 0.2), source="test", resize="crop"
 )
 
 

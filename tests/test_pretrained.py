@@ -27,18 +27,17 @@ from trainyard.training import recipe
 from trainyard.training.builder import build_trainer
 from trainyard.training.recipe import plan
 
+from conftest import make_card
+
 LITE = weights.PACKAGED[LITE_ARCH]
 
 
 def _card(channels: int = 3, size: int = 32, side: int | None = None, n: int = 40) -> Card:
-    return Card(
-        source="folder",
-        classes=("a", "b", "c"),
-        channels=channels,
-        height=size,
-        width=size,
-        mean=(0.45,) * channels,
-        std=(0.22,) * channels,
+    return make_card(
+        ("a", "b", "c"),
+        (channels, size, size),
+        0.45,
+        0.22,
         resize="crop",
         counts={"train": {"total": n}, "val": {"total": n // 4}, "test": {"total": n // 4}},
         extra={} if side is None else {"median_shorter_side": side},

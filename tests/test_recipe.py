@@ -21,19 +21,12 @@ from trainyard.training import recipe, speed
 from trainyard.training.builder import HARD_STOP, time_limit_min
 from trainyard.training.recipe import CLASSIC, Facts, choose_batch, choose_epochs, load_plan, plan
 
+from conftest import make_card
+
 
 def _card(classes: int, channels: int, size: int) -> Card:
-    return Card(
-        source="folder",
-        classes=tuple(f"c{i}" for i in range(classes)),
-        channels=channels,
-        height=size,
-        width=size,
-        mean=(0.0,) * channels,
-        std=(1.0,) * channels,
-        resize="crop",
-        fill=0,
-        interpolation="bilinear",
+    return make_card(
+        classes, (channels, size, size), 0.0, 1.0, resize="crop", fill=0, interpolation="bilinear"
     )
 
 

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 from starlette.testclient import TestClient
 from test_serve_unit import CARD, client_for, guarded, png
-from test_serving import model_dir, server, test_set  # noqa: F401  (fixtures)
+from test_serving import server  # noqa: F401  (a fixture; model_dir, test_set: conftest)
 
 from trainyard.core.config import ServeParams
 from trainyard.core.errors import InputError

@@ -46,19 +46,10 @@ from trainyard.serve.parsing import (
 )
 from trainyard.serve.refused import Refused
 
-from conftest import REPO, write_tiny_onnx
+from conftest import REPO, make_card, write_tiny_onnx
 
 CLASSES = ("cat", "dog", "bird")
-CARD = Card(
-    source="folder",
-    classes=CLASSES,
-    channels=1,
-    height=4,
-    width=4,
-    mean=(0.5,),
-    std=(0.25,),
-    resize="stretch",
-)
+CARD = make_card(CLASSES, (1, 4, 4), resize="stretch")
 RUN_ID, DATA_SHA = "tiny-run", "d" * 64
 
 

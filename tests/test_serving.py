@@ -25,47 +25,20 @@ import yaml
 from PIL import Image
 
 from trainyard.core.io import sha256_file
-from trainyard.data.idx import read_idx
 from trainyard.runtime.sessions import load_onnx
 from trainyard.watch.log import read_log
 
-from conftest import REPO, VENV_BIN, has_cuda, stop_group, train_checkpoint
+from conftest import REPO, VENV_BIN, has_cuda, make_card, stop_group, train_checkpoint
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "s3cret-test-key"
-N_IMAGES = 240  # real test images compared over HTTP with offline ONNX Runtime
 
 
 # ---------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def test_set(fashion_dir):
-    images = read_idx(fashion_dir / "t10k-images-idx3-ubyte.gz")[:N_IMAGES]
-    labels = read_idx(fashion_dir / "t10k-labels-idx1-ubyte.gz")[:N_IMAGES]
-    return images, labels
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, fashion_dir, test_set):
-    """models/model.onnx + .sha256 from the real export code, after a few training steps."""
-    from trainyard.export.onnx_export import export_and_verify
-
-    root = tmp_path_factory.mktemp("serving-model")
-    train = read_idx(fashion_dir / "train-images-idx3-ubyte.gz")[:512]
-    labels = read_idx(fashion_dir / "train-labels-idx1-ubyte.gz")[:512]
-    train_checkpoint(root, train, labels, steps=8, batch_size=64, mean=0.286, std=0.353)
-    export_and_verify(
-        root / "best.ckpt",
-        root / "model.onnx",
-        test_set[0][:, None],
-        opset=18,
-        max_abs_diff=1e-4,
-        run_id="run-for-serving-tests",
-        data_sha256="d" * 64,
-    )
-    return root
+# model_dir and test_set: conftest's, one trained and exported model per test run.
 
 
 @pytest.fixture(scope="module")
@@ -356,23 +329,13 @@ RGB_CLASSES = ("red car", "Straße/β", "ünïcode ✓")
 def rgb_model(tmp_path_factory):
     """An RGB 3x40x48 model, centre-crop policy, class names with spaces, '/' and
     non-ASCII letters: trained a few steps by the real code and exported with its card."""
-    from trainyard.core.card import Card
     from trainyard.export.onnx_export import export_and_verify
 
     from conftest import draw_shape
 
     root = tmp_path_factory.mktemp("rgb-model")
     rng = np.random.default_rng(3)
-    card = Card(
-        source="folder",
-        classes=RGB_CLASSES,
-        channels=3,
-        height=40,
-        width=48,
-        mean=(0.5, 0.45, 0.4),
-        std=(0.25, 0.26, 0.27),
-        resize="crop",
-    )
+    card = make_card(RGB_CLASSES, (3, 40, 48), (0.5, 0.45, 0.4), (0.25, 0.26, 0.27), resize="crop")
     kinds = ("circle", "square", "triangle")
     images = np.stack(
         [

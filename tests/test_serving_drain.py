@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import requests
 from PIL import Image
-from test_serving import Server, model_dir, server_env, test_set, write_params  # noqa: F401
+from test_serving import Server, server_env, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def refused(port: int) -> bool:
     return False
 
 
-def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(tmp_path, model_dir):  # noqa: F811
+def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(tmp_path, model_dir):
     params = write_params(tmp_path / "params.yaml", workers=1, batching=False, access_log=False)
     srv = Server(server_env(params, model_dir / "model.onnx"), tmp_path / "serve.log")
     try:

@@ -31,7 +31,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
-from test_serving import API_KEY, keyed_server, model_dir, server, test_set  # noqa: F401
+from test_serving import API_KEY, keyed_server, server  # noqa: F401
 
 from conftest import REPO
 
@@ -166,7 +166,7 @@ def confident_image(url: str, test_data: tuple[np.ndarray, np.ndarray]) -> bytes
 
 def test_page_shows_the_apis_answer_for_an_uploaded_test_image(
     server,  # noqa: F811
-    test_set,  # noqa: F811
+    test_set,
     browser,
     tmp_path,
 ):
@@ -235,7 +235,7 @@ def test_page_shows_the_apis_message_for_a_file_that_is_no_image(server, browser
 
 def test_page_asks_for_the_key_and_classifies_a_dropped_image(
     keyed_server,  # noqa: F811
-    test_set,  # noqa: F811
+    test_set,
     browser,
 ):
     auth = {"Authorization": f"Bearer {API_KEY}"}
