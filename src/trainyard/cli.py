@@ -1,6 +1,6 @@
 """The ``trainyard`` command: ``trainyard <command> ...``, one module of trainyard.commands
 per command (as DVC's dvc/cli/parser.py lists dvc/commands/). A new command: its module,
-and one line in ``COMMANDS`` (the README's command table lists it too: tests/test_cli.py)."""
+and one line in ``COMMANDS`` (the README's command table lists it too: tests/house/test_cli.py)."""
 
 from __future__ import annotations
 

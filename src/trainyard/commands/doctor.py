@@ -14,7 +14,7 @@ Runtime providers ``runtime.sessions.choose_providers``, the folder's images ``d
 
 Exit status: 0 fine (warnings allowed), 1 a broken setup (the message says what is broken
 and what to do), 2 bad usage. Never imports mlflow, dvc or bentoml (it runs on a bare GPU
-machine: tests/test_gpu_bare.py).
+machine: tests/bench/test_gpu_bare.py).
 
 Layout: ``trainyard.doctor.collect`` gathers facts (reads the machine: ``machine`` for CPU,
 RAM, GPUs, torch and ONNX Runtime, ``dataset`` for the disk and the dataset); ``verdicts``

@@ -2,7 +2,7 @@
 
 Every stage validates the *whole* file, so a mistyped key anywhere fails fast with its
 dotted name (``train.max_epoch: unknown key``) instead of being silently ignored.
-The models' defaults are params.yaml's values (tests/test_config.py holds them equal), so
+The models' defaults are params.yaml's values (tests/core/test_config.py holds them equal), so
 code that builds ``Params()`` without the file runs what the pipeline runs.
 """
 
@@ -129,7 +129,7 @@ class TrainParams(_Strict):
     time_budget_min: float | None = Field(4.0, gt=0, le=7 * 24 * 60)
     # A hard stop: auto = 1.25x the budget under plan timed, none under plan fixed
     time_limit_min: Annotated[float, Field(gt=0, le=7 * 24 * 60)] | Auto | None = "auto"
-    # trainyard.model.networks.ARCH_NAMES (tests/test_models.py holds the two equal)
+    # trainyard.model.networks.ARCH_NAMES (tests/model/test_models.py holds the two equal)
     arch: (
         Literal[
             "cnn",
@@ -272,7 +272,7 @@ class ServeParams(_Strict):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, le=1024**3)
     max_concurrency: int = Field(256, ge=2, le=100_000)
     timeout_s: float = Field(10.0, gt=0, le=3600)
-    # Hostile input limits (tests/test_serve_limits.py): each a 4xx that names it.
+    # Hostile input limits (tests/serve/test_serve_limits.py): each a 4xx that names it.
     max_aspect_ratio: float = Field(100, ge=1, le=100_000)
     max_json_depth: int = Field(8, ge=5, le=100)
     max_json_values: int = Field(1_048_576, ge=1, le=1_000_000_000)
@@ -326,7 +326,7 @@ class PredictParams(_Strict):
 
 class DriftParams(_Strict):
     """``trainyard drift`` and the model's reference (docs/drift.md). The thresholds were
-    calibrated by measurement (tests/test_drift.py holds them to it): a window of the test
+    calibrated by measurement (tests/watch/test_drift.py holds them to it): a window of the test
     distribution is flagged at most once in 20, every shift the tests make always."""
 
     # p-value below which a measure's test says "differs"; one per measure, Bonferroni-like

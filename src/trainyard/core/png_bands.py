@@ -156,7 +156,7 @@ def _band_png(layout: PngLayout, parts: list[bytes], rows: int) -> bytes:
 
     The IDAT chunk's CRC is left 0: Pillow's reader does not check it (PngImagePlugin's
     load_read skips it), and a CRC of every byte would cost a sixth of the decode. Were a
-    Pillow to check it, every streamed PNG would fail loudly (tests/test_large_images.py),
+    Pillow to check it, every streamed PNG would fail loudly (tests/data/test_large_images.py),
     never decode to wrong pixels."""
     header = struct.pack(">IIBBBBB", layout.width, rows, layout.depth, layout.colour, 0, 0, 0)
     stream = _stored(parts)

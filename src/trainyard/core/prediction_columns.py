@@ -1,7 +1,7 @@
 """The prediction tables' columns, each spelled once: the table ``trainyard predict`` writes
 (``trainyard.bulk.table``), the service's prediction log (``trainyard.watch.log``) and what
 ``trainyard drift`` reads of either (``trainyard.watch.current``). docs/predict.md's column
-table is this module in prose (tests/test_prediction_columns.py holds them equal).
+table is this module in prose (tests/core/test_prediction_columns.py holds them equal).
 
 A column's type is a plain name (core imports no pyarrow): a ``pyarrow.type_for_alias``
 name, or ``UTC_TIME``; each writer builds its pyarrow schema from these.

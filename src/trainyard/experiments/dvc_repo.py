@@ -1,4 +1,4 @@
-"""DVC's Python API behind trainyard: the one module that imports ``dvc`` (tests/test_layers.py).
+"""DVC's Python API behind trainyard: the one module that imports ``dvc`` (test_layers.py).
 
 What ``trainyard report`` asks of the repository: DVC's own params and metrics diffs against
 a revision, and a file as it was at a revision (from git or the DVC cache). The commands

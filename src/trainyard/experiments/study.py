@@ -1,4 +1,4 @@
-"""Optuna behind ``trainyard tune``: the one module that imports it (tests/test_layers.py).
+"""Optuna behind ``trainyard tune``: the one module that imports it (tests/house/test_layers.py).
 
 - storage: Optuna's RDB storage with heartbeats (a worker that dies mid-trial has its trial
   failed by the next worker), sqlite beside mlflow.db by default (the study's lock, the

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 # torchvision backbones: name -> (first conv, classification Linear), as submodule paths.
 # Explicit paths rather than a search: a new name is added only once its layout is known
-# (then to TrainParams.arch too; tests/test_backbones.py exports each one). A small and a
+# (then to TrainParams.arch too; tests/model/test_backbones.py exports each one). A small and a
 # large of each family: resnet34, mobilenet_v2 and efficientnet_b1 were near neighbours of
 # these that params never accepted, so they went.
 BACKBONES: dict[str, tuple[str, str]] = {

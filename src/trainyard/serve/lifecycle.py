@@ -23,7 +23,7 @@ def freeze_heap() -> None:
 
 
 def stop_listening_on_sigterm() -> None:
-    """On SIGTERM, stop the port listening before uvicorn drains (tests/test_serving_drain.py).
+    """On SIGTERM, stop the port listening before uvicorn drains (test_serving_drain.py).
 
     BentoML already drains: `bentoml serve` (circus) passes SIGTERM on to each worker,
     whose uvicorn stops accepting, lets every request in flight finish (each bounded by

@@ -38,7 +38,7 @@ def signals_deferred() -> Iterator[None]:
 
     Ctrl-C raises wherever Python happens to be; inside MLflow's sqlite session code that can
     leave a statement or a transaction holding mlflow.db's write lock, so the clean-up's
-    own writes wait out MLflow's 20 s busy timeout (seen in tests/test_interrupt.py). A
+    own writes wait out MLflow's 20 s busy timeout (seen in tests/pipeline/test_interrupt.py). A
     registration's writes take milliseconds: letting them finish and stopping right after is
     both faster and leaves the registry whole. SIGKILL cannot be held; the next registration
     removes what it cut off. Outside the main thread signals cannot be handled: no deferral.
@@ -63,7 +63,7 @@ def release_interrupted_store(err: BaseException) -> None:
     half-stepped, holding a lock on mlflow.db until its cursor is freed, and the cursor lives
     on in the frames of the interrupt's traceback. A write from the handler (mark the run
     KILLED, undo a registration) then waits out MLflow's 20 s busy timeout and fails: the
-    run stayed RUNNING (seen in tests/test_interrupt.py). Clearing those finished frames
+    run stayed RUNNING (seen in tests/pipeline/test_interrupt.py). Clearing those finished frames
     frees the cursor and its lock.
     """
     traceback.clear_frames(err.__traceback__)

@@ -1,6 +1,6 @@
 """The two-sample tests drift uses, in numpy alone (the bento ships no scipy).
 
-tests/test_drift.py checks each against scipy on random data. Every test here compares a
+tests/watch/test_drift.py checks each against scipy on random data. Every test here compares a
 *sample* of the reference with a sample of the current window, so each accounts for the
 noise on both sides (a goodness-of-fit test against the reference's proportions as if they
 were exact would flag a reference that was itself a sample).

@@ -52,7 +52,7 @@ IMAGE = (
 PROJECT = ("trainyard",)
 
 SITECUSTOMIZE = '''\
-"""Hides the packages a bare GPU machine does not have (written by tests/test_gpu_bare.py)."""
+"""Hides the packages a bare GPU machine does not have (written by tests/bench/test_gpu_bare.py)."""
 import json
 import os
 import re
@@ -201,7 +201,7 @@ def test_the_blocker_hides_what_the_image_lacks_and_keeps_what_it_has(bare_env):
 
 
 def test_gpu_check_quick_runs_with_only_the_image_and_gpu_wheels(bare_env, fashion_dir, tmp_path):
-    # A CPU-sized model for the time-to-target part (as tests/test_bench.py): this test is
+    # A CPU-sized model for the time-to-target part (as tests/bench/test_bench.py): this test is
     # about what the check imports, in the parent and in prepare's child process.
     preset = yaml.safe_load((REPO / "presets/fast.yaml").read_text())
     preset["train"].update(arch="cnn", batch_size=256)

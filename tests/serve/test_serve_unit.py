@@ -3,7 +3,7 @@ with its own params.yaml and a tiny ONNX model built here, as BentoML's own ASGI
 (``Service.to_asgi``: the same api methods, middleware and mounted routes) in Starlette's
 TestClient; and the request guard and the parsing, piece by piece.
 
-tests/test_serving.py shows the same behaviour through a real server; these tests pin each
+tests/serve/test_serving.py shows the same behaviour through a real server; these tests pin each
 piece down in milliseconds.
 """
 
@@ -98,7 +98,7 @@ def service_client(model: Path, api_key: str | None = None, **serve) -> Iterator
     params.yaml changed by ``serve`` and ``model`` as $TRAINYARD_MODEL, the environment
     `bentoml serve` reads; its BentoML app in a TestClient, lifespan and all. The client
     carries the worker's ``predictor``. BentoML's request metrics are off: they would be
-    registered twice in this one process (tests/test_serving.py reads them on a server)."""
+    registered twice in this one process (tests/serve/test_serving.py reads them on a server)."""
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["serve"].update({"workers": 1, **serve})
     n = next(_LOADED)
@@ -525,7 +525,7 @@ def test_metadata_describes_the_model_and_its_contract(client, tiny):
     assert meta["input"]["normalization"] == {"scale": 255.0, "mean": [0.5], "std": [0.25]}
     assert meta["source"]["mlflow_run_id"] == RUN_ID
     assert meta["provider"] == "CPUExecutionProvider" and meta["batching"]["enabled"] is False
-    assert meta["io_binding"] is False  # binding only on CUDA (tests/test_io_binding.py)
+    assert meta["io_binding"] is False  # binding only on CUDA (tests/runtime/test_io_binding.py)
 
 
 def test_adaptive_batching_gives_the_same_answers_in_merged_runs(batched_client, tiny):

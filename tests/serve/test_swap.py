@@ -1,5 +1,5 @@
 """The watcher that swaps a followed model, in process (the real `bentoml serve` under load
-is tests/test_promote.py's slow test): what it does on a move, on a failure, and what the
+is tests/track/test_promote.py's slow test): what it does on a move, on a failure, and what the
 start-up line says for each kind of model source."""
 
 from __future__ import annotations

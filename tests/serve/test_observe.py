@@ -1,7 +1,7 @@
 """The service watching itself: the prediction log and the shadow challenger, through the
 real service (bento/service.py's BentoML app, in process, lifespan and all), on tiny
 ONNX models whose answers the test computes itself. The real `bentoml serve` runs of the
-same settings are in tests/test_serving.py."""
+same settings are in tests/serve/test_serving.py."""
 
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ def test_batched_memmap_predictions_equal_whole_set_at_once(tiny, batch_size, mo
     assert result["classes"] == list(card.classes)
     m = result["metrics"]
     assert m["samples"] == 103 and m["provider"] == "CPUExecutionProvider"
-    assert m["io_binding"] is False  # binding only on CUDA (tests/test_io_binding.py)
+    assert m["io_binding"] is False  # binding only on CUDA (tests/runtime/test_io_binding.py)
     assert m["accuracy"] == pytest.approx(float((expected == labels).mean()), abs=1e-6)
     assert np.asarray(m["confusion_matrix"]).sum() == 103
 

@@ -6,7 +6,7 @@ Slow: a real `mlflow server`, four processes (three teammates and a sweep) regis
 versions of one model at the same moment; replayed one by one in version order, the
 recorded decisions must be exactly the ones the sequential rule gives.
 
-The worker is this file run as a script: ``python tests/test_registry_race.py '<json>'``.
+The worker is this file run as a script: ``python tests/track/test_registry_race.py '<json>'``.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def start_workers(server: str, name: str, exp: str, tmp: Path) -> list[subproces
                 text=True,
                 # The repository root on the path, as pytest's `pythonpath` has it: the
                 # worker imports conftest, which imports team/.
-                env=stage_env(PYTHONPATH=str(REPO)),
+                env=stage_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")])),
             )
         )
     return procs

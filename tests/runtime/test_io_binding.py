@@ -30,7 +30,7 @@ from trainyard.serve.predictor import Predictor
 
 from conftest import save_onnx, write_tiny_onnx
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "trainyard"
+SRC = Path(__file__).resolve().parents[2] / "src" / "trainyard"
 CARD = Card("folder", tuple(f"c{i}" for i in range(5)), 1, 12, 12, (0.3,), (0.2,))
 
 

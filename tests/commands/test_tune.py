@@ -8,7 +8,7 @@ and parent run with the killed trial failed and its run ended; a trial that fail
 stop the study; two workers on one sqlite study share it without overshooting or
 duplicating; a pruned trial is recorded as such; trial n draws from seed + n whichever
 worker asks; a password in tune.storage is refused, unsaid. A study shared on PostgreSQL
-by two clones: tests/test_tune_shared.py.
+by two clones: tests/commands/test_tune_shared.py.
 """
 
 from __future__ import annotations

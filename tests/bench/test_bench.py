@@ -17,7 +17,7 @@ from conftest import REPO
 # Runs the benchmark as `make gpu-check` would, then proves it never imported the tracking,
 # pipeline or serving stacks (the GPU machine has none of them). pydantic may be imported:
 # make gpu-wheels carries it (the default plan validates params.yaml, prepare the folder's
-# card); tests/test_gpu_bare.py runs the check with everything else hidden.
+# card); tests/bench/test_gpu_bare.py runs the check with everything else hidden.
 RUNNER = """
 import runpy, sys
 sys.argv = ["benchmarks", *sys.argv[1:]]

@@ -3,8 +3,8 @@ its client reads (/schema.json), the Swagger UI page (/docs) and / -> /docs.
 
 The prediction endpoints are ``@bentoml.api`` methods, so these are BentoML's documents, not
 hand-written ones. In process (bento/service.py as BentoML's ASGI app, a tiny ONNX model
-as in tests/test_serve_unit.py), then one slow test through a real `bentoml serve`.
-tests/test_client.py calls the endpoints with ``bentoml.SyncHTTPClient``.
+as in tests/serve/test_serve_unit.py), then one slow test through a real `bentoml serve`.
+tests/serve/test_client.py calls the endpoints with ``bentoml.SyncHTTPClient``.
 """
 
 from __future__ import annotations

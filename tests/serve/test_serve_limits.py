@@ -2,7 +2,7 @@
 in process; and, slow-marked, what a real `bentoml serve` does with slow clients.
 
 The real-server test prints how long a stalled request head and a stalled body are held
-(pytest -s shows the figures); tests/test_fuzz.py drives random input at the same routes.
+(pytest -s shows the figures); tests/serve/test_fuzz.py drives random input at the same routes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The demo page's routes in process (bento/service.py as BentoML's app, a tiny model):
 each file answers with its content type, the page needs nothing from another origin (and
 asks for no /favicon.ico), and the guard leaves it open when an API key is set.
-tests/test_ui_browser.py drives the page in a real browser against `bentoml serve`.
+tests/serve/test_ui_browser.py drives the page in a real browser against `bentoml serve`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Slow: a small real pipeline exports a model; `bentoml build` packs it with
 bento/bentofile.yaml; the bento must hold exactly the service, trainyard's light layers
-whole (core, data, runtime, watch, serve, bulk: tests/test_layers.py BENTO_PACKAGES), the root
+whole (core, data, runtime, watch, serve, bulk: tests/house/test_layers.py BENTO_PACKAGES), the root
 params.yaml and the verified model, and neither import nor require the training stack. A
 clean virtual environment made from the bento's env/python/requirements.txt alone (what the
 image installs) then serves the bento from a folder outside the repository, and its HTTP
@@ -92,7 +92,7 @@ TRAINING_IMPORTS = {
     "onnxscript",
     "matplotlib",
 }
-# The layers in the bento, each whole, and what the image runs: tests/test_layers.py's.
+# The layers in the bento, each whole, and what the image runs: tests/house/test_layers.py's.
 SHIPPED_LAYERS = BENTO_PACKAGES
 ENTRY_POINTS = BENTO_ENTRIES
 BENTOFILE = REPO / "bento" / "bentofile.yaml"

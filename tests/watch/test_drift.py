@@ -32,7 +32,7 @@ from trainyard.watch.reference import (
 
 from conftest import fashion_card, write_tiny_onnx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLASSES = [f"c{i}" for i in range(10)]
 WINDOW = 500  # rows in each calibration window
 
