@@ -38,10 +38,10 @@ from typing import Any
 
 from benchmarks.bench_training import NvmlSampler
 from benchmarks.common import classifier
-from benchmarks.harness.clock import round_robin
 from benchmarks.harness.fit_window import StepWindow, window_trainer
 from benchmarks.harness.host_facts import usable_cores
 from benchmarks.harness.ratios import ratios_of
+from benchmarks.harness.stopwatch import round_robin
 
 WORK = Path(tempfile.gettempdir()) / "trainyard-bench-datapaths"
 SEED = 0

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import classifier
-from benchmarks.harness.clock import median_call_s
+from benchmarks.harness.stopwatch import median_call_s
 
 
 def export_for_bench(model: Any, path: Path) -> str:

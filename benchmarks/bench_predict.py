@@ -52,7 +52,6 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.clock import Timer
 from benchmarks.harness.host_facts import cpu_facts
 from benchmarks.harness.made_once import warm_cache
 from benchmarks.harness.publish import (
@@ -63,6 +62,7 @@ from benchmarks.harness.publish import (
     publish,
     update_docs,
 )
+from benchmarks.harness.stopwatch import Timer
 from benchmarks.predict_contenders import (
     SAMPLE_S,
     costs,

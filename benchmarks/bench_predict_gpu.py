@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.clock import Timer
 from benchmarks.harness.exported import export_classifier, image_card
+from benchmarks.harness.stopwatch import Timer
 
 TARGET_BUSY_PCT = 80.0  # issue 34: resnet18 at 224 px keeps an H200 >= 80% busy
 MODELS = {"resnet18": 224, "efficientnet_lite0": 160}
@@ -81,7 +81,7 @@ def export_model(arch: str, side: int, folder: Path) -> tuple[Path, Any]:
 
 def bulk_row(source: Path, model: Path, out: Path, quick: bool) -> dict[str, Any]:
     """``trainyard predict SOURCE --model MODEL`` as a user runs it (its job, in process)."""
-    from trainyard.bulk import command_line, job
+    from trainyard.bulk import command_line, predict_job
 
     parser = command_line.add_predict_arguments(argparse.ArgumentParser())
     argv = [
@@ -96,7 +96,7 @@ def bulk_row(source: Path, model: Path, out: Path, quick: bool) -> dict[str, Any
     if quick:
         argv += ["--batch-size", "8"]
     with Timer() as clock:
-        summary = job.predict(command_line.predict_options(parser.parse_args(argv)))
+        summary = predict_job.predict(command_line.predict_options(parser.parse_args(argv)))
     speed = summary["speed"]
     return {
         "backend": f"onnxruntime {speed['provider']}",

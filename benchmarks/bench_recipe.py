@@ -47,10 +47,10 @@ from typing import Any
 import numpy as np
 import yaml
 
-from benchmarks.harness.clock import Timer
 from benchmarks.harness.host_facts import cpu_facts
 from benchmarks.harness.procs import child_env, clone
 from benchmarks.harness.publish import bench_parser, outputs, provenance, publish
+from benchmarks.harness.stopwatch import Timer
 from benchmarks.recipe_folders import clipart_folder, digits_folder, emoji_folder
 from benchmarks.recipe_textbook import TEXTBOOK, textbook
 from trainyard.data.walk import scan_folder

@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.clock import Timer
 from benchmarks.harness.host_facts import load_facts
+from benchmarks.harness.stopwatch import Timer
 from benchmarks.serve_figures import BATCH_LEVELS, FASHION, LARGE, LATENCY_CLIENTS, LEVELS
 from benchmarks.serve_int8 import (
     FIGURES,

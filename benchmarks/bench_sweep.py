@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.clock import Timer
 from benchmarks.harness.host_facts import cpu_facts
 from benchmarks.harness.procs import child_env, clone, run_timed
 from benchmarks.harness.publish import bench_parser, outputs, publish
+from benchmarks.harness.stopwatch import Timer
 from trainyard.track.store import count_runs
 
 DOCS_KEY = "sweep"

@@ -12,9 +12,9 @@ import lightning as L
 import numpy as np
 
 from benchmarks.common import Data, classifier
-from benchmarks.harness.clock import Timer, round_robin
 from benchmarks.harness.fit_window import Steps, StepWindow, window_trainer
 from benchmarks.harness.ratios import ratios_of
+from benchmarks.harness.stopwatch import Timer, round_robin
 from trainyard.training.gpu_busy import NvmlSampler  # the one NVML sampler, training's too
 
 

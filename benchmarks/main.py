@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import find_raw_dir, load_data
-from benchmarks.harness.clock import Timer
 from benchmarks.harness.host_facts import hardware_label, torch_facts
 from benchmarks.harness.publish import provenance, update_docs, write_json
+from benchmarks.harness.stopwatch import Timer
 from benchmarks.training_figures import chart, markdown
 
 FULL = {

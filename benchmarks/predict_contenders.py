@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.clock import Timer, per_item_s
 from benchmarks.harness.host_facts import usable_cores
 from benchmarks.harness.rss import tree_memory
+from benchmarks.harness.stopwatch import Timer, per_item_s
 from benchmarks.predict_inputs import REPO
 from benchmarks.predict_report import GROWTH_LIMIT
 from benchmarks.serve_load import BOUNDARY, multipart_body, start_server, stop_server

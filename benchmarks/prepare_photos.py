@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.clock import Timer
 from benchmarks.harness.made_once import Log, generate, manifest_ok, wanted, write_manifest
+from benchmarks.harness.stopwatch import Timer
 
 RECIPE = 1  # bump when the way images are drawn changes: old folders are then remade
 NUM_CLASSES = 10

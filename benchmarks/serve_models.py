@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.clock import per_item_s
 from benchmarks.harness.exported import IMAGENET_MEAN, IMAGENET_STD, export_classifier, image_card
+from benchmarks.harness.stopwatch import per_item_s
 from benchmarks.serve_figures import LARGE
 
 ORT_BATCHES = (1, 8, 32)

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import lightning as L
 
-from benchmarks.harness.clock import Timer
+from benchmarks.harness.stopwatch import Timer
 
 
 class Steps(NamedTuple):

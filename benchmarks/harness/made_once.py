@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.clock import Timer
+from benchmarks.harness.stopwatch import Timer
 
 Log = Callable[[str], None]
 

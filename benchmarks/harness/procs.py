@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.harness.clock import Timer
+from benchmarks.harness.stopwatch import Timer
 
 
 def child_env() -> dict[str, str]:

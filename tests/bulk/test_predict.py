@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 
 from trainyard.bulk import command_line
-from trainyard.bulk import job as command
+from trainyard.bulk import predict_job as command
 from trainyard.bulk.listing import list_inputs, parse_shard, shard_range
 from trainyard.core.errors import DataError
 

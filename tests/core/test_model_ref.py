@@ -266,7 +266,7 @@ class Recording:
 
 
 def test_bulk_scoring_reads_its_model_as_a_reference(tmp_path):
-    from trainyard.bulk.job import resolve_model
+    from trainyard.bulk.predict_job import resolve_model
 
     params = tmp_path / "params.yaml"
     local = resolve_model("models/m.onnx", "predict.model", params, None)

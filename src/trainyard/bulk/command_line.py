@@ -20,7 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from trainyard.bulk.job import PredictOptions, merge, predict
+from trainyard.bulk.predict_job import PredictOptions, merge, predict
 from trainyard.bulk.summary import summary_line
 from trainyard.core.config import DEFAULT_PARAMS
 from trainyard.core.errors import TrainyardError

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from trainyard.bulk.command_line import add_predict_arguments, predict_options, run_predict
-from trainyard.bulk.job import PredictOptions
+from trainyard.bulk.predict_job import PredictOptions
 from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.core.config import load_params
 from trainyard.stages.runner import configure_logging

@@ -10,7 +10,7 @@ is the same job by hand.
 
 import argparse
 
-from trainyard.bulk.job import PredictOptions, predict
+from trainyard.bulk.predict_job import PredictOptions, predict
 from trainyard.core.config import Params
 from trainyard.stages.runner import stage_main
 from trainyard.track.model_refs import MlflowRegistry
