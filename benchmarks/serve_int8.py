@@ -50,10 +50,11 @@ def _train_resnet(root: Path, data: Path, steps: int) -> Path:
 
     from trainyard.core.card import load_card
     from trainyard.core.io import atomic_write_text, sha256_file
+    from trainyard.data.arrays import load_split
     from trainyard.export.onnx_export import export_onnx, model_metadata
     from trainyard.model.classifier import Classifier
     from trainyard.training.builder import build_trainer
-    from trainyard.training.datamodule import TensorBatches, load_split
+    from trainyard.training.datamodule import TensorBatches
 
     images, labels = load_split(data, "train")
     rows = np.random.default_rng(0).choice(images.shape[0], steps * 64, replace=True)
@@ -74,8 +75,8 @@ def build_int8_models(out: Path, repo: Path, steps: int) -> None:
     """``out/<model>/model.onnx`` and ``model.int8.onnx`` for both models, and their gate
     figures in ``out/int8.json``. Run as ``python -m benchmarks.bench_serve --build-int8``."""
     from trainyard.core.config import load_params
+    from trainyard.data.arrays import load_split
     from trainyard.export.quantize import calibration_sample, export_int8
-    from trainyard.training.datamodule import load_split
 
     params = load_params(repo / "params.yaml")
     data = repo / "data/prepared"

@@ -18,6 +18,7 @@ from trainyard.evaluation import scoring as evaluation
 from trainyard.evaluation.pictures import MAX_FIGURE_PIXELS, confusion_png, tick_label
 from trainyard.evaluation.scoring import (
     REPORT_FILES,
+    classification_metrics,
     evaluate_onnx,
     metric_key,
     predictions_csv,
@@ -315,3 +316,40 @@ def test_metric_keys_are_unique_short_flat_and_valid_for_mlflow():
         assert re.fullmatch(r"[A-Za-z0-9_.\- /]+", key), key
         validation._validate_metric_name(key)  # raises MlflowException if MLflow refuses
     assert len(keys[10]) == 250  # the 300-character name, cut to MLflow's limit
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_classification_metrics_agree_with_torchmetrics(seed):
+    """The evaluate stage counts in numpy (no torch in its process); its numbers are
+    torchmetrics' multiclass ones, absent classes and never-predicted ones included."""
+    import torch
+    from torchmetrics.functional.classification import (
+        multiclass_accuracy,
+        multiclass_confusion_matrix,
+        multiclass_f1_score,
+        multiclass_precision,
+        multiclass_recall,
+    )
+
+    rng = np.random.default_rng(seed)
+    k = 7
+    y_true = rng.integers(0, k - 1, 300)  # class 6 never in the labels
+    y_pred = np.where(rng.random(300) < 0.6, y_true, rng.integers(0, k, 300))
+    y_pred[y_pred == 3] = 4  # class 3 never predicted
+    if seed == 2:  # class 5 in neither: torchmetrics leaves it out of the macro F1
+        y_true[y_true == 5], y_pred[y_pred == 5] = 0, 0
+    got = classification_metrics(y_true, y_pred, [f"c{i}" for i in range(k)])
+    t, p = torch.from_numpy(y_true), torch.from_numpy(y_pred)
+    assert got["accuracy"] == pytest.approx(float(multiclass_accuracy(p, t, k, average="micro")))
+    assert got["macro_f1"] == pytest.approx(float(multiclass_f1_score(p, t, k, average="macro")))
+    assert got["confusion_matrix"] == multiclass_confusion_matrix(p, t, k).tolist()
+    for name, fn in [
+        ("precision", multiclass_precision),
+        ("recall", multiclass_recall),
+        ("f1", multiclass_f1_score),
+    ]:
+        want = fn(p, t, k, average=None).tolist()
+        assert [got["per_class"][f"c{i}"][name] for i in range(k)] == pytest.approx(want, abs=1e-6)
+    assert [got["per_class"][f"c{i}"]["support"] for i in range(k)] == np.bincount(
+        y_true, minlength=k
+    ).tolist()

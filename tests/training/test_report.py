@@ -19,6 +19,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainyard.core.errors import DataError
+from trainyard.core.fit_history import COLUMNS, HISTORY_FILE, history_csv, read_history
 from trainyard.evaluation.pictures import (
     cell_texts,
     draw_confusion,
@@ -37,7 +38,7 @@ from trainyard.stages.evaluate import (
     training_history,
 )
 from trainyard.training.builder import build_trainer
-from trainyard.training.history import COLUMNS, HISTORY_FILE, History, history_csv, read_history
+from trainyard.training.history import History
 
 from conftest import REPO
 
@@ -314,7 +315,9 @@ def test_pictures_are_logged_under_report_and_data_under_evaluation(tmp_path, mo
 
     monkeypatch.chdir(tmp_path)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
-    with mlflow.start_run() as run:
+    # Named: an experiment an earlier test of this process made active is not in this store.
+    experiment = mlflow.set_experiment("report")
+    with mlflow.start_run(experiment_id=experiment.experiment_id) as run:
         run_id = run.info.run_id
     paths = {}
     for name, file in REPORT_FILES.items():

@@ -1,13 +1,17 @@
 """Array helpers shared by the sources and the pipeline: stratified splits, class counts,
-per-channel statistics in bounded blocks, and reading images row block by row block."""
+per-channel statistics in bounded blocks, reading images row block by row block, and
+loading a prepared split (numpy only: the export and evaluate stages read it too)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from trainyard.core.errors import DataError
 
 LABEL_DTYPE = np.int32  # any class count (uint8 would stop at 256)
 _STATS_BYTES = 16 << 20  # bytes of images per block for mean/std: bounded on any dataset
@@ -118,3 +122,30 @@ def channel_stats(
         means.append(round(s / n / 255.0, 6))
         stds.append(round(std / 255.0, 6))
     return tuple(means), tuple(stds)
+
+
+def load_split(
+    data_dir: str | os.PathLike[str], split: str, mmap: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 images [N,C,H,W], integer labels [N]) of a prepared split.
+
+    ``mmap``: the images stay on disk, read on demand (any size); labels are read whole.
+    """
+    data_dir = Path(data_dir)
+    paths = [data_dir / f"{split}_{kind}.npy" for kind in ("images", "labels")]
+    for path in paths:
+        if not path.is_file():
+            raise DataError(f"{path}: missing; run `dvc repro prepare` first")
+    images = np.load(paths[0], mmap_mode="r" if mmap else None, allow_pickle=False)
+    labels = np.load(paths[1], allow_pickle=False)
+    if images.dtype != np.uint8 or images.ndim != 4:
+        raise DataError(
+            f"{paths[0]}: expected uint8 [N,C,H,W], got {images.dtype} {list(images.shape)}; "
+            "rerun `dvc repro prepare`"
+        )
+    if labels.ndim != 1 or labels.shape[0] != images.shape[0] or labels.dtype.kind not in "iu":
+        raise DataError(
+            f"{paths[1]}: expected {images.shape[0]} integer labels, got {labels.dtype} "
+            f"{list(labels.shape)}; rerun `dvc repro prepare`"
+        )
+    return images, labels

@@ -1,7 +1,7 @@
 """The evaluate stage's pictures (``reports/*.png``): what a person looks at after a run.
 
 - ``learning_curves.png``: train and val loss, val accuracy, learning rate and epoch time per
-  epoch, from the fit's ``models/history.csv`` (``trainyard.training.history``);
+  epoch, from the fit's ``models/history.csv`` (``trainyard.core.fit_history``);
 - ``confusion_matrix.png`` (image counts) and ``confusion_matrix_normalized.png`` (the share
   of each actual class: the diagonal is the recall);
 - ``per_class.png``: precision and recall of each class;
@@ -347,7 +347,7 @@ def learning_curves_png(rows: list[dict[str, Any]] | None, title: str) -> bytes:
 
 def draw_learning_curves(fig: Figure, rows: list[dict[str, Any]] | None, title: str) -> list[Axes]:
     """Loss (train and val), val accuracy, learning rate and epoch time against the epoch,
-    from history rows (``trainyard.training.history.read_history``), the best val/acc epoch
+    from history rows (``trainyard.core.fit_history.read_history``), the best val/acc epoch
     marked in each panel; returns the four panels. ``None`` or no rows: a text that says
     there is no history, and no panels."""
     if not rows:

@@ -21,14 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from torchmetrics.functional.classification import (
-    multiclass_accuracy,
-    multiclass_confusion_matrix,
-    multiclass_f1_score,
-    multiclass_precision,
-    multiclass_recall,
-)
 
 from trainyard.core.card import card_from_metadata, normalize_pixels
 from trainyard.core.errors import DataError, ModelError
@@ -55,26 +47,36 @@ REPORT_FILES = {
 }
 
 
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """num / den, 0 where den is 0 (torchmetrics' ``zero_division=0``)."""
+    return np.divide(num, den, out=np.zeros(len(num)), where=den > 0)
+
+
 def classification_metrics(
     y_true: np.ndarray, y_pred: np.ndarray, classes: list[str]
 ) -> dict[str, Any]:
-    """Accuracy, per-class precision/recall/F1 and the confusion matrix (torchmetrics)."""
-
-    t, p, k = torch.from_numpy(y_true), torch.from_numpy(y_pred), len(classes)
-    per_class = {
-        "precision": multiclass_precision(p, t, k, average=None),
-        "recall": multiclass_recall(p, t, k, average=None),
-        "f1": multiclass_f1_score(p, t, k, average=None),
-    }
+    """Accuracy, per-class precision/recall/F1 and the confusion matrix (rows: true class,
+    columns: predicted), with torchmetrics' multiclass definitions: a ratio with nothing to
+    divide by is 0, and the macro F1 averages over the classes seen in either labels or
+    predictions. In numpy: the evaluate stage scores the ONNX model without importing torch."""
+    k = len(classes)
+    cm = np.bincount(
+        np.asarray(y_true, np.int64) * k + np.asarray(y_pred, np.int64), minlength=k * k
+    ).reshape(k, k)
+    tp = np.diag(cm).astype(np.float64)
+    fp, fn = cm.sum(axis=0) - tp, cm.sum(axis=1) - tp
+    f1 = _ratio(2 * tp, 2 * tp + fp + fn)
+    seen = (tp + fp + fn) > 0
+    per_class = {"precision": _ratio(tp, tp + fp), "recall": _ratio(tp, tp + fn), "f1": f1}
     return {
-        "accuracy": float(multiclass_accuracy(p, t, k, average="micro")),
-        "macro_f1": float(multiclass_f1_score(p, t, k, average="macro")),
+        "accuracy": float(tp.sum() / max(int(cm.sum()), 1)),
+        "macro_f1": float(f1[seen].mean()) if seen.any() else 0.0,
         "per_class": {
             name: {m: round(float(v[i]), 6) for m, v in per_class.items()}
-            | {"support": int((y_true == i).sum())}
+            | {"support": int(cm[i].sum())}
             for i, name in enumerate(classes)
         },
-        "confusion_matrix": multiclass_confusion_matrix(p, t, k).tolist(),
+        "confusion_matrix": cm.tolist(),
     }
 
 

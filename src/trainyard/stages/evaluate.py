@@ -9,9 +9,11 @@ from typing import Any
 import numpy as np
 
 from trainyard.core.config import Params
+from trainyard.core.fit_history import HISTORY_FILE, read_history
 from trainyard.core.handoffs import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.core.io import atomic_write_json, sha256_file
 from trainyard.core.pause_points import pause_point
+from trainyard.data.arrays import load_split
 from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.runner import stage_main
 from trainyard.track.continued_runs import log_to_open_run, logging_into, open_run
@@ -19,8 +21,6 @@ from trainyard.track.quantized import int8_tags
 from trainyard.track.registry import register_and_promote, tag_reference
 from trainyard.track.store import DVC_EXP_NAME, in_temp_workspace, tracking_client
 from trainyard.track.versions import REFERENCE_ARTIFACT
-from trainyard.training.datamodule import load_split
-from trainyard.training.history import HISTORY_FILE, read_history
 from trainyard.watch.reference import reference_from_predictions, sample_rows, save_reference
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose

@@ -15,13 +15,13 @@ from typing import Any
 from trainyard.core.config import Params
 from trainyard.core.handoffs import EXPORT_RECORD, ExportRecord, Int8Export, TrainRecord
 from trainyard.core.pause_points import pause_point
+from trainyard.data.arrays import load_split
 from trainyard.export.onnx_export import export_and_verify, normalized_example
 from trainyard.export.quantize import calibration_sample, export_int8, remove_int8
 from trainyard.stages.runner import stage_main
 from trainyard.track.continued_runs import log_to_open_run, logging_into, open_run
 from trainyard.track.quantized import INT8_ARTIFACT, INT8_FOLDER
 from trainyard.track.registry import log_onnx_model
-from trainyard.training.datamodule import load_split
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
 # INFO lines the stage shows (stages.common.configure_logging).

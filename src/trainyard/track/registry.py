@@ -102,6 +102,9 @@ def log_onnx_model(onnx_path: str | os.PathLike[str], example: np.ndarray) -> st
         input_example=example,
         save_as_external_data=False,
         onnx_execution_providers=["CPUExecutionProvider"],
+        # Named, not inferred: MLflow's inference loads the model again in a subprocess
+        # (3 s of every export) to list what it imports, which is always these.
+        pip_requirements=[*mlflow.onnx.get_default_pip_requirements(), f"numpy=={np.__version__}"],
     )
     return info.model_uri
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from trainyard.core.card import SPLITS, Card, load_card
-from trainyard.core.errors import DataError
+from trainyard.data.arrays import load_split
 from trainyard.training.placement import Placement, choose_placement
 
 log = logging.getLogger(__name__)
@@ -156,33 +156,6 @@ class EpochSampler(Sampler[int]):
         order = epoch_order(self.n, self.shuffle, self.seed, self.epoch, self.rank, self.world_size)
         self.epoch += 1
         return iter(order.tolist())
-
-
-def load_split(
-    data_dir: str | os.PathLike[str], split: str, mmap: bool = True
-) -> tuple[np.ndarray, np.ndarray]:
-    """(uint8 images [N,C,H,W], integer labels [N]) of a prepared split.
-
-    ``mmap``: the images stay on disk, read on demand (any size); labels are read whole.
-    """
-    data_dir = Path(data_dir)
-    paths = [data_dir / f"{split}_{kind}.npy" for kind in ("images", "labels")]
-    for path in paths:
-        if not path.is_file():
-            raise DataError(f"{path}: missing; run `dvc repro prepare` first")
-    images = np.load(paths[0], mmap_mode="r" if mmap else None, allow_pickle=False)
-    labels = np.load(paths[1], allow_pickle=False)
-    if images.dtype != np.uint8 or images.ndim != 4:
-        raise DataError(
-            f"{paths[0]}: expected uint8 [N,C,H,W], got {images.dtype} {list(images.shape)}; "
-            "rerun `dvc repro prepare`"
-        )
-    if labels.ndim != 1 or labels.shape[0] != images.shape[0] or labels.dtype.kind not in "iu":
-        raise DataError(
-            f"{paths[1]}: expected {images.shape[0]} integer labels, got {labels.dtype} "
-            f"{list(labels.shape)}; rerun `dvc repro prepare`"
-        )
-    return images, labels
 
 
 Splits = dict[str, tuple[np.ndarray, np.ndarray]]

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, Mode
 
 from trainyard.core.card import Card
 from trainyard.core.config import TrainParams
+from trainyard.core.fit_history import HISTORY_FILE
 from trainyard.core.handoffs import TrainRecord
 from trainyard.core.io import atomic_file, sha256_file
 from trainyard.model.classifier import Classifier, classifier_for
@@ -28,7 +29,7 @@ from trainyard.training.datamodule import ImageDataModule
 from trainyard.training.device import Hardware, resolve_hardware
 from trainyard.training.fit_log import EpochTimer
 from trainyard.training.gpu_busy import GpuBusyMeter
-from trainyard.training.history import HISTORY_FILE, History
+from trainyard.training.history import History
 from trainyard.training.job import RunExtras, TrainJob, Workspace
 from trainyard.training.nodes import ShareRun, agree
 from trainyard.training.perf import InputBoundMeter

@@ -70,11 +70,11 @@ import torch
 from trainyard.core.card import Card
 from trainyard.core.config import SCRATCH_ARCHS, TrainParams
 from trainyard.core.io import atomic_write_json
+from trainyard.data.arrays import load_split
 from trainyard.data.image_size import PRETRAINED_MIN_SIDE
 from trainyard.model.backbones import torchvision_weights
 from trainyard.model.lite import LITE_ARCH
 from trainyard.model.weights import PACKAGED, packaged_file
-from trainyard.training.datamodule import load_split
 from trainyard.training.speed import (
     Facts,
     Measure,

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from trainyard.core.card import Card
 from trainyard.core.errors import TrackingError
+from trainyard.core.fit_history import HISTORY_FILE
 from trainyard.core.io import atomic_write_json, atomic_write_text
 from trainyard.track.lineage import dvc_data_version, dvc_experiment_tags, run_tags
 from trainyard.track.outage import PENDING_FILE
@@ -49,7 +50,6 @@ from trainyard.training.builder import stop_reason
 from trainyard.training.datamodule import ImageDataModule
 from trainyard.training.device import Hardware
 from trainyard.training.gpu_busy import gpu_busy_of
-from trainyard.training.history import HISTORY_FILE
 from trainyard.training.job import RunExtras, TrainJob, Workspace
 from trainyard.training.nodes import Agreement, Nodes, resume_mode
 from trainyard.training.recipe import RECIPE_FILE, Plan
