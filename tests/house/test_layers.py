@@ -654,6 +654,18 @@ def test_nothing_the_bento_runs_reaches_a_heavy_library_and_it_ships_whole_packa
         assert FORBIDDEN[package] | set(HOMES) >= BENTO_HEAVY, package
 
 
+# Stages that run the exported model, not the torch one: each is a process of every
+# `dvc repro`, and torch with Lightning costs it five seconds to import.
+TORCH_FREE_STAGES = ("src/trainyard/stages/evaluate.py",)
+
+
+@pytest.mark.parametrize("stage", TORCH_FREE_STAGES)
+def test_a_stage_that_runs_the_onnx_model_never_imports_torch(stage):
+    reached = import_closure([REPO / stage])
+    heavy = {"torch", "torchvision", "torchmetrics", "lightning", "pytorch_lightning"}
+    assert {name: reached[name] for name in heavy & set(reached)} == {}
+
+
 def _bento_repo(tmp_path: Path, files: dict[str, str]) -> Path:
     """A repository with this one's bentofile, the two entries and ``files`` (path -> source)."""
     base = {
