@@ -11,11 +11,9 @@ import pytest
 from PIL import Image
 
 from trainyard.core.errors import InputError
+from trainyard.core.image_formats import IMAGE_EXTENSIONS, IMAGE_FORMATS, ensure_format
 from trainyard.core.imaging import (
     DEFAULT_MAX_IMAGE_PIXELS,
-    IMAGE_EXTENSIONS,
-    IMAGE_FORMATS,
-    ensure_format,
     image_to_pixels,
     read_header,
 )

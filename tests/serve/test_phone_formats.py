@@ -16,10 +16,8 @@ from test_serve_unit import CARD, client_for, write_tiny_model
 
 from trainyard.core.config import DataParams
 from trainyard.core.errors import DataError, InputError
+from trainyard.core.image_formats import IMAGE_EXTENSIONS, IMAGE_FORMATS, ensure_format
 from trainyard.core.imaging import (
-    IMAGE_EXTENSIONS,
-    IMAGE_FORMATS,
-    ensure_format,
     image_to_pixels,
     read_header,
 )

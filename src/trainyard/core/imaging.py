@@ -15,9 +15,8 @@ whole; other images cost their decoded bytes (4 per pixel for RGBA) and little m
 ``reserve`` lets a caller that decodes many images at once (prepare's pool) hold off a
 decode until the memory it will take is free (docs/own-images.md has the measurements).
 
-Optional format plugins (pillow-heif for HEIC/HEIF) are imported the first time a file
-needs one, so this module runs where they are not installed (a bare GPU machine); such a
-file is then refused with a 415 that names the package to install.
+Which formats are read, and the optional plugins they need: ``trainyard.core.image_formats``
+(a file whose plugin is not installed is refused with a 415 that names the package).
 """
 
 from __future__ import annotations
@@ -34,6 +33,12 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from trainyard.core.errors import InputError
+from trainyard.core.image_formats import (
+    IMAGE_FORMATS,
+    MISSING_FORMAT,
+    container_format,
+    ensure_format,
+)
 from trainyard.core.png_bands import PngLayout, png_bands, png_layout
 
 # Pillow's own bomb guard (an error at 2x ~89 MP) would refuse a user's 600 MP poster before
@@ -41,28 +46,6 @@ from trainyard.core.png_bands import PngLayout, png_bands, png_layout
 # caller's limit (data.max_image_pixels or serve.max_image_pixels) from the header first.
 Image.MAX_IMAGE_PIXELS = None
 
-# What Pillow may open. Multi-picture JPEGs from phone cameras open through "JPEG" and then
-# call themselves "MPO" (naming MPO here raises KeyError inside Pillow).
-IMAGE_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF", "HEIF", "AVIF")
-# File extensions a folder source reads (any case); ``data.walk`` says what the others become.
-IMAGE_EXTENSIONS = frozenset(
-    {".jpg", ".jpeg", ".jfif", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".mpo"}
-    | {".heic", ".heif", ".hif", ".avif"}
-)
-# ISO-BMFF brands (the ``ftyp`` box) that mark a file as HEIF or AVIF, the phone formats;
-# mif1/msf1 are generic HEIF, which pillow-heif reads too.
-_HEIF_BRANDS = frozenset(
-    {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs", b"mif1", b"msf1"}
-)
-_AVIF_BRANDS = frozenset({b"avif", b"avis"})
-# What a file in a format Pillow cannot read here needs, said to the user (a 415: the
-# format is valid, this installation cannot read it).
-_MISSING_FORMAT = {
-    "HEIF": "HEIC/HEIF images need the pillow-heif package, which is not installed here "
-    "(pip install pillow-heif)",
-    "AVIF": "AVIF images need Pillow >= 11.3 built with AVIF support, which this Pillow is "
-    "not (pip install -U pillow)",
-}
 DEFAULT_MAX_IMAGE_PIXELS = 25_000_000  # 25 MP: any phone photo; a 30000x30000 bomb is 900 MP
 # The key that sets the pixel limit, named in the too-large error (prepare passes its own).
 SERVE_LIMIT_KEY = "serve.max_image_pixels"
@@ -116,55 +99,13 @@ class ImageHeader:
     transparent: bool = False  # an alpha channel or a transparent palette entry
 
 
-def _register_heif() -> None:
-    # Imported here, not at the top: only HEIC/HEIF files need pillow-heif, and a bare GPU
-    # machine's image (make gpu-check) has none. No thumbnails: only the primary image.
-    import pillow_heif
-
-    pillow_heif.register_heif_opener(thumbnails=False)
-
-
-# Formats Pillow reads through a separate plugin package: registered the first time a file
-# needs one (AVIF is Pillow's own, >= 11.3).
-_PLUGINS: dict[str, Callable[[], None]] = {"HEIF": _register_heif}
-
-
-def ensure_format(fmt: str) -> bool:
-    """Whether Pillow can read ``fmt`` (one of ``IMAGE_FORMATS``) here, registering its
-    plugin package the first time one is needed (HEIF: pillow-heif, which also writes
-    HEIC: call this before saving one). False when the plugin is not installed."""
-    Image.init()  # every plugin Pillow has; a no-op after the first call
-    if fmt in Image.OPEN:
-        return True
-    register = _PLUGINS.get(fmt)
-    if register is None:
-        return False
-    try:
-        register()  # a missing package is retried per file: cheap next to a decode
-    except ImportError:
-        return False
-    return fmt in Image.OPEN
-
-
-def _container_format(data: bytes) -> str | None:
-    """HEIF or AVIF by the ISO-BMFF ``ftyp`` box (major and compatible brands), else None:
-    the formats whose reader may be missing, told apart before Pillow is asked."""
-    if data[4:8] != b"ftyp":
-        return None
-    end = min(int.from_bytes(data[:4], "big"), len(data), 256)
-    brands = {data[8:12]} | {data[i : i + 4] for i in range(16, end - 3, 4)}
-    if brands & _AVIF_BRANDS:
-        return "AVIF"
-    return "HEIF" if brands & _HEIF_BRANDS else None
-
-
 def _open(data: bytes, max_pixels: int, field: str, max_aspect_ratio: float, limit_key: str) -> Any:
 
     if not data:
         raise InputError(f"{field}: the file is empty (0 bytes); send an image file", field=field)
-    needs = _container_format(data)
+    needs = container_format(data)
     if needs is not None and not ensure_format(needs):
-        raise InputError(f"{field}: {_MISSING_FORMAT[needs]}", field=field, status=415)
+        raise InputError(f"{field}: {MISSING_FORMAT[needs]}", field=field, status=415)
     # Only the formats Pillow can read here: naming one it lacks raises KeyError inside it.
     Image.init()
     readable = tuple(f for f in IMAGE_FORMATS if f in Image.OPEN)

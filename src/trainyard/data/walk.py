@@ -28,7 +28,7 @@ from pathlib import Path
 
 from trainyard.core.card import SPLITS
 from trainyard.core.errors import DataError
-from trainyard.core.imaging import IMAGE_EXTENSIONS
+from trainyard.core.image_formats import IMAGE_EXTENSIONS
 from trainyard.data.image_files import ImageFile
 
 # Compared lower-cased: __MACOSX from a zip made on a Mac, Thumbs.db/desktop.ini from Windows.

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainyard.core.card import Card
 from trainyard.core.errors import DataError
-from trainyard.core.imaging import IMAGE_EXTENSIONS
+from trainyard.core.image_formats import IMAGE_EXTENSIONS
 from trainyard.data.fingerprint import files_fingerprint
 from trainyard.data.image_files import (
     ImageSet,
