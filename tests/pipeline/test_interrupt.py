@@ -51,6 +51,7 @@ REPORTS = (
     "reports/per_class.png",
     "reports/mistakes.png",
     "reports/learning_curves.png",
+    "reports/reliability.png",
     "reports/classification_report.json",
     "reports/metrics.json",
 )

@@ -53,6 +53,7 @@ IN_GIT = (
     "reports/per_class.png",
     "reports/mistakes.png",
     "reports/learning_curves.png",
+    "reports/reliability.png",
 )
 
 

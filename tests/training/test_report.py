@@ -30,7 +30,7 @@ from trainyard.evaluation.pictures import (
     mistakes_png,
     worst_mistakes,
 )
-from trainyard.evaluation.scoring import REPORT_FILES, classification_metrics
+from trainyard.evaluation.scoring import REPORT_FILES, calibration_metrics, classification_metrics
 from trainyard.stages.evaluate import (
     EVALUATION_ARTIFACTS,
     REPORT_ARTIFACTS,
@@ -326,6 +326,8 @@ def test_pictures_are_logged_under_report_and_data_under_evaluation(tmp_path, mo
         paths[name].write_bytes(b"x")
     metrics = classification_metrics(np.array([0, 1]), np.array([0, 0]), ["a", "b"])
     metrics |= {"samples": 2, "provider": "CPUExecutionProvider"}
+    y, conf = np.array([0, 1]), np.array([0.9, 0.6])
+    metrics["calibration"] = calibration_metrics(y, np.array([0, 0]), conf, conf, 1.0)
     reference = tmp_path / "models" / "model.reference.npz"
     reference.parent.mkdir()
     reference.write_bytes(b"x")

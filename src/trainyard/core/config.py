@@ -198,6 +198,9 @@ class ExportParams(Strict):
     opset: int = Field(18, ge=13, le=23)
     parity_samples: int = Field(1000, ge=1, le=10_000)
     max_abs_diff: float = Field(1e-4, gt=0, le=1)
+    # A temperature fitted on the val split and baked into the graph: confidences that mean
+    # what they say (trainyard.export.calibration); the answers (argmax) stay the same.
+    calibrate: bool = True
     # int8: also models/model.int8.onnx (ONNX Runtime static quantization), gated on the
     # whole test set against the fp32 model: top-1 agreement and the accuracy it loses.
     quantize: Literal["none", "int8"] = "none"

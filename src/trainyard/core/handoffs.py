@@ -162,6 +162,16 @@ class Int8Export(_Frozen):
     passed: bool
 
 
+class Calibration(_Frozen):
+    """The temperature export baked into the graph (``trainyard.export.calibration``), fitted
+    on ``samples`` validation images, and their NLL before and after it."""
+
+    temperature: float = Field(gt=0)
+    samples: int = Field(ge=0)
+    val_nll_before: float | None = None
+    val_nll_after: float | None = None
+
+
 class ExportRecord(Record):
     """What export made: the ONNX model's parity with PyTorch, its hash and MLflow model."""
 
@@ -181,11 +191,17 @@ class ExportRecord(Record):
     embedding_max_abs_diff: float | None = None
     threshold_embedding_max_abs_diff: float | None = None
     int8: Int8Export | None = None  # None: export.quantize none
+    calibration: Calibration | None = None  # None: a record from before calibration
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to disk (an older record's keys stay as they were)."""
         raw = super().to_json()
-        for key in ("embedding_max_abs_diff", "threshold_embedding_max_abs_diff", "int8"):
+        for key in (
+            "embedding_max_abs_diff",
+            "threshold_embedding_max_abs_diff",
+            "int8",
+            "calibration",
+        ):
             if raw[key] is None:
                 del raw[key]
         return raw

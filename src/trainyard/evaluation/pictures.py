@@ -5,7 +5,8 @@
 - ``confusion_matrix.png`` (image counts) and ``confusion_matrix_normalized.png`` (the share
   of each actual class: the diagonal is the recall);
 - ``per_class.png``: precision and recall of each class;
-- ``mistakes.png``: the test images the model gets wrong most confidently.
+- ``mistakes.png``: the test images the model gets wrong most confidently;
+- ``reliability.png``: confidence against accuracy, with and without the graph's temperature.
 
 Each is drawn on a private ``Figure`` with an Agg canvas, not pyplot: no global backend
 switch, no figure left open if anything fails, safe beside other threads' plots. Sizes grow
@@ -389,3 +390,32 @@ def draw_learning_curves(fig: Figure, rows: list[dict[str, Any]] | None, title: 
     # Whole epochs only: a 3-epoch run must not show ticks at 1.5 and 2.5.
     loss_ax.xaxis.get_major_locator().set_params(integer=True)
     return [loss_ax, acc_ax, lr_ax, time_ax]
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+def reliability_png(curves: dict[str, dict[str, Any]], title: str) -> bytes:
+    """The reliability diagram: per confidence bin, how often the top class was right,
+    against the diagonal of perfect calibration; one line per ``curves`` entry (label ->
+    ``scoring.reliability``'s dict), its ECE in the legend, the image counts below."""
+    with _figure(7.0, 7.5, _dpi(7.5)) as fig:
+        draw_reliability(fig, curves, title)
+        return _png(fig)
+
+
+def draw_reliability(fig: Figure, curves: dict[str, dict[str, Any]], title: str) -> list[Axes]:
+    top, counts = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+    top.plot([0, 1], [0, 1], color="0.6", linestyle="--", label="perfectly calibrated")
+    for label, curve in curves.items():
+        seen = np.asarray(curve["count"]) > 0
+        conf, acc = np.asarray(curve["confidence"])[seen], np.asarray(curve["accuracy"])[seen]
+        top.plot(conf, acc, marker="o", label=f"{label} (ECE {curve['ece']:.4f})")
+    top.set(xlim=(0, 1), ylim=(0, 1.02), ylabel="accuracy of the top class")
+    top.legend(loc="upper left")
+    edges = np.linspace(0, 1, len(next(iter(curves.values()))["count"]) + 1)
+    last = list(curves.values())[-1]
+    counts.bar(edges[:-1], last["count"], width=np.diff(edges), align="edge", color="C1")
+    counts.set(xlabel="confidence (top-class probability)", ylabel="images")
+    fig.suptitle(title, parse_math=False)
+    return [top, counts]

@@ -31,6 +31,7 @@ from trainyard.evaluation.pictures import (
     learning_curves_png,
     mistakes_png,
     per_class_png,
+    reliability_png,
 )
 from trainyard.runtime.inputs import softmax
 from trainyard.runtime.sessions import Device, OnnxModel, load_onnx
@@ -44,7 +45,9 @@ REPORT_FILES = {
     "per_class_png": "per_class.png",
     "mistakes_png": "mistakes.png",
     "curves_png": "learning_curves.png",
+    "reliability_png": "reliability.png",
 }
+ECE_BINS = 15  # equal-width confidence bins, as Guo et al. (2017) and most papers report
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -77,6 +80,40 @@ def classification_metrics(
             for i, name in enumerate(classes)
         },
         "confusion_matrix": cm.tolist(),
+    }
+
+
+def reliability(
+    confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS
+) -> dict[str, Any]:
+    """The expected calibration error of top-class confidences (equal-width bins, each
+    weighted by its share of the images: |accuracy - confidence|) and the per-bin mean
+    confidence, accuracy and count a reliability diagram draws."""
+    which = np.minimum((np.asarray(confidence, np.float64) * bins).astype(np.int64), bins - 1)
+    count = np.bincount(which, minlength=bins)
+    seen = np.maximum(count, 1)
+    conf = np.bincount(which, confidence, minlength=bins) / seen
+    acc = np.bincount(which, np.asarray(correct, np.float64), minlength=bins) / seen
+    ece = float((count / max(len(which), 1) * np.abs(acc - conf)).sum())
+    return {
+        "ece": round(ece, 6),
+        "confidence": np.round(conf, 6).tolist(),
+        "accuracy": np.round(acc, 6).tolist(),
+        "count": count.tolist(),
+    }
+
+
+def calibration_metrics(
+    labels: np.ndarray, preds: np.ndarray, confidence: np.ndarray, raw: np.ndarray, t: float
+) -> dict[str, Any]:
+    """The temperature the graph carries, and the reliability of the confidences with it
+    (``calibrated``) and without it (``uncalibrated``: softmax of logits x t)."""
+    correct = preds == labels
+    return {
+        "temperature": t,
+        "bins": ECE_BINS,
+        "calibrated": reliability(confidence, correct),
+        "uncalibrated": reliability(raw, correct),
     }
 
 
@@ -139,14 +176,17 @@ def _predict(
     batch_size: int,
     num_classes: int,
     embedding_rows: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    temperature: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """Argmax class (int64 ``[N]``) of each image and its softmax probability (float32
     ``[N]``, the confidence the service reports), normalising one batch at a time; and the
     embeddings of the sorted ``embedding_rows`` only (None without rows, or for a model
-    exported without its embedding output): a large test split's never sit in memory."""
+    exported without its embedding output): a large test split's never sit in memory.
+    Also the confidence without the graph's ``temperature`` (softmax of logits x it)."""
     n = images.shape[0]
     preds = np.empty(n, dtype=np.int64)
     confidence = np.empty(n, dtype=np.float32)
+    raw = confidence if temperature == 1.0 else np.empty(n, dtype=np.float32)
     kept: list[np.ndarray] = []
     want = embedding_rows is not None and model.has_embedding
 
@@ -180,7 +220,9 @@ def _predict(
                 )
             preds[start : start + x.shape[0]] = logits.argmax(axis=1)
             confidence[start : start + x.shape[0]] = softmax(logits).max(axis=1)
-    return preds, confidence, (np.concatenate(kept) if kept else None)
+            if raw is not confidence:
+                raw[start : start + x.shape[0]] = softmax(logits * temperature).max(axis=1)
+    return preds, confidence, raw, (np.concatenate(kept) if kept else None)
 
 
 def evaluate_onnx(
@@ -225,10 +267,13 @@ def evaluate_onnx(
             f"model has {len(classes)} classes"
         )
     rows = None if embedding_rows is None else np.sort(np.asarray(embedding_rows, np.int64))
-    preds, confidence, embeddings = _predict(
-        model, images, card.mean, card.std, batch_size, len(classes), rows
+    # The temperature export baked into the graph (absent from older models: 1).
+    temperature = float(model.metadata.get("temperature", 1.0))
+    preds, confidence, raw, embeddings = _predict(
+        model, images, card.mean, card.std, batch_size, len(classes), rows, temperature
     )
     metrics = classification_metrics(labels.astype(np.int64), preds, classes)
+    metrics["calibration"] = calibration_metrics(labels, preds, confidence, raw, temperature)
     metrics["samples"] = int(labels.shape[0])
     metrics["provider"] = model.provider
     metrics["io_binding"] = model.io_binding  # bound on the device (CUDA) or plain run
@@ -271,6 +316,13 @@ def write_reports(
         "per_class_png": lambda: per_class_png(m["per_class"], classes, title),
         "mistakes_png": lambda: mistakes_png(images, labels, preds, result["confidence"], classes),
         "curves_png": lambda: learning_curves_png(history, "Training history"),
+        "reliability_png": lambda: reliability_png(
+            {
+                "as trained": m["calibration"]["uncalibrated"],
+                f"temperature {m['calibration']['temperature']:g}": m["calibration"]["calibrated"],
+            },
+            f"Confidence vs accuracy on {m['samples']} test images",
+        ),
     }
     for name, draw in pictures.items():
         atomic_write_bytes(paths[name], draw())

@@ -24,6 +24,7 @@ from trainyard.core.card import METADATA_KEY, card_from_metadata, normalize_pixe
 from trainyard.core.errors import ExportError
 from trainyard.core.io import atomic_file, atomic_write_text, sha256_file
 from trainyard.core.pause_points import pause_point
+from trainyard.export.calibration import fit_temperature, nll
 from trainyard.model import networks
 from trainyard.model.classifier import Classifier
 from trainyard.runtime.sessions import EMBEDDING_OUTPUT, LOGITS_OUTPUT, OnnxModel, load_onnx
@@ -68,11 +69,13 @@ class LogitsAndEmbedding(nn.Module):
 
     The body is a copy of the model with its head replaced by ``nn.Identity`` (the model
     itself is left as it was): a plain graph with no hooks or side effects, which
-    ``torch.export`` traces like any net. The head is the model's own module.
+    ``torch.export`` traces like any net. The head is the model's own module. The logits
+    are divided by ``temperature`` (``trainyard.export.calibration``; 1: as trained).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, temperature: float = 1.0) -> None:
         super().__init__()
+        self.temperature = float(temperature)
         path, head = classifier_head(model)
         body = copy.deepcopy(model)
         parent, _, name = path.rpartition(".")
@@ -83,19 +86,25 @@ class LogitsAndEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         embedding = self.body(x)
-        return self.head(embedding), embedding
+        logits = self.head(embedding)
+        return (logits if self.temperature == 1.0 else logits / self.temperature), embedding
 
 
 def export_onnx(
-    model: Any, path: str | os.PathLike[str], opset: int, metadata: dict[str, str]
+    model: Any,
+    path: str | os.PathLike[str],
+    opset: int,
+    metadata: dict[str, str],
+    temperature: float = 1.0,
 ) -> None:
     """Write ``model`` (a Classifier in eval mode) to ONNX with a dynamic batch dimension
-    and two outputs: ``logits`` [N, classes], then ``embedding`` [N, D] (the head's input)."""
+    and two outputs: ``logits`` [N, classes] (divided by ``temperature``), then
+    ``embedding`` [N, D] (the head's input)."""
 
     example = torch.zeros(2, *model.card.input_shape)
     with atomic_file(path) as tmp:
         torch.onnx.export(
-            LogitsAndEmbedding(model),
+            LogitsAndEmbedding(model, temperature),
             (example,),
             str(tmp),
             dynamo=True,
@@ -151,7 +160,11 @@ def model_metadata(model: Any, ckpt_sha256: str, run_id: str, data_sha256: str) 
 
 
 def check_parity(
-    model: Any, onnx_path: str | os.PathLike[str], images: np.ndarray, max_abs_diff: float
+    model: Any,
+    onnx_path: str | os.PathLike[str],
+    images: np.ndarray,
+    max_abs_diff: float,
+    temperature: float = 1.0,
 ) -> dict[str, Any]:
     """Compare ONNX Runtime (CPU, fp32) with PyTorch on the same normalised images: the
     logits (max abs diff <= ``max_abs_diff``, 100% argmax agreement) and the embedding.
@@ -166,6 +179,7 @@ def check_parity(
     # numpy normalisation: exactly what evaluate and the service feed ONNX Runtime.
     x = normalize_pixels(images, model.card.mean, model.card.std)
     ref, ref_embedding = _torch_outputs(model, x)
+    ref = ref / np.float32(temperature)  # the calibrated logits the graph was exported with
     ort_model = load_onnx(onnx_path, device="cpu")
     got, embedding = _ort_outputs(ort_model, x, batch_size=256)
     diff = float(np.abs(ref - got).max())
@@ -245,13 +259,21 @@ def export_and_verify(
     max_abs_diff: float,
     run_id: str,
     data_sha256: str,
+    calibration: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """Export, then fail (deleting the ONNX file) unless it agrees with PyTorch."""
+    """Export, then fail (deleting the ONNX file) unless it agrees with PyTorch.
+
+    ``calibration``: (uint8 images, labels) of the validation split, on which a temperature
+    is fitted and baked into the graph (``trainyard.export.calibration``); None: none (1).
+    """
     onnx_path = Path(onnx_path)
     model = load_checkpoint(ckpt_path)
     meta = model_metadata(model, sha256_file(ckpt_path), run_id, data_sha256)
-    export_onnx(model, onnx_path, opset, meta)
-    report = check_parity(model, onnx_path, test_images, max_abs_diff)
+    scaling = calibrate(model, *calibration) if calibration is not None else {"temperature": 1.0}
+    meta["temperature"] = repr(scaling["temperature"])
+    export_onnx(model, onnx_path, opset, meta, scaling["temperature"])
+    report = check_parity(model, onnx_path, test_images, max_abs_diff, scaling["temperature"])
+    report["calibration"] = scaling
     if not report["passed"]:
         onnx_path.unlink(missing_ok=True)  # a model that disagrees must not reach later stages
         raise ExportError(
@@ -262,6 +284,24 @@ def export_and_verify(
     atomic_write_text(onnx_path.with_name(onnx_path.name + ".sha256"), f"{sha}  {onnx_path.name}\n")
     report["onnx_sha256"] = sha
     return report
+
+
+def calibrate(model: Any, images: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+    """The temperature fitted on ``images`` (the validation split) by the model's own
+    logits, with the split's NLL before and after: what the export record keeps."""
+    if len(labels) == 0:
+        return {"temperature": 1.0, "samples": 0}
+    x = normalize_pixels(images, model.card.mean, model.card.std)
+    logits = np.concatenate(
+        [_torch_outputs(model, x[i : i + 256])[0] for i in range(0, len(x), 256)]
+    )
+    t = fit_temperature(logits, labels)
+    return {
+        "temperature": t,
+        "samples": len(labels),
+        "val_nll_before": round(nll(logits, labels), 6),
+        "val_nll_after": round(nll(logits, labels, t), 6),
+    }
 
 
 def normalized_example(onnx_path: str | os.PathLike[str], images: np.ndarray) -> np.ndarray:

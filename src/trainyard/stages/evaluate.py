@@ -82,6 +82,11 @@ def stage_metrics(
             "samples": exported.samples,
         },
         "train": {"best_val_acc": info.best_val_acc, "fit_time_s": info.fit_time_s},
+        "calibration": {
+            "temperature": metrics["calibration"]["temperature"],
+            "ece": metrics["calibration"]["calibrated"]["ece"],
+            "ece_uncalibrated": metrics["calibration"]["uncalibrated"]["ece"],
+        },
     }
     if exported.int8 is not None:
         keys = ("agreement", "accuracy_drop", "accuracy_int8", "samples")
@@ -136,8 +141,8 @@ def write_reference(
 def log_evaluation(
     run_id: str, result: dict[str, Any], paths: dict[str, Path], reference: Path
 ) -> None:
-    """Test accuracy, macro and per-class F1, the reports and the drift reference, into
-    the train run."""
+    """Test accuracy, macro and per-class F1, the calibration error with and without the
+    graph's temperature, the reports and the drift reference, into the train run."""
     m = result["metrics"]
     with logging_into(run_id, "evaluate"):
         log.info(
@@ -148,7 +153,15 @@ def log_evaluation(
             run_id,
         )
         pause_point("evaluate.logging")
-        log_to_open_run(metrics={"test/accuracy": m["accuracy"], "test/macro_f1": m["macro_f1"]})
+        cal = m["calibration"]
+        log_to_open_run(
+            metrics={
+                "test/accuracy": m["accuracy"],
+                "test/macro_f1": m["macro_f1"],
+                "test/ece": cal["calibrated"]["ece"],
+                "test/ece_uncalibrated": cal["uncalibrated"]["ece"],
+            }
+        )
         # Class names may hold '/', spaces or any letter: keys are index + a safe spelling.
         classes = result["classes"]
         log_to_open_run(

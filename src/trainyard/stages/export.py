@@ -44,6 +44,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
     remove_int8(onnx_path)  # first: a failed export must not leave an older int8 model
     images, labels = load_split(args.data, "test")
     n = min(params.export.parity_samples, images.shape[0])
+    calibration = load_split(args.data, "val") if params.export.calibrate else None
     report = export_and_verify(
         Path(args.models, info.checkpoint),
         onnx_path,
@@ -52,7 +53,17 @@ def run(params: Params, args: argparse.Namespace) -> None:
         params.export.max_abs_diff,
         run_id,
         info.data_sha256,
+        calibration,
     )
+    scaling = report.pop("calibration")
+    if scaling.get("samples"):
+        log.info(
+            "calibrated on %d val images: temperature %.3f (val NLL %.4f -> %.4f)",
+            scaling["samples"],
+            scaling["temperature"],
+            scaling["val_nll_before"],
+            scaling["val_nll_after"],
+        )
     log.info(
         "parity ok on %d images, max abs diff %.2e, agreement %.2f%%, embedding max abs "
         "diff %.2e (limit %.2e)",
@@ -73,6 +84,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
                 "export/max_abs_diff": report["max_abs_diff"],
                 "export/argmax_agreement": report["argmax_agreement"],
                 "export/embedding_max_abs_diff": report["embedding_max_abs_diff"],
+                "export/temperature": scaling["temperature"],
             },
             tags={"onnx.sha256": report["onnx_sha256"]},
         )
@@ -86,7 +98,8 @@ def run(params: Params, args: argparse.Namespace) -> None:
                 tags={"onnx.int8_sha256": int8.sha256},
                 artifacts={onnx_path.with_name(int8.file): INT8_FOLDER},
             )
-    ExportRecord(**report, mlflow_model_uri=model_uri, int8=int8).write(args.report)
+    record = ExportRecord(**report, mlflow_model_uri=model_uri, int8=int8, calibration=scaling)
+    record.write(args.report)
 
 
 def quantize(

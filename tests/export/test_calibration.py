@@ -1,0 +1,69 @@
+"""Temperature scaling: the fit finds the temperature that generated the labels, the
+baked graph's logits are the model's divided by it with the same answers, and the
+evaluate side's expected calibration error is what its definition says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trainyard.evaluation.scoring import reliability
+from trainyard.export.calibration import T_MAX, T_MIN, fit_temperature, nll
+from trainyard.export.onnx_export import _torch_outputs, export_and_verify, load_checkpoint
+from trainyard.runtime.sessions import load_onnx
+
+from conftest import train_checkpoint
+
+
+@pytest.mark.parametrize("true_t", [0.5, 1.0, 2.5])
+def test_the_fit_recovers_the_temperature_labels_were_drawn_at(true_t):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (20_000, 6)).astype(np.float32)
+    p = np.exp(logits / true_t)
+    p /= p.sum(axis=1, keepdims=True)
+    labels = (p.cumsum(axis=1) > rng.random((len(p), 1))).argmax(axis=1)
+    t = fit_temperature(logits, labels)
+    assert t == pytest.approx(true_t, rel=0.05)
+    assert nll(logits, labels, t) <= min(nll(logits, labels, true_t * f) for f in (0.8, 1.25))
+
+
+def test_the_fit_stays_in_its_interval_and_an_empty_split_is_one():
+    logits = np.array([[5.0, 0.0], [0.0, 5.0]])
+    # Always right: sharper is better until the NLL is 0 in float64 (below T ~ 0.14 here).
+    sharp = fit_temperature(logits, np.array([0, 1]))
+    assert T_MIN <= sharp < 0.2 and nll(logits, np.array([0, 1]), sharp) < 1e-12
+    assert fit_temperature(logits, np.array([1, 0])) == pytest.approx(T_MAX, rel=1e-3)
+    assert fit_temperature(logits[:0], np.array([], dtype=int)) == 1.0
+
+
+def test_ece_is_the_weighted_gap_between_confidence_and_accuracy():
+    confidence = np.array([0.95, 0.95, 0.95, 0.95, 0.55, 0.55])
+    correct = np.array([1, 1, 0, 0, 1, 1], bool)
+    r = reliability(confidence, correct, bins=10)
+    # bin 9: confidence .95, accuracy .5 (4 of 6 images); bin 5: .55 vs 1.0 (2 of 6)
+    assert r["ece"] == pytest.approx(4 / 6 * 0.45 + 2 / 6 * 0.45)
+    assert r["count"][9] == 4 and r["count"][5] == 2 and sum(r["count"]) == 6
+    assert r["accuracy"][9] == pytest.approx(0.5) and r["confidence"][5] == pytest.approx(0.55)
+    assert reliability(np.ones(3), np.ones(3, bool))["ece"] == 0.0  # 1.0 lands in the last bin
+
+
+def test_the_exported_graph_carries_the_fitted_temperature(tmp_path):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (96, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, 96)
+    ckpt = train_checkpoint(tmp_path, images, labels, steps=3, batch_size=16, mean=0.3, std=0.35)
+    val = (images[:64, None], labels[:64])
+    out = tmp_path / "model.onnx"
+    report = export_and_verify(ckpt, out, images[64:, None], 18, 1e-4, "r", "d" * 64, val)
+    scaling = report["calibration"]
+    t = scaling["temperature"]
+    assert report["passed"] and t != 1.0 and scaling["samples"] == 64
+    assert scaling["val_nll_after"] <= scaling["val_nll_before"]
+    model = load_checkpoint(ckpt)
+    x = ((images[64:, None] / 255.0 - 0.3) / 0.35).astype(np.float32)
+    torch_logits = _torch_outputs(model, x)[0]
+    onnx_model = load_onnx(out, device="cpu")
+    graph_logits = onnx_model.run(x)
+    assert onnx_model.metadata["temperature"] == repr(t)
+    np.testing.assert_allclose(graph_logits, torch_logits / t, atol=1e-4)
+    assert (graph_logits.argmax(1) == torch_logits.argmax(1)).all()  # the same answers
