@@ -67,3 +67,19 @@ def test_the_exported_graph_carries_the_fitted_temperature(tmp_path):
     assert onnx_model.metadata["temperature"] == repr(t)
     np.testing.assert_allclose(graph_logits, torch_logits / t, atol=1e-4)
     assert (graph_logits.argmax(1) == torch_logits.argmax(1)).all()  # the same answers
+
+
+def test_a_small_or_never_wrong_validation_split_leaves_the_model_as_trained(tmp_path):
+    from trainyard.export.onnx_export import MIN_CALIBRATION_IMAGES, calibrate
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (96, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, 96)
+    ckpt = train_checkpoint(tmp_path, images, labels, steps=3, batch_size=16, mean=0.3, std=0.35)
+    model = load_checkpoint(ckpt)
+    few = MIN_CALIBRATION_IMAGES - 1
+    assert calibrate(model, images[:few, None], labels[:few]) == {"temperature": 1.0, "samples": 0}
+    x = ((images[:64, None] / 255.0 - 0.3) / 0.35).astype(np.float32)
+    own = _torch_outputs(model, x)[0].argmax(1)  # labels the model always gets right
+    assert calibrate(model, images[:64, None], own) == {"temperature": 1.0, "samples": 0}
+    assert calibrate(model, images[:64, None], labels[:64])["samples"] == 64

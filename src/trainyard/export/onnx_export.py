@@ -30,6 +30,9 @@ from trainyard.model.classifier import Classifier
 from trainyard.runtime.sessions import EMBEDDING_OUTPUT, LOGITS_OUTPUT, OnnxModel, load_onnx
 
 INPUT_NAME = "image"
+# Fewer validation images than this: no temperature (one image moves a small split's NLL
+# more than a temperature would).
+MIN_CALIBRATION_IMAGES = 50
 OUTPUT_NAME = LOGITS_OUTPUT  # output 0: what every reader of a one-output model took
 EMBEDDING_NAME = EMBEDDING_OUTPUT  # output 1: [N, D] float32
 
@@ -288,13 +291,18 @@ def export_and_verify(
 
 def calibrate(model: Any, images: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
     """The temperature fitted on ``images`` (the validation split) by the model's own
-    logits, with the split's NLL before and after: what the export record keeps."""
-    if len(labels) == 0:
+    logits, with the split's NLL before and after: what the export record keeps. 1 (and
+    ``samples`` 0) when the split is too small to fit one, or the model is never wrong
+    on it."""
+    if len(labels) < MIN_CALIBRATION_IMAGES:
         return {"temperature": 1.0, "samples": 0}
     x = normalize_pixels(images, model.card.mean, model.card.std)
-    logits = np.concatenate(
-        [_torch_outputs(model, x[i : i + 256])[0] for i in range(0, len(x), 256)]
-    )
+    batches = range(0, len(x), 256)
+    logits = np.concatenate([_torch_outputs(model, x[i : i + 256])[0] for i in batches])
+    if (logits.argmax(axis=1) == labels).all():
+        # Never wrong on these images: the NLL falls as T shrinks to its bound, which would
+        # make every answer near-certain on images the model has not seen. Left as trained.
+        return {"temperature": 1.0, "samples": 0}
     t = fit_temperature(logits, labels)
     return {
         "temperature": t,
