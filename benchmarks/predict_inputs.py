@@ -51,18 +51,6 @@ TINY_SIZE = 28
 TINY_SUBFOLDERS = 10  # per class: 100 folders in all (a million files: 10,000 a folder)
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_GZ = FASHION_DIR / "train-images-idx3-ubyte.gz"
-FASHION_CLASSES = (  # Fashion-MNIST's label order: the class folders (T-shirt/top nests)
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-)
 FASHION_RECIPE = 1
 
 
@@ -267,12 +255,9 @@ def ensure_tiny(work: Path, count: int, seed: int, log: Log) -> dict[str, Any]:
 
 def _idx(kind: str, what: str) -> np.ndarray:
     """Fashion-MNIST's ``kind`` (t10k, train) images [n, 28, 28] or labels [n]."""
-    raw = gzip.decompress(
-        (FASHION_DIR / f"{kind}-{what}-idx{3 if what == 'images' else 1}-ubyte.gz").read_bytes()
-    )
-    if what == "labels":
-        return np.frombuffer(raw, np.uint8, offset=8)
-    return np.frombuffer(raw, np.uint8, offset=16).reshape(-1, TINY_SIZE, TINY_SIZE)
+    from trainyard.data.idx import read_idx
+
+    return read_idx(FASHION_DIR / f"{kind}-{what}-idx{3 if what == 'images' else 1}-ubyte.gz")
 
 
 _FASHION_SETS: Any = None  # (images, labels): the test set, then the training set
@@ -293,7 +278,9 @@ def fashion_image(i: int) -> tuple[np.ndarray, int]:
 
 
 def fashion_path(root: Path, i: int, label: int) -> Path:
-    return root / FASHION_CLASSES[label] / f"img_{i:05d}.png"
+    from trainyard.data.sources.fashion_mnist import CLASS_NAMES
+
+    return root / CLASS_NAMES[label] / f"img_{i:05d}.png"
 
 
 def _make_fashion(job: tuple[str, int]) -> int:
