@@ -312,10 +312,12 @@ def service_rows(
 
 
 def memory_run(tiny: Path, count: int, model: Path, work: Path) -> dict[str, Any]:
-    """Score the tiny folder with ``python -m trainyard.bulk`` while sampling its tree."""
+    """Score the tiny folder with ``python -m trainyard.bulk`` while sampling its tree, in
+    one decode worker per core (``--workers``: auto would score such small images in its
+    own process; the workers' tree is the one whose memory could grow)."""
     out = work / "million.parquet"
     clear_output(out)
-    cmd = predict_command(tiny, out, model)
+    cmd = predict_command(tiny, out, model, "--workers", str(usable_cores() or 1))
     samples: list[tuple[float, int, int, int, int]] = []
     t0 = time.perf_counter()
     with open(work / "million.log", "wb") as err:

@@ -217,7 +217,9 @@ def _memory(m: dict[str, Any] | None) -> list[str]:
     return [
         f"Memory (`--million {m['images']}`): {m['images']:,} {ds['size_px']}x{ds['size_px']} "
         f"greyscale PNGs ({ds['content']}; {ds['bytes'] / 2**20:,.0f} MiB, {made}), "
-        f"scored by `python -m trainyard.bulk` with {model_name(info)} at "
+        "scored by `python -m trainyard.bulk --workers N` (N: one decode worker per core; "
+        "`auto` would score such small images in its own process) with "
+        f"{model_name(info)} at "
         f"{m['img_per_s']:,.0f} img/s ({m['seconds']:.0f} s scoring, {m['wall_s']:.0f} s "
         f"wall). The RSS of its process tree (the command, its forkserver and decode "
         f"workers: {m['processes']} processes, summed: shared pages count in each) every "
