@@ -93,11 +93,10 @@ def test_tasks_to_workers_hold_about_the_same_bytes(tmp_path, model):
         (root / f"z{i}.jpg").write_bytes(b"x" * (TASK_BYTES + 1))
     job, _ = command.build_job(options(root.parent, tmp_path / "o.parquet", model))
     inputs = list_inputs(str(root.parent))
-    rest = 1500 - TASK_MAX_IMAGES + 1  # the other tiny files and the first big one
-    for scoring, expected in (
-        ("", [TASK_MAX_IMAGES, rest, 1, 1]),
-        (str(model), [TASK_MAX_IMAGES, rest, 2]),
-    ):
+    assert 300 * TASK_MAX_IMAGES < TASK_BYTES  # tiny files: the count closes their tasks
+    full, rest = divmod(1500, TASK_MAX_IMAGES)
+    tiny = [TASK_MAX_IMAGES] * full + [rest + 1]  # the last tiny ones and the first big one
+    for scoring, expected in (("", [*tiny, 1, 1]), (str(model), [*tiny, 2])):
         spec = DecodeSpec(CARD, 10**9, 1.0, 10**6, model=scoring)
         probe = engine.Job(
             **{**job.__dict__, "inputs": inputs, "spec": spec, "inline": False, "batch_size": 4}

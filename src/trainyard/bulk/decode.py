@@ -43,8 +43,9 @@ from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.runtime.sessions import OnnxModel, load_onnx
 
 TASK_IMAGES = 32  # images per task where their sizes are unknown (URLs)
-TASK_BYTES = 1 << 20  # file bytes per task: a hop amortised, the workers kept balanced
-TASK_MAX_IMAGES = 1024  # ... and at most this many images (28 px PNGs: 300 bytes each)
+TASK_BYTES = 256 << 10  # file bytes per task: a hop amortised, the workers kept balanced
+TASK_MAX_IMAGES = 256  # ... and at most this many (28 px PNGs: 300 bytes each): the first
+# results come early, the last tasks end together
 WINDOW_PER_WORKER = 4  # tasks in flight per worker: enough to never leave one idle
 PARENT_CHECK_S = 1.0  # how often a worker checks that the job still runs
 

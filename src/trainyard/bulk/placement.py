@@ -14,7 +14,8 @@ can run in two places, chosen per job from what one image costs here (``choose_p
 
 The estimate of each: in this process ``rows x max(decode, model)`` (the two overlap on
 two cores; one core: their sum), in the workers ``start-up + rows x (decode + model) /
-workers``; the smaller wins, and the start-up line and the summary say which and why.
+workers``; the workers when theirs is 1.1x shorter (a near tie stays in this process:
+nothing to start, less memory); the start-up line and the summary say which and why.
 On a GPU the workers decode and this process scores (``choose_place`` is not asked).
 """
 
@@ -40,6 +41,8 @@ POOL_START_S = 1.0  # decode workers' start-up, measured here (forkserver, impor
 SAMPLE_IMAGES = 8  # images decoded here to measure what one costs
 SAMPLE_S = 0.2  # at most this long: a folder of phone photos is decided in 2 images
 GIL_S = 10e-6  # per image, this thread's own Python work (softmax, top-k, the table)
+WORKERS_GAIN = 1.1  # workers only when estimated this much faster: a near tie (which noise
+# on a shared machine flips) stays here, with no process to start and less memory
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,6 @@ def choose_place(
         f"about {here:.1f} s in this process vs {there:.1f} s in {workers} worker(s) "
         f"(start-up {POOL_START_S:.0f} s)"
     )
-    if workers > 1 and there < here:
+    if workers > 1 and there * WORKERS_GAIN < here:
         return Place(False, f"decode workers: {costs}")
     return Place(True, f"in this process (a decode thread, the model here): {costs}")
