@@ -124,7 +124,7 @@ def build_job(
     opts = settings(options, params)
     shard = parse_shard(options.shard)
     out = Path(options.out) if options.out else default_out(options.source)
-    fmt = output_format(out)
+    output_format(out)  # a bad extension is an error before the model is fetched
     inputs = list_inputs(
         options.source,
         image_column=params.data.csv_image_column,
@@ -137,20 +137,14 @@ def build_job(
     model, sha = open_verified(path, opts["device"], 0)
     card = card_from_metadata(model.metadata, str(path))
     folder_labels(inputs, model.classes)
-    version = (
-        f"{provenance['registry_model']}/{provenance['registry_version']}"
-        if provenance.get("registry_version")
-        else "local"
-    )
     probe = choose_batch(model, path, card.input_shape, opts["batch_size"])
-    batch = probe.batch
     spec = DecodeSpec(
         card,
         params.data.max_image_pixels,
         params.data.download_timeout_s,
         params.data.csv_max_download_bytes,
         top_k=opts["top_k"],
-        batch_size=batch,
+        batch_size=probe.batch,
     )
     place = where_to_score(inputs, shard_range(len(inputs), *shard), spec, probe, opts["workers"])
     if place.inline or probe.single is None:  # scored here: on one thread, or on the GPU
@@ -161,13 +155,13 @@ def build_job(
         inputs=inputs,
         model=model,
         sha256=sha,
-        version=version,
+        version=_version(provenance),
         spec=spec,
         out=out,
-        fmt=fmt,
+        fmt=output_format(out),
         top_k=opts["top_k"],
         min_confidence=opts["min_confidence"],
-        batch_size=batch,
+        batch_size=probe.batch,
         workers=1 if place.inline else worker_count(opts["workers"]),  # inline: a thread
         chunk_rows=opts["chunk_rows"],
         shard=shard,
@@ -181,6 +175,13 @@ def build_job(
         place=place.reason,
     )
     return job, params
+
+
+def _version(provenance: dict[str, Any]) -> str:
+    """The registry's NAME/VERSION, or "local" for a model file."""
+    if provenance.get("registry_version"):
+        return f"{provenance['registry_model']}/{provenance['registry_version']}"
+    return "local"
 
 
 def where_to_score(
