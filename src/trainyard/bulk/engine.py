@@ -1,7 +1,8 @@
-"""Bulk scoring: decode in worker processes, run the model in large batches, write chunks.
+"""Bulk scoring: decode (in worker processes, or a thread of this process for small images:
+trainyard.bulk.placement), run the model in batches, write chunks.
 
-The caller's thread runs ONNX Runtime while the decode workers read the next files (a
-bounded window of tasks ahead), so decode and inference overlap and memory stays flat:
+The caller's thread runs ONNX Runtime while the decoders read the next files (a bounded
+window of tasks ahead), so decode and inference overlap and memory stays flat:
 at most the window's images and one batch are held, whatever the source's size. Rows are
 turned into a chunk table as soon as their chunk is complete, and written (``ChunkStore``).
 
