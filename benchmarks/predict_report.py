@@ -247,7 +247,9 @@ def _intro(result: dict[str, Any]) -> list[str]:
         f"`{result['command']}` on {result['date']} (commit {result['commit']}): "
         f"{hw['cpu']}, {hw['cores']} cores ({hw['cores_usable']} usable), load average "
         f"{hw['loadavg_start'][0]:.2f} at the start and {hw['loadavg_end'][0]:.2f} at the end "
-        f"(1 minute; the benchmark's own processes count in it); Python {hw['python']}, "
+        "(1 minute; the benchmark's own processes count in it: above 2, other work on this "
+        "shared machine competed for its cores, so read the ratios, measured side by side "
+        f"in one run, rather than the times); Python {hw['python']}, "
         f"Pillow {hw['pillow']}, ONNX "
         f"Runtime {hw['onnxruntime']} (CPU); {result['wall_s']:.0f} s in all. "
         "`make bench-predict` runs it (`BENCH_PREDICT_ARGS`).",
