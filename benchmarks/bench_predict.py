@@ -376,8 +376,8 @@ def measure_fashion(
         about = f"the built {model_name(models[MILLION_MODEL]['info'])} (no models/model.onnx)"
     warm_cache(folder)
     log(f"6. small images: trainyard predict on {len(files):,} Fashion-MNIST PNGs, {about}")
-    run = run_predict(folder, tmp / "fashion.parquet", model, cli=True)
-    row = predict_row(run, len(files))
+    row = predict_row(run_predict(folder, tmp / "fashion.parquet", model, cli=True), len(files))
+    bulk = predict_row(run_predict(folder, tmp / "fashion-bulk.parquet", model), len(files))
     plain = plain_loop(files, model, model_card(model), set())["row"]
     log(
         f"   predict {row['wall_s']:.1f} s whole command ({row['img_per_s']:,.0f} img/s "
@@ -387,10 +387,11 @@ def measure_fashion(
     return {
         "dataset": {k: v for k, v in made.items() if k != "folder"},
         "model": about,
-        "rows": {"predict": row, "plain loop": plain},
+        "rows": {"predict": row, "python -m trainyard.bulk": bulk, "plain loop": plain},
         "ratios": {
             "whole command": plain["seconds"] / row["wall_s"],
             "scoring": row["img_per_s"] / plain["img_per_s"],
+            "python -m trainyard.bulk, whole command": plain["seconds"] / bulk["wall_s"],
         },
     }
 

@@ -190,13 +190,34 @@ def _small(small: dict[str, Any] | None) -> list[str]:
         f"(scoring {mine['seconds']:.1f}) | {mine['wall_img_per_s']:,.0f} (scoring "
         f"{mine['img_per_s']:,.0f}) | {_seconds(mine.get('first_row_s'))} | "
         f"{mine.get('place') or mine.get('scoring')} |",
+        *_bulk_row(small["rows"].get("python -m trainyard.bulk")),
         f"| plain loop | {plain['images']:,} | {plain['seconds']:.1f} | "
         f"{plain['img_per_s']:,.0f} | - | one process |",
         "",
         f"The whole command against the plain loop: **{small['ratios']['whole command']:.2f}x**"
-        f"; its scoring part alone: {small['ratios']['scoring']:.2f}x.",
+        f"; its scoring part alone: {small['ratios']['scoring']:.2f}x"
+        + _bulk_ratio(small["ratios"].get("python -m trainyard.bulk, whole command"))
+        + ". Before its first row the `trainyard` console script imports every command's "
+        "module (torch, Lightning, MLflow, Optuna: the house rule keeps imports at the top of "
+        "each module), which `python -m trainyard.bulk` does not.",
         "",
     ]
+
+
+def _bulk_row(row: dict[str, Any] | None) -> list[str]:
+    """``python -m trainyard.bulk`` on the same files, when it was measured."""
+    if not row:
+        return []
+    return [
+        f"| python -m trainyard.bulk, whole command | {row['images']:,} | {row['wall_s']:.1f} "
+        f"(scoring {row['seconds']:.1f}) | {row['wall_img_per_s']:,.0f} (scoring "
+        f"{row['img_per_s']:,.0f}) | {_seconds(row.get('first_row_s'))} | "
+        f"{row.get('place') or row.get('scoring')} |"
+    ]
+
+
+def _bulk_ratio(value: float | None) -> str:
+    return "" if value is None else f"; `python -m trainyard.bulk`, whole command: **{value:.2f}x**"
 
 
 def _seconds(value: float | None) -> str:
