@@ -77,6 +77,7 @@ from benchmarks.predict_contenders import (
 from benchmarks.predict_inputs import (
     MODELS,
     REPO,
+    ensure_fashion,
     ensure_models,
     ensure_photos,
     ensure_tiny,
@@ -85,6 +86,7 @@ from benchmarks.predict_report import (
     PROB_LIMIT,
     markdown,
     memory_target,
+    model_name,
     print_summary,
     ratios_of,
     targets,
@@ -99,6 +101,7 @@ FULL = {
     "check": 50,
     "million": 200_000,
     "cost_seconds": 1.5,
+    "fashion": 20_000,
 }
 QUICK = {
     "count": 40,
@@ -107,6 +110,7 @@ QUICK = {
     "check": 12,
     "million": 400,
     "cost_seconds": 0.2,
+    "fashion": 200,
 }
 MILLION_MODEL = "cnn-28"
 # ----------------------------------------------------------------------------- 4. check
@@ -197,6 +201,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="N",
         help="the memory check: score N 28x28 PNGs with the small cnn, sampling RSS "
         "(default 200,000: about 1 min, 0.8 GB of small files in the temp dir; 0: skip)",
+    )
+    p.add_argument(
+        "--fashion",
+        type=int,
+        metavar="N",
+        help="small images: N Fashion-MNIST 28x28 PNGs scored by `trainyard predict` and the "
+        "plain loop with models/model.onnx (`make run`'s; else the built cnn 1x28x28); "
+        "default 20,000, 0: skip",
     )
     p.add_argument(
         "--sides",
@@ -305,7 +317,8 @@ def measure_model(
 
 def measure(args: argparse.Namespace, work: Path, tmp: Path) -> dict[str, Any]:
     """Every part of the run; what the result records."""
-    kinds = list(dict.fromkeys(args.models + ([MILLION_MODEL] if args.million else [])))
+    small = [MILLION_MODEL] if args.million or args.fashion else []
+    kinds = list(dict.fromkeys(args.models + small))
     models = ensure_models(work, kinds, MODULE, log)
     dataset = ensure_photos(work, args.count, args.seed, log, args.sides)
     photos = Path(dataset["folder"])
@@ -330,6 +343,7 @@ def measure(args: argparse.Namespace, work: Path, tmp: Path) -> dict[str, Any]:
             f"{memory['peak_rss'] / 2**20:,.0f} MiB (+{memory['growth_rss'] / 2**20:,.0f} MiB), "
             f"{memory['img_per_s']:,.0f} img/s"
         )
+    small = measure_fashion(work, args.fashion, models, tmp) if args.fashion else None
     for run in runs:
         run["targets"] = targets(run)
     if memory:
@@ -338,6 +352,47 @@ def measure(args: argparse.Namespace, work: Path, tmp: Path) -> dict[str, Any]:
         "dataset": {k: v for k, v in dataset.items() if k != "folder"},
         "runs": runs,
         "memory": memory,
+        "fashion": small,
+    }
+
+
+def measure_fashion(
+    work: Path, count: int, models: dict[str, Any], tmp: Path
+) -> dict[str, Any] | None:
+    """Small images: ``trainyard predict`` (the console script, the whole command) and the
+    plain loop on ``count`` Fashion-MNIST PNGs, one after the other, with the Fashion model
+    of `make run` where it is there."""
+    made = ensure_fashion(work, count, log)
+    if not made:
+        log("6. small images: skipped (no Fashion-MNIST under /usr/share/datasets)")
+        return None
+    folder = Path(made["folder"])
+    files = sorted(folder.rglob("*.png"))
+    local = REPO / "models" / "model.onnx"
+    if local.is_file() and local.with_name("model.onnx.sha256").is_file():
+        model, about = local, "models/model.onnx (`make run`'s Fashion-MNIST model)"
+    else:
+        model = Path(models[MILLION_MODEL]["path"])
+        about = f"the built {model_name(models[MILLION_MODEL]['info'])} (no models/model.onnx)"
+    warm_cache(folder)
+    log(f"6. small images: trainyard predict on {len(files):,} Fashion-MNIST PNGs, {about}")
+    row = predict_row(run_predict(folder, tmp / "fashion.parquet", model, cli=True), len(files))
+    bulk = predict_row(run_predict(folder, tmp / "fashion-bulk.parquet", model), len(files))
+    plain = plain_loop(files, model, model_card(model), set())["row"]
+    log(
+        f"   predict {row['wall_s']:.1f} s whole command ({row['img_per_s']:,.0f} img/s "
+        f"scoring, first row at {row['first_row_s']} s; {row['place']}); plain loop "
+        f"{plain['seconds']:.1f} s ({plain['img_per_s']:,.0f} img/s)"
+    )
+    return {
+        "dataset": {k: v for k, v in made.items() if k != "folder"},
+        "model": about,
+        "rows": {"predict": row, "python -m trainyard.bulk": bulk, "plain loop": plain},
+        "ratios": {
+            "whole command": plain["seconds"] / row["wall_s"],
+            "scoring": row["img_per_s"] / plain["img_per_s"],
+            "python -m trainyard.bulk, whole command": plain["seconds"] / bulk["wall_s"],
+        },
     }
 
 

@@ -58,11 +58,22 @@ def predict_command(source: Path, out: Path, model: Path, *extra: str) -> list[s
     ]
 
 
-def run_predict(source: Path, out: Path, model: Path, *extra: str) -> dict[str, Any]:
-    """``python -m trainyard.bulk`` as a subprocess from the repository (its params.yaml);
-    its summary plus ``wall_s`` (the whole process) and its log."""
+def cli_command(source: Path, out: Path, model: Path) -> list[str]:
+    """``trainyard predict`` as a user types it (the console script beside this Python),
+    without the MLflow run: it would write into the repository's tracking store."""
+    script = Path(sys.executable).with_name("trainyard")
+    args = [str(source), "--out", str(out), "--model", str(model), "--no-track"]
+    return [str(script), "predict", *args]
+
+
+def run_predict(
+    source: Path, out: Path, model: Path, *extra: str, cli: bool = False
+) -> dict[str, Any]:
+    """``python -m trainyard.bulk`` (``cli``: ``trainyard predict``) as a subprocess from the
+    repository (its params.yaml); its summary plus ``wall_s`` (the whole process) and its
+    log."""
     clear_output(out)
-    cmd = predict_command(source, out, model, *extra)
+    cmd = cli_command(source, out, model) if cli else predict_command(source, out, model, *extra)
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -94,6 +105,9 @@ def predict_row(run: dict[str, Any], count: int) -> dict[str, Any]:
         "decode_wait_share": speed["decode_wait_share"],
         "inference_share": speed["inference_share"],
         "verdict": speed["verdict"],
+        "scoring": speed.get("scoring"),
+        "place": speed.get("place"),
+        "first_row_s": speed.get("first_row_s"),
         "loadavg": run["loadavg"],
     }
 
@@ -298,10 +312,12 @@ def service_rows(
 
 
 def memory_run(tiny: Path, count: int, model: Path, work: Path) -> dict[str, Any]:
-    """Score the tiny folder with ``python -m trainyard.bulk`` while sampling its tree."""
+    """Score the tiny folder with ``python -m trainyard.bulk`` while sampling its tree, in
+    one decode worker per core (``--workers``: auto would score such small images in its
+    own process; the workers' tree is the one whose memory could grow)."""
     out = work / "million.parquet"
     clear_output(out)
-    cmd = predict_command(tiny, out, model)
+    cmd = predict_command(tiny, out, model, "--workers", str(usable_cores() or 1))
     samples: list[tuple[float, int, int, int, int]] = []
     t0 = time.perf_counter()
     with open(work / "million.log", "wb") as err:

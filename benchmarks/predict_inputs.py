@@ -49,7 +49,9 @@ MIN_SOURCE_SIDE = 200
 MIN_SOURCE_BYTES = 20_000
 TINY_SIZE = 28
 TINY_SUBFOLDERS = 10  # per class: 100 folders in all (a million files: 10,000 a folder)
-FASHION_GZ = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_GZ = FASHION_DIR / "train-images-idx3-ubyte.gz"
+FASHION_RECIPE = 1
 
 
 def say(log: Log) -> Log:
@@ -245,6 +247,69 @@ def ensure_tiny(work: Path, count: int, seed: int, log: Log) -> dict[str, Any]:
 
     jobs = ((str(photos), i, seed) for i in range(count))
     made = generate(folder, want, lambda i: tiny_path(photos, i), make, jobs, say(log), "PNGs")
+    return made | {"folder": str(photos)}
+
+
+# ----------------------------------------------------------------------------- Fashion PNGs
+
+
+def _idx(kind: str, what: str) -> np.ndarray:
+    """Fashion-MNIST's ``kind`` (t10k, train) images [n, 28, 28] or labels [n]."""
+    from trainyard.data.idx import read_idx
+
+    return read_idx(FASHION_DIR / f"{kind}-{what}-idx{3 if what == 'images' else 1}-ubyte.gz")
+
+
+_FASHION_SETS: Any = None  # (images, labels): the test set, then the training set
+
+
+def fashion_image(i: int) -> tuple[np.ndarray, int]:
+    """Image ``i`` of the test set's 10,000, then of the training set's (the test set alone
+    is 10,000 images), and its label."""
+    global _FASHION_SETS
+    if _FASHION_SETS is None:
+        parts = [(_idx(k, "images"), _idx(k, "labels")) for k in ("t10k", "train")]
+        _FASHION_SETS = (
+            np.concatenate([p[0] for p in parts]),
+            np.concatenate([p[1] for p in parts]),
+        )
+    images, labels = _FASHION_SETS
+    return images[i], int(labels[i])
+
+
+def fashion_path(root: Path, i: int, label: int) -> Path:
+    from trainyard.data.sources.fashion_mnist import CLASS_NAMES
+
+    return root / CLASS_NAMES[label] / f"img_{i:05d}.png"
+
+
+def _make_fashion(job: tuple[str, int]) -> int:
+    """Write Fashion-MNIST PNG ``i`` as it is (pool task); returns its size in bytes."""
+    from PIL import Image
+
+    root, i = job
+    pixels, label = fashion_image(i)
+    path = fashion_path(Path(root), i, label)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.ascontiguousarray(pixels), "L").save(path, format="PNG")
+    return path.stat().st_size
+
+
+def ensure_fashion(work: Path, count: int, log: Log) -> dict[str, Any]:
+    """``work/fashion-<count>/photos``: Fashion-MNIST's real 28x28 images as PNGs, unchanged,
+    in folders named after their classes (the test set's 10,000 first, then the training
+    set's); empty when the dataset's files are not on this machine."""
+    if not (FASHION_DIR / "t10k-images-idx3-ubyte.gz").is_file():
+        return {}
+    folder = work / f"fashion-{count}"
+    photos = folder / "photos"
+    labels = np.concatenate([_idx(k, "labels") for k in ("t10k", "train")])
+    want = wanted(count, 0, FASHION_RECIPE, size_px=TINY_SIZE, content=str(FASHION_DIR))
+    from benchmarks.predict_inputs import _make_fashion as make
+
+    jobs = ((str(photos), i) for i in range(count))
+    path_of = lambda i: fashion_path(photos, i, int(labels[i]))  # noqa: E731
+    made = generate(folder, want, path_of, make, jobs, say(log), "Fashion-MNIST PNGs")
     return made | {"folder": str(photos)}
 
 

@@ -106,6 +106,28 @@ def test_the_folder_is_real_photo_jpegs(quick: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+def test_small_images_side_by_side(quick: dict[str, Any]) -> None:
+    """200 Fashion-MNIST PNGs: the console script, python -m trainyard.bulk and the plain
+    loop on the same files, the ratios from their seconds, predict's first row and place."""
+    small = quick["result"]["fashion"]
+    assert small["dataset"]["images"] == 200 and small["dataset"]["size_px"] == 28
+    rows = small["rows"]
+    assert tuple(rows) == ("predict", "python -m trainyard.bulk", "plain loop")
+    plain = rows["plain loop"]["seconds"]
+    assert small["ratios"]["whole command"] == pytest.approx(plain / rows["predict"]["wall_s"])
+    bulk = rows["python -m trainyard.bulk"]
+    assert small["ratios"]["python -m trainyard.bulk, whole command"] == pytest.approx(
+        plain / bulk["wall_s"]
+    )
+    for row in (rows["predict"], bulk):
+        assert row["images"] == 200 and 0 < row["first_row_s"] < row["wall_s"]
+        assert row["scoring"] and row["place"]
+    section = quick["docs"].read_text()
+    assert "Small images (`--fashion 200`)" in section
+    assert "| python -m trainyard.bulk, whole command | 200 |" in section
+
+
+@pytest.mark.slow
 def test_docs_section_replaced_and_rendered(quick: dict[str, Any], tmp_path: Path) -> None:
     text = quick["docs"].read_text()
     assert text.count(START) == 1 and text.count(END) == 1

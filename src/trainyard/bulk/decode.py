@@ -16,10 +16,13 @@ batch 64; 133 on both threads), the rule the service follows too.
 
 from __future__ import annotations
 
+import importlib.machinery
 import math
 import multiprocessing
 import os
+import queue
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -39,7 +42,10 @@ from trainyard.data.sources.csv_list import download
 from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.runtime.sessions import OnnxModel, load_onnx
 
-TASK_IMAGES = 32  # images per pool task: amortises the hop, keeps the workers balanced
+TASK_IMAGES = 32  # images per task where their sizes are unknown (URLs)
+TASK_BYTES = 256 << 10  # file bytes per task: a hop amortised, the workers kept balanced
+TASK_MAX_IMAGES = 256  # ... and at most this many (28 px PNGs: 300 bytes each): the first
+# results come early, the last tasks end together
 WINDOW_PER_WORKER = 4  # tasks in flight per worker: enough to never leave one idle
 PARENT_CHECK_S = 1.0  # how often a worker checks that the job still runs
 
@@ -171,6 +177,7 @@ class DecodePool:
         self.spec, self.workers = spec, workers
         # forkserver: the parent holds ONNX Runtime's threads, which fork would copy mid-flight.
         context = multiprocessing.get_context("forkserver")
+        self.main_spec = _main_not_rerun()
         self.executor = ProcessPoolExecutor(
             workers, mp_context=context, initializer=_install, initargs=(spec, os.getpid())
         )
@@ -191,6 +198,78 @@ class DecodePool:
     def close(self) -> None:
         """Stop the workers now: queued tasks are dropped (a Ctrl-C does not wait for them)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.main_spec is not _UNCHANGED:
+            sys.modules["__main__"].__spec__ = self.main_spec
+
+
+_UNCHANGED = object()
+
+
+def _main_not_rerun() -> Any:
+    """Keep the workers from running this program's main script again.
+
+    A new worker re-runs the parent's ``__main__`` when it was started as a script (the
+    ``trainyard`` console script: every command's imports, torch and MLflow among them,
+    seconds before the first image), unless ``__main__`` names a module spec called
+    ``__main__`` (multiprocessing.spawn skips those). The workers need nothing from it:
+    their functions are this module's. ``python -m trainyard.bulk`` has its spec already.
+    Returns what ``close`` puts back."""
+    main = sys.modules["__main__"]
+    if getattr(main, "__spec__", None) is not None or not getattr(main, "__file__", None):
+        return _UNCHANGED
+    main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+    return None
+
+
+class InlineDecoder:
+    """``DecodePool``'s ``imap`` in this process: one thread decodes the next tasks (at most
+    ``window`` ahead) while the caller's thread runs the model, which releases the GIL.
+    For images cheaper to decode than to send to a worker (trainyard.bulk.placement)."""
+
+    def __init__(self, spec: DecodeSpec, window: int = 2 * WINDOW_PER_WORKER) -> None:
+        self.spec = spec
+        self.results: queue.Queue[Any] = queue.Queue(window)
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def imap(self, tasks: Iterator[tuple[list[str], list[str | None]]]) -> Iterator[Any]:
+        """``decode_many`` of each task, in order."""
+        self.thread = threading.Thread(target=self._decode, args=(tasks,), daemon=True)
+        self.thread.start()
+        while True:
+            item = self.results.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _decode(self, tasks: Iterator[tuple[list[str], list[str | None]]]) -> None:
+        try:
+            for locations, known in tasks:
+                if not self._put(decode_many(locations, known, self.spec)):
+                    return
+        except BaseException as err:  # the caller raises it: a bug is not a silent stop
+            self._put(err)
+            return
+        self._put(_END)
+
+    def _put(self, item: Any) -> bool:
+        """Hand ``item`` over unless the caller stopped; whether it was."""
+        while not self.stop.is_set():
+            try:
+                self.results.put(item, timeout=PARENT_CHECK_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def close(self) -> None:
+        """Stop decoding (the thread ends at its next hand-over)."""
+        self.stop.set()
+
+
+_END = object()  # the end of an InlineDecoder's tasks
 
 
 def worker_count(workers: int | str) -> int:

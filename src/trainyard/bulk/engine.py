@@ -1,7 +1,8 @@
-"""Bulk scoring: decode in worker processes, run the model in large batches, write chunks.
+"""Bulk scoring: decode (in worker processes, or a thread of this process for small images:
+trainyard.bulk.placement), run the model in batches, write chunks.
 
-The caller's thread runs ONNX Runtime while the decode workers read the next files (a
-bounded window of tasks ahead), so decode and inference overlap and memory stays flat:
+The caller's thread runs ONNX Runtime while the decoders read the next files (a bounded
+window of tasks ahead), so decode and inference overlap and memory stays flat:
 at most the window's images and one batch are held, whatever the source's size. Rows are
 turned into a chunk table as soon as their chunk is complete, and written (``ChunkStore``).
 
@@ -12,6 +13,7 @@ pixels from ``decode_image`` (``trainyard.runtime.inputs``), top-k by the same s
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
@@ -22,23 +24,28 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from trainyard.bulk.decode import TASK_IMAGES, DecodePool, DecodeSpec, rank
+from trainyard.bulk.decode import (
+    TASK_BYTES,
+    TASK_IMAGES,
+    TASK_MAX_IMAGES,
+    DecodePool,
+    DecodeSpec,
+    InlineDecoder,
+    rank,
+)
 from trainyard.bulk.listing import Inputs, chunk_count, shard_range
 from trainyard.bulk.summary import tally
-from trainyard.bulk.table import ChunkStore, chunk_table, read_tables, summary_path
+from trainyard.bulk.table import ChunkStore, Ranked, ranked_table, read_tables, summary_path
 from trainyard.core.errors import DataError
 from trainyard.core.io import atomic_write_json
 from trainyard.core.nvml_sampler import UNDERFED_PCT, NvmlSampler, unavailable
 from trainyard.core.pause_points import pause_point
 from trainyard.core.progress import Progress
 from trainyard.runtime.inputs import model_input, softmax
-from trainyard.runtime.sessions import CUDA, OnnxModel, load_onnx
+from trainyard.runtime.sessions import CUDA, OnnxModel
 
 log = logging.getLogger(__name__)
 
-CPU_BATCHES = (1, 4, 16, 64)  # per model call in a scoring worker (one thread)
-GPU_BATCHES = (64, 128, 256, 512, 1024)
-GPU_GAIN = 1.15  # a doubling of the batch must raise img/s this much to be taken
 LOG_EVERY_S = 60.0  # off a terminal: one progress line a minute
 INPUT_BOUND_SHARE = 0.5  # waiting on decode this share of the time: the input is the limit
 
@@ -62,6 +69,8 @@ class Job:
     shard: tuple[int, int] = (0, 1)
     strict: bool = False
     about: dict[str, Any] = field(default_factory=dict)  # model source, provenance
+    inline: bool = False  # decoded by a thread of this process (trainyard.bulk.placement)
+    place: str = ""  # where the images are decoded and scored, and why
 
     @property
     def classes(self) -> list[str]:
@@ -94,71 +103,39 @@ class Job:
         }
 
 
-def choose_batch(
-    model: OnnxModel, path: Path, input_shape: tuple[int, ...], asked: int | str
-) -> int:
-    """``predict.batch_size``: a number as is; ``auto`` is measured here on zeros (the
-    kernels' speed does not depend on the pixels): on a GPU the largest power of two
-    (64..1024) whose doubling still raised img/s 15%; on a CPU the best of 1, 4, 16 and 64
-    images per call on one thread (what each scoring worker runs: small models gain from
-    a batch, large ones lose cache)."""
-    if asked != "auto":
-        return int(asked)
-    if model.provider == CUDA:
-        sizes, probe, gain = GPU_BATCHES, model, GPU_GAIN
-    else:
-        sizes, gain = CPU_BATCHES, 1.0
-        probe = load_onnx(path, device="cpu", intra_op_threads=1, say=False)
-    best, best_rate = sizes[0], 0.0
-    for size in sizes:
-        rate = _rate(probe, np.zeros((size, *input_shape), np.float32))
-        if best_rate and rate < best_rate * gain:
-            if model.provider == CUDA:
-                break
-            continue
-        best, best_rate = size, rate
-    where = "the GPU" if model.provider == CUDA else "one CPU thread"
-    log.info("predict.batch_size auto: %d (%.0f img/s on %s at that batch)", best, best_rate, where)
-    return best
-
-
-def _rate(model: OnnxModel, x: np.ndarray, seconds: float = 0.1) -> float:
-    """img/s of ``model`` on batch ``x``: one warm-up call, then calls for ``seconds``."""
-    model.run(x)  # kernel choice, arena growth
-    calls, t0 = 0, time.perf_counter()
-    while calls < 3 or time.perf_counter() - t0 < seconds:
-        model.run(x)
-        calls += 1
-    return calls * len(x) / (time.perf_counter() - t0)
-
-
 class _Scorer:
     """Top-k for batches of pixels, and the chunk table of their rows."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
         self.k = min(job.top_k, len(job.classes))
-        self.classes = np.asarray(job.classes, dtype=object)
         self.infer_s = 0.0
+        self.first_row_s: float | None = None  # from the process's start
 
     def top(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(top-k class indices, their probabilities) per image, as the service ranks them."""
         t0 = time.perf_counter()
         probs = softmax(self.job.model.run(model_input(pixels, self.job.spec.card)))
         self.infer_s += time.perf_counter() - t0
+        self.scored()
         return rank(probs, self.k)
+
+    def scored(self) -> None:
+        """Rows were scored: the first time, note how long after the start."""
+        if self.first_row_s is None:
+            self.first_row_s = process_age()
 
     def table(
         self, lo: int, hi: int, top: np.ndarray, probs: np.ndarray, problems: list[str | None]
     ) -> pa.Table:
         """The rows [lo, hi) of the source as a chunk table."""
-        job, n = self.job, hi - lo
-        ranked = [
-            (self.classes[top[i]].tolist(), probs[i].tolist()) if problems[i] is None else None
-            for i in range(n)
-        ]
+        job = self.job
+        ok = np.fromiter((p is None for p in problems), bool, len(problems))
+        ranked = Ranked(
+            top[ok].ravel(), self.job.classes, probs[ok].ravel(), np.where(ok, self.k, 0)
+        )
         truth = None if job.inputs.labels is None else job.inputs.labels[lo:hi]
-        return chunk_table(
+        return ranked_table(
             job.inputs.names[lo:hi],
             ranked,
             problems,
@@ -169,57 +146,106 @@ class _Scorer:
         )
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux's /proc; None elsewhere): start-up,
+    imports included."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            started = int(fh.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/uptime", "rb") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - started / os.sysconf("SC_CLK_TCK")
+
+
 def _tasks(job: Job, chunks: list[int]) -> Iterator[tuple[list[str], list[str | None]]]:
+    """The chunks' rows in tasks. To workers, about ``TASK_BYTES`` of files each (at least
+    a model batch where they score, at most ``TASK_MAX_IMAGES``): a task of 28 px PNGs
+    holds a thousand, one of phone photos a few, so each costs a worker about the same
+    time. In this process (nothing to send) a batch each, its files not stat-ed."""
+    least = job.batch_size if job.spec.model or job.inline else 1
     for c in chunks:
         lo, hi = job.chunk(c)
-        for a in range(lo, hi, TASK_IMAGES):
-            b = min(a + TASK_IMAGES, hi)
+        a = lo
+        while a < hi:
+            b = min(a + least, hi)
+            size = 0 if job.inline else sum(map(_file_bytes, range(a, b), [job] * (b - a)))
+            while b < hi and b - a < TASK_MAX_IMAGES and not job.inline and size < TASK_BYTES:
+                size += _file_bytes(b, job)
+                b += 1
             yield (
                 [job.inputs.location(i) for i in range(a, b)],
                 [job.inputs.problems.get(i) for i in range(a, b)],
             )
+            a = b
+
+
+def _file_bytes(row: int, job: Job) -> int:
+    """A row's file size; a URL or a file that cannot be stat-ed counts as an average one."""
+    try:
+        return os.stat(job.inputs.location(row)).st_size
+    except (OSError, ValueError):
+        return TASK_BYTES // TASK_IMAGES
 
 
 def _score_chunk(
     job: Job, scorer: _Scorer, results: Iterator[Any], lo: int, hi: int, clock: dict[str, float]
 ) -> pa.Table:
-    """Pull the decoded tasks of rows [lo, hi), score them a batch at a time."""
+    """Pull the decoded tasks of rows [lo, hi), score them ``batch_size`` images at a time
+    (the images that decoded, in row order; the last batch of the chunk shorter)."""
     n = hi - lo
     top = np.zeros((n, scorer.k), np.int64)
     probs = np.zeros((n, scorer.k), np.float32)
     problems: list[str | None] = []
-    buffer: list[np.ndarray] = []
-    rows: list[int] = []  # chunk rows whose pixels are in ``buffer``
-
-    def flush() -> None:
-        if rows:
-            t, p = scorer.top(np.concatenate(buffer)[: len(rows)])
-            top[rows], probs[rows] = t, p
-            buffer.clear()
-            rows.clear()
-
+    waiting = _Batcher(job.batch_size)
     while len(problems) < n:
         t0 = time.perf_counter()
         result = next(results)
         clock["wait_s"] += time.perf_counter() - t0
+        at = len(problems)
         if len(result) == 3:  # scored in the worker (a CPU): its top-k, its problems
-            at = len(problems)
+            scorer.scored()
             top[at : at + len(result[2])], probs[at : at + len(result[2])] = result[:2]
-            _check_strict(job, lo + at, result[2])
-            problems.extend(result[2])
-            continue
-        pixels, found = result
-        for j, problem in enumerate(found):
-            at = len(problems)
-            problems.append(problem)
-            if problem is None:
-                buffer.append(pixels[j : j + 1])
-                rows.append(at)
-            if len(rows) >= job.batch_size:
-                flush()
-        _check_strict(job, lo + len(problems) - len(found), found)
-    flush()
+            found = result[2]
+        else:
+            pixels, found = result
+            good = np.flatnonzero([p is None for p in found])
+            # Blocks of a task's images, not one array per image: 28 px images are cheap.
+            waiting.add(pixels if len(good) == len(found) else pixels[good], at + good)
+            for x, rows in waiting.full(len(problems) + len(found) >= n):
+                top[rows], probs[rows] = scorer.top(x)
+        problems.extend(found)
+        _check_strict(job, lo + at, found)
     return scorer.table(lo, hi, top, probs, problems)
+
+
+class _Batcher:
+    """Decoded images waiting for the model, with their rows in the chunk."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.pixels: list[np.ndarray] = []
+        self.rows: list[np.ndarray] = []
+        self.count = 0
+
+    def add(self, pixels: np.ndarray, rows: np.ndarray) -> None:
+        if len(rows):
+            self.pixels.append(pixels)
+            self.rows.append(rows)
+            self.count += len(rows)
+
+    def full(self, last: bool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The whole batches waiting (``last``: the rest too), each with its rows."""
+        if not self.count or (self.count < self.size and not last):
+            return
+        x = self.pixels[0] if len(self.pixels) == 1 else np.concatenate(self.pixels)
+        rows = self.rows[0] if len(self.rows) == 1 else np.concatenate(self.rows)
+        cut = len(x) if last else len(x) - len(x) % self.size
+        for a in range(0, cut, self.size):
+            yield x[a : a + self.size], rows[a : a + self.size]
+        self.pixels, self.rows = [x[cut:]], [rows[cut:]]
+        self.count = len(x) - cut
 
 
 def _check_strict(job: Job, first: int, problems: list[str | None]) -> None:
@@ -258,7 +284,9 @@ def run(job: Job, progress_stream: Any = None) -> dict[str, Any]:
             "continuing an interrupted run: %d of %d chunk(s) already scored", len(done), count
         )
     scorer, clock = _Scorer(job), {"wait_s": 0.0}
-    pool = DecodePool(job.spec, job.workers) if todo else None
+    pool: DecodePool | InlineDecoder | None = None
+    if todo:
+        pool = InlineDecoder(job.spec) if job.inline else DecodePool(job.spec, job.workers)
     sampler = _gpu_sampler(job) if todo else None
     t0 = time.perf_counter()
     try:
@@ -314,7 +342,9 @@ def _summary(
         "workers": job.workers,
         "decode_wait_share": wait_share,
         "inference_share": scorer.infer_s / elapsed if elapsed > 0 and not job.spec.model else None,
-        "scoring": "in the decode workers, one thread each" if job.spec.model else "batched here",
+        "scoring": _scoring(job),
+        "place": job.place,
+        "first_row_s": scorer.first_row_s,
         "gpu_busy": gpu
         if gpu is not None
         else unavailable("no CUDA device" if job.model.provider != CUDA else "not measured"),
@@ -342,6 +372,12 @@ def _summary(
         **counts,
         "speed": speed,
     }
+
+
+def _scoring(job: Job) -> str:
+    if job.inline:
+        return "in this process: a decode thread, the model on one thread"
+    return "in the decode workers, one thread each" if job.spec.model else "batched here"
 
 
 def verdict(

@@ -57,7 +57,8 @@ class Inputs:
     def location(self, i: int) -> str:
         """What the decode worker reads for row ``i``: an absolute path or a URL."""
         name = self.names[i]
-        if is_url(name) or os.path.isabs(name):
+        # A folder's names are paths under it: no URL to look for (a million rows: seconds).
+        if self.kind != "folder" and (is_url(name) or os.path.isabs(name)):
             return name
         return os.path.join(self.base, name)
 
@@ -119,12 +120,15 @@ def _folder(root: Path) -> Inputs:
     bad: list[tuple[str, str]] = []
     names, ignored = [], 0
     problems: dict[str, str] = {}
+    prefix = os.path.join(root, "")
     for path in walk_files(root, root, bad):
         ext = extension(path)
+        # The walk's paths are under the root: their names by slicing, not Path.relative_to.
+        text = str(path)
+        rel = text[len(prefix) :] if text.startswith(prefix) else rel_path(path, root)
         if is_image(path):
-            names.append(rel_path(path, root))
+            names.append(rel)
         elif ext in UNREADABLE_IMAGES:  # an image all the same: a row that says why
-            rel = rel_path(path, root)
             names.append(rel)
             problems[rel] = f"{ext} images are not a format trainyard reads"
         else:

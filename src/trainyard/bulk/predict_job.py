@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from trainyard.bulk import engine
 from trainyard.bulk.decode import DecodeSpec, worker_count
-from trainyard.bulk.listing import folder_labels, list_inputs, parse_shard
+from trainyard.bulk.listing import Inputs, folder_labels, list_inputs, parse_shard, shard_range
+from trainyard.bulk.placement import (
+    SAMPLE_IMAGES,
+    Place,
+    Probe,
+    choose_batch,
+    choose_place,
+    decode_cost,
+)
 from trainyard.bulk.summary import summary_line, tally
 from trainyard.bulk.table import output_format, read_tables, summary_path, write_table
 from trainyard.core.card import card_from_metadata
@@ -29,7 +37,6 @@ from trainyard.core.errors import DataError, ModelError
 from trainyard.core.io import atomic_write_json
 from trainyard.core.model_ref import FetchedModel, ModelRegistry, parse_model_ref
 from trainyard.runtime.model_file import open_verified
-from trainyard.runtime.sessions import CUDA
 
 log = logging.getLogger("trainyard.bulk")
 
@@ -117,7 +124,7 @@ def build_job(
     opts = settings(options, params)
     shard = parse_shard(options.shard)
     out = Path(options.out) if options.out else default_out(options.source)
-    fmt = output_format(out)
+    output_format(out)  # a bad extension is an error before the model is fetched
     inputs = list_inputs(
         options.source,
         image_column=params.data.csv_image_column,
@@ -130,34 +137,32 @@ def build_job(
     model, sha = open_verified(path, opts["device"], 0)
     card = card_from_metadata(model.metadata, str(path))
     folder_labels(inputs, model.classes)
-    version = (
-        f"{provenance['registry_model']}/{provenance['registry_version']}"
-        if provenance.get("registry_version")
-        else "local"
-    )
-    batch = engine.choose_batch(model, path, card.input_shape, opts["batch_size"])
+    probe = choose_batch(model, path, card.input_shape, opts["batch_size"])
     spec = DecodeSpec(
         card,
         params.data.max_image_pixels,
         params.data.download_timeout_s,
         params.data.csv_max_download_bytes,
-        # On a CPU the workers score too (one thread each); on a GPU, the batches here.
-        model="" if model.provider == CUDA else str(path),
         top_k=opts["top_k"],
-        batch_size=batch,
+        batch_size=probe.batch,
     )
+    place = where_to_score(inputs, shard_range(len(inputs), *shard), spec, probe, opts["workers"])
+    if place.inline or probe.single is None:  # scored here: on one thread, or on the GPU
+        model = probe.single or model
+    else:  # on a CPU the workers score too (one thread each)
+        spec = replace(spec, model=str(path))
     job = engine.Job(
         inputs=inputs,
         model=model,
         sha256=sha,
-        version=version,
+        version=_version(provenance),
         spec=spec,
         out=out,
-        fmt=fmt,
+        fmt=output_format(out),
         top_k=opts["top_k"],
         min_confidence=opts["min_confidence"],
-        batch_size=batch,
-        workers=worker_count(opts["workers"]),
+        batch_size=probe.batch,
+        workers=1 if place.inline else worker_count(opts["workers"]),  # inline: a thread
         chunk_rows=opts["chunk_rows"],
         shard=shard,
         strict=options.strict,
@@ -166,8 +171,38 @@ def build_job(
             "run_id": provenance.get("run_id") or model.metadata.get("mlflow_run_id", ""),
             **{k: v for k, v in provenance.items() if v},
         },
+        inline=place.inline,
+        place=place.reason,
     )
     return job, params
+
+
+def _version(provenance: dict[str, Any]) -> str:
+    """The registry's NAME/VERSION, or "local" for a model file."""
+    if provenance.get("registry_version"):
+        return f"{provenance['registry_model']}/{provenance['registry_version']}"
+    return "local"
+
+
+def where_to_score(
+    inputs: Inputs, rows: tuple[int, int], spec: DecodeSpec, probe: Probe, workers: int | str
+) -> Place:
+    """In this process or in decode workers (trainyard.bulk.placement): on a GPU the
+    workers decode; ``predict.workers`` set to a number is that many workers; ``auto``
+    measures a few of the rows' decodes here and takes the shorter estimate."""
+    if probe.single is None:
+        return Place(False, "decode workers, the model on the GPU here")
+    if workers != "auto":
+        return Place(False, f"{workers} decode worker(s) (predict.workers), each scoring too")
+    start, stop = rows
+    sample = [
+        inputs.location(i)
+        for i in range(start, min(stop, start + 4 * SAMPLE_IMAGES))
+        if i not in inputs.problems
+    ]
+    cost = decode_cost(sample, spec)
+    cores = worker_count("auto")
+    return choose_place(stop - start, cost, probe.img_per_s or 1.0, cores, cores)
 
 
 def predict(options: PredictOptions, registry: ModelRegistry | None = None) -> dict[str, Any]:
@@ -176,8 +211,7 @@ def predict(options: PredictOptions, registry: ModelRegistry | None = None) -> d
     job, _params = build_job(options, registry)
     start, stop = job.rows
     log.info(
-        "scoring %s rows of %s (%s%s) with %s (%s, sha256 %s) on %s%s, batch %d, %d decode "
-        "worker(s) -> %s",
+        "scoring %s rows of %s (%s%s) with %s (%s, sha256 %s) on %s%s, batch %d, %s -> %s",
         f"{stop - start:,}",
         job.inputs.where,
         job.inputs.kind,
@@ -188,7 +222,7 @@ def predict(options: PredictOptions, registry: ModelRegistry | None = None) -> d
         job.model.provider,
         " with IO binding" if job.model.io_binding else "",
         job.batch_size,
-        job.workers,
+        job.place,
         job.out,
     )
     summary = engine.run(job)

@@ -1,0 +1,140 @@
+"""Where a bulk job's images are decoded and scored, and at what batch: measured, not guessed.
+
+``predict.batch_size: auto`` is measured on zeros (``choose_batch``). On a CPU the decode
+can run in two places, chosen per job from what one image costs here (``choose_place``):
+
+- **in this process**: a decode thread reads the next files while this thread runs the
+  model (ONNX Runtime releases the GIL; one intra-op thread, so the two use two cores).
+  No worker to start and nothing to send: right when an image decodes in well under a
+  millisecond (a 28 px PNG: 0.1-0.2 ms), where a worker's start-up (about a second: a
+  fresh interpreter importing NumPy, Pillow and ONNX Runtime) and the hop of every
+  image would cost more than the decode itself;
+- **in decode workers**, one process per core, each decoding and scoring its share on one
+  thread: every core does both, right for photos (2 ms and more a decode).
+
+The estimate of each: in this process ``rows x max(decode, model)`` (the two overlap on
+two cores; one core: their sum), in the workers ``start-up + rows x (decode + model) /
+workers``; the workers when theirs is 1.1x shorter (a near tie stays in this process:
+nothing to start, less memory); the start-up line and the summary say which and why.
+On a GPU the workers decode and this process scores (``choose_place`` is not asked).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trainyard.bulk.decode import DecodeSpec, decode_many
+from trainyard.runtime.sessions import CUDA, OnnxModel, load_onnx
+
+log = logging.getLogger("trainyard.bulk")
+
+CPU_BATCHES = (1, 4, 16, 64)  # per model call on one thread
+GPU_BATCHES = (64, 128, 256, 512, 1024)
+GPU_GAIN = 1.15  # a doubling of the batch must raise img/s this much to be taken
+PROBE_S = 0.05  # per batch size probed: enough for a stable rate, little start-up
+POOL_START_S = 1.0  # decode workers' start-up, measured here (forkserver, imports, model)
+SAMPLE_IMAGES = 8  # images decoded here to measure what one costs
+SAMPLE_S = 0.2  # at most this long: a folder of phone photos is decided in 2 images
+GIL_S = 10e-6  # per image, this thread's own Python work (softmax, top-k, the table)
+WORKERS_GAIN = 1.1  # workers only when estimated this much faster: a near tie (which noise
+# on a shared machine flips) stays here, with no process to start and less memory
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The batch chosen, its img/s, and the one-thread session it was measured on (a CPU:
+    the session that scores in this process)."""
+
+    batch: int
+    img_per_s: float | None  # None: a batch size given, not measured
+    single: OnnxModel | None = None
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a job's images are decoded and scored, and why."""
+
+    inline: bool  # decoded by a thread of this process, scored here
+    reason: str
+
+
+def choose_batch(
+    model: OnnxModel, path: Path, input_shape: tuple[int, ...], asked: int | str
+) -> Probe:
+    """``predict.batch_size``: a number as is; ``auto`` is measured here on zeros (the
+    kernels' speed does not depend on the pixels): on a GPU the largest power of two
+    (64..1024) whose doubling still raised img/s 15%; on a CPU the best of 1, 4, 16 and 64
+    images per call on one thread (what scores each image on a CPU, here or in a worker:
+    small models gain from a batch, large ones lose cache)."""
+    gpu = model.provider == CUDA
+    single = None if gpu else load_onnx(path, device="cpu", intra_op_threads=1, say=False)
+    if asked != "auto":  # on a CPU still measured: where to score depends on it
+        rate = None if single is None else _rate(single, _zeros(int(asked), input_shape))
+        return Probe(int(asked), rate, single)
+    sizes, gain, probe = (
+        (GPU_BATCHES, GPU_GAIN, model) if single is None else (CPU_BATCHES, 1.0, single)
+    )
+    best, best_rate = sizes[0], 0.0
+    for size in sizes:
+        rate = _rate(probe, _zeros(size, input_shape))
+        if best_rate and rate < best_rate * gain:
+            if gpu:
+                break
+            continue
+        best, best_rate = size, rate
+    where = "the GPU" if gpu else "one CPU thread"
+    log.info("predict.batch_size auto: %d (%.0f img/s on %s at that batch)", best, best_rate, where)
+    return Probe(best, best_rate, single)
+
+
+def _zeros(batch: int, input_shape: tuple[int, ...]) -> np.ndarray:
+    return np.zeros((batch, *input_shape), np.float32)
+
+
+def _rate(model: OnnxModel, x: np.ndarray, seconds: float = PROBE_S) -> float:
+    """img/s of ``model`` on batch ``x``: one warm-up call, then calls for ``seconds``."""
+    model.run(x)  # kernel choice, arena growth
+    calls, t0 = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - t0 < seconds:
+        model.run(x)
+        calls += 1
+    return calls * len(x) / (time.perf_counter() - t0)
+
+
+def decode_cost(locations: list[str], spec: DecodeSpec) -> float:
+    """Seconds to read and decode one image here: the mean over the first few files after
+    one not counted (the first decode of a format loads its plugin), at most ``SAMPLE_S``
+    in all; unreadable ones count, as they cost their time too. 0 without a file."""
+    if not locations:
+        return 0.0
+    decode_many(locations[:1], [None], spec)
+    t0, done = time.perf_counter(), 0
+    for location in locations[1 : SAMPLE_IMAGES + 1]:
+        decode_many([location], [None], spec)
+        done += 1
+        if time.perf_counter() - t0 > SAMPLE_S:
+            break
+    return (time.perf_counter() - t0) / max(done, 1)
+
+
+def choose_place(
+    rows: int, decode_s: float, model_img_per_s: float, workers: int, cores: int
+) -> Place:
+    """In this process or in ``workers`` decode workers: the one whose estimate is shorter
+    (the module's docstring)."""
+    model_s = 1 / model_img_per_s
+    here = rows * (max(decode_s + GIL_S, model_s) if cores > 1 else decode_s + model_s)
+    there = POOL_START_S + rows * (decode_s + model_s) / max(workers, 1)
+    costs = (
+        f"decode {decode_s * 1e3:.2f} ms, model {model_s * 1e3:.2f} ms an image on one thread: "
+        f"about {here:.1f} s in this process vs {there:.1f} s in {workers} worker(s) "
+        f"(start-up {POOL_START_S:.0f} s)"
+    )
+    if workers > 1 and there * WORKERS_GAIN < here:
+        return Place(False, f"decode workers: {costs}")
+    return Place(True, f"in this process (a decode thread, the model here): {costs}")
