@@ -143,3 +143,21 @@ def test_the_console_script_is_cli_main():
     text = (REPO / "pyproject.toml").read_text()
     assert re.search(r'^trainyard = "trainyard\.cli:main"$', text, flags=re.M)
     assert Path(cli.__file__).name == "cli.py"
+
+
+def test_the_cli_starts_without_any_commands_heavy_library():
+    """Every command module is imported to build the parser: none may load torch, Lightning,
+    MLflow, Optuna, DVC or matplotlib before its own ``run`` (``trainyard predict`` of a
+    small folder would spend seconds on tune's and drift's libraries before its first
+    image). A fresh interpreter: this test process has them all loaded already."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "lightning", "mlflow", "optuna", "dvc", "matplotlib", "pandas", "scipy")
+    code = (
+        "import sys, trainyard.cli\n"
+        "trainyard.cli.get_parser()\n"
+        f"print(' '.join(m for m in {heavy!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -5,13 +5,19 @@ command's subparser and sets its ``func`` to the module's one ``Command`` class;
 ``Cmd(args).run()`` is the exit status. A command module turns its arguments into typed
 values and calls the library, which never sees an ``argparse.Namespace``.
 
-Nothing is imported here but argparse, so one command module can run alone: ``python -m
+Nothing heavy is imported here, so one command module can run alone: ``python -m
 trainyard.commands.doctor`` on a machine that has torch and none of the others' libraries.
+A command imports the library it runs inside its ``run`` (as dvc/commands/ do): the CLI
+imports every command module to build its parser, and ``trainyard predict`` must not start
+by loading tune's torch and Optuna or drift's matplotlib (tests/house/test_cli.py).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from trainyard.core.model_ref import FetchedModel, ModelRef, ModelRegistry
 
 Subparsers = argparse._SubParsersAction  # what ArgumentParser.add_subparsers returns
 
@@ -41,3 +47,31 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
         return parser.parse_args(argv)
     except SystemExit as exc:  # argparse: 2 for bad usage, 0 for --help
         return exc.code if isinstance(exc.code, int) else 2
+
+
+class RegistryOnDemand:
+    """trainyard.core.model_ref's ``ModelRegistry`` on MLflow, imported when a ``models:/``
+    or ``runs:/`` model is first fetched: a model file scores without MLflow's second of
+    start-up."""
+
+    def __init__(self) -> None:
+        self._registry: ModelRegistry | None = None
+
+    def _mlflow(self) -> ModelRegistry:
+        if self._registry is None:
+            from trainyard.track.model_refs import MlflowRegistry
+
+            self._registry = MlflowRegistry()
+        return self._registry
+
+    def fetch(self, ref: ModelRef, cache_dir: Path) -> FetchedModel:
+        return self._mlflow().fetch(ref, cache_dir)
+
+    def fetch_int8(self, ref: ModelRef, cache_dir: Path) -> Path | None:
+        return self._mlflow().fetch_int8(ref, cache_dir)
+
+    def fetch_reference(self, ref: ModelRef, cache_dir: Path) -> Path:
+        return self._mlflow().fetch_reference(ref, cache_dir)
+
+    def follow(self, ref: ModelRef, current: str, cache_dir: Path) -> FetchedModel | None:
+        return self._mlflow().follow(ref, current, cache_dir)

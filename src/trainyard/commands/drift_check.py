@@ -13,13 +13,11 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from trainyard.commands import Command, Subparsers, command_parser
+from trainyard.commands import Command, RegistryOnDemand, Subparsers, command_parser
 from trainyard.core.config import DEFAULT_PARAMS, load_params
 from trainyard.core.errors import TrainyardError
 from trainyard.core.model_ref import ModelRegistry, parse_model_ref
-from trainyard.evaluation.drift_report import write_report
 from trainyard.stages.runner import configure_logging
-from trainyard.track.model_refs import MlflowRegistry
 from trainyard.watch.current import parse_duration, parse_time, read_window
 from trainyard.watch.drift_score import compare
 from trainyard.watch.log import utc_now
@@ -54,7 +52,7 @@ class CmdDrift(Command):
         a = self.args
         try:
             window = time_window(a.last, a.since, a.until)
-            return drift(a.source, a.reference, a.out, Path(a.params), window, MlflowRegistry())
+            return drift(a.source, a.reference, a.out, Path(a.params), window, RegistryOnDemand())
         except TrainyardError as err:
             print(f"trainyard drift: error: {err}", file=sys.stderr)
             return BAD_INPUT
@@ -96,6 +94,8 @@ def drift(
     """Compare ``source`` (rows in the ``time`` window: since, until) with the reference
     (a file, or with ``registry`` a registered version's), report into ``out``, print the
     line; the exit code (0 or 1). Raises TrainyardError."""
+    from trainyard.evaluation.drift_report import write_report  # matplotlib: not at start-up
+
     params = load_params(params_file)
     since, until = time
     reference = reference_of(reference_spec, params_file, registry)

@@ -8,12 +8,7 @@ from pathlib import Path
 
 from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.core.errors import TrainyardError
-from trainyard.experiments.baseline_report import (
-    DEFAULT_BASELINE,
-    DEFAULT_OUT,
-    NoSuchRevision,
-    write_report,
-)
+from trainyard.experiments import DEFAULT_BASELINE, DEFAULT_OUT
 
 HELP = "reports/report.md: this workspace against a baseline revision (main)"
 
@@ -39,6 +34,8 @@ def add_parser(subparsers: Subparsers) -> None:
 class CmdReport(Command):
     def run(self) -> int:
         """0 written, 1 an error, 2 a baseline that does not exist."""
+        from trainyard.experiments.baseline_report import NoSuchRevision, write_report
+
         try:
             path = write_report(Path.cwd(), self.args.baseline, self.args.out)
         except TrainyardError as err:

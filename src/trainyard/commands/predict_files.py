@@ -14,11 +14,9 @@ from typing import Any
 
 from trainyard.bulk.command_line import add_predict_arguments, predict_options, run_predict
 from trainyard.bulk.predict_job import PredictOptions
-from trainyard.commands import Command, Subparsers, command_parser
+from trainyard.commands import Command, RegistryOnDemand, Subparsers, command_parser
 from trainyard.core.config import load_params
 from trainyard.stages.runner import configure_logging
-from trainyard.track.model_refs import MlflowRegistry
-from trainyard.track.predict_run import record_predict_run
 
 log = logging.getLogger("trainyard.commands.predict_files")
 HELP = "score a folder, CSV, list of paths or glob of images in bulk (docs/predict.md)"
@@ -34,12 +32,14 @@ class CmdPredict(Command):
         """Score, then record the MLflow run: 0; 1 with the reason; 130 on Ctrl-C."""
         configure_logging("predict")
         record = None if self.args.no_track else record_run
-        return run_predict(predict_options(self.args), MlflowRegistry(), record)
+        return run_predict(predict_options(self.args), RegistryOnDemand(), record)
 
 
 def record_run(options: PredictOptions, summary: dict[str, Any]) -> None:
     """The job's MLflow run. The table is the result: an unreachable tracking store is a
     warning after it is written, not a failure."""
+    from trainyard.track.predict_run import record_predict_run
+
     try:
         record_predict_run(load_params(options.params), summary, "predict")
     except Exception as err:  # the table and its summary are written: say, go on

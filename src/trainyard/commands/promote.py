@@ -21,7 +21,6 @@ from trainyard.core.config import load_params
 from trainyard.core.errors import PromotionRefused, TrainyardError
 from trainyard.core.model_ref import ModelRef, registered_alias, registered_version
 from trainyard.stages.runner import configure_logging
-from trainyard.track import promotion
 from trainyard.watch.agreement import shadow_figures
 from trainyard.watch.log import read_log
 
@@ -89,6 +88,8 @@ def promote(
     or the one ``models:/NAME@ALIAS`` points at), with the figures of its shadow run in the
     prediction log (the folder ``log``, else the params file's serve.log_dir);
     PromotionRefused below ``min_rows`` logged requests unless ``force``."""
+    from trainyard.track import promotion  # MLflow: imported when a command moves a model
+
     name, from_alias = which.name, which.alias
     client, _ = promotion.registry_client()
     target = promotion.find_version(client, which)
@@ -153,6 +154,8 @@ def report_move(command: str, move: Callable[[], dict[str, Any]], params_file: P
 
 def _evidence(tags: dict[str, str]) -> str:
     """The recorded figures, in words."""
+    from trainyard.track import promotion
+
     if tags[promotion.ACTION_TAG] == "rollback":
         return "rolled back"
     rows = tags.get("shadow.rows")

@@ -11,7 +11,6 @@ from typing import Any
 from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.commands.promote import report_move
 from trainyard.stages.runner import configure_logging
-from trainyard.track import promotion
 
 HELP = "move a registered model's champion alias back to the one it replaced"
 
@@ -30,6 +29,8 @@ class CmdRollback(Command):
         configure_logging("rollback")
 
         def move() -> dict[str, Any]:
+            from trainyard.track import promotion  # MLflow: only when a model moves
+
             client, _ = promotion.registry_client()
             return promotion.rollback(client, self.args.name, reason=self.args.reason)
 

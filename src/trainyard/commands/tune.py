@@ -19,20 +19,18 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from trainyard.commands import Command, Subparsers, command_parser
 from trainyard.core.config import DEFAULT_PARAMS, parse_params
 from trainyard.core.errors import ParamsError, Terminated, TrainyardError
-from trainyard.experiments import best as best_mod
-from trainyard.experiments import study as st
-from trainyard.experiments import workers
-from trainyard.experiments.study import Study, best_trial, quiet_optuna, trial_values
-from trainyard.experiments.trials import Setup, Tuner, set_key
 from trainyard.stages.runner import configure_logging
-from trainyard.track.interrupts import release_interrupted_store
+
+if TYPE_CHECKING:
+    from trainyard.experiments.study import Study
+    from trainyard.experiments.trials import Setup, Tuner
 
 log = logging.getLogger("trainyard.experiments.tune")  # the trials' logger too
 HELP = "hyperparameter search with Optuna over params.yaml's tune.space"
@@ -125,6 +123,9 @@ def load_setup(
 ) -> Setup:
     """The params file with the -S overrides (KEY, VALUE) and the flags (as ``tune.*``
     keys), validated as a whole: a bad key or value names itself."""
+    from trainyard.experiments import study as st
+    from trainyard.experiments.trials import Setup, set_key
+
     path = Path(params)
     raw = load_raw(path)
     given_overrides = dict(overrides)
@@ -149,6 +150,11 @@ def load_setup(
 def report_best(tuner: Tuner, study: Study, queue: bool) -> bool:
     """Print the best trial, write it as -S overrides, queue it as a DVC experiment;
     False when no trial completed."""
+    from trainyard.experiments import best as best_mod
+    from trainyard.experiments import study as st
+    from trainyard.experiments import workers
+    from trainyard.experiments.study import best_trial, trial_values
+
     top = best_trial(study)
     if top is None:
         print(f"no trial of study {study.study_name} completed: see the failures above")
@@ -187,6 +193,9 @@ class CmdTune(Command):
     def run(self) -> int:
         """0 when the study has a completed trial, 1 on an error or when none completed,
         130/143 when interrupted (a rerun continues)."""
+        from trainyard.experiments.study import quiet_optuna
+        from trainyard.experiments.trials import Tuner
+
         configure_logging("tune")
         quiet_optuna()
         signal.signal(signal.SIGTERM, _terminate)
@@ -207,6 +216,8 @@ class CmdTune(Command):
 
 def _interrupted(tuner: Tuner | None, err: KeyboardInterrupt) -> int:
     """End the study's MLflow run as interrupted; 130 (Ctrl-C) or 143 (SIGTERM)."""
+    from trainyard.track.interrupts import release_interrupted_store
+
     term = isinstance(err, Terminated)
     what = "SIGTERM" if term else "Ctrl-C (SIGINT)"
     if tuner is not None and tuner.runs.parent_id:

@@ -23,10 +23,9 @@ import yaml
 from trainyard.core.errors import TrainyardError
 from trainyard.core.handoffs import REGISTRY_RECORD, TRAIN_RECORD
 from trainyard.core.io import atomic_dir, atomic_write_text
+from trainyard.experiments import DEFAULT_BASELINE, DEFAULT_OUT
 from trainyard.experiments.dvc_repo import diffs_against, read_at_revision
 
-DEFAULT_OUT = Path("reports/report.md")
-DEFAULT_BASELINE = "main"
 # name in reports/ -> heading; the evaluate stage writes them (trainyard.evaluation.pictures).
 PICTURES = {
     "confusion_matrix.png": "Confusion matrix",
