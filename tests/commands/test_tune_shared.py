@@ -39,7 +39,7 @@ from trainyard.experiments import workers
 from conftest import VENV_BIN, copy_repo, make_photo_folder, stage_env, wait_paused
 
 pytestmark = pytest.mark.slow
-TRIALS = 16
+TRIALS = 8
 STUDY = "shared-tune"
 _STORAGES: dict[str, optuna.storages.RDBStorage] = {}  # the test's own, by URL (load)
 
@@ -129,9 +129,9 @@ def load(stack: Stack, study: str = STUDY) -> optuna.Study | None:
         return None
 
 
-def pause_at(announce: Path) -> dict[str, str]:
-    """A worker's environment to pause in its first trial's fit, said in ``announce``."""
-    return {PAUSE_AT: "tune.trial_fitting", PAUSE_FILE: str(announce)}
+def pause_at(announce: Path, trial: int) -> dict[str, str]:
+    """A worker's environment to pause in its ``trial``-th trial's fit, said in ``announce``."""
+    return {PAUSE_AT: f"tune.trial_fitting:{trial}", PAUSE_FILE: str(announce)}
 
 
 def acquiring(lock: workers.AdvisoryLock) -> threading.Event:
@@ -177,12 +177,13 @@ def test_two_workers_split_a_postgresql_study_and_one_survives_the_others_kill(
     alice, bob, photos = clones
     args = ["--trials", str(TRIALS), *tune_args(stack, photos)]
     elsewhere = other_hostname()
-    # Each worker stops in its first trial's fit (the trial's run recorded), so both take
-    # trials whichever starts first; bob's is SIGKILLed there, alice's then goes on.
+    # alice's worker stops in its first trial's fit, bob's in its second's (the trial's run
+    # recorded; he finished one before it), whichever starts first: both took trials. Then
+    # bob's is SIGKILLed there and alice's goes on.
     paused = {user: tmp_path / f"{user}.paused" for user in ("alice", "bob")}
     t0 = time.monotonic()
-    survivor = start(alice, stack, "alice", *args, **pause_at(paused["alice"]))
-    victim = start(bob, stack, "bob", *args, prefix=tuple(elsewhere), **pause_at(paused["bob"]))
+    survivor = start(alice, stack, "alice", *args, **pause_at(paused["alice"], 1))
+    victim = start(bob, stack, "bob", *args, prefix=tuple(elsewhere), **pause_at(paused["bob"], 2))
     pids = {
         user: wait_paused(paused[user], proc, lambda p=proc: p.communicate()[1], timeout=240)
         for user, proc in (("alice", survivor), ("bob", victim))
