@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +41,12 @@ def meminfo_total() -> int:
 
 
 @pytest.fixture(scope="module")
-def doctor_json() -> tuple[dict[str, Any], float]:
-    """`trainyard doctor --json` as a person runs it: the console script, from the repo."""
-    t0 = time.perf_counter()
+def doctor_json() -> dict[str, Any]:
+    """`trainyard doctor --json` as a person runs it: the console script, from the repo.
+    Its "runs in seconds" is not timed here (a loaded machine would fail it): what keeps it
+    quick is checked instead, that it never imports mlflow, dvc or bentoml
+    (test_module_run_never_imports_mlflow_dvc_or_bentoml) and sizes the dataset from its card
+    or the expected counts, not by reading it (``dataset["from"]`` below)."""
     proc = subprocess.run(
         [str(VENV_BIN / "trainyard"), "doctor", "--json"],
         cwd=REPO,
@@ -52,13 +54,12 @@ def doctor_json() -> tuple[dict[str, Any], float]:
         text=True,
         timeout=120,
     )
-    seconds = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout), seconds
+    return json.loads(proc.stdout)
 
 
 def test_console_script_json_describes_this_machine(doctor_json):
-    doc, seconds = doctor_json
+    doc = doctor_json
     assert list(doc)[: len(KEYS)] == list(KEYS)
     assert doc["ok"] is True
     assert doc["cpu"]["logical_cores"] == os.cpu_count()
@@ -84,13 +85,11 @@ def test_console_script_json_describes_this_machine(doctor_json):
     if not has_cuda():  # the repo's Fashion-MNIST params on a CPU: the data's rule
         assert doc["batch"]["batch_size"] == 256, doc["batch"]
         assert doc["batch"]["verdict"] == "train at batch 256 (recipe)"
-    # "Runs in seconds": generous for a loaded 2-core CI box (about 6 s here).
-    assert seconds < 60, seconds
 
 
 @pytest.mark.skipif(has_cuda(), reason="describes a machine without a GPU")
 def test_without_a_gpu_nothing_claims_cuda(doctor_json):
-    doc, _ = doctor_json
+    doc = doctor_json
     assert doc["gpus"] == []
     assert doc["torch"]["cuda_available"] is False
     ort = doc["onnxruntime"]
@@ -104,7 +103,7 @@ def test_without_a_gpu_nothing_claims_cuda(doctor_json):
 
 @pytest.mark.gpu
 def test_on_a_gpu_machine_every_gpu_is_described(doctor_json):
-    doc, _ = doctor_json
+    doc = doctor_json
     assert doc["gpus"], "torch sees a GPU but the doctor lists none"
     for g in doc["gpus"]:
         assert g["name"] and g["memory_bytes"] > 0 and g["free_bytes"] > 0

@@ -37,7 +37,16 @@ from trainyard.experiments import workers
 from trainyard.track.store import ensure_experiment
 from trainyard.track.study_runs import StudyRuns
 
-from conftest import REPO, VENV_BIN, copy_repo, dvc, make_photo_folder, stage_env
+from conftest import (
+    REPO,
+    VENV_BIN,
+    copy_repo,
+    dvc,
+    make_photo_folder,
+    pause_env,
+    stage_env,
+    wait_paused,
+)
 
 TRAINYARD = str(VENV_BIN / "trainyard")
 STUDY = "photos-tune"  # auto: <MLflow experiment>-tune, the experiment is the folder's name
@@ -83,6 +92,20 @@ def start(cwd: Path, *args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+    )
+
+
+def start_paused(cwd: Path, step: str, announce: Path, *args: str) -> subprocess.Popen:
+    """A worker that pauses at ``step`` (``tune.trial_fitting:<n>``: its n-th trial's fit
+    has started, the trial's run recorded) and says so in ``announce``; its output goes to
+    ``announce``'s ``.log`` (a pipe nobody reads while the test waits could fill up)."""
+    log = announce.with_suffix(".log")
+    return subprocess.Popen(
+        [TRAINYARD, "tune", *args],
+        cwd=cwd,
+        env=pause_env(step, announce, MLFLOW_TRACKING_URI=f"sqlite:///{cwd}/mlflow.db"),
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
     )
 
 
@@ -312,37 +335,23 @@ def test_a_study_is_child_runs_under_one_parent_and_its_best_is_queued_in_dvc(tm
     assert study_runs(repo)[0].info.run_id == parent.info.run_id
 
 
-def trial_running(cwd: Path, number: int) -> bool:
-    """Trial ``number`` is RUNNING and its MLflow run exists (its fit has started)."""
-    db = cwd / "optuna.db"
-    if not db.exists():
-        return False
-    try:
-        trials = load_study(cwd).get_trials(deepcopy=False)
-    except KeyError:  # no study yet
-        return False
-    return any(
-        t.number == number and t.state == TrialState.RUNNING and st.RUN_ATTR in t.user_attrs
-        for t in trials
-    )
-
-
 @pytest.mark.slow
 def test_killed_mid_trial_a_rerun_continues_the_study_and_ends_the_killed_run(tmp_path, photos):
-    cwd = workdir(tmp_path)
-    # 40 epochs, no early stop: a trial runs a few seconds, long enough to be caught
-    patience = ["-S", "train.early_stopping_patience=40"]
-    args = ["--trials", "3", "--no-queue", *base_args(photos, epochs=40), *patience]
-    proc = start(cwd, *args)
-    deadline = time.monotonic() + 300
-    while not trial_running(cwd, 1):
-        assert proc.poll() is None, proc.communicate()[1][-4000:]
-        assert time.monotonic() < deadline, "trial 1 never started"
-        time.sleep(0.1)
+    cwd = workdir(tmp_path / "work")
+    args = ["--trials", "3", "--no-queue", *base_args(photos)]
+    # The worker stops in trial 1's fit (its second trial), its run recorded: SIGKILL there.
+    announce = tmp_path / "trial-1.paused"
+    proc = start_paused(cwd, "tune.trial_fitting:2", announce, *args)
+    wait_paused(announce, proc, announce.with_suffix(".log").read_text)
     proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    parent_before = load_study(cwd).user_attrs[st.PARENT_ATTR]
-    killed_run = load_study(cwd).trials[1].user_attrs[st.RUN_ATTR]
+    proc.wait()
+    study = load_study(cwd)
+    assert [(t.number, t.state) for t in study.trials] == [
+        (0, TrialState.COMPLETE),
+        (1, TrialState.RUNNING),
+    ]
+    parent_before = study.user_attrs[st.PARENT_ATTR]
+    killed_run = study.trials[1].user_attrs[st.RUN_ATTR]
     assert (
         mlflow.MlflowClient(f"sqlite:///{cwd}/mlflow.db").get_run(killed_run).info.status
         == "RUNNING"
@@ -366,16 +375,16 @@ def test_killed_mid_trial_a_rerun_continues_the_study_and_ends_the_killed_run(tm
 
 @pytest.mark.slow
 def test_sigterm_mid_trial_fails_the_trial_and_ends_both_runs_killed(tmp_path, photos):
-    cwd = workdir(tmp_path)
-    patience = ["-S", "train.early_stopping_patience=200"]
-    proc = start(cwd, "--trials", "2", "--no-queue", *base_args(photos, epochs=200), *patience)
-    deadline = time.monotonic() + 300
-    while not trial_running(cwd, 0):
-        assert proc.poll() is None, proc.communicate()[1][-4000:]
-        assert time.monotonic() < deadline, "trial 0 never started"
-        time.sleep(0.1)
+    cwd = workdir(tmp_path / "work")
+    # The worker stops in trial 0's fit, its run recorded: SIGTERM there. Lightning's
+    # handler notes it and the fit stops at its next batch, as it would in any batch.
+    announce = tmp_path / "trial-0.paused"
+    args = ["--trials", "2", "--no-queue", *base_args(photos)]
+    proc = start_paused(cwd, "tune.trial_fitting", announce, *args)
+    wait_paused(announce, proc, announce.with_suffix(".log").read_text)
     proc.send_signal(signal.SIGTERM)
-    _out, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    err = announce.with_suffix(".log").read_text()
     assert proc.returncode == 143, err[-4000:]
     assert "trainyard tune: terminated (SIGTERM); `trainyard tune` again continues" in err
     (trial,) = load_study(cwd).trials
@@ -416,12 +425,20 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, photos):
 
 @pytest.mark.slow
 def test_two_workers_share_one_sqlite_study(tmp_path, photos):
-    cwd = workdir(tmp_path)
-    args = ["--trials", "4", "--no-queue", *base_args(photos, epochs=6)]
-    procs = [start(cwd, *args) for _ in range(2)]
-    outputs = [p.communicate(timeout=600) for p in procs]
-    for p, (_out, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-4000:]
+    cwd = workdir(tmp_path / "work")
+    args = ["--trials", "4", "--no-queue", *base_args(photos)]
+    # Each worker stops in its first trial's fit until both are there: both take trials
+    # whichever starts first, then they go on together (the pause ends when its file goes).
+    announce = [tmp_path / f"worker-{i}.paused" for i in range(2)]
+    procs = [start_paused(cwd, "tune.trial_fitting", a, *args) for a in announce]
+    for proc, a in zip(procs, announce, strict=True):
+        wait_paused(a, proc, a.with_suffix(".log").read_text)
+    for a in announce:
+        a.unlink()
+    for proc, a in zip(procs, announce, strict=True):
+        proc.wait(timeout=600)
+        err = a.with_suffix(".log").read_text()
+        assert proc.returncode == 0, err[-4000:]
         assert "database is locked" not in err and "Traceback" not in err
     trials = load_study(cwd).trials
     assert sorted(t.number for t in trials) == [0, 1, 2, 3]

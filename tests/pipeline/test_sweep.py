@@ -70,7 +70,9 @@ def wait_for_queue(repo: Path, jobs: int, log: Path, timeout: float = 900) -> st
             if "0 active, 0 idle" in dvc(repo, "queue", "status").stdout:
                 start_queue(repo, jobs, log)
                 restarted = True
-        time.sleep(3)
+        # Each `dvc queue status` is a DVC start (a second or two of CPU): polled often, it
+        # took a good share of the 2 cores the two experiments train on.
+        time.sleep(10)
 
 
 @pytest.fixture(scope="module")

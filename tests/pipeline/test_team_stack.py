@@ -3,7 +3,7 @@ PostgreSQL, `mlflow server --app-name basic-auth` on it with proxied artifacts, 
 sshd for a DVC remote), and trainyard used against it the way a team does.
 
 One stack and one pipeline for the module: alice runs `dvc repro` and pushes to the SSH
-remote; a teammate clones and pulls; alice and bob run two experiments each at the same
+remote; a teammate clones and pulls; alice and bob run an experiment each at the same
 moment from two clones; the service serves the champion from the server, signed in.
 At the end everything those runs wrote is searched for the stack's secrets.
 """
@@ -15,7 +15,6 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -96,7 +95,7 @@ def origin(stack, reproduced_pipeline, tmp_path_factory) -> SimpleNamespace:
     tmp = tmp_path_factory.mktemp("team-stack")
     # The session's reproduced small pipeline, with fewer steps: fetch and prepare are
     # up to date, train, export and evaluate run against the server. Every experiment
-    # below inherits the short fit (about 4 steps), so four of them fit in the suite.
+    # below inherits the short fit (about 4 steps).
     repo = copy_reproduced(reproduced_pipeline, tmp / "alice")
     set_params(repo, train={"limit_train_batches": 4})
     for store in ("mlflow.db", "mlflow.db.lock", "mlruns"):  # the first run's local store
@@ -162,10 +161,8 @@ def test_a_bad_sign_in_or_a_dead_server_stops_train_in_one_line(stack, origin, c
     else:
         env["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{free_port()}"
     out_dir = origin.tmp / f"out-{case}"
-    start = time.monotonic()
     cmd = ("python", "-m", "trainyard.stages.train", "--data", "data/prepared")
     done = run(origin.repo, *cmd, "--out", str(out_dir), check=False, **env)
-    elapsed = time.monotonic() - start
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]
@@ -174,7 +171,6 @@ def test_a_bad_sign_in_or_a_dead_server_stops_train_in_one_line(stack, origin, c
     # before any training: no epoch, no checkpoint, no run
     assert not re.search(r"epoch \d", done.stderr), done.stderr[-3000:]
     assert not (out_dir / "best.ckpt").exists()
-    assert elapsed < 60, elapsed
 
 
 def test_a_teammate_pulls_over_ssh_and_nothing_reruns(stack, origin):
@@ -205,11 +201,14 @@ def replay(versions: list, margin: float) -> list[tuple[str, str, str]]:
     return decided
 
 
-def test_two_teammates_two_experiments_each_at_once(stack, origin):
+def test_two_teammates_experiments_at_once(stack, origin):
+    """alice and bob each run an experiment from their clone at the same moment: both
+    register on the one server, and the versions' decisions are the sequential rule's.
+    (The registration race itself, at a named step: tests/track/test_registry_race.py.)"""
     clones = {user: teammate_clone(stack, origin, f"exp-{user}") for user in ("alice", "bob")}
     # Learning rates a 4-step fit survives (at 0.05 its logits grow so large that the
     # export's absolute parity limit fails): the accuracies still differ.
-    lrs = {"alice": ("0.001", "0.004"), "bob": ("0.002", "0.008")}
+    lrs = {"alice": ("0.004",), "bob": ("0.002",)}
     procs = {}
     for user, clone in clones.items():
         script = " && ".join(f"dvc exp run -S train.lr={lr}" for lr in lrs[user])
@@ -228,10 +227,10 @@ def test_two_teammates_two_experiments_each_at_once(stack, origin):
     client = client_as(stack, "bob")
     experiment = client.get_experiment_by_name("fashion-mnist")
     runs = client.search_runs([experiment.experiment_id], "tags.`dvc.exp_name` != ''")
-    assert len(runs) == 4 and {r.info.status for r in runs} == {"FINISHED"}
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
     assert sorted(r.data.params["train.lr"] for r in runs) == sorted(sum(lrs.values(), ()))
     versions = client.search_model_versions(f"name = '{MODEL}'")
-    assert len(versions) == 5  # alice's first run + the four experiments
+    assert len(versions) == 3  # alice's first run + the two experiments
     recorded = [
         (str(v.version), v.tags["decision"], v.tags.get("previous_champion", ""))
         for v in sorted(versions, key=lambda v: int(v.version))

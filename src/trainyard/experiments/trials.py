@@ -27,6 +27,7 @@ import yaml
 from trainyard.core.card import CARD_FILE
 from trainyard.core.config import Params, parse_params
 from trainyard.core.errors import ParamsError, Terminated, TrainyardError
+from trainyard.core.pause_points import pause_point
 from trainyard.data.sources import source_fingerprint
 from trainyard.experiments import best as best_mod
 from trainyard.experiments import study as st
@@ -138,8 +139,10 @@ class TrialCallback(L.Callback):
                 self.resume_folder = cb.resume.folder
                 self.trial.set_user_attr(st.RESUME_ATTR, str(self.resume_folder.resolve()))
         run_id = getattr(trainer.logger, "run_id", None)
-        if run_id:  # last: a test (and a person) reads it as "the fit has started"
+        if run_id:  # last: a person reads it as "the fit has started"
             self.trial.set_user_attr(st.RUN_ATTR, run_id)
+        # tests signal a worker here, mid-trial: `tune.trial_fitting:<n>`, its n-th trial
+        pause_point("tune.trial_fitting")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking and "val/acc" in trainer.callback_metrics:
