@@ -4,11 +4,13 @@ Every server is started on a free port and loaded by wrk (C, one thread, keep-al
 request is one image as a multipart ``image`` upload to ``/classify``. In one run:
 
 1. throughput, Fashion CNN (models/model.onnx): the service with ``serve.workers: 1``,
-   params.yaml's batching, vs the bare Starlette + ONNX Runtime reference server with 1
-   worker, at 1, 16 and 64 clients after a warm-up;
+   params.yaml's batching, vs the two bare Starlette + ONNX Runtime servers with 1 worker
+   (benchmarks/reference_server.py: the model on a worker thread, and inline on the event
+   loop, the fastest plain design for a sub-millisecond model), at 1, 16 and 64 clients
+   after a warm-up;
 2. latency: ``make serve``'s configuration (params.yaml as it is) at 16 clients (p99), and
-   the reference server with as many workers; that configuration started a second time,
-   to show two starts serve alike;
+   both bare servers with as many workers; that configuration started a second time, to
+   show two starts serve alike;
 3. cold start: ``bentoml serve bento.service:ImageClassifier`` with params.yaml as it
    is until /readyz answers 200, then req/s in the first seconds after ready (no warm-up)
    against the warm req/s of the same server;
@@ -22,7 +24,7 @@ request is one image as a multipart ``image`` upload to ``/classify``. In one ru
    resnet18 at 64 px trained here briefly (benchmarks/serve_int8.py), with the int8 gate's
    agreement and accuracy drop and ONNX Runtime on one thread at batch 1 and 64.
 
-About 5 minutes with the defaults on 2 cores, 14 server starts (``--quick``: about 90 s,
+About 6 minutes with the defaults on 2 cores, 16 server starts (``--quick``: about 90 s,
 a smoke run whose figures mean little).
 Writes reports/bench-serve.json and replaces the "## Serving" section of
 docs/benchmarks.md (other sections are left as they are); ``--render`` rewrites that
@@ -132,16 +134,25 @@ def load_cold_and_latency(bench: Bench, settings: Any, fashion: dict[str, Any]) 
     bench.run("latency", **fashion, levels=(LATENCY_CLIENTS,), **as_is, first=True)
     bench.cold["workers_param"] = settings.workers
     bench.run("repeat", **fashion, levels=(LATENCY_CLIENTS,), **as_is)
-    bench.run("latency", **fashion, levels=(LATENCY_CLIENTS,), workers=n_default, reference=True)
+    for inline in (False, True):
+        bench.run(
+            "latency",
+            **fashion,
+            levels=(LATENCY_CLIENTS,),
+            workers=n_default,
+            inline=inline,
+            reference=True,
+        )
 
 
 def load_servers(
     bench: Bench, settings: Any, fashion: dict[str, Any], large: dict[str, Any]
 ) -> None:
-    """Every server configuration under wrk, in the order of the run (9 server starts)."""
+    """Every server configuration under wrk, in the order of the run (11 server starts)."""
     print("1. throughput, 1 worker", flush=True)
     bench.run("throughput", **fashion, levels=LEVELS, batching=settings.batching)
     bench.run("throughput", **fashion, levels=LEVELS, reference=True)
+    bench.run("throughput", **fashion, levels=LEVELS, inline=True)
     load_cold_and_latency(bench, settings, fashion)
     print("4. adaptive batching, 1 worker", flush=True)
     bench.run("batching", **fashion, levels=BATCH_LEVELS, batching=not settings.batching)

@@ -44,6 +44,7 @@ from trainyard.serve.parsing import (
     parse_form,
     parse_top_k,
 )
+from trainyard.serve.predictor import SMALL_UPLOAD_BYTES
 from trainyard.serve.refused import Refused
 
 from conftest import REPO, make_card, write_tiny_onnx
@@ -554,17 +555,64 @@ def test_adaptive_batching_gives_the_same_answers_in_merged_runs(batched_client,
     assert total == len(sends) and 0 < count < len(sends), (count, total)
 
 
+@pytest.mark.parametrize("fixture", ["client", "batched_client"])
+def test_the_model_call_runs_where_start_up_chose(fixture, request, tiny, monkeypatch):
+    """With ``inline_images`` (chosen at start-up: this tiny model's call is far shorter
+    than a thread hop) /classify decodes and scores on the event loop, a request's call
+    unbatched, a merged batch's batched; with 0 on a worker thread. Same answers either way."""
+    from trainyard.serve import batching
+
+    client = request.getfixturevalue(fixture)
+    predictor = client.predictor
+    assert predictor.inline_images >= 1  # measured when the service was imported
+    where: list[bool] = []  # True: the call ran on the event loop's thread
+    name = "_answer_all" if fixture == "batched_client" else "_classify_now"
+    owner = batching if fixture == "batched_client" else predictor
+    real = getattr(owner, name)
+
+    def spy(*args):
+        where.append(asyncio_running())
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, spy)
+    expected = expected_probabilities(PHOTOS[:1], tiny["weights"])[0]
+    big = png(np.random.default_rng(9).integers(0, 256, (400, 400), dtype=np.uint8))
+    assert len(big) > SMALL_UPLOAD_BYTES
+    chosen = predictor.inline_images
+    try:
+        cases = [(chosen, PHOTOS[0]), (0, PHOTOS[0])]
+        if fixture == "batched_client":  # the other's serve.max_body_bytes is 64 KiB
+            cases.append((chosen, big))
+        for images, data in cases:
+            predictor.inline_images = images
+            resp = client.post("/classify", files={"image": ("p.png", data, "image/png")})
+            assert resp.status_code == 200, resp.text
+            if data is PHOTOS[0]:
+                assert np.allclose(resp.json()["probabilities"], expected, atol=1e-6)
+    finally:
+        predictor.inline_images = chosen
+    # The large upload: decoded on a thread before the batcher, its batch then inline.
+    assert where == [True, False, *([True] if fixture == "batched_client" else [])]
+
+
+def asyncio_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def test_a_bad_image_in_a_merged_batch_is_its_own_requests_4xx(batched_client, tiny):
     """/classify is the batchable method itself: a request that is no image is refused
     alone, with the unbatched route's answer, while the requests merged with it are served.
-    Small uploads are decoded with their batch, large ones (over DECODE_AHEAD_BYTES) as they
+    Small uploads are decoded with their batch, large ones (over SMALL_UPLOAD_BYTES) as they
     arrive: both ways, good and bad."""
-    from trainyard.serve.batching import DECODE_AHEAD_BYTES
 
     rng = np.random.default_rng(5)
     big = [png(rng.integers(0, 256, (400, 400, 3), dtype=np.uint8)) for _ in range(2)]
-    junk = [b"not an image", rng.bytes(DECODE_AHEAD_BYTES + 1)]
-    assert all(len(x) > DECODE_AHEAD_BYTES for x in big) and len(junk[0]) < DECODE_AHEAD_BYTES
+    junk = [b"not an image", rng.bytes(SMALL_UPLOAD_BYTES + 1)]
+    assert all(len(x) > SMALL_UPLOAD_BYTES for x in big) and len(junk[0]) < SMALL_UPLOAD_BYTES
     images = [*PHOTOS, *big]
     sends = [junk[i % 2] if i % 5 == 2 else images[i % len(images)] for i in range(30)]
     with cf.ThreadPoolExecutor(10) as pool:
