@@ -209,7 +209,7 @@ def _throughput_latency(result: dict[str, Any], s: dict[str, Any]) -> list[str]:
         "",
         "p99 service / thread-hop server: "
         + _num(s["targets"]["latency"]["value"], ".2f", "x")
-        + ", / inline server: "
+        + ", / inline server (1 worker, section 1): "
         + _num(s["targets"]["latency_inline"]["value"], ".2f", "x")
         + "; the two starts, lower / higher 2xx req/s: "
         + _num(s["targets"]["two_starts"]["value"], ".2f", "x")

@@ -63,13 +63,15 @@ def result(
     ):
         rows.append(row("throughput", F, "service", 1, False, clients=c, ok_per_s=svc))
         rows.append(row("throughput", F, "reference", 1, None, clients=c, ok_per_s=ref))
-        rows.append(row("throughput", F, "inline", 1, None, clients=c, ok_per_s=inline))
+        rows.append(
+            row("throughput", F, "inline", 1, None, clients=c, ok_per_s=inline, p99_ms=inline_p99)
+        )
     cold = row("latency", F, "service", 2, False, run="cold", ok_per_s=800.0, p99_ms=p99)
     rows.append({**cold, "section": "cold", "phase": "first", "ok_per_s": first})
     rows.append(cold)
     rows.append(row("repeat", F, "service", 2, False, ok_per_s=again, p99_ms=p99))
     rows.append(row("latency", F, "reference", 2, None, ok_per_s=1500.0, p99_ms=25.0))
-    rows.append(row("latency", F, "inline", 2, None, ok_per_s=1600.0, p99_ms=inline_p99))
+    rows.append(row("latency", F, "inline", 2, None, ok_per_s=1600.0, p99_ms=99.0))
     # Section 5: the log and shadow off / on (the "log" row is not the target's).
     for label, ms in (("off", 20.0), ("log", 99.0), ("log+shadow", watched_p99)):
         rows.append(row("watching", F, "service", 2, False, watching=label, p99_ms=ms))
@@ -212,7 +214,9 @@ def test_markdown_states_targets_and_verdicts():
     assert "| 0.75x | **met** |" in md and "| 1.25x | **met** |" in md
     assert "| Starlette + ORT, inline | 1 | – | 16 | 100 | 560 |" in md
     assert "Service / Starlette + ORT, inline, 2xx req/s: 1 clients 0.40x, 16 clients 0.75x" in md
-    assert "p99 service / thread-hop server: 0.80x, / inline server: 1.25x" in md
+    assert (
+        "p99 service / thread-hop server: 0.80x, / inline server (1 worker, section 1): 1.25x" in md
+    )
     assert "batching on / off >= 1.5x on the larger model (resnet18)" in md
     assert "| 0.84x | **met** |" in md and "| 0.80x | **met** |" in md
     assert "| 1.50x | **met** |" in md and "**not met**" not in md
