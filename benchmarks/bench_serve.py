@@ -52,6 +52,7 @@ from benchmarks.harness.stopwatch import Timer
 from benchmarks.serve_figures import BATCH_LEVELS, FASHION, LARGE, LATENCY_CLIENTS, LEVELS
 from benchmarks.serve_int8 import (
     FIGURES,
+    INT8_HEAD,
     INT8_MODELS,
     build_int8_models,
     int8_lines,
@@ -106,6 +107,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="only section 6 (int8 vs fp32), printed; the docs and JSON are left alone",
     )
     p.add_argument("--int8-steps", type=int, default=200, help="section 6: resnet18 steps")
+    p.add_argument(
+        "--no-int8",
+        action="store_true",
+        help="skip section 6 (minutes of training); the docs keep the int8 table they have",
+    )
     p.add_argument("--build-large", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--build-int8", metavar="DIR", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -244,7 +250,7 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
         bench, settings, fashion_load, {"model_name": LARGE, "model": large, "script": large_script}
     )
     load_watching(bench, fashion_load, tmp)
-    int8 = load_int8(bench, args, fashion_load)
+    int8 = None if args.no_int8 else load_int8(bench, args, fashion_load)
     ort, decode, provider = in_process(
         settings, [(FASHION, fashion, pngs), (LARGE, large, photos)], args.ort_seconds
     )
@@ -284,6 +290,16 @@ def models_record(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, An
             "320x240 to 640x480 px",
         },
     }
+
+
+def kept_int8(docs: Path) -> list[str]:
+    """The int8 table the docs' serving section has now, for a run with ``--no-int8``."""
+    text = docs.read_text() if docs.is_file() else ""
+    head = text.find(INT8_HEAD)
+    if head < 0:
+        return []
+    end = min(i for i in (text.find("\n## ", head), text.find("\n<!--", head), len(text)) if i >= 0)
+    return ["", *text[head:end].rstrip("\n").splitlines(), ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["summary"] = summary(result)
     atomic_write_json(args.json, result)
-    replace_section(Path(args.docs), "\n".join([markdown(result), *int8_lines(result)]))
+    int8 = int8_lines(result) or kept_int8(Path(args.docs))
+    replace_section(Path(args.docs), "\n".join([markdown(result), *int8]))
     print_summary(result)
     print("\n".join(int8_lines(result)))
     print(f"wrote {args.json} and the '{SECTION}' section of {args.docs} in {result['wall_s']} s")

@@ -361,3 +361,14 @@ def test_int8_section_puts_int8_and_fp32_side_by_side():
     assert "100 / 150 (1.50x)" in fashion and "64.00 / 32.00 (0.50x)" in fashion
     assert any(line.startswith(f"| {si.INT8_RESNET} |") for line in lines)
     assert si.int8_lines({}) == []  # a result from before the section: nothing
+
+
+def test_a_run_without_int8_keeps_the_docs_int8_table(tmp_path: Path):
+    from benchmarks import serve_int8 as si
+
+    doc = tmp_path / "benchmarks.md"
+    table = f"{si.INT8_HEAD}\n\n| model | agreement |\n|---|---|\n| fashion | 99.80% |\n\nNotes."
+    doc.write_text(DOC.replace("old serving text", f"old serving text\n\n{table}\n"))
+    assert bs.kept_int8(doc) == ["", *table.splitlines(), ""]
+    doc.write_text(DOC)
+    assert bs.kept_int8(doc) == []

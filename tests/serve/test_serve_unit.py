@@ -555,44 +555,69 @@ def test_adaptive_batching_gives_the_same_answers_in_merged_runs(batched_client,
     assert total == len(sends) and 0 < count < len(sends), (count, total)
 
 
-@pytest.mark.parametrize("fixture", ["client", "batched_client"])
-def test_the_model_call_runs_where_start_up_chose(fixture, request, tiny, monkeypatch):
+def test_an_unbatched_call_runs_where_start_up_chose(client, tiny, monkeypatch):
     """With ``inline_images`` (chosen at start-up: this tiny model's call is far shorter
-    than a thread hop) /classify decodes and scores on the event loop, a request's call
-    unbatched, a merged batch's batched; with 0 on a worker thread. Same answers either way."""
-    from trainyard.serve import batching
-
-    client = request.getfixturevalue(fixture)
+    than a thread hop) an unbatched /classify decodes and scores on the event loop; with 0
+    on a worker thread. The same answer either way."""
     predictor = client.predictor
     assert predictor.inline_images >= 1  # measured when the service was imported
     where: list[bool] = []  # True: the call ran on the event loop's thread
-    name = "_answer_all" if fixture == "batched_client" else "_classify_now"
-    owner = batching if fixture == "batched_client" else predictor
-    real = getattr(owner, name)
+    real = predictor._classify_now
 
     def spy(*args):
         where.append(asyncio_running())
         return real(*args)
 
-    monkeypatch.setattr(owner, name, spy)
+    monkeypatch.setattr(predictor, "_classify_now", spy)
     expected = expected_probabilities(PHOTOS[:1], tiny["weights"])[0]
-    big = png(np.random.default_rng(9).integers(0, 256, (400, 400), dtype=np.uint8))
-    assert len(big) > SMALL_UPLOAD_BYTES
     chosen = predictor.inline_images
     try:
-        cases = [(chosen, PHOTOS[0]), (0, PHOTOS[0])]
-        if fixture == "batched_client":  # the other's serve.max_body_bytes is 64 KiB
-            cases.append((chosen, big))
-        for images, data in cases:
+        for images in (chosen, 0):
             predictor.inline_images = images
-            resp = client.post("/classify", files={"image": ("p.png", data, "image/png")})
+            resp = client.post("/classify", files={"image": ("p.png", PHOTOS[0], "image/png")})
             assert resp.status_code == 200, resp.text
-            if data is PHOTOS[0]:
-                assert np.allclose(resp.json()["probabilities"], expected, atol=1e-6)
+            assert np.allclose(resp.json()["probabilities"], expected, atol=1e-6)
     finally:
         predictor.inline_images = chosen
-    # The large upload: decoded on a thread before the batcher, its batch then inline.
-    assert where == [True, False, *([True] if fixture == "batched_client" else [])]
+    assert where == [True, False]
+
+
+def test_a_merged_batch_runs_inline_from_two_images_up_to_the_chosen_size(
+    batched_client, tiny, monkeypatch
+):
+    """A merged batch of 2 to ``inline_images`` images is answered on the event loop; a
+    batch of one goes to a worker thread (the requests that arrive meanwhile gather into
+    the next batch), and so does one over the size. Each request its own answer."""
+    from trainyard.serve import batching
+
+    predictor = batched_client.predictor
+    where: list[bool] = []
+    real = batching._answer_all
+
+    def spy(queued):
+        where.append(asyncio_running())
+        return real(queued)
+
+    monkeypatch.setattr(batching, "_answer_all", spy)
+    expected = expected_probabilities(PHOTOS, tiny["weights"])
+
+    def queued(n: int) -> list:
+        return [
+            batching.Queued(None, 3, predictor, 0.0, {}, PHOTOS[i % len(PHOTOS)], False)
+            for i in range(n)
+        ]
+
+    chosen = predictor.inline_images
+    try:
+        predictor.inline_images = 3
+        for n in (1, 2, 3, 4):
+            answers = batched_client.portal.call(batching.answer_batch, queued(n))
+            for i, answer in enumerate(answers):
+                got = json.loads(answer.body)["probabilities"]
+                assert np.allclose(got, expected[i % len(PHOTOS)], atol=1e-6)
+    finally:
+        predictor.inline_images = chosen
+    assert where == [False, True, True, False]
 
 
 def asyncio_running() -> bool:

@@ -6,8 +6,9 @@ unbatched route, ``read_classify``, into a one-item list), its CorkDispatcher me
 lists of concurrent requests, and the method answers the merged list in one call: the
 small uploads decoded, one ONNX Runtime run, every answer built (a large upload was decoded
 as its request was read, on a thread of its own). That call runs on the event loop when
-the batch is small enough to take less time than a thread's round trip (measured at
-start-up, trainyard.serve.batch_choice), else in one trip to a worker thread. BentoML then
+the batch merged two requests or more and is small enough to take less time than a
+thread's round trip (measured at start-up, trainyard.serve.batch_choice), else in one trip
+to a worker thread: a lone request's, too, so that the next ones gather meanwhile. BentoML then
 splits the answers back, one per request, and the output descriptor (``BatchedPrediction``)
 hands each request its own response, a 200 or its ``Refused`` 4xx.
 
@@ -102,7 +103,7 @@ class BatchedPrediction(Prediction, bentoml.IODescriptor):
 async def answer_batch(items: Sequence[Queued | Refused]) -> list[Response]:
     """The merged requests' responses, in order: the refused ones at once, the others in
     one call per predictor (two only while a swap is under way): on the event loop for a
-    batch small enough (``Predictor.inline_images``), else in one worker-thread trip."""
+    merged batch small enough (``Predictor.inline_images``), else in one worker-thread trip."""
     responses: list[Response | None] = [None] * len(items)
     groups: dict[int, list[int]] = {}
     for i, item in enumerate(items):
@@ -113,7 +114,10 @@ async def answer_batch(items: Sequence[Queued | Refused]) -> list[Response]:
     for members in groups.values():
         queued: list[Queued] = [items[i] for i in members]  # type: ignore[misc]
         predictor = queued[0].predictor
-        if len(queued) <= predictor.inline_images:  # cheaper here than a thread's round trip
+        # Here when cheaper than a thread's round trip; a batch of one still hops, so that
+        # the requests arriving meanwhile gather into the next batch (BentoML's batcher
+        # waits for none when the last batches went out at once, alone).
+        if 2 <= len(queued) <= predictor.inline_images:
             answered = _answer_all(queued)
         else:
             answered = await predictor.in_thread(_answer_all, queued)
