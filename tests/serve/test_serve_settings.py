@@ -202,7 +202,9 @@ def test_the_path_is_decided_by_the_models_call_and_a_busy_thread_hop(tmp_path, 
     path = batch_choice.choose_path(ServeParams(), model)
     assert path.params.batching is True and path.inline_images >= 1, path.why
     assert path.why.startswith("a call of one image takes ") and "a thread hop " in path.why
-    assert "of up to" in path.describe() and "inline on the event loop" in path.describe()
+    assert f"a batch of 2 to {path.inline_images} images inline on the event loop" in (
+        path.describe()
+    )
     monkeypatch.setattr(batch_choice, "MAX_CALL_MS", 0.0)
     for asked, batched in (("auto", False), (True, True), (False, False)):
         monkeypatch.delenv(batch_choice.CHOICE_ENV, raising=False)

@@ -68,8 +68,8 @@ class ServePath:
         if not self.params.batching:
             return "inline on the event loop (an upload over 64 KiB: on a worker thread)"
         return (
-            f"{how}a batch of up to {self.inline_images} image(s) inline on the event loop, "
-            "larger ones on a worker thread"
+            f"{how}a batch of 2 to {self.inline_images} images inline on the event loop, "
+            "a lone request's and larger ones on a worker thread"
         )
 
 
