@@ -292,6 +292,9 @@ def models_record(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, An
     }
 
 
+KEPT_NOTE = "(From an earlier run: this one had `--no-int8`; `--int8-only` measures it.)"
+
+
 def kept_int8(docs: Path) -> list[str]:
     """The int8 table the docs' serving section has now, for a run with ``--no-int8``."""
     text = docs.read_text() if docs.is_file() else ""
@@ -299,7 +302,8 @@ def kept_int8(docs: Path) -> list[str]:
     if head < 0:
         return []
     end = min(i for i in (text.find("\n## ", head), text.find("\n<!--", head), len(text)) if i >= 0)
-    return ["", *text[head:end].rstrip("\n").splitlines(), ""]
+    kept = text[head:end].rstrip("\n").splitlines()
+    return ["", *kept, *([] if KEPT_NOTE in kept else ["", KEPT_NOTE]), ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.render:
         result = json.loads(Path(args.json).read_text())
-        replace_section(Path(args.docs), "\n".join([markdown(result), *int8_lines(result)]))
+        int8 = int8_lines(result) or kept_int8(Path(args.docs))
+        replace_section(Path(args.docs), "\n".join([markdown(result), *int8]))
         print_summary(result)
         print("\n".join(int8_lines(result)))
         return 0

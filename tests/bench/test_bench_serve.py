@@ -369,6 +369,9 @@ def test_a_run_without_int8_keeps_the_docs_int8_table(tmp_path: Path):
     doc = tmp_path / "benchmarks.md"
     table = f"{si.INT8_HEAD}\n\n| model | agreement |\n|---|---|\n| fashion | 99.80% |\n\nNotes."
     doc.write_text(DOC.replace("old serving text", f"old serving text\n\n{table}\n"))
-    assert bs.kept_int8(doc) == ["", *table.splitlines(), ""]
+    kept = bs.kept_int8(doc)
+    assert kept == ["", *table.splitlines(), "", bs.KEPT_NOTE, ""]
+    report.replace_section(doc, "\n".join(["## Serving", "", "new", *kept]))
+    assert bs.kept_int8(doc) == kept  # kept again: the note once
     doc.write_text(DOC)
     assert bs.kept_int8(doc) == []
