@@ -4,11 +4,13 @@ Every server is started on a free port and loaded by wrk (C, one thread, keep-al
 request is one image as a multipart ``image`` upload to ``/classify``. In one run:
 
 1. throughput, Fashion CNN (models/model.onnx): the service with ``serve.workers: 1``,
-   params.yaml's batching, vs the bare Starlette + ONNX Runtime reference server with 1
-   worker, at 1, 16 and 64 clients after a warm-up;
+   params.yaml's batching, vs the two bare Starlette + ONNX Runtime servers with 1 worker
+   (benchmarks/reference_server.py: the model on a worker thread, and inline on the event
+   loop, the fastest plain design for a sub-millisecond model), at 1, 16 and 64 clients
+   after a warm-up;
 2. latency: ``make serve``'s configuration (params.yaml as it is) at 16 clients (p99), and
-   the reference server with as many workers; that configuration started a second time,
-   to show two starts serve alike;
+   both bare servers with as many workers; that configuration started a second time, to
+   show two starts serve alike;
 3. cold start: ``bentoml serve bento.service:ImageClassifier`` with params.yaml as it
    is until /readyz answers 200, then req/s in the first seconds after ready (no warm-up)
    against the warm req/s of the same server;
@@ -22,7 +24,7 @@ request is one image as a multipart ``image`` upload to ``/classify``. In one ru
    resnet18 at 64 px trained here briefly (benchmarks/serve_int8.py), with the int8 gate's
    agreement and accuracy drop and ONNX Runtime on one thread at batch 1 and 64.
 
-About 5 minutes with the defaults on 2 cores, 14 server starts (``--quick``: about 90 s,
+About 6 minutes with the defaults on 2 cores, 16 server starts (``--quick``: about 90 s,
 a smoke run whose figures mean little).
 Writes reports/bench-serve.json and replaces the "## Serving" section of
 docs/benchmarks.md (other sections are left as they are); ``--render`` rewrites that
@@ -50,6 +52,7 @@ from benchmarks.harness.stopwatch import Timer
 from benchmarks.serve_figures import BATCH_LEVELS, FASHION, LARGE, LATENCY_CLIENTS, LEVELS
 from benchmarks.serve_int8 import (
     FIGURES,
+    INT8_HEAD,
     INT8_MODELS,
     build_int8_models,
     int8_lines,
@@ -104,6 +107,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="only section 6 (int8 vs fp32), printed; the docs and JSON are left alone",
     )
     p.add_argument("--int8-steps", type=int, default=200, help="section 6: resnet18 steps")
+    p.add_argument(
+        "--no-int8",
+        action="store_true",
+        help="skip section 6 (minutes of training); the docs keep the int8 table they have",
+    )
     p.add_argument("--build-large", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--build-int8", metavar="DIR", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -132,16 +140,25 @@ def load_cold_and_latency(bench: Bench, settings: Any, fashion: dict[str, Any]) 
     bench.run("latency", **fashion, levels=(LATENCY_CLIENTS,), **as_is, first=True)
     bench.cold["workers_param"] = settings.workers
     bench.run("repeat", **fashion, levels=(LATENCY_CLIENTS,), **as_is)
-    bench.run("latency", **fashion, levels=(LATENCY_CLIENTS,), workers=n_default, reference=True)
+    for inline in (False, True):
+        bench.run(
+            "latency",
+            **fashion,
+            levels=(LATENCY_CLIENTS,),
+            workers=n_default,
+            inline=inline,
+            reference=True,
+        )
 
 
 def load_servers(
     bench: Bench, settings: Any, fashion: dict[str, Any], large: dict[str, Any]
 ) -> None:
-    """Every server configuration under wrk, in the order of the run (9 server starts)."""
+    """Every server configuration under wrk, in the order of the run (11 server starts)."""
     print("1. throughput, 1 worker", flush=True)
     bench.run("throughput", **fashion, levels=LEVELS, batching=settings.batching)
     bench.run("throughput", **fashion, levels=LEVELS, reference=True)
+    bench.run("throughput", **fashion, levels=LEVELS, inline=True)
     load_cold_and_latency(bench, settings, fashion)
     print("4. adaptive batching, 1 worker", flush=True)
     bench.run("batching", **fashion, levels=BATCH_LEVELS, batching=not settings.batching)
@@ -233,7 +250,7 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
         bench, settings, fashion_load, {"model_name": LARGE, "model": large, "script": large_script}
     )
     load_watching(bench, fashion_load, tmp)
-    int8 = load_int8(bench, args, fashion_load)
+    int8 = None if args.no_int8 else load_int8(bench, args, fashion_load)
     ort, decode, provider = in_process(
         settings, [(FASHION, fashion, pngs), (LARGE, large, photos)], args.ort_seconds
     )
@@ -275,6 +292,20 @@ def models_record(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, An
     }
 
 
+KEPT_NOTE = "(From an earlier run: this one had `--no-int8`; `--int8-only` measures it.)"
+
+
+def kept_int8(docs: Path) -> list[str]:
+    """The int8 table the docs' serving section has now, for a run with ``--no-int8``."""
+    text = docs.read_text() if docs.is_file() else ""
+    head = text.find(INT8_HEAD)
+    if head < 0:
+        return []
+    end = min(i for i in (text.find("\n## ", head), text.find("\n<!--", head), len(text)) if i >= 0)
+    kept = text[head:end].rstrip("\n").splitlines()
+    return ["", *kept, *([] if KEPT_NOTE in kept else ["", KEPT_NOTE]), ""]
+
+
 def main(argv: list[str] | None = None) -> int:
     """`make bench-serve`; ``--render`` only rewrites the docs section from the JSON."""
     argv = sys.argv[1:] if argv is None else argv
@@ -289,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.render:
         result = json.loads(Path(args.json).read_text())
-        replace_section(Path(args.docs), "\n".join([markdown(result), *int8_lines(result)]))
+        int8 = int8_lines(result) or kept_int8(Path(args.docs))
+        replace_section(Path(args.docs), "\n".join([markdown(result), *int8]))
         print_summary(result)
         print("\n".join(int8_lines(result)))
         return 0
@@ -335,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["summary"] = summary(result)
     atomic_write_json(args.json, result)
-    replace_section(Path(args.docs), "\n".join([markdown(result), *int8_lines(result)]))
+    int8 = int8_lines(result) or kept_int8(Path(args.docs))
+    replace_section(Path(args.docs), "\n".join([markdown(result), *int8]))
     print_summary(result)
     print("\n".join(int8_lines(result)))
     print(f"wrote {args.json} and the '{SECTION}' section of {args.docs} in {result['wall_s']} s")

@@ -20,11 +20,26 @@ TARGETS: dict[str, dict[str, Any]] = {
         "limit": 0.8,
         "unit": "x",
     },
+    "throughput_inline": {
+        "text": ">= 0.75x of the inline bare server: service (1 worker, params.yaml's "
+        f"batching) / Starlette + ORT with the model inline (1 worker), req/s at {LATENCY_CLIENTS} "
+        "clients",
+        "op": ">=",
+        "limit": 0.75,
+        "unit": "x",
+    },
     "latency": {
         "text": f"p99 <= 1.0x of reference: `make serve`'s configuration / reference (as many "
         f"workers), {LATENCY_CLIENTS} clients",
         "op": "<=",
         "limit": 1.0,
+        "unit": "x",
+    },
+    "latency_inline": {
+        "text": f"p99 <= 1.3x of the inline bare server: `make serve`'s configuration / "
+        f"Starlette + ORT with the model inline (1 worker, as in 1.), {LATENCY_CLIENTS} clients",
+        "op": "<=",
+        "limit": 1.3,
         "unit": "x",
     },
     "two_starts": {
@@ -71,6 +86,11 @@ def pick(rows: Iterable[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
     return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
 
 
+def pick_all(rows: Iterable[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+    """Every row whose fields equal ``match``."""
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
 def ratio(num: dict[str, Any] | None, den: dict[str, Any] | None) -> float | None:
     """2xx req/s of ``num`` / ``den``; None if either is missing or ``den`` served none."""
     if num is None or den is None or not den["ok_per_s"]:
@@ -109,14 +129,17 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     """The figures the serving issue asks for, and each target's verdict."""
     rows = result["rows"]
     out: dict[str, Any] = {}
-    svc1 = {"section": "throughput", "server": "service"}
-    ref1 = {"section": "throughput", "server": "reference"}
-    out["throughput"] = {
-        c: ratio(pick(rows, **svc1, clients=c), pick(rows, **ref1, clients=c)) for c in LEVELS
-    }
+    svc1 = pick_all(rows, section="throughput", server="service")
+    for key, bare in (("throughput", "reference"), ("throughput_inline", "inline")):
+        ref1 = pick_all(rows, section="throughput", server=bare)
+        out[key] = {c: ratio(pick(svc1, clients=c), pick(ref1, clients=c)) for c in LEVELS}
     lat = pick(rows, section="latency", server="service")
     ref = pick(rows, section="latency", server="reference")
     out["latency_p99_ms"] = [r["p99_ms"] if r else None for r in (lat, ref)]
+    # The issue's yardstick: the one-worker inline server (2 uvicorn workers split wrk's
+    # connections unevenly, as the service's did before trainyard.serve.balance).
+    inline = pick(rows, section="throughput", server="inline", clients=LATENCY_CLIENTS)
+    out["latency_inline_p99_ms"] = inline["p99_ms"] if inline else None
     again = pick(rows, section="repeat", server="service")
     starts = sorted(r["ok_per_s"] for r in (lat, again) if r)
     out["starts_per_s"] = starts
@@ -135,9 +158,12 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     out["watching_p99_ms"] = [r["p99_ms"] if r else None for r in watched]
     on_ms, off_ms = out["watching_p99_ms"]
     svc_ms, ref_ms = out["latency_p99_ms"]
+    inline_ms = out["latency_inline_p99_ms"]
     values = {
         "throughput": out["throughput"][LATENCY_CLIENTS],
+        "throughput_inline": out["throughput_inline"][LATENCY_CLIENTS],
         "latency": svc_ms / ref_ms if svc_ms and ref_ms else None,
+        "latency_inline": svc_ms / inline_ms if svc_ms and inline_ms else None,
         "two_starts": starts[0] / starts[1] if len(starts) == 2 and starts[1] else None,
         "cold_start": out["cold_ratio"],
         "batching": out["batching"][LARGE][TOP],

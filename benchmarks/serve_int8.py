@@ -130,6 +130,9 @@ def ort_single_thread(folder: Path, seconds: float) -> list[dict[str, Any]]:
     return rows
 
 
+INT8_HEAD = "### int8 vs fp32 (export.quantize: int8, serve.precision: int8)"
+
+
 def int8_lines(result: dict[str, Any]) -> list[str]:
     """Section 6 side by side: per model, the figures and int8 / fp32 ratios (markdown)."""
     int8 = result.get("int8")
@@ -137,7 +140,7 @@ def int8_lines(result: dict[str, Any]) -> list[str]:
         return []
     lines = [
         "",
-        "### int8 vs fp32 (export.quantize: int8, serve.precision: int8)",
+        INT8_HEAD,
         "",
         "| model | agreement | accuracy fp32 -> int8 (drop, points) | MB fp32 / int8 | "
         "req/s 16 clients fp32 / int8 | ORT 1 thread ms, batch 1 fp32 / int8 | "

@@ -154,16 +154,13 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return 0, ""
 
 
-def server_command(reference: bool, workers: int, port: int) -> list[str]:
-    """The command line of the service (``bentoml serve``) or the reference (uvicorn)."""
+def server_command(reference: bool, workers: int, port: int, inline: bool = False) -> list[str]:
+    """The command line of the service (``bentoml serve``) or a reference (uvicorn): the
+    thread-hop one, or with ``inline`` the one that runs the model on its event loop."""
     bindir = Path(sys.executable).parent
     if reference:
-        cmd = [
-            str(bindir / "uvicorn"),
-            "benchmarks.reference_server:app",
-            "--workers",
-            str(workers),
-        ]
+        app = "benchmarks.reference_server:" + ("inline_app" if inline else "app")
+        cmd = [str(bindir / "uvicorn"), app, "--workers", str(workers)]
         cmd += ["--no-access-log", "--log-level", "warning"]
     else:
         cmd = [str(bindir / "bentoml"), "serve", "bento.service:ImageClassifier"]
@@ -171,10 +168,17 @@ def server_command(reference: bool, workers: int, port: int) -> list[str]:
 
 
 def start_server(
-    params: Path, model: Path, log: Path, *, reference: bool = False, workers: int = 1
+    params: Path,
+    model: Path,
+    log: Path,
+    *,
+    reference: bool = False,
+    workers: int = 1,
+    inline: bool = False,
 ) -> tuple[subprocess.Popen, str, float]:
-    """`bentoml serve` the service, or (``reference``) uvicorn the bare Starlette server
-    with ``workers`` processes; (process, URL, seconds from start until /readyz is 200)."""
+    """`bentoml serve` the service, or (``reference``) uvicorn a bare Starlette server
+    (``inline``: the model on the event loop) with ``workers`` processes; (process, URL,
+    seconds from start until /readyz is 200)."""
     port = free_port()
     env = dict(os.environ)
     env.pop("TRAINYARD_API_KEY", None)
@@ -186,7 +190,7 @@ def start_server(
         TRAINYARD_ORT_THREADS=str(threads),  # the reference server's session option
         BENTOML_DO_NOT_TRACK="true",
     )
-    cmd = server_command(reference, workers, port)
+    cmd = server_command(reference, workers, port, inline)
     start = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -278,7 +282,7 @@ def measure(url: str, script: Path, clients: int, seconds: int, service: bool) -
 def describe(row: dict[str, Any]) -> str:
     """One measured row as a console line."""
     batching = {True: "on", False: "off", None: "-"}[row["batching"]]
-    name = "service" if row["server"] == "service" else "reference"
+    name = row["server"]  # service, reference (thread hop) or inline (bare, no hop)
     extra = f"  mean batch {row['mean_batch']:.1f}" if row.get("mean_batch") else ""
     shed = f"  503 shed {row['shed']}" if row.get("shed") else ""
     return (
@@ -326,16 +330,20 @@ class Bench:
         script: Path,
         levels: Iterable[int],
         reference: bool = False,
+        inline: bool = False,
         workers: int | str = 1,
         batching: bool = False,
         params: Path | None = None,
         first: bool = False,
         label: dict[str, Any] | None = None,
     ) -> None:
-        """Start one server, optionally load it for ``first_seconds`` at once (cold start),
-        warm it up, then wrk at each level; stop it."""
+        """Start one server (the service; ``reference``: the bare thread-hop server, with
+        ``inline`` the bare inline one), optionally load it for ``first_seconds`` at once
+        (cold start), warm it up, then wrk at each level; stop it."""
+        reference = reference or inline
         n_workers = (os.cpu_count() or 1) if workers == "cpu_count" else int(workers)
-        kind = "reference" if reference else "batching-" + ("on" if batching else "off")
+        server = ("inline" if inline else "reference") if reference else "service"
+        kind = server if reference else "batching-" + ("on" if batching else "off")
         name = f"{len(self.servers) + 1}-{model_name}-w{n_workers}-{kind}"
         if params is None:
             params = self.params(name, workers=workers, batching=batching)
@@ -343,7 +351,7 @@ class Bench:
             "run": name,
             "section": section,
             "model": model_name,
-            "server": "reference" if reference else "service",
+            "server": server,
             "workers": n_workers,
             "batching": None if reference else batching,
             **(label or {}),
@@ -352,7 +360,7 @@ class Bench:
         print(f"{name}: starting", flush=True)
         log = self.tmp / f"{name}.log"
         proc, url, ready_s = start_server(
-            params, model, log, reference=reference, workers=n_workers
+            params, model, log, reference=reference, workers=n_workers, inline=inline
         )
         self.servers.append({**ident, "ready_s": round(ready_s, 2), "overrides": overrides})
         print(f"  ready in {ready_s:.1f} s", flush=True)
@@ -390,11 +398,13 @@ def preflight(name: str, module: str, argv: Sequence[str]) -> tuple[Any, str] | 
         return None
     os.chdir(REPO)
     from trainyard.core.config import load_params
-    from trainyard.serve.batch_choice import choose_batching
+    from trainyard.serve.batch_choice import CHOICE_ENV, choose_path
 
     # serve.batching: auto, decided for the Fashion model as `make serve` decides it.
-    settings, why = choose_batching(load_params(REPO / "params.yaml").serve, model)
-    print(f"{name}: serve.batching {str(settings.batching).lower()} (chosen by {why})")
+    path = choose_path(load_params(REPO / "params.yaml").serve, model)
+    os.environ.pop(CHOICE_ENV, None)  # each server started here measures for itself
+    print(f"{name}: /classify runs {path.describe()} ({path.why})")
+    settings = path.params
     return settings, command_line(module, argv)
 
 

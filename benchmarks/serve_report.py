@@ -34,7 +34,7 @@ def _verdict(ok: bool | None) -> str:
 
 def _row_cells(r: dict[str, Any]) -> str:
     batching = {True: "on", False: "off", None: "–"}[r["batching"]]
-    server = "BentoML service" if r["server"] == "service" else "Starlette + ORT reference"
+    server = SERVER_NAMES[r["server"]]
     mean = _num(r.get("mean_batch"), ".1f") if r.get("mean_batch") else "–"
     shed = "–" if r.get("shed") is None else str(r["shed"])
     return (
@@ -44,6 +44,11 @@ def _row_cells(r: dict[str, Any]) -> str:
     )
 
 
+SERVER_NAMES = {
+    "service": "BentoML service",
+    "reference": "Starlette + ORT, thread hop",
+    "inline": "Starlette + ORT, inline",
+}
 TABLE_HEAD = [
     "| server | workers | batching | clients | req/s | 2xx/s | p50 ms | p99 ms | non-2xx "
     "| socket errors | 503 shed | mean batch |",
@@ -178,22 +183,34 @@ def _throughput_latency(result: dict[str, Any], s: dict[str, Any]) -> list[str]:
     """Sections 1 (service vs reference, 1 worker) and 2 (workers cpu_count)."""
     rows, cores = result["rows"], result["machine"]["cores"]
     return [
-        "### 1. Throughput: service vs reference, 1 worker, Fashion CNN",
+        "### 1. Throughput: service vs the two bare servers, 1 worker, Fashion CNN",
+        "",
+        "The bare servers (benchmarks/reference_server.py) are Starlette + ONNX Runtime as a "
+        "person would write them: the decode and the model call on a worker thread "
+        '(`run_in_threadpool`, "thread hop"), or inline on the event loop ("inline", the '
+        "fastest plain design for a sub-millisecond model).",
         "",
         *_table(r for r in rows if r["section"] == "throughput"),
         "",
-        "Service / reference, 2xx req/s: "
-        + ", ".join(f"{c} clients {_num(v, '.2f', 'x')}" for c, v in s["throughput"].items())
-        + ". The difference is BentoML's own per-request work (its ASGI stack, traffic "
-        "limits and metrics, the service's guard and trace headers).",
+        *(
+            f"Service / {SERVER_NAMES[bare]}, 2xx req/s: "
+            + ", ".join(f"{c} clients {_num(v, '.2f', 'x')}" for c, v in s[key].items())
+            + "."
+            for key, bare in (("throughput", "reference"), ("throughput_inline", "inline"))
+        ),
+        "The difference is BentoML's own per-request work (its ASGI stack, traffic limits, "
+        "metrics and access log, the api method's call) and the service's guard, trace "
+        'headers and metrics (docs/serving.md, "What BentoML costs per request").',
         "",
-        f"### 2. Latency: `make serve`'s configuration (params.yaml as it is) and the reference "
-        f"with as many workers ({cores} cores), Fashion CNN; the service started twice",
+        f"### 2. Latency: `make serve`'s configuration (params.yaml as it is) and both bare "
+        f"servers with as many workers ({cores} cores), Fashion CNN; the service started twice",
         "",
         *_table(r for r in rows if r["section"] in ("latency", "repeat")),
         "",
-        "p99 service / reference: "
+        "p99 service / thread-hop server: "
         + _num(s["targets"]["latency"]["value"], ".2f", "x")
+        + ", / inline server (1 worker, section 1): "
+        + _num(s["targets"]["latency_inline"]["value"], ".2f", "x")
         + "; the two starts, lower / higher 2xx req/s: "
         + _num(s["targets"]["two_starts"]["value"], ".2f", "x")
         + ".",
@@ -301,12 +318,14 @@ def print_summary(result: dict[str, Any]) -> None:
     for c, v in s["throughput"].items():
         svc = pick(rows, section="throughput", server="service", clients=c)
         ref = pick(rows, section="throughput", server="reference", clients=c)
+        inline = pick(rows, section="throughput", server="inline", clients=c)
         lat = "".join(
             f"; {n} p50 {r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms"
-            for n, r in (("service", svc), ("reference", ref))
+            for n, r in (("service", svc), ("thread hop", ref), ("inline", inline))
             if r
         )
-        print(f"  service / reference, 1 worker, {c:>2} clients: {_num(v, '.2f', 'x')}{lat}")
+        both = f"{_num(v, '.2f', 'x')} / {_num(s['throughput_inline'][c], '.2f', 'x')}"
+        print(f"  service / thread-hop / inline server, 1 worker, {c:>2} clients: {both}{lat}")
     for key, t in s["targets"].items():
         unit = TARGETS[key]["unit"]
         value = _num(t["value"], ".2f", unit)

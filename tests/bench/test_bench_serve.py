@@ -35,8 +35,8 @@ def row(section: str, model: str, server: str, workers: int, batching: bool | No
         "p99_ms": 40.0,
         "non_2xx": 0,
         "socket_errors": 0,
-        "mean_batch": None if server == "reference" else 1.0,
-        "shed": None if server == "reference" else 0,
+        "mean_batch": None if server != "service" else 1.0,
+        "shed": None if server != "service" else 0,
     }
     r.update(kw)
     return r
@@ -50,18 +50,28 @@ def result(
     large_on64: float = 60.0,
     watched_p99: float = 21.0,
     again: float = 760.0,
+    inline16: float = 560.0,
+    inline_p99: float = 16.0,
 ) -> dict[str, Any]:
     """A fixed run: every figure is chosen, so each ratio and verdict is known."""
     F, L = fig.FASHION, fig.LARGE
     rows = []
-    for c, svc, ref in ((1, 200.0, 400.0), (16, svc16, ref16), (64, 250.0, 450.0)):
+    for c, svc, ref, inline in (
+        (1, 200.0, 400.0, 500.0),
+        (16, svc16, ref16, inline16),
+        (64, 250.0, 450.0, 480.0),
+    ):
         rows.append(row("throughput", F, "service", 1, False, clients=c, ok_per_s=svc))
         rows.append(row("throughput", F, "reference", 1, None, clients=c, ok_per_s=ref))
+        rows.append(
+            row("throughput", F, "inline", 1, None, clients=c, ok_per_s=inline, p99_ms=inline_p99)
+        )
     cold = row("latency", F, "service", 2, False, run="cold", ok_per_s=800.0, p99_ms=p99)
     rows.append({**cold, "section": "cold", "phase": "first", "ok_per_s": first})
     rows.append(cold)
     rows.append(row("repeat", F, "service", 2, False, ok_per_s=again, p99_ms=p99))
     rows.append(row("latency", F, "reference", 2, None, ok_per_s=1500.0, p99_ms=25.0))
+    rows.append(row("latency", F, "inline", 2, None, ok_per_s=1600.0, p99_ms=99.0))
     # Section 5: the log and shadow off / on (the "log" row is not the target's).
     for label, ms in (("off", 20.0), ("log", 99.0), ("log+shadow", watched_p99)):
         rows.append(row("watching", F, "service", 2, False, watching=label, p99_ms=ms))
@@ -140,7 +150,8 @@ def test_summary_ratios_compare_2xx_answers():
     s = fig.summary(result())
     assert s["throughput"][16] == pytest.approx(420 / 500)
     assert s["throughput"][1] == pytest.approx(200 / 400)
-    assert s["latency_p99_ms"] == [20.0, 25.0]
+    assert s["throughput_inline"] == {1: 0.4, 16: 0.75, 64: pytest.approx(250 / 480)}
+    assert s["latency_p99_ms"] == [20.0, 25.0] and s["latency_inline_p99_ms"] == 16.0
     assert s["starts_per_s"] == [760.0, 800.0]
     assert s["cold_ready_s"] == 4.25
     assert s["cold_ratio"] == pytest.approx(400 / 800)
@@ -150,7 +161,9 @@ def test_summary_ratios_compare_2xx_answers():
     assert s["non_2xx"] == 16 + 64 and s["shed"] == 16 + 64
     assert {k: (t["value"], t["met"]) for k, t in s["targets"].items()} == {
         "throughput": (pytest.approx(0.84), True),
+        "throughput_inline": (pytest.approx(0.75), True),  # 420 / 560 req/s
         "latency": (pytest.approx(0.8), True),  # p99 20 / 25 ms
+        "latency_inline": (pytest.approx(1.25), True),  # p99 20 / 16 ms
         "two_starts": (pytest.approx(0.95), True),  # 760 / 800 req/s
         "cold_start": (pytest.approx(0.5), True),
         "batching": (pytest.approx(1.5), True),
@@ -166,7 +179,9 @@ def test_verdicts_follow_the_figures():
     )
     assert {k: t["met"] for k, t in s["targets"].items()} == {
         "throughput": False,  # 0.78x
+        "throughput_inline": False,  # 390 / 560 = 0.70x
         "latency": False,  # 26 / 25 ms
+        "latency_inline": False,  # 26 / 16 ms = 1.63x
         "two_starts": False,  # 700 / 800
         "cold_start": False,  # 390 / 800
         "batching": False,  # 1.0x
@@ -195,6 +210,13 @@ def test_markdown_states_targets_and_verdicts():
     )
     for text in (">= 0.8x of reference", "p99 <= 1.0x of reference", "within 10%"):
         assert text in md
+    assert ">= 0.75x of the inline bare server" in md and "p99 <= 1.3x of the inline" in md
+    assert "| 0.75x | **met** |" in md and "| 1.25x | **met** |" in md
+    assert "| Starlette + ORT, inline | 1 | – | 16 | 100 | 560 |" in md
+    assert "Service / Starlette + ORT, inline, 2xx req/s: 1 clients 0.40x, 16 clients 0.75x" in md
+    assert (
+        "p99 service / thread-hop server: 0.80x, / inline server (1 worker, section 1): 1.25x" in md
+    )
     assert "batching on / off >= 1.5x on the larger model (resnet18)" in md
     assert "| 0.84x | **met** |" in md and "| 0.80x | **met** |" in md
     assert "| 1.50x | **met** |" in md and "**not met**" not in md
@@ -265,7 +287,8 @@ def test_render_rewrites_the_section_from_the_json(tmp_path: Path, capsys):
     assert "### Targets" in text and "old serving text" not in text
     assert "## Training and inference\n\ntrain text" in text
     assert "<!-- bench:prepare:start -->\n## Prepare" in text
-    assert "service / reference, 1 worker, 16 clients: 0.84x" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "service / thread-hop / inline server, 1 worker, 16 clients: 0.84x / 0.75x" in out
 
 
 def test_parse_metrics_sums_over_workers():
@@ -338,3 +361,17 @@ def test_int8_section_puts_int8_and_fp32_side_by_side():
     assert "100 / 150 (1.50x)" in fashion and "64.00 / 32.00 (0.50x)" in fashion
     assert any(line.startswith(f"| {si.INT8_RESNET} |") for line in lines)
     assert si.int8_lines({}) == []  # a result from before the section: nothing
+
+
+def test_a_run_without_int8_keeps_the_docs_int8_table(tmp_path: Path):
+    from benchmarks import serve_int8 as si
+
+    doc = tmp_path / "benchmarks.md"
+    table = f"{si.INT8_HEAD}\n\n| model | agreement |\n|---|---|\n| fashion | 99.80% |\n\nNotes."
+    doc.write_text(DOC.replace("old serving text", f"old serving text\n\n{table}\n"))
+    kept = bs.kept_int8(doc)
+    assert kept == ["", *table.splitlines(), "", bs.KEPT_NOTE, ""]
+    report.replace_section(doc, "\n".join(["## Serving", "", "new", *kept]))
+    assert bs.kept_int8(doc) == kept  # kept again: the note once
+    doc.write_text(DOC)
+    assert bs.kept_int8(doc) == []

@@ -189,19 +189,43 @@ def test_a_registry_uri_without_mlflow_says_to_build_from_a_local_file(tmp_path,
     assert "model source models:/clf@champion: a registry model needs MLflow" in done.stderr
 
 
-def test_batching_auto_is_decided_by_the_models_batch_one_call(tmp_path, monkeypatch):
-    """serve.batching: auto times the model's batch-1 call on the CPU: under the limit
-    (this tiny model) it batches, over it (a limit no model meets) it does not; a bool in
-    params is kept as set."""
+def test_the_path_is_decided_by_the_models_call_and_a_busy_thread_hop(tmp_path, monkeypatch):
+    """At start-up the model's one-image call is timed on the CPU, and a thread hop with the
+    event loop busy: this tiny model's call is far shorter, so /classify calls it inline
+    (as many images per batch as fit in a hop) and auto batches; over MAX_CALL_MS (a limit
+    no model meets) every call hops to a thread and auto does not batch; a bool in params
+    is kept as set."""
     from trainyard.serve import batch_choice
 
+    monkeypatch.delenv(batch_choice.CHOICE_ENV, raising=False)
     model, _ = write_tiny_model(tmp_path)
-    params, why = batch_choice.choose_batching(ServeParams(), model)
-    assert params.batching is True, why
-    assert why.startswith("auto: a batch-1 call takes ") and why.endswith("under 2 ms")
+    path = batch_choice.choose_path(ServeParams(), model)
+    assert path.params.batching is True and path.inline_images >= 1, path.why
+    assert path.why.startswith("a call of one image takes ") and "a thread hop " in path.why
+    assert f"a batch of 2 to {path.inline_images} images inline on the event loop" in (
+        path.describe()
+    )
     monkeypatch.setattr(batch_choice, "MAX_CALL_MS", 0.0)
-    params, why = batch_choice.choose_batching(ServeParams(), model)
-    assert params.batching is False and why.endswith("over 0 ms"), why
-    for asked in (True, False):
-        params, why = batch_choice.choose_batching(ServeParams(batching=asked), model)
-        assert params.batching is asked and why == "serve.batching"
+    for asked, batched in (("auto", False), (True, True), (False, False)):
+        monkeypatch.delenv(batch_choice.CHOICE_ENV, raising=False)
+        path = batch_choice.choose_path(ServeParams(batching=asked), model)
+        assert path.params.batching is batched and path.inline_images == 0, path.why
+        assert "over 0 ms" in path.why and path.describe().endswith("on a worker thread")
+
+
+def test_the_serve_process_hands_its_choice_to_its_workers(tmp_path, monkeypatch):
+    """The choice is measured once, in the process that imports the service first
+    (`bentoml serve`), and read from the environment by its workers for the same model
+    and settings; other settings measure again."""
+    from trainyard.serve import batch_choice
+
+    monkeypatch.delenv(batch_choice.CHOICE_ENV, raising=False)
+    model, _ = write_tiny_model(tmp_path)
+    first = batch_choice.choose_path(ServeParams(), model, "sha")
+    assert batch_choice.CHOICE_ENV in os.environ
+    monkeypatch.setattr(batch_choice, "_measure", lambda *a: pytest.fail("measured twice"))
+    again = batch_choice.choose_path(ServeParams(), model, "sha")
+    assert again.inline_images == first.inline_images and again.params == first.params
+    assert again.why == f"{first.why}, measured by the serve process"
+    with pytest.raises(pytest.fail.Exception, match="measured twice"):
+        batch_choice.choose_path(ServeParams(batching=False), model, "sha")

@@ -44,6 +44,7 @@ from trainyard.serve.parsing import (
     parse_form,
     parse_top_k,
 )
+from trainyard.serve.predictor import SMALL_UPLOAD_BYTES
 from trainyard.serve.refused import Refused
 
 from conftest import REPO, make_card, write_tiny_onnx
@@ -554,17 +555,89 @@ def test_adaptive_batching_gives_the_same_answers_in_merged_runs(batched_client,
     assert total == len(sends) and 0 < count < len(sends), (count, total)
 
 
+def test_an_unbatched_call_runs_where_start_up_chose(client, tiny, monkeypatch):
+    """With ``inline_images`` (chosen at start-up: this tiny model's call is far shorter
+    than a thread hop) an unbatched /classify decodes and scores on the event loop; with 0
+    on a worker thread. The same answer either way."""
+    predictor = client.predictor
+    assert predictor.inline_images >= 1  # measured when the service was imported
+    where: list[bool] = []  # True: the call ran on the event loop's thread
+    real = predictor._classify_now
+
+    def spy(*args):
+        where.append(asyncio_running())
+        return real(*args)
+
+    monkeypatch.setattr(predictor, "_classify_now", spy)
+    expected = expected_probabilities(PHOTOS[:1], tiny["weights"])[0]
+    chosen = predictor.inline_images
+    try:
+        for images in (chosen, 0):
+            predictor.inline_images = images
+            resp = client.post("/classify", files={"image": ("p.png", PHOTOS[0], "image/png")})
+            assert resp.status_code == 200, resp.text
+            assert np.allclose(resp.json()["probabilities"], expected, atol=1e-6)
+    finally:
+        predictor.inline_images = chosen
+    assert where == [True, False]
+
+
+def test_a_merged_batch_runs_inline_from_two_images_up_to_the_chosen_size(
+    batched_client, tiny, monkeypatch
+):
+    """A merged batch of 2 to ``inline_images`` images is answered on the event loop; a
+    batch of one goes to a worker thread (the requests that arrive meanwhile gather into
+    the next batch), and so does one over the size. Each request its own answer."""
+    from trainyard.serve import batching
+
+    predictor = batched_client.predictor
+    where: list[bool] = []
+    real = batching._answer_all
+
+    def spy(queued):
+        where.append(asyncio_running())
+        return real(queued)
+
+    monkeypatch.setattr(batching, "_answer_all", spy)
+    expected = expected_probabilities(PHOTOS, tiny["weights"])
+
+    def queued(n: int) -> list:
+        return [
+            batching.Queued(None, 3, predictor, 0.0, {}, PHOTOS[i % len(PHOTOS)], False)
+            for i in range(n)
+        ]
+
+    chosen = predictor.inline_images
+    try:
+        predictor.inline_images = 3
+        for n in (1, 2, 3, 4):
+            answers = batched_client.portal.call(batching.answer_batch, queued(n))
+            for i, answer in enumerate(answers):
+                got = json.loads(answer.body)["probabilities"]
+                assert np.allclose(got, expected[i % len(PHOTOS)], atol=1e-6)
+    finally:
+        predictor.inline_images = chosen
+    assert where == [False, True, True, False]
+
+
+def asyncio_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def test_a_bad_image_in_a_merged_batch_is_its_own_requests_4xx(batched_client, tiny):
     """/classify is the batchable method itself: a request that is no image is refused
     alone, with the unbatched route's answer, while the requests merged with it are served.
-    Small uploads are decoded with their batch, large ones (over DECODE_AHEAD_BYTES) as they
+    Small uploads are decoded with their batch, large ones (over SMALL_UPLOAD_BYTES) as they
     arrive: both ways, good and bad."""
-    from trainyard.serve.batching import DECODE_AHEAD_BYTES
 
     rng = np.random.default_rng(5)
     big = [png(rng.integers(0, 256, (400, 400, 3), dtype=np.uint8)) for _ in range(2)]
-    junk = [b"not an image", rng.bytes(DECODE_AHEAD_BYTES + 1)]
-    assert all(len(x) > DECODE_AHEAD_BYTES for x in big) and len(junk[0]) < DECODE_AHEAD_BYTES
+    junk = [b"not an image", rng.bytes(SMALL_UPLOAD_BYTES + 1)]
+    assert all(len(x) > SMALL_UPLOAD_BYTES for x in big) and len(junk[0]) < SMALL_UPLOAD_BYTES
     images = [*PHOTOS, *big]
     sends = [junk[i % 2] if i % 5 == 2 else images[i % len(images)] for i in range(30)]
     with cf.ThreadPoolExecutor(10) as pool:

@@ -1,52 +1,178 @@
-"""``serve.batching: auto``: adaptive batching where it wins, decided once at start-up.
+"""How /classify runs its model, decided once at start-up: inline on the event loop, on a
+worker thread, or through BentoML's adaptive batcher (``serve.batching``).
 
-What `make bench-serve` shows (docs/benchmarks.md, Serving): on a CPU, batching pays when
-a request's own work (HTTP, parsing, a thread hop: about a millisecond of the event loop)
-outweighs the model's. The Fashion CNN's batch-1 call takes a twentieth of a millisecond,
-and batching it serves more requests. A 160 px resnet18's takes 10-20 ms; ONNX Runtime
-computes a batch of 8 no faster per image than 8 single calls on one thread each, and
-BentoML's batcher runs one batch at a time per worker where unbatched calls run side by
-side on its cores, so batching it serves fewer. On a GPU one call of many images is what
-keeps the device busy, so there ``auto`` batches.
+What `make bench-serve` shows (docs/benchmarks.md, Serving): on a CPU, a worker's event
+loop is its scarcest core. A small model's whole call (decode, inference, softmax: the
+Fashion CNN's takes a fifth of a millisecond) costs less there than the trip to a worker
+thread and back (a future, a wake-up, two GIL handoffs), so the fastest plain server calls
+it inline, and so does the service: measured here, not assumed, by racing the two ways in
+process. A 160 px resnet18's call takes 10-20 ms: inline it would stall every other
+request on the loop, so it goes to a thread (unbatched: ONNX Runtime computes a batch of 8
+no faster per image than 8 single calls on one thread each, and BentoML's batcher runs one
+batch at a time per worker where unbatched calls run side by side on its cores). On a GPU
+one call of many images is what keeps the device busy, so there ``auto`` batches.
+
+`bentoml serve` imports the service once in its own process before it starts the workers:
+the choice made there is handed to them in the environment (``CHOICE_ENV``), so every
+worker serves the same way and none races the others for the cores while it starts.
 """
 
 from __future__ import annotations
 
+import asyncio
+import io
+import json
+import os
 import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
+import anyio.to_thread
 import numpy as np
+from PIL import Image
 
 from trainyard.core.card import card_from_metadata
 from trainyard.core.config import ServeParams
-from trainyard.runtime.inputs import model_input
-from trainyard.runtime.sessions import CUDA, load_onnx
+from trainyard.runtime.inputs import decode_image, model_input, softmax
+from trainyard.runtime.sessions import CUDA, OnnxModel, load_onnx
 
-# A batch-1 call slower than this on a CPU: the model's work dominates, batching loses.
+# A call slower than this on a CPU stays off the event loop (it would stall every other
+# request there) and is not batched (the model's work dominates: batching loses).
 MAX_CALL_MS = 2.0
 TIMED_CALLS = 5
+HOPS = 15  # timed hops at start-up (each a few ms)
+BUSY_REQUESTS, BUSY_CHUNK_MS = 4, 0.25  # the loop's other work meanwhile: requests' parsing
+CHOICE_ENV = "TRAINYARD_SERVE_PATH"  # the serve process's choice, for its workers
+
+Call = Callable[[], np.ndarray]
 
 
-def choose_batching(params: ServeParams, model_path: Path) -> tuple[ServeParams, str]:
-    """``params`` with ``batching`` a bool, and why: as set, or ``auto`` decided by the
-    provider and one timed batch-1 call of the model (the median of a few)."""
-    if params.batching != "auto":
-        return params, "serve.batching"
-    model = load_onnx(model_path, params.device, intra_op_threads=1, say=False)
+@dataclass(frozen=True)
+class ServePath:
+    """How /classify runs the model: ``params.batching`` a bool; ``inline_images``, the most
+    images one model call (a request's, or an adaptive batch's) may hold and still run on
+    the event loop (0: every call hops to a worker thread); and why (the start-up line)."""
+
+    params: ServeParams
+    inline_images: int
+    why: str
+
+    def describe(self) -> str:
+        how = "through the adaptive batcher, " if self.params.batching else ""
+        if not self.inline_images:
+            return f"{how}on a worker thread"
+        if not self.params.batching:
+            return "inline on the event loop (an upload over 64 KiB: on a worker thread)"
+        return (
+            f"{how}a batch of 2 to {self.inline_images} images inline on the event loop, "
+            "a lone request's and larger ones on a worker thread"
+        )
+
+
+def choose_path(params: ServeParams, model_path: Path, sha256: str = "") -> ServePath:
+    """The path for ``params`` and the model at ``model_path``. Batching: as set, or with
+    ``auto`` on CUDA and for a CPU call under ``MAX_CALL_MS``. Inline: on a CPU, as many
+    images per call as take less time than a thread hop with the event loop busy. A choice
+    ``bentoml serve`` already made for the same model is reused."""
+    key = f"{sha256}:{params.device}:{params.model_threads()}:{params.batching}"
+    try:
+        handed = json.loads(os.environ.get(CHOICE_ENV) or "{}")
+    except ValueError:
+        handed = {}
+    if handed.get("key") == key:
+        batching, images = bool(handed["batching"]), int(handed["inline_images"])
+        why = f"{handed['why']}, measured by the serve process"
+        return ServePath(params.model_copy(update={"batching": batching}), images, why)
+    chosen = _measure(params, model_path)
+    os.environ[CHOICE_ENV] = json.dumps(
+        {
+            "key": key,
+            "batching": chosen.params.batching,
+            "inline_images": chosen.inline_images,
+            "why": chosen.why,
+        }
+    )
+    return chosen
+
+
+def _measure(params: ServeParams, model_path: Path) -> ServePath:
+    model = load_onnx(model_path, params.device, params.model_threads(), say=False)
+    auto = params.batching == "auto"
     if model.provider == CUDA:
-        on, why = True, "auto: on CUDA"
-    else:
-        card = card_from_metadata(model.metadata, str(model_path))
-        x = model_input(np.zeros((1, *card.input_shape), dtype=np.float32), card)
-        model.run(x)  # the first call allocates and picks kernels
-        times = []
-        for _ in range(TIMED_CALLS):
+        why = "on CUDA" + (": auto batches" if auto else "")
+        return ServePath(
+            params.model_copy(update={"batching": params.batching is not False}), 0, why
+        )
+    call = _one_call(model)
+    for _ in range(2):  # the first call allocates and picks kernels
+        call()
+    ms = statistics.median(_timed(call) for _ in range(TIMED_CALLS))
+    said = f"a call of one image takes {ms:.2f} ms on the CPU"
+    if ms >= MAX_CALL_MS:
+        why = f"{said}, over {MAX_CALL_MS:g} ms" + (": auto does not batch" if auto else "")
+        return ServePath(params.model_copy(update={"batching": params.batching is True}), 0, why)
+    hop = busy_hop_ms(params.concurrent_inferences())
+    why = f"{said}, a thread hop {hop:.1f} ms with the event loop busy"
+    batching = params.batching is not False  # auto: a cheap call batches
+    return ServePath(params.model_copy(update={"batching": batching}), int(hop // ms), why)
+
+
+def _one_call(model: OnnxModel) -> Call:
+    """What /classify does with one upload of the model's own size: decode, normalise,
+    infer, softmax."""
+    card = card_from_metadata(model.metadata)
+    c, h, w = card.input_shape
+    noise = np.random.default_rng(0).integers(0, 256, (h, w, c), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise[..., 0] if c == 1 else noise).save(buf, "PNG")
+    upload = buf.getvalue()
+
+    def call() -> np.ndarray:
+        pixels = decode_image(upload, card)
+        return softmax(model.run(model_input(pixels[None].astype(np.float32), card)))
+
+    return call
+
+
+def _timed(call: Call) -> float:
+    start = time.perf_counter()
+    call()
+    return (time.perf_counter() - start) * 1e3
+
+
+def busy_hop_ms(threads: int) -> float:
+    """The median round trip of a no-op to a worker thread (as a hopping /classify makes
+    it) while other requests keep the event loop busy with Python: the thread waits for
+    the GIL to hand its answer back, and the loop for it again, so under load a hop costs
+    milliseconds (about sys.getswitchinterval() each way), not its idle tens of µs."""
+
+    async def hops() -> float:
+        limiter, stop, times = anyio.CapacityLimiter(threads), asyncio.Event(), []
+
+        async def other_request() -> None:
+            while not stop.is_set():
+                end = time.perf_counter() + BUSY_CHUNK_MS / 1e3
+                while time.perf_counter() < end:  # Python work, holding the GIL
+                    pass
+                await asyncio.sleep(0)
+
+        others = [asyncio.create_task(other_request()) for _ in range(BUSY_REQUESTS)]
+        for _ in range(HOPS):
             start = time.perf_counter()
-            model.run(x)
+            await anyio.to_thread.run_sync(_nothing, limiter=limiter)
             times.append((time.perf_counter() - start) * 1e3)
-        ms = statistics.median(times)
-        on = ms < MAX_CALL_MS
-        side = "under" if on else "over"
-        why = f"auto: a batch-1 call takes {ms:.2f} ms on the CPU, {side} {MAX_CALL_MS:g} ms"
-    return params.model_copy(update={"batching": on}), why
+        stop.set()
+        await asyncio.gather(*others)
+        return statistics.median(times)
+
+    # Its own thread and loop: the caller may be inside one (a worker's start-up).
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, hops()).result()
+
+
+def _nothing() -> None:
+    return None

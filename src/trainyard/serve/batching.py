@@ -1,11 +1,14 @@
-"""/classify on BentoML's adaptive batcher, in one hop (``serve.batching: true``).
+"""/classify on BentoML's adaptive batcher, in one call per batch (``serve.batching: true``).
 
 With batching on, /classify itself is the ``batchable=True`` api method. BentoML reads each
 request with the input descriptor below (``BatchedClassifyForm``: the same reading as the
 unbatched route, ``read_classify``, into a one-item list), its CorkDispatcher merges the
-lists of concurrent requests, and the method answers the merged list with one trip to a
-worker thread: the small uploads decoded, one ONNX Runtime run, every answer built (a
-large upload was decoded as its request was read, on a thread of its own). BentoML then
+lists of concurrent requests, and the method answers the merged list in one call: the
+small uploads decoded, one ONNX Runtime run, every answer built (a large upload was decoded
+as its request was read, on a thread of its own). That call runs on the event loop when
+the batch merged two requests or more and is small enough to take less time than a
+thread's round trip (measured at start-up, trainyard.serve.batch_choice), else in one trip
+to a worker thread: a lone request's, too, so that the next ones gather meanwhile. BentoML then
 splits the answers back, one per request, and the output descriptor (``BatchedPrediction``)
 hands each request its own response, a 200 or its ``Refused`` 4xx.
 
@@ -35,12 +38,10 @@ from starlette.responses import Response
 
 from trainyard.core.config import ServeParams
 from trainyard.serve.api import ClassifyForm, Prediction, answer, read_classify
-from trainyard.serve.predictor import Predictor
+from trainyard.serve.predictor import SMALL_UPLOAD_BYTES, Predictor
 from trainyard.serve.refused import Refused
 
 BENTOML_ERRORS = "bentoml._internal.server.http_app"  # its log_exception's logger
-# Uploads larger than this are decoded as they arrive; smaller ones with their batch.
-DECODE_AHEAD_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class BatchedClassifyForm(ClassifyForm):
         try:
             ask = await read_classify(request, predictor.card, predictor.params)
             pixels = None
-            if len(ask.image) > DECODE_AHEAD_BYTES:
+            if len(ask.image) > SMALL_UPLOAD_BYTES:  # decoded as it arrives
                 pixels = await predictor.decode_one(ask.image, ask.invert, info)
             item = Queued(pixels, ask.top_k, predictor, start, info, ask.image, ask.invert)
         except Refused as err:
@@ -101,7 +102,8 @@ class BatchedPrediction(Prediction, bentoml.IODescriptor):
 
 async def answer_batch(items: Sequence[Queued | Refused]) -> list[Response]:
     """The merged requests' responses, in order: the refused ones at once, the others in
-    one worker-thread trip per predictor (two only while a swap is under way)."""
+    one call per predictor (two only while a swap is under way): on the event loop for a
+    merged batch small enough (``Predictor.inline_images``), else in one worker-thread trip."""
     responses: list[Response | None] = [None] * len(items)
     groups: dict[int, list[int]] = {}
     for i, item in enumerate(items):
@@ -110,8 +112,15 @@ async def answer_batch(items: Sequence[Queued | Refused]) -> list[Response]:
         else:
             groups.setdefault(id(item.predictor), []).append(i)
     for members in groups.values():
-        queued = [items[i] for i in members]
-        answered = await queued[0].predictor.in_thread(_answer_all, queued)  # type: ignore[union-attr]
+        queued: list[Queued] = [items[i] for i in members]  # type: ignore[misc]
+        predictor = queued[0].predictor
+        # Here when cheaper than a thread's round trip; a batch of one still hops, so that
+        # the requests arriving meanwhile gather into the next batch (BentoML's batcher
+        # waits for none when the last batches went out at once, alone).
+        if 2 <= len(queued) <= predictor.inline_images:
+            answered = _answer_all(queued)
+        else:
+            answered = await predictor.in_thread(_answer_all, queued)
         for i, response in zip(members, answered, strict=True):
             responses[i] = response
     return responses  # type: ignore[return-value]

@@ -40,6 +40,10 @@ from trainyard.serve.parsing import BATCH_USAGE, CLASSIFY_USAGE
 from trainyard.serve.refused import Refused
 from trainyard.serve.settings import load_model, registry_label
 
+# Uploads up to this size are small enough to decode wherever their model call runs; a
+# larger one (a photo: milliseconds to decode) never blocks the event loop.
+SMALL_UPLOAD_BYTES = 64 * 1024
+
 
 class Predictor:
     """Any trainyard model: the ONNX file the pipeline exported and verified, and the
@@ -68,6 +72,10 @@ class Predictor:
         self.registry_version = registry_label(provenance)
         # fp32, or int8 (serve.precision: the export's quantized model): its own metadata says
         self.precision = precision_of(model.metadata)
+        # The most images of small uploads one /classify model call (a request's, or an
+        # adaptive batch's) decodes and scores on the event loop rather than on a worker
+        # thread: set at start-up, where that is faster than the hop (serve.batch_choice).
+        self.inline_images = 0
 
     @classmethod
     def load(cls, path: Path, params: ServeParams, provenance: dict[str, str]) -> Predictor:
@@ -189,8 +197,10 @@ class Predictor:
     # ------------------------------------------------------------------ answers
 
     async def classify(self, image: bytes, top_k: int, invert: bool) -> dict[str, Any]:
-        """One image's answer. Decode and inference in one worker-thread hop (each hop costs
-        a GIL handoff)."""
+        """One image's answer. Decode and inference inline, for a small upload when the
+        start-up chose it, else in one worker-thread hop (each hop costs a GIL handoff)."""
+        if self.inline_images and len(image) <= SMALL_UPLOAD_BYTES:
+            return self._classify_now(image, top_k, invert)
         return await self.in_thread(self._classify_now, image, top_k, invert)
 
     def _classify_now(self, image: bytes, top_k: int, invert: bool) -> dict[str, Any]:

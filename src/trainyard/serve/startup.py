@@ -24,7 +24,7 @@ from trainyard.core.errors import TrainyardError
 from trainyard.core.host import x86_without_vnni
 from trainyard.core.model_ref import ModelRef, ModelRegistry, parse_model_ref, registered_version
 from trainyard.runtime.sessions import choose_providers
-from trainyard.serve.batch_choice import choose_batching
+from trainyard.serve.batch_choice import ServePath, choose_path
 from trainyard.serve.drift_watch import reference_beside
 from trainyard.serve.log_and_shadow import build_observer
 from trainyard.serve.predictor import Predictor
@@ -69,7 +69,7 @@ class Startup:
     follow: Follow | None
     trace: TraceHeaders  # the headers of the model answering now (a swap changes them)
     registry: ModelRegistry | None
-    batching_why: str = "serve.batching"  # who chose batching on or off (serve.batching: auto)
+    path: ServePath | None = None  # how /classify runs the model, and why (None: a thread)
 
     @property
     def params(self) -> ServeParams:
@@ -78,6 +78,7 @@ class Startup:
     def predictor(self) -> Predictor:
         """This worker's predictor with its observer (log, shadow, drift score)."""
         predictor = Predictor.load(self.model_path, self.params, self.provenance)
+        predictor.inline_images = 0 if self.path is None else self.path.inline_images
         predictor.observer = build_observer(
             self.params,
             predictor.card,
@@ -92,12 +93,15 @@ class Startup:
     def startup_line(self, predictor: Predictor) -> str:
         follow = follow_plan(self.settings.model_ref, self.params.reload_s, self.follow)
         message = predictor.startup_message(self.settings.params_file)
-        return f"{message}; batching chosen by {self.batching_why}; {follow}"
+        if self.path is None:
+            return f"{message}; {follow}"
+        return f"{message}; /classify runs {self.path.describe()} ({self.path.why}); {follow}"
 
     def carry_observer(self, old: Predictor, new: Predictor) -> None:
-        """A swap keeps the prediction log and the shadow; the drift score restarts against
-        the new version's reference."""
+        """A swap keeps the prediction log, the shadow and how /classify runs the model;
+        the drift score restarts against the new version's reference."""
         new.observer = old.observer
+        new.inline_images = old.inline_images  # the alias's next version: the same pipeline's
         if new.observer is not None:
             name, number = new.provenance["registry_model"], new.provenance["registry_version"]
             reference = self.fetch_reference(registered_version(name, number, "serve.model"))
@@ -154,8 +158,8 @@ def start(load_registry: RegistryLoader) -> Startup:
         )
     sha256 = verify_model(model_path)
     choose_providers(settings.params.device)
-    params, batching_why = choose_batching(settings.params, model_path)
-    settings = replace(settings, params=params)
+    path = choose_path(settings.params, model_path, sha256)
+    settings = replace(settings, params=path.params)
     provenance = model_provenance(model_path, source)
     shadow = resolve_shadow(settings, registry)
     if shadow is not None:
@@ -171,7 +175,7 @@ def start(load_registry: RegistryLoader) -> Startup:
         follow=follow,
         trace=TraceHeaders(trace_headers(sha256, provenance)),
         registry=registry,
-        batching_why=batching_why,
+        path=path,
     )
     # What the model saw on its test split (evaluate's model.reference.npz): drift score.
     begun.reference = (
