@@ -89,6 +89,11 @@ class Card:
         """(C, H, W) of one image; the batch dimension is dynamic."""
         return (self.channels, self.height, self.width)
 
+    def pixel_options(self) -> dict[str, Any]:
+        """The ``image_to_pixels`` keywords that make any image this card's pixels."""
+        keys = ("channels", "height", "width", "resize", "fill", "interpolation")
+        return {k: getattr(self, k) for k in keys}
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["classes"], d["mean"], d["std"] = list(self.classes), list(self.mean), list(self.std)
