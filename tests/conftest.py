@@ -150,6 +150,18 @@ def stage_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_ok(
+    cmd: list[str], cwd: Path = REPO, timeout: float = 600, **env: str
+) -> subprocess.CompletedProcess:
+    """``cmd`` run in ``cwd`` as the pipeline runs (``stage_env(**env)``), its output
+    captured as text; fails with the tail of that output unless it exits 0."""
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=stage_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def dvc(repo: Path, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         ["dvc", *args], cwd=repo, env=stage_env(**env), capture_output=True, text=True, timeout=900

@@ -28,7 +28,7 @@ from trainyard.doctor.machine import PROBE_MODEL, probe, probe_provider
 from trainyard.doctor.render import emit, render_table
 from trainyard.doctor.verdicts import KEYS, report, verdicts
 
-from conftest import REPO, VENV_BIN, has_cuda
+from conftest import REPO, VENV_BIN, has_cuda, run_ok
 
 GiB = 2**30
 HEAVY = ("mlflow", "dvc", "bentoml")
@@ -45,15 +45,8 @@ def meminfo_total() -> int:
 def doctor_json() -> tuple[dict[str, Any], float]:
     """`trainyard doctor --json` as a person runs it: the console script, from the repo."""
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [str(VENV_BIN / "trainyard"), "doctor", "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_ok([str(VENV_BIN / "trainyard"), "doctor", "--json"], timeout=120)
     seconds = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout), seconds
 
 
@@ -116,15 +109,7 @@ def test_on_a_gpu_machine_every_gpu_is_described(doctor_json):
 
 
 def test_table_is_readable_and_exits_zero():
-    proc = subprocess.run(
-        [str(VENV_BIN / "trainyard"), "doctor"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_ok([str(VENV_BIN / "trainyard"), "doctor"], timeout=120).stdout
     for label in ("CPU", "RAM", "torch", "ONNX Runtime", "disk", "verdicts", "why:"):
         assert label in out, label
     assert "placement" in out and "precision" in out
@@ -159,11 +144,7 @@ def test_module_run_never_imports_mlflow_dvc_or_bentoml():
         "assert not heavy, heavy\n"
         "sys.exit(code)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout)["ok"] is True
+    assert json.loads(run_ok([sys.executable, "-c", code], timeout=120).stdout)["ok"] is True
 
 
 def test_bad_usage_exits_2(capsys, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from conftest import REPO, VENV_BIN, git_env, stage_env
+from conftest import REPO, VENV_BIN, git_env, run_ok, stage_env
 
 PICTURES = ("confusion_matrix.png", "confusion_matrix_normalized.png", "learning_curves.png")
 
@@ -114,14 +114,7 @@ def test_report_against_the_baseline(clone: Path) -> None:
         f"refs/exps/{head[:2]}/{head[2:]}/tidy-exp",
         git(clone, "stash", "create"),
     )
-    listed = subprocess.run(
-        [str(VENV_BIN / "dvc"), "exp", "list", "--name-only"],
-        cwd=clone,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    listed = run_ok([str(VENV_BIN / "dvc"), "exp", "list", "--name-only"], clone).stdout
     assert "tidy-exp" in listed
 
     proc = report(clone, "--baseline", "HEAD")

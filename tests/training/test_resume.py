@@ -31,7 +31,7 @@ from trainyard.training.resume import (
     resume_key,
 )
 
-from conftest import dvc, pause_env, set_params, small_pipeline_repo, stage_env, wait_paused
+from conftest import dvc, pause_env, run_ok, set_params, small_pipeline_repo, wait_paused
 
 # ---------------------------------------------------------------- the decision (fast)
 
@@ -187,15 +187,7 @@ def repo(fashion_dir, tmp_path_factory) -> Path:
     )
     dvc(repo, "repro", "prepare")
     t0 = time.perf_counter()
-    ref = subprocess.run(
-        ["python", "-m", "trainyard.stages.train", "--out", "reference"],
-        cwd=repo,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    run_ok(["python", "-m", "trainyard.stages.train", "--out", "reference"], repo)
     (repo / "reference/seconds").write_text(f"{time.perf_counter() - t0:.1f}")
     return repo
 
