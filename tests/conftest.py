@@ -38,6 +38,18 @@ REPO = Path(__file__).resolve().parents[1]
 # SIGINT's default, as from a terminal.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# The evaluate stage's reports (dvc.yaml's outs, registry.json aside): written here once so
+# the pipeline tests that check them cannot drift apart.
+EVALUATE_REPORTS = (
+    "reports/predictions.csv",
+    "reports/confusion_matrix.png",
+    "reports/confusion_matrix_normalized.png",
+    "reports/per_class.png",
+    "reports/mistakes.png",
+    "reports/learning_curves.png",
+    "reports/classification_report.json",
+    "reports/metrics.json",
+)
 FASHION_DIR = Path(os.environ.get("TRAINYARD_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))
 VENV_BIN = Path(sys.executable).parent
 
