@@ -220,6 +220,19 @@ def stop_group(proc: subprocess.Popen, timeout: float = 15) -> bool:
         return False
 
 
+def wait_group_gone(pgid: int, deadline: float, failure: str) -> None:
+    """Wait until no process of the group ``pgid`` is left, failing with ``failure`` past
+    ``deadline`` (``time.monotonic``): a stage may outlive the dvc that started it by a
+    moment (it ends its MLflow run)."""
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.05)
+
+
 def pause_env(step: str, announce: Path, **extra: str) -> dict[str, str]:
     """``stage_env`` for a process that pauses at ``step`` (``name`` or ``name:n``, the n-th
     arrival) and announces it in ``announce`` (trainyard.core.pause_points): a test's signal

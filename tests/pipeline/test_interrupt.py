@@ -48,6 +48,7 @@ from conftest import (
     pause_env,
     set_params,
     stage_env,
+    wait_group_gone,
     wait_paused,
 )
 
@@ -265,13 +266,7 @@ def repro_interrupted(
         os.killpg(proc.pid, signal.SIGINT)
         t0 = time.monotonic()
         rc = proc.wait(timeout=60)
-        while True:  # the stage may outlive dvc by a moment
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                break
-            assert time.monotonic() - t0 < 60, "the stage did not exit within 60 s of SIGINT"
-            time.sleep(0.05)
+        wait_group_gone(proc.pid, t0 + 60, "the stage did not exit within 60 s of SIGINT")
     except BaseException:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

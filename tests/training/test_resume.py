@@ -31,7 +31,15 @@ from trainyard.training.resume import (
     resume_key,
 )
 
-from conftest import dvc, pause_env, run_ok, set_params, small_pipeline_repo, wait_paused
+from conftest import (
+    dvc,
+    pause_env,
+    run_ok,
+    set_params,
+    small_pipeline_repo,
+    wait_group_gone,
+    wait_paused,
+)
 
 # ---------------------------------------------------------------- the decision (fast)
 
@@ -223,14 +231,7 @@ def kill_after_first_checkpoint(repo: Path, proc: subprocess.Popen, log: Path, s
     (ckpt,) = (repo / RESUME_ROOT).glob(f"*/{LAST_CKPT}")
     os.killpg(proc.pid, sig)
     proc.wait(timeout=120)
-    deadline = time.monotonic() + 120
-    while True:  # the train stage may outlive dvc by a moment (it ends its MLflow run)
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        assert time.monotonic() < deadline, "the train stage did not exit"
-        time.sleep(0.1)
+    wait_group_gone(proc.pid, time.monotonic() + 120, "the train stage did not exit")
     return json.loads((ckpt.parent / STATE_FILE).read_text())["run_id"]
 
 
