@@ -42,6 +42,7 @@ from benchmarks.harness.procs import python_child
 from benchmarks.harness.publish import bench_parser, command_of, outputs, publish
 from benchmarks.prepare_photos import NUM_CLASSES, ensure_photos
 from benchmarks.prepare_report import markdown, print_summary
+from trainyard.core.host import proc_bytes
 
 MODULE = "benchmarks.bench_prepare"
 DOCS_KEY = "prepare"
@@ -68,12 +69,8 @@ def peak_rss_self() -> int:
     Linux keeps ``ru_maxrss`` across ``exec``: a child started from a process holding torch
     (the data-path benchmark) would report its parent's ~800 MiB. ``VmHWM`` belongs to the
     new address space alone."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    if (hwm := proc_bytes("/proc/self/status", "VmHWM")) is not None:
+        return hwm
     scale = 1 if sys.platform == "darwin" else 1024  # KiB on Linux, bytes on macOS
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 

@@ -30,6 +30,7 @@ from trainyard.core.card import Card
 from trainyard.core.handoffs import TrainRecord
 from trainyard.core.pause_points import PAUSE_AT, PAUSE_FILE
 from trainyard.data.idx import read_idx, write_idx_bytes
+from trainyard.evaluation.scoring import REPORT_FILES
 
 REPO = Path(__file__).resolve().parents[1]
 # A background job of a non-interactive shell (`cmd &` in a script) starts with SIGINT
@@ -38,6 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 # SIGINT's default, as from a terminal.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# The evaluate stage's reports (dvc.yaml's outs, registry.json aside): written here once so
+# the pipeline tests that check them cannot drift apart.
+# What the evaluate stage writes into reports/ (besides registry.json): its report files and
+# metrics.json.
+EVALUATE_REPORTS = (*(f"reports/{f}" for f in REPORT_FILES.values()), "reports/metrics.json")
 FASHION_DIR = Path(os.environ.get("TRAINYARD_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))
 VENV_BIN = Path(sys.executable).parent
 
@@ -150,6 +156,18 @@ def stage_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_ok(
+    cmd: list[str], cwd: Path = REPO, timeout: float = 600, **env: str
+) -> subprocess.CompletedProcess:
+    """``cmd`` run in ``cwd`` as the pipeline runs (``stage_env(**env)``), its output
+    captured as text; fails with the tail of that output unless it exits 0."""
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=stage_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def dvc(repo: Path, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         ["dvc", *args], cwd=repo, env=stage_env(**env), capture_output=True, text=True, timeout=900
@@ -194,6 +212,19 @@ def stop_group(proc: subprocess.Popen, timeout: float = 15) -> bool:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return False
+
+
+def wait_group_gone(pgid: int, deadline: float, failure: str) -> None:
+    """Wait until no process of the group ``pgid`` is left, failing with ``failure`` past
+    ``deadline`` (``time.monotonic``): a stage may outlive the dvc that started it by a
+    moment (it ends its MLflow run)."""
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.05)
 
 
 def pause_env(step: str, announce: Path, **extra: str) -> dict[str, str]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
+
+from trainyard.core.host import proc_bytes
 
 
 def tree_memory(pid: int) -> tuple[int, int, int, int]:
@@ -26,13 +27,8 @@ def tree_memory(pid: int) -> tuple[int, int, int, int]:
             continue
         rss += r
         own = r if p.pid == pid else own
-        try:
-            for line in Path(f"/proc/{p.pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    pss += int(line.split()[1]) * 1024
-                    break
-        except (OSError, ValueError):
-            pss += r
+        found = proc_bytes(f"/proc/{p.pid}/smaps_rollup", "Pss")
+        pss += r if found is None else found
     return rss, pss, len(procs), own
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, run_ok
 
 # Runs the benchmark as `make gpu-check` would, then proves it never imported the tracking,
 # pipeline or serving stacks (the GPU machine has none of them). pydantic may be imported:
@@ -35,34 +34,14 @@ def bench_run(fashion_dir, tmp_path_factory):
     (tmp / "preset.yaml").write_text(yaml.safe_dump(preset))
     docs = tmp / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n## Serving\nkept as is\n")
-    proc = subprocess.run(
+    proc = run_ok(
         [
-            sys.executable,
-            "-c",
-            RUNNER,
-            "--quick",
-            "--gpu-check",
-            "--raw",
-            str(fashion_dir),
-            "--preset",
-            str(tmp / "preset.yaml"),
-            "--target",
-            "0.5",
-            "--out",
-            str(tmp / "bench.json"),
-            "--chart",
-            str(tmp / "bench.png"),
-            "--docs",
-            str(docs),
-            "--folder-work",
-            str(tmp / "folder"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
+            *(sys.executable, "-c", RUNNER, "--quick", "--gpu-check", "--raw", str(fashion_dir)),
+            *("--preset", str(tmp / "preset.yaml"), "--target", "0.5"),
+            *("--out", str(tmp / "bench.json"), "--chart", str(tmp / "bench.png")),
+            *("--docs", str(docs), "--folder-work", str(tmp / "folder")),
+        ]
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return tmp, proc.stdout
 
 

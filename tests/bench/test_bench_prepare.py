@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_ok
 
 pytestmark = pytest.mark.slow
 
@@ -29,25 +29,13 @@ assert not heavy, f"benchmark imported {heavy}"
 
 def _run(tmp: Path, name: str) -> tuple[dict[str, Any], str]:
     out = tmp / f"{name}.json"
-    proc = subprocess.run(
+    proc = run_ok(
         [
-            sys.executable,
-            "-c",
-            RUNNER,
-            "--quick",
-            "--work",
-            str(tmp / "work"),
-            "--out",
-            str(out),
-            "--docs",
-            str(tmp / "benchmarks.md"),
+            *(sys.executable, "-c", RUNNER, "--quick", "--work", str(tmp / "work")),
+            *("--out", str(out), "--docs", str(tmp / "benchmarks.md")),
         ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -29,7 +27,7 @@ from benchmarks.bench_recipe import (
 from benchmarks.recipe_folders import emoji_classes, npm_package, unpack_tarball
 from trainyard.data.walk import scan_folder
 
-from conftest import PHOTO_CLASSES, REPO, draw_shape
+from conftest import PHOTO_CLASSES, draw_shape, run_ok
 
 SIZES = {"big": 20, "mid": 7, "small": 3}
 
@@ -211,18 +209,13 @@ def test_quick_benchmark_end_to_end(tmp_path):
     itself."""
     src = shapes(tmp_path / "photos", 10)
     out = tmp_path / "bench-recipe.json"
-    proc = subprocess.run(
+    proc = run_ok(
         [
             *(sys.executable, "-m", "benchmarks.bench_recipe", "--quick"),
             *("--folders", str(src), "--work", str(tmp_path / "work"), "--out", str(out)),
         ],
-        cwd=REPO,
-        env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
-        capture_output=True,
-        text=True,
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["quick"] and len(doc["folders"]) == 1
     result = doc["folders"][0]

@@ -27,7 +27,7 @@ from trainyard.doctor.machine import PROBE_MODEL, probe, probe_provider
 from trainyard.doctor.render import emit, render_table
 from trainyard.doctor.verdicts import KEYS, report, verdicts
 
-from conftest import REPO, VENV_BIN, has_cuda
+from conftest import REPO, VENV_BIN, has_cuda, run_ok
 
 GiB = 2**30
 HEAVY = ("mlflow", "dvc", "bentoml")
@@ -47,14 +47,7 @@ def doctor_json() -> dict[str, Any]:
     quick is checked instead, that it never imports mlflow, dvc or bentoml
     (test_module_run_never_imports_mlflow_dvc_or_bentoml) and sizes the dataset from its card
     or the expected counts, not by reading it (``dataset["from"]`` below)."""
-    proc = subprocess.run(
-        [str(VENV_BIN / "trainyard"), "doctor", "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_ok([str(VENV_BIN / "trainyard"), "doctor", "--json"], timeout=120)
     return json.loads(proc.stdout)
 
 
@@ -115,15 +108,7 @@ def test_on_a_gpu_machine_every_gpu_is_described(doctor_json):
 
 
 def test_table_is_readable_and_exits_zero():
-    proc = subprocess.run(
-        [str(VENV_BIN / "trainyard"), "doctor"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_ok([str(VENV_BIN / "trainyard"), "doctor"], timeout=120).stdout
     for label in ("CPU", "RAM", "torch", "ONNX Runtime", "disk", "verdicts", "why:"):
         assert label in out, label
     assert "placement" in out and "precision" in out
@@ -158,11 +143,7 @@ def test_module_run_never_imports_mlflow_dvc_or_bentoml():
         "assert not heavy, heavy\n"
         "sys.exit(code)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout)["ok"] is True
+    assert json.loads(run_ok([sys.executable, "-c", code], timeout=120).stdout)["ok"] is True
 
 
 def test_bad_usage_exits_2(capsys, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from conftest import REPO, VENV_BIN, git_env, stage_env
+from conftest import REPO, VENV_BIN, git_env, run_ok, stage_env
 
 PICTURES = ("confusion_matrix.png", "confusion_matrix_normalized.png", "learning_curves.png")
 
@@ -114,14 +114,7 @@ def test_report_against_the_baseline(clone: Path) -> None:
         f"refs/exps/{head[:2]}/{head[2:]}/tidy-exp",
         git(clone, "stash", "create"),
     )
-    listed = subprocess.run(
-        [str(VENV_BIN / "dvc"), "exp", "list", "--name-only"],
-        cwd=clone,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    listed = run_ok([str(VENV_BIN / "dvc"), "exp", "list", "--name-only"], clone).stdout
     assert "tidy-exp" in listed
 
     proc = report(clone, "--baseline", "HEAD")
@@ -215,22 +208,8 @@ def test_stale_workspace_missing_picture_and_errors(clone: Path, tmp_path: Path)
 def test_make_report(clone: Path) -> None:
     venv = VENV_BIN.parent
     # -o: the clone's pyproject.toml is newer than the venv's stamp; do not reinstall.
-    proc = subprocess.run(
-        [
-            "make",
-            "-o",
-            f"{venv}/.installed",
-            "report",
-            f"VENV={venv}",
-            "REPORT_ARGS=--baseline HEAD",
-        ],
-        cwd=clone,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    make = ["make", "-o", f"{venv}/.installed", "report", f"VENV={venv}"]
+    proc = run_ok([*make, "REPORT_ARGS=--baseline HEAD"], clone, timeout=120)
     text = (clone / "reports/report.md").read_text()
     assert "workspace vs `HEAD`" in text and "No param differs from `HEAD`." in text
     assert str(clone / "reports/report.md") in proc.stdout

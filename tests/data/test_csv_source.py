@@ -33,7 +33,7 @@ from trainyard.export.onnx_export import export_and_verify
 from trainyard.runtime.inputs import decode_image, model_input
 from trainyard.serve.settings import load_model
 
-from conftest import REPO, stage_env, train_checkpoint
+from conftest import REPO, run_ok, stage_env, train_checkpoint
 
 COLOURS = {"cat": (200, 40, 40), "dog": (40, 200, 40), "owl": (40, 40, 200)}
 
@@ -366,9 +366,7 @@ def test_prepare_stage_doctor_and_served_model_on_a_csv(tmp_path, capsys):
         yaml.safe_dump({"data": {"source": "csv", "csv": "ds/labels.csv", "image_size": 16}})
     )
     stage = [sys.executable, "-m", "trainyard.stages.prepare", "--raw", "raw", "--out", "prep"]
-    proc = subprocess.run(stage, cwd=tmp_path, env=stage_env(), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "csv, 3 classes, 3x16x16" in proc.stderr
+    assert "csv, 3 classes, 3x16x16" in run_ok(stage, tmp_path).stderr
 
     assert cli.main(
         ["doctor", "--params", str(params_file), "--data", str(tmp_path / "prep"), "--json"]

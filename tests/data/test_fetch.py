@@ -41,6 +41,14 @@ def http_dir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
         server.server_close()
 
 
+def _copies(fashion_dir: Path, dest: Path, names: list[str] = NAMES) -> Path:
+    """``dest`` holding copies of Fashion-MNIST's raw files ``names``."""
+    dest.mkdir(exist_ok=True)
+    for name in names:
+        shutil.copy(fashion_dir / name, dest / name)
+    return dest
+
+
 def _empty(tmp_path: Path) -> str:
     d = tmp_path / "no-debian"
     d.mkdir()
@@ -56,8 +64,7 @@ def test_fetch_from_debian_package(fashion_dir, tmp_path):
 
 def test_download_from_local_http_server(fashion_dir, http_dir, tmp_path):
     root, url = http_dir
-    for name in NAMES:
-        shutil.copy(fashion_dir / name, root / name)
+    _copies(fashion_dir, root)
     out = tmp_path / "raw"
     params = DataParams(debian_dir=_empty(tmp_path), mirrors=[url])
     fetched = fetch_raw(params, out)
@@ -68,9 +75,7 @@ def test_download_from_local_http_server(fashion_dir, http_dir, tmp_path):
 
 def test_second_mirror_used_when_first_lacks_files(fashion_dir, http_dir, tmp_path):
     root, url = http_dir
-    (root / "good").mkdir()
-    for name in NAMES:
-        shutil.copy(fashion_dir / name, root / "good" / name)
+    _copies(fashion_dir, root / "good")
     params = DataParams(debian_dir=_empty(tmp_path), mirrors=[url + "missing/", url + "good/"])
     fetched = fetch_raw(params, tmp_path / "raw")
     assert {f.origin for f in fetched} == {url + "good/"}
@@ -78,8 +83,7 @@ def test_second_mirror_used_when_first_lacks_files(fashion_dir, http_dir, tmp_pa
 
 def test_served_corrupt_file_is_refused_and_nothing_is_written(fashion_dir, http_dir, tmp_path):
     root, url = http_dir
-    for name in NAMES:
-        shutil.copy(fashion_dir / name, root / name)
+    _copies(fashion_dir, root)
     # Valid gzip, one label changed: only the checksum can catch it.
     labels = bytearray(gzip.decompress((fashion_dir / "t10k-labels-idx1-ubyte.gz").read_bytes()))
     labels[100] = (labels[100] + 1) % 10
@@ -94,8 +98,7 @@ def test_served_corrupt_file_is_refused_and_nothing_is_written(fashion_dir, http
 
 def test_served_truncated_file_is_refused(fashion_dir, http_dir, tmp_path):
     root, url = http_dir
-    for name in NAMES:
-        shutil.copy(fashion_dir / name, root / name)
+    _copies(fashion_dir, root)
     blob = (fashion_dir / "train-labels-idx1-ubyte.gz").read_bytes()
     (root / "train-labels-idx1-ubyte.gz").write_bytes(blob[:-100])
     params = DataParams(debian_dir=_empty(tmp_path), mirrors=[url])
@@ -104,10 +107,7 @@ def test_served_truncated_file_is_refused(fashion_dir, http_dir, tmp_path):
 
 
 def test_corrupt_local_copy_is_an_error_not_a_download(fashion_dir, tmp_path):
-    src = tmp_path / "mine"
-    src.mkdir()
-    for name in NAMES:
-        shutil.copy(fashion_dir / name, src / name)
+    src = _copies(fashion_dir, tmp_path / "mine")
     blob = (src / "train-images-idx3-ubyte.gz").read_bytes()
     (src / "train-images-idx3-ubyte.gz").write_bytes(blob[: len(blob) // 3])
     with pytest.raises(DataError, match=rf"{src}/train-images-idx3-ubyte\.gz"):
@@ -115,10 +115,7 @@ def test_corrupt_local_copy_is_an_error_not_a_download(fashion_dir, tmp_path):
 
 
 def test_missing_file_in_source_dir_is_named(fashion_dir, tmp_path):
-    src = tmp_path / "mine"
-    src.mkdir()
-    for name in NAMES[1:]:
-        shutil.copy(fashion_dir / name, src / name)
+    src = _copies(fashion_dir, tmp_path / "mine", NAMES[1:])
     with pytest.raises(DataError, match=rf"{NAMES[0]}: missing from data.source_dir"):
         fetch_raw(DataParams(source_dir=str(src)), tmp_path / "raw")
 

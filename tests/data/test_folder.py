@@ -411,19 +411,11 @@ def _no_train(root: Path) -> None:
     split_tree(root, {"val": {"a": 2, "b": 2}, "test": {"a": 2, "b": 2}})
 
 
-@pytest.mark.parametrize(
-    ("make", "message"),
-    [
-        (_mixed, r"mixes split folders \(train, val\) with other folders \(cats\)"),
-        (_class_missing_from_val, r"photos/val/ lacks the class folders 'b'"),
-        (_no_train, r"has test, val/ but no train/ folder"),
-    ],
-)
-def test_mixed_layouts_are_data_errors(tmp_path, make, message):
-    make(tmp_path / "photos")
-    with pytest.raises(DataError, match=message):
-        run(tmp_path / "photos", tmp_path / "out", image_size=16)
-    assert_nothing_written(tmp_path / "out")
+MIXED_LAYOUTS = [
+    (_mixed, r"mixes split folders \(train, val\) with other folders \(cats\)"),
+    (_class_missing_from_val, r"photos/val/ lacks the class folders 'b'"),
+    (_no_train, r"has test, val/ but no train/ folder"),
+]
 
 
 # ----------------------------------------------------------------------------- unusable trees
@@ -465,6 +457,7 @@ def _class_too_small(root: Path) -> None:
 @pytest.mark.parametrize(
     ("make", "message"),
     [
+        *MIXED_LAYOUTS,
         (_missing, r"photos does not exist; set data\.folder"),
         (_a_file, r"photos is a file, not a folder"),
         (_empty, r"photos has no class subfolders; put each class's images in its own folder"),
@@ -477,7 +470,7 @@ def _class_too_small(root: Path) -> None:
         ),
     ],
 )
-def test_unusable_trees_are_data_errors_and_write_nothing(tmp_path, make, message):
+def test_mixed_layouts_and_unusable_trees_are_data_errors_writing_nothing(tmp_path, make, message):
     make(tmp_path / "photos")
     with pytest.raises(DataError, match=message):
         run(tmp_path / "photos", tmp_path / "out", image_size=16)

@@ -121,12 +121,17 @@ def test_a_150_mp_rgba_png_decodes_in_bounded_memory(poster, poster16, resize, d
         assert (out[:, :8, :8] == 0).all()
 
 
-def test_prepare_accepts_a_large_image_of_the_users_own(poster, tmp_path):
-    root = tmp_path / "photos"
+def small_folder(root: Path) -> Path:
+    """Two classes of five small solid images: the rest of a folder a poster joins."""
     for c, colour in enumerate([(200, 30, 30), (30, 30, 200)]):
         (root / f"class{c}").mkdir(parents=True)
         for i in range(5):
             Image.new("RGB", (80, 60), colour).save(root / f"class{c}" / f"{i}.png")
+    return root
+
+
+def test_prepare_accepts_a_large_image_of_the_users_own(poster, tmp_path):
+    root = small_folder(tmp_path / "photos")
     (root / "class0" / "poster.png").symlink_to(poster)
     params = DataParams(
         source="folder",
@@ -475,11 +480,7 @@ print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 
 @pytest.mark.slow
 def test_prepare_of_a_folder_with_a_623_mp_poster_stays_under_2_gib(tmp_path):
-    root = tmp_path / "photos"
-    for c, colour in enumerate([(200, 30, 30), (30, 30, 200)]):
-        (root / f"class{c}").mkdir(parents=True)
-        for i in range(5):
-            Image.new("RGB", (80, 60), colour).save(root / f"class{c}" / f"{i}.png")
+    root = small_folder(tmp_path / "photos")
     (root / "class0" / "poster.png").write_bytes(poster_png(POSTER_SIDE))
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
     start = time.perf_counter()

@@ -40,22 +40,21 @@ from trainyard.core.handoffs import (
 from trainyard.track.continued_runs import END_REASON_TAG
 from trainyard.track.registry import CHALLENGER, CHAMPION, SHA_TAG, register_and_promote
 
-from conftest import REPO, copy_reproduced, dvc, pause_env, set_params, stage_env, wait_paused
+from conftest import (
+    EVALUATE_REPORTS,
+    REPO,
+    copy_reproduced,
+    dvc,
+    pause_env,
+    set_params,
+    stage_env,
+    wait_group_gone,
+    wait_paused,
+)
 
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 EXPORT_OUTS = ("models/model.onnx", "models/model.onnx.sha256", str(EXPORT_RECORD))
-REPORTS = (
-    "reports/predictions.csv",
-    "reports/confusion_matrix.png",
-    "reports/confusion_matrix_normalized.png",
-    "reports/per_class.png",
-    "reports/mistakes.png",
-    "reports/learning_curves.png",
-    "reports/reliability.png",
-    "reports/classification_report.json",
-    "reports/metrics.json",
-)
-EVALUATE_OUTS = (*REPORTS, str(REGISTRY_RECORD))
+EVALUATE_OUTS = (*EVALUATE_REPORTS, str(REGISTRY_RECORD))
 MODEL = "fashion-mnist-classifier"
 
 
@@ -267,13 +266,7 @@ def repro_interrupted(
         os.killpg(proc.pid, signal.SIGINT)
         t0 = time.monotonic()
         rc = proc.wait(timeout=60)
-        while True:  # the stage may outlive dvc by a moment
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                break
-            assert time.monotonic() - t0 < 60, "the stage did not exit within 60 s of SIGINT"
-            time.sleep(0.05)
+        wait_group_gone(proc.pid, t0 + 60, "the stage did not exit within 60 s of SIGINT")
     except BaseException:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -458,7 +451,7 @@ def test_ctrl_c_in_evaluate(repo, tmp_path):
     assert "[evaluate] test accuracy" in hit.log
     check_failed(hit, "evaluate")
     assert "[evaluate] registering" not in hit.log  # it stopped inside the logging
-    assert whole_outputs(repo, EVALUATE_OUTS) == set(REPORTS)  # registry.json comes last
+    assert whole_outputs(repo, EVALUATE_OUTS) == set(EVALUATE_REPORTS)  # registry.json comes last
     check_no_temp_files(repo)
     assert lock_stages(repo) == lock
     assert out_of_date(repo) == {"evaluate"}
@@ -505,7 +498,7 @@ def test_ctrl_c_in_the_registry_step(repo, tmp_path):
     versions, aliases = registry_state(client_of(repo), MODEL)
     check_registry_consistent(versions, aliases)
     assert set(versions) == {1, 2, 3} and aliases[versions[3]["decision"]] == 3
-    assert whole_outputs(repo, EVALUATE_OUTS) == set(REPORTS)  # no registry.json
+    assert whole_outputs(repo, EVALUATE_OUTS) == set(EVALUATE_REPORTS)  # no registry.json
     check_no_temp_files(repo)
     now = lock_stages(repo)
     assert now["evaluate"] == lock["evaluate"] and now["export"] != lock["export"]

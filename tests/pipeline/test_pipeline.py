@@ -7,7 +7,6 @@ import hashlib
 import json
 import shutil
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import yaml
 
 from trainyard.core.handoffs import REGISTRY_RECORD, TRAIN_RECORD, RegistryRecord, TrainRecord
 
-from conftest import copy_reproduced, dvc, set_params, stage_env, train_concurrently
+from conftest import copy_reproduced, dvc, run_ok, set_params, train_concurrently
 
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
@@ -178,25 +177,13 @@ def test_ddp_on_two_cpu_processes_logs_one_run(repo, tmp_path):
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["train"].update(accelerator="cpu", devices=2, max_epochs=2, limit_train_batches=None)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    out = subprocess.run(
+    out = run_ok(
         [
-            "python",
-            "-m",
-            "trainyard.stages.train",
-            "--params",
-            str(tmp_path / "params.yaml"),
-            "--data",
-            "data/prepared",
-            "--out",
-            str(tmp_path / "ddp"),
+            *("python", "-m", "trainyard.stages.train", "--params", str(tmp_path / "params.yaml")),
+            *("--data", "data/prepared", "--out", str(tmp_path / "ddp")),
         ],
-        cwd=repo,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        repo,
     )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "MEMBER: 2/2" in out.stdout + out.stderr
     # rank 0 logs the epoch's line, rank 1 does not
     assert out.stderr.count("[train] epoch 2/2 train/loss ") == 1, out.stderr[-3000:]
@@ -290,26 +277,16 @@ def test_dvc_repro_predict_scores_a_folder_with_its_lineage_and_run(reproduced_p
     server.mkdir()
     shutil.copy(repo / "mlflow.db", server / "mlflow.db")
     with sqlite_mlflow_server(server) as uri:
-        env = stage_env(MLFLOW_TRACKING_URI=uri)
         for model in ("models:/fashion-mnist-classifier@champion", f"runs:/{train_run}"):
-            got = subprocess.run(
+            run_ok(
                 [
-                    str(VENV_BIN / "trainyard"),
-                    "predict",
-                    str(folder),
-                    "--model",
-                    model,
-                    "--out",
-                    str(tmp_path / "reg.parquet"),
-                    "--no-track",
+                    *(str(VENV_BIN / "trainyard"), "predict", str(folder), "--model", model),
+                    *("--out", str(tmp_path / "reg.parquet"), "--no-track"),
                 ],
-                cwd=repo,
-                env=env,
-                capture_output=True,
-                text=True,
+                repo,
                 timeout=300,
+                MLFLOW_TRACKING_URI=uri,
             )
-            assert got.returncode == 0, got.stderr
             rows = pq.read_table(tmp_path / "reg.parquet").to_pylist()
             assert {r["model_version"] for r in rows} == {"fashion-mnist-classifier/1"}
             assert {r["path"]: r["label"] for r in rows if r["path"] in expected} == expected

@@ -22,6 +22,7 @@ import requests
 
 from trainyard.model.lite import LITE_ARCH
 from trainyard.model.weights import PACKAGED
+from trainyard.training.recipe import KEYS as RECIPE_KEYS
 
 from conftest import PHOTO_CLASSES, copy_repo, dvc, make_photo_folder, set_params
 
@@ -29,16 +30,6 @@ pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 SIZE = 32  # data.image_size: auto would take 64 here (4x the pixels a step)
 BUDGET_MIN = 0.2  # train.time_budget_min: the recipe plans about 12 s of epochs
-RECIPE_KEYS = (
-    "pretrained",
-    "arch",
-    "augment",
-    "batch_size",
-    "lr",
-    "max_epochs",
-    "early_stopping_patience",
-    "compile",
-)
 
 
 def ran(output: str) -> set[str]:

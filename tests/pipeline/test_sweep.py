@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import VENV_BIN, copy_repo, dvc, make_photo_folder, set_params, stage_env
+from conftest import VENV_BIN, copy_repo, dvc, make_photo_folder, run_ok, set_params, stage_env
 
 pytestmark = pytest.mark.slow
 
@@ -155,14 +155,7 @@ def test_a_sweep_registers_challengers_and_never_moves_champion(swept):
 
 def test_trainyard_exps_shows_the_sweep_in_a_readable_table(swept):
     repo = swept["repo"]
-    out = subprocess.run(
-        [str(VENV_BIN / "trainyard"), "exps", "--sort-by", "test.accuracy"],
-        cwd=repo,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = run_ok([str(VENV_BIN / "trainyard"), "exps", "--sort-by", "test.accuracy"], repo).stdout
     lines = out.splitlines()
     header = lines[0].split()
     # The metric people compare and the one param that differs; no dependency hashes.

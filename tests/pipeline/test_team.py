@@ -26,7 +26,7 @@ from trainyard.core.handoffs import EXPORT_RECORD, REGISTRY_RECORD, TRAIN_RECORD
 from trainyard.core.io import sha256_file
 from trainyard.data.idx import read_idx
 
-from conftest import VENV_BIN, copy_reproduced, dvc, git_env, stop_group
+from conftest import EVALUATE_REPORTS, VENV_BIN, copy_reproduced, dvc, git_env, stop_group
 
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
@@ -44,16 +44,8 @@ IN_GIT = (
     "models/history.csv",
     "models/model.onnx.sha256",
     str(EXPORT_RECORD),
-    "reports/metrics.json",
-    "reports/classification_report.json",
+    *EVALUATE_REPORTS,
     str(REGISTRY_RECORD),
-    "reports/predictions.csv",
-    "reports/confusion_matrix.png",
-    "reports/confusion_matrix_normalized.png",
-    "reports/per_class.png",
-    "reports/mistakes.png",
-    "reports/learning_curves.png",
-    "reports/reliability.png",
 )
 
 

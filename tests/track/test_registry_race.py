@@ -69,14 +69,21 @@ def left_pending(name: str, run_id: str, model_uri: str, acc: float) -> Any:
     return mlflow.register_model(model_uri, name, tags=tags | {DECISION_TAG: PENDING})
 
 
-def test_a_lower_pending_version_is_waited_for_and_decided_against(mlflow_db):
+def behind_a_teammate(mlflow_db: tuple[str, str], acc: float) -> tuple[Any, str, str, str, Any]:
+    """(client, name, run id, model URI, the teammate's version): a run with a model whose
+    registration under ``name`` finds a teammate's version, test accuracy ``acc``, pending
+    before it."""
     import mlflow
 
     client = mlflow.MlflowClient(mlflow_db[0])
     other_run, other_uri = logged_model(mlflow_db)
     run_id, uri = logged_model(mlflow_db)
     name = f"m-{run_id}"
-    teammate = left_pending(name, other_run, other_uri, 0.9)
+    return client, name, run_id, uri, left_pending(name, other_run, other_uri, acc)
+
+
+def test_a_lower_pending_version_is_waited_for_and_decided_against(mlflow_db):
+    client, name, run_id, uri, teammate = behind_a_teammate(mlflow_db, 0.9)
 
     def teammate_decides() -> None:  # a second later, as its own register_and_promote does
         time.sleep(1.0)
@@ -103,13 +110,7 @@ def test_a_lower_pending_version_is_waited_for_and_decided_against(mlflow_db):
 
 
 def test_a_version_killed_between_its_alias_and_decision_tag_is_finished(mlflow_db):
-    import mlflow
-
-    client = mlflow.MlflowClient(mlflow_db[0])
-    other_run, other_uri = logged_model(mlflow_db)
-    run_id, uri = logged_model(mlflow_db)
-    name = f"m-{run_id}"
-    killed = left_pending(name, other_run, other_uri, 0.9)
+    client, name, run_id, uri, killed = behind_a_teammate(mlflow_db, 0.9)
     client.set_registered_model_alias(name, CHAMPION, killed.version)  # then SIGKILL
     start = time.monotonic()
     result = register_and_promote(client, name, uri, run_id, 0.95, "d.dir", "a" * 64, 0.01)
@@ -119,13 +120,8 @@ def test_a_version_killed_between_its_alias_and_decision_tag_is_finished(mlflow_
 
 
 def test_ctrl_c_while_waiting_for_the_turn_leaves_nothing(mlflow_db, monkeypatch, tmp_path):
-    import mlflow
-
-    client = mlflow.MlflowClient(mlflow_db[0])
-    other_run, other_uri = logged_model(mlflow_db)
-    run_id, uri = logged_model(mlflow_db)
-    name = f"m-{run_id}"
-    left_pending(name, other_run, other_uri, 0.9)  # a teammate that takes its time
+    # a teammate that takes its time
+    client, name, run_id, uri, _ = behind_a_teammate(mlflow_db, 0.9)
     # The registration pauses in its wait (registered, its turn not come): the Ctrl-C lands
     # there however fast or slow this machine is.
     announce = tmp_path / "waiting.paused"
@@ -153,14 +149,9 @@ def test_ctrl_c_while_waiting_for_the_turn_leaves_nothing(mlflow_db, monkeypatch
 
 
 def test_a_version_pending_too_long_is_abandoned_and_said(mlflow_db, caplog):
-    import mlflow
-
     caplog.set_level(logging.INFO, logger="trainyard")
-    client = mlflow.MlflowClient(mlflow_db[0])
-    other_run, other_uri = logged_model(mlflow_db)
-    run_id, uri = logged_model(mlflow_db)
-    name = f"m-{run_id}"
-    left_pending(name, other_run, other_uri, 0.99)  # SIGKILLed while waiting: never decides
+    # the teammate was SIGKILLed while waiting: it never decides
+    client, name, run_id, uri, _ = behind_a_teammate(mlflow_db, 0.99)
     start = time.monotonic()
     result = register_and_promote(
         client, name, uri, run_id, 0.9, "d.dir", "a" * 64, 0.01, stale_after_s=1.5

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -19,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainyard.training.builder import build_trainer
 from trainyard.training.fit_log import ProgressLog, duration
 
-from conftest import REPO, small_pipeline_repo, stage_env
+from conftest import REPO, run_ok, small_pipeline_repo
 
 # What the pipeline's log held before (a real train/export/evaluate run), by source.
 NOISE = (
@@ -88,17 +87,8 @@ else:  # the same with Lightning and MLflow as they come
 
 
 def run_python(code: str, *args: str, cwd: Path = REPO) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        cwd=cwd,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    return out
+    proc = run_ok([sys.executable, "-c", code, *args], cwd, timeout=300)
+    return proc.stdout + proc.stderr
 
 
 def repeated(lines: list[str]) -> dict[str, int]:
@@ -271,16 +261,8 @@ def test_pipeline_log_says_each_fact_once_without_noise(fashion_dir, tmp_path):
     }
     problems = {}
     for stage, args in stages.items():
-        proc = subprocess.run(
-            [sys.executable, "-m", f"trainyard.stages.{stage}", *args],
-            cwd=repo,
-            env=stage_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        proc = run_ok([sys.executable, "-m", f"trainyard.stages.{stage}", *args], repo)
         log = proc.stdout + proc.stderr
-        assert proc.returncode == 0, log[-3000:]
         lines = log.splitlines()
         found = {
             "noise": [n for n in NOISE if n in log],

@@ -98,20 +98,16 @@ def test_epochs_fill_the_budget_within_the_caps() -> None:
     assert unbudgeted == -(-recipe.TARGET_STEPS // 32) and "no time budget" in why_none
 
 
-def test_flips_off_for_mirror_classes_on_for_symmetric_ones(tmp_path: Path) -> None:
-    x, y = _arrows(400)
-    xv, yv = _arrows(100, seed=1)
-    card = _prepared(tmp_path / "arrows", x, y, xv, yv)
-    p = plan(_params(max_epochs=2).train, card, tmp_path / "arrows", "cpu", "32-true")
+@pytest.mark.parametrize(
+    ("images", "value", "reason"),
+    [(_arrows, "shift", "no flips"), (_rings, "flip", "horizontal flips")],
+    ids=["mirror classes: off", "symmetric classes: on"],
+)
+def test_flips_off_for_mirror_classes_on_for_symmetric_ones(tmp_path, images, value, reason):
+    card = _prepared(tmp_path / "d", *images(400), *images(100, seed=1))
+    p = plan(_params(max_epochs=2).train, card, tmp_path / "d", "cpu", "32-true")
     aug = {c.key: c for c in p.choices}["augment"]
-    assert aug.value == "shift" and aug.by == "recipe" and "no flips" in aug.reason
-
-    x, y = _rings(400)
-    xv, yv = _rings(100, seed=1)
-    card = _prepared(tmp_path / "rings", x, y, xv, yv)
-    p = plan(_params(max_epochs=2).train, card, tmp_path / "rings", "cpu", "32-true")
-    aug = {c.key: c for c in p.choices}["augment"]
-    assert aug.value == "flip" and "horizontal flips" in aug.reason
+    assert aug.value == value and aug.by == "recipe" and reason in aug.reason
 
 
 def test_every_auto_key_is_chosen_with_a_reason_and_the_users_keys_win(tmp_path: Path) -> None:

@@ -31,7 +31,15 @@ from trainyard.training.resume import (
     resume_key,
 )
 
-from conftest import dvc, pause_env, set_params, small_pipeline_repo, stage_env, wait_paused
+from conftest import (
+    dvc,
+    pause_env,
+    run_ok,
+    set_params,
+    small_pipeline_repo,
+    wait_group_gone,
+    wait_paused,
+)
 
 # ---------------------------------------------------------------- the decision (fast)
 
@@ -187,15 +195,7 @@ def repo(fashion_dir, tmp_path_factory) -> Path:
     )
     dvc(repo, "repro", "prepare")
     t0 = time.perf_counter()
-    ref = subprocess.run(
-        ["python", "-m", "trainyard.stages.train", "--out", "reference"],
-        cwd=repo,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    run_ok(["python", "-m", "trainyard.stages.train", "--out", "reference"], repo)
     (repo / "reference/seconds").write_text(f"{time.perf_counter() - t0:.1f}")
     return repo
 
@@ -231,14 +231,7 @@ def kill_after_first_checkpoint(repo: Path, proc: subprocess.Popen, log: Path, s
     (ckpt,) = (repo / RESUME_ROOT).glob(f"*/{LAST_CKPT}")
     os.killpg(proc.pid, sig)
     proc.wait(timeout=120)
-    deadline = time.monotonic() + 120
-    while True:  # the train stage may outlive dvc by a moment (it ends its MLflow run)
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        assert time.monotonic() < deadline, "the train stage did not exit"
-        time.sleep(0.1)
+    wait_group_gone(proc.pid, time.monotonic() + 120, "the train stage did not exit")
     return json.loads((ckpt.parent / STATE_FILE).read_text())["run_id"]
 
 

@@ -89,6 +89,15 @@ class Card:
         """(C, H, W) of one image; the batch dimension is dynamic."""
         return (self.channels, self.height, self.width)
 
+    def summary(self) -> str:
+        """What the logs call the data: ``csv, 3 classes, 3x16x16``."""
+        return f"{self.source}, {self.num_classes} classes, {'x'.join(map(str, self.input_shape))}"
+
+    def pixel_options(self) -> dict[str, Any]:
+        """The ``image_to_pixels`` keywords that make any image this card's pixels."""
+        keys = ("channels", "height", "width", "resize", "fill", "interpolation")
+        return {k: getattr(self, k) for k in keys}
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["classes"], d["mean"], d["std"] = list(self.classes), list(self.mean), list(self.std)

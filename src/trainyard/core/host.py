@@ -43,14 +43,22 @@ def x86_without_vnni() -> bool:
     return bool(flags) and not flags & {"avx_vnni", "avx512_vnni", "amx_int8"}
 
 
-def available_ram() -> int:
-    """Bytes of RAM available now (MemAvailable), or 0 when it cannot be read."""
+def proc_bytes(path: str, key: str) -> int | None:
+    """The ``key:  N kB`` line of a /proc file (meminfo, status, smaps_rollup) in bytes;
+    None where the file or the line cannot be read (not Linux)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def available_ram() -> int:
+    """Bytes of RAM available now (MemAvailable), or 0 when it cannot be read."""
+    if (available := proc_bytes("/proc/meminfo", "MemAvailable")) is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -41,8 +41,7 @@ def class_mix_png(classes: list[str], reference: np.ndarray, current: np.ndarray
         ax.bar(x + shift, counts / max(counts.sum(), 1), 0.4, label=name, color=colour)
     if k <= MAX_TICK_CLASSES:
         ax.set_xticks(x, [" ".join(c.split())[:16] for c in classes], rotation=45, ha="right")
-    ax.set_ylabel("share of predictions")
-    ax.set_title("Predicted class mix")
+    ax.set(ylabel="share of predictions", title="Predicted class mix")
     ax.legend()
     return _png(fig)
 
@@ -54,9 +53,7 @@ def confidence_png(reference: np.ndarray, current: np.ndarray) -> bytes:
     bins = np.linspace(0, 1, 41)
     ax.hist(reference, bins, density=True, alpha=0.6, label="reference", color=REFERENCE_COLOUR)
     ax.hist(current, bins, density=True, alpha=0.6, label="current", color=CURRENT_COLOUR)
-    ax.set_xlabel("top-1 probability")
-    ax.set_ylabel("density")
-    ax.set_title("Confidence")
+    ax.set(xlabel="top-1 probability", ylabel="density", title="Confidence")
     ax.legend()
     return _png(fig)
 
@@ -67,8 +64,6 @@ def embedding_png(reference_2d: np.ndarray, current_2d: np.ndarray) -> bytes:
     ax = fig.add_subplot()
     ax.scatter(*reference_2d.T, s=4, alpha=0.4, label="reference", color=REFERENCE_COLOUR)
     ax.scatter(*current_2d.T, s=4, alpha=0.4, label="current", color=CURRENT_COLOUR)
-    ax.set_xlabel("PC 1")
-    ax.set_ylabel("PC 2")
-    ax.set_title("Embeddings (PCA of the reference)")
+    ax.set(xlabel="PC 1", ylabel="PC 2", title="Embeddings (PCA of the reference)")
     ax.legend(markerscale=3)
     return _png(fig)

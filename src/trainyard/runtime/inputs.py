@@ -50,35 +50,15 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-def decode_image(
-    data: bytes,
-    card: Card,
-    *,
-    invert: bool = False,
-    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-    field: str = "image",
-    info: dict[str, Any] | None = None,
-    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
-) -> np.ndarray:
+def decode_image(data: bytes, card: Card, **options: Any) -> np.ndarray:
     """Image bytes of any supported format, size and mode -> uint8 [C,H,W] for ``card``.
 
-    Exactly what prepare produced for a training image from the same bytes; ``invert``
-    (dark-on-light photos for a light-on-dark dataset) flips the pixels before the resize.
+    Exactly what prepare produced for a training image from the same bytes. ``options``:
+    ``image_to_pixels``'s own, with its defaults: ``invert`` (dark-on-light photos for a
+    light-on-dark dataset) flips the pixels before the resize; ``max_pixels``,
+    ``max_aspect_ratio``, ``field`` (the name errors use), ``info``.
     """
-    return image_to_pixels(
-        data,
-        channels=card.channels,
-        height=card.height,
-        width=card.width,
-        resize=card.resize,
-        fill=card.fill,
-        interpolation=card.interpolation,
-        max_pixels=max_pixels,
-        field=field,
-        invert=invert,
-        info=info,
-        max_aspect_ratio=max_aspect_ratio,
-    )
+    return image_to_pixels(data, **card.pixel_options(), **options)
 
 
 # ---------------------------------------------------------------------------- arrays

@@ -39,17 +39,7 @@ def run(params: Params, args: argparse.Namespace) -> None:
     std = ", ".join(f"{s:.4f}" for s in card.std)
     skipped = f", {len(card.skipped)} bad file(s) skipped" if card.skipped else ""
     log.info(
-        "%s, %d classes, %dx%dx%d (%s), %s, mean [%s] std [%s]%s",
-        card.source,
-        card.num_classes,
-        card.channels,
-        card.height,
-        card.width,
-        card.resize,
-        counts,
-        mean,
-        std,
-        skipped,
+        "%s (%s), %s, mean [%s] std [%s]%s", card.summary(), card.resize, counts, mean, std, skipped
     )
 
 

@@ -133,15 +133,7 @@ def load_data(job: TrainJob, data_dir: Path, card: Card) -> ImageDataModule:
         memory_budget=tp.memory_budget,
     )
     card = dm.card
-    log.info(
-        "%s data, %d classes, %dx%dx%d, arch %s",
-        card.source,
-        card.num_classes,
-        card.channels,
-        card.height,
-        card.width,
-        tp.arch,
-    )
+    log.info("data: %s, arch %s", card.summary(), tp.arch)
     return dm
 
 

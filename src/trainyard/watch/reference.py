@@ -105,25 +105,16 @@ def build_reference(
     classes: list[str] | tuple[str, ...],
     probs: np.ndarray,
     embeddings: np.ndarray | None,
-    *,
-    model_sha256: str,
-    sample: int = DEFAULT_SAMPLE,
-    seed: int = 0,
+    **options: Any,
 ) -> Reference:
     """The reference from the model's softmax probabilities [N, K] on the test split (and
-    its embeddings [N, D] or None)."""
+    its embeddings [N, D] or None); ``options``: ``reference_from_predictions``'s
+    (``model_sha256``, ``sample``, ``seed``)."""
     probs = np.asarray(probs)
     if probs.ndim != 2 or probs.shape[1] != len(classes):
         raise ValueError(f"probs {probs.shape}: expected [N, {len(classes)}]")
-    return reference_from_predictions(
-        classes,
-        probs.argmax(axis=1),
-        probs.max(axis=1),
-        embeddings,
-        model_sha256=model_sha256,
-        sample=sample,
-        seed=seed,
-    )
+    top1 = probs.argmax(axis=1), probs.max(axis=1)
+    return reference_from_predictions(classes, *top1, embeddings, **options)
 
 
 def save_reference(ref: Reference, path: str | os.PathLike[str]) -> Path:

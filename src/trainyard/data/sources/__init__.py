@@ -4,11 +4,12 @@
 - ``folder``: any class-per-subfolder tree of images;
 - ``csv_list``: a CSV of image paths or URLs and labels (and optionally splits).
 
-Adding a source: a module here with a ``prepare_<name>`` function (an image-file source
-lists its files as a ``trainyard.data.image_files.ImageSet`` and hands it to
-``prepare_image_set``), a ``describe_<name>`` function (what prepare will write, for
-``trainyard doctor``), a ``fingerprint_<name>`` function (a cheap, stat-only summary of
-its input files: ``source_fingerprint``, which prepare logs and ``trainyard tune`` keys its
+Adding a source: a module here with a ``prepare_<name>`` function (for a source of image
+files, a ``<name>_images`` context manager listing them as a
+``trainyard.data.image_files.ImageSet``: ``prepare_image_set`` does the rest), a
+``describe_<name>`` function (what prepare will write, for ``trainyard doctor``), a
+``fingerprint_<name>`` function (a cheap, stat-only summary of its input files:
+``source_fingerprint``, which prepare logs and ``trainyard tune`` keys its
 prepared-data cache on) and one line in ``SOURCES``. Nothing downstream changes: train,
 export, evaluate and the service read only the prepared arrays and the dataset card
 (``trainyard.core.card``).
@@ -20,16 +21,18 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainyard.core.card import Card
+from trainyard.data.image_files import ImageSet, prepare_image_set
 from trainyard.data.prepared_writer import Expected
-from trainyard.data.sources.csv_list import describe_csv, fingerprint_csv, prepare_csv
+from trainyard.data.sources.csv_list import csv_images, describe_csv, fingerprint_csv
 from trainyard.data.sources.fashion_fetch import fingerprint_fashion_mnist
 from trainyard.data.sources.fashion_mnist import describe_fashion_mnist, prepare_fashion_mnist
-from trainyard.data.sources.folder import describe_folder, fingerprint_folder, prepare_folder
+from trainyard.data.sources.folder import describe_folder, fingerprint_folder, folder_images
 
 if TYPE_CHECKING:  # pydantic stays out of the light paths (benchmarks, gpu-check)
     from trainyard.core.config import DataParams
@@ -49,6 +52,18 @@ class Source:
     fingerprint: Callable[[DataParams, Path], dict[str, Any]]
 
 
+def _image_files(
+    images: Callable[[DataParams], AbstractContextManager[ImageSet]],
+) -> Callable[..., Card]:
+    """The ``prepare`` of a source of image files that ``images`` lists."""
+
+    def prepare(_raw: Any, out: Any, params: DataParams, seed: int, pixels: Any, pre: bool) -> Card:
+        with images(params) as found:
+            return prepare_image_set(found, params, out, seed, pixels, pre)
+
+    return prepare
+
+
 # Fashion-MNIST's images are 28x28 whatever data.image_size / data.max_image_pixels say.
 SOURCES: dict[str, Source] = {
     "fashion-mnist": Source(
@@ -57,12 +72,12 @@ SOURCES: dict[str, Source] = {
         fingerprint_fashion_mnist,
     ),
     "folder": Source(
-        lambda _raw, out, params, seed, pixels, pre: prepare_folder(params, out, seed, pixels, pre),
+        _image_files(folder_images),
         describe_folder,
         fingerprint_folder,
     ),
     "csv": Source(
-        lambda _raw, out, params, seed, pixels, pre: prepare_csv(params, out, seed, pixels, pre),
+        _image_files(csv_images),
         describe_csv,
         fingerprint_csv,
     ),

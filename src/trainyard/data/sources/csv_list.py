@@ -28,18 +28,18 @@ is a *bad file*, under ``data.on_bad_file`` like the folder source's. The rest
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainyard import __version__
-from trainyard.core.card import Card
 from trainyard.core.errors import DataError
 from trainyard.core.io import sha256_file
 from trainyard.core.progress import Progress
@@ -49,7 +49,6 @@ from trainyard.data.image_files import (
     ImageFile,
     ImageSet,
     expected_image_set,
-    prepare_image_set,
 )
 from trainyard.data.prepared_writer import Expected
 from trainyard.data.sources.list_files import Wanted, raise_problems, read_csv
@@ -267,15 +266,10 @@ def _image_files(
     return files
 
 
-def prepare_csv(
-    params: DataParams,
-    out_dir: str | os.PathLike[str],
-    seed: int,
-    max_image_pixels: int | None = None,
-    for_pretrained: bool = False,
-) -> Card:
-    """Prepare the images ``params.csv`` lists into ``out_dir`` (atomically); return the
-    dataset card. URLs are downloaded into a temporary folder, removed afterwards."""
+@contextmanager
+def csv_images(params: DataParams) -> Iterator[ImageSet]:
+    """The images ``params.csv`` lists, for ``prepare_image_set``: URLs are downloaded into
+    a temporary folder, removed when the block ends."""
     listing = read_listing(params)
     rows = listing.rows
     n_urls = len({r.image for r in rows if r.is_url})
@@ -289,7 +283,7 @@ def prepare_csv(
     with tempfile.TemporaryDirectory(prefix="trainyard-csv-") as tmp:
         bad: list[tuple[str, str]] = []
         local = _fetch_urls(rows, Path(tmp), params, bad)
-        images = ImageSet(
+        yield ImageSet(
             source=SOURCE,
             key=KEY,
             where=listing.path,
@@ -308,7 +302,6 @@ def prepare_csv(
                 },
             },
         )
-        return prepare_image_set(images, params, out_dir, seed, max_image_pixels, for_pretrained)
 
 
 def describe_csv(params: DataParams, root: Path) -> Expected:

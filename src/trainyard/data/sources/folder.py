@@ -20,20 +20,16 @@ and bad files (``data.on_bad_file``) are every image-file source's
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainyard.core.card import Card
 from trainyard.core.errors import DataError
 from trainyard.core.image_formats import IMAGE_EXTENSIONS
 from trainyard.data.fingerprint import files_fingerprint
-from trainyard.data.image_files import (
-    ImageSet,
-    expected_image_set,
-    prepare_image_set,
-)
+from trainyard.data.image_files import ImageSet, expected_image_set
 from trainyard.data.prepared_writer import Expected
 from trainyard.data.splits import estimated_counts
 from trainyard.data.walk import Scan, rel_path, scan_folder, walk_files
@@ -47,18 +43,9 @@ SOURCE = "folder"
 KEY = "data.folder"
 
 
-def prepare_folder(
-    params: DataParams,
-    out_dir: str | os.PathLike[str],
-    seed: int,
-    max_image_pixels: int | None = None,
-    for_pretrained: bool = False,
-) -> Card:
-    """Prepare ``params.folder`` into ``out_dir`` (atomically); return the dataset card.
-
-    ``max_image_pixels`` overrides ``params.max_image_pixels`` (data.max_image_pixels).
-    """
-
+@contextmanager
+def folder_images(params: DataParams) -> Iterator[ImageSet]:
+    """The images of ``params.folder``, for ``prepare_image_set``."""
     assert params.folder is not None  # DataParams guarantees it for source: folder
     root = Path(params.folder).expanduser().resolve()
     scan = scan_folder(root)
@@ -73,7 +60,7 @@ def prepare_folder(
     extra: dict[str, object] = {"layout": scan.layout}
     if scan.unreadable_images:
         extra["unreadable_images"] = dict(sorted(scan.unreadable_images.items()))
-    images = ImageSet(
+    yield ImageSet(
         source=SOURCE,
         key=KEY,
         where=root,
@@ -83,7 +70,6 @@ def prepare_folder(
         ignored=scan.ignored,
         extra=extra,
     )
-    return prepare_image_set(images, params, out_dir, seed, max_image_pixels, for_pretrained)
 
 
 def describe_folder(params: DataParams, root: Path) -> Expected:
