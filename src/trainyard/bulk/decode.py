@@ -224,7 +224,7 @@ def _main_not_rerun() -> Any:
 class InlineDecoder:
     """``DecodePool``'s ``imap`` in this process: one thread decodes the next tasks (at most
     ``window`` ahead) while the caller's thread runs the model, which releases the GIL.
-    For images cheaper to decode than to send to a worker (trainyard.bulk.placement)."""
+    For images cheaper to decode than to send to a worker (trainyard.bulk.where_to_score)."""
 
     def __init__(self, spec: DecodeSpec, window: int = 2 * WINDOW_PER_WORKER) -> None:
         self.spec = spec

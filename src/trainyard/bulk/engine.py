@@ -1,5 +1,5 @@
 """Bulk scoring: decode (in worker processes, or a thread of this process for small images:
-trainyard.bulk.placement), run the model in batches, write chunks.
+trainyard.bulk.where_to_score), run the model in batches, write chunks.
 
 The caller's thread runs ONNX Runtime while the decoders read the next files (a bounded
 window of tasks ahead), so decode and inference overlap and memory stays flat:
@@ -69,7 +69,7 @@ class Job:
     shard: tuple[int, int] = (0, 1)
     strict: bool = False
     about: dict[str, Any] = field(default_factory=dict)  # model source, provenance
-    inline: bool = False  # decoded by a thread of this process (trainyard.bulk.placement)
+    inline: bool = False  # decoded by a thread of this process (trainyard.bulk.where_to_score)
     place: str = ""  # where the images are decoded and scored, and why
 
     @property

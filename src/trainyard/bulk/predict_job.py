@@ -21,7 +21,9 @@ from typing import Any
 from trainyard.bulk import engine
 from trainyard.bulk.decode import DecodeSpec, worker_count
 from trainyard.bulk.listing import Inputs, folder_labels, list_inputs, parse_shard, shard_range
-from trainyard.bulk.placement import (
+from trainyard.bulk.summary import summary_line, tally
+from trainyard.bulk.table import output_format, read_tables, summary_path, write_table
+from trainyard.bulk.where_to_score import (
     SAMPLE_IMAGES,
     Place,
     Probe,
@@ -29,8 +31,6 @@ from trainyard.bulk.placement import (
     choose_place,
     decode_cost,
 )
-from trainyard.bulk.summary import summary_line, tally
-from trainyard.bulk.table import output_format, read_tables, summary_path, write_table
 from trainyard.core.card import card_from_metadata
 from trainyard.core.config import DEFAULT_PARAMS, Params, load_params
 from trainyard.core.errors import DataError, ModelError
@@ -187,7 +187,7 @@ def _version(provenance: dict[str, Any]) -> str:
 def where_to_score(
     inputs: Inputs, rows: tuple[int, int], spec: DecodeSpec, probe: Probe, workers: int | str
 ) -> Place:
-    """In this process or in decode workers (trainyard.bulk.placement): on a GPU the
+    """In this process or in decode workers (trainyard.bulk.where_to_score): on a GPU the
     workers decode; ``predict.workers`` set to a number is that many workers; ``auto``
     measures a few of the rows' decodes here and takes the shorter estimate."""
     if probe.single is None:

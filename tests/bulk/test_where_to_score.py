@@ -1,4 +1,4 @@
-"""Where trainyard predict decodes and scores (``trainyard.bulk.placement``): in this
+"""Where trainyard predict decodes and scores (``trainyard.bulk.where_to_score``): in this
 process for images cheaper to decode than to send, in decode workers for photos; either
 way the same table. Tasks to workers sized by bytes; a console script's main never re-run
 by a worker."""
@@ -20,7 +20,7 @@ from trainyard.bulk import command_line, engine
 from trainyard.bulk import predict_job as command
 from trainyard.bulk.decode import TASK_BYTES, TASK_MAX_IMAGES, DecodeSpec
 from trainyard.bulk.listing import list_inputs
-from trainyard.bulk.placement import POOL_START_S, choose_place
+from trainyard.bulk.where_to_score import POOL_START_S, choose_place
 
 from conftest import REPO, make_card, make_photo_folder, stage_env, write_tiny_onnx
 
@@ -143,7 +143,7 @@ def test_cheap_decodes_get_batches_here_without_stat(tmp_path, model, photos):
 
 def test_one_image_a_process_costs_its_decode(tmp_path, model):
     """The sample decode skips the first (a format's plugin loads) and reads the rest."""
-    from trainyard.bulk.placement import decode_cost
+    from trainyard.bulk.where_to_score import decode_cost
 
     folder = tmp_path / "few"
     folder.mkdir()
