@@ -19,6 +19,7 @@ from PIL import Image
 from trainyard.bulk import command_line, engine
 from trainyard.bulk import predict_job as command
 from trainyard.bulk.decode import TASK_BYTES, TASK_MAX_IMAGES, DecodeSpec
+from trainyard.bulk.engine import process_age
 from trainyard.bulk.listing import list_inputs
 from trainyard.bulk.where_to_score import POOL_START_S, choose_place
 
@@ -63,8 +64,8 @@ def test_small_images_are_scored_here_and_answer_as_the_workers_do(model, photos
         pq.read_table(tmp_path / "there.parquet")
     )
     assert here["bad_files"] == len(made["bad"]) and here["scored"] == len(made["good"])
-    for summary in (here, there):
-        assert 0 < summary["speed"]["first_row_s"] < 600
+    for summary in (here, there):  # from this process's start: not longer than its age
+        assert 0 < summary["speed"]["first_row_s"] <= process_age()
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,17 @@ from trainyard.core.config import flatten
 HELP = "the DVC experiments table with only the columns people compare"
 
 # Metrics always shown when present (others only when they differ between rows);
-# reports/metrics.json's sample counts and provider describe the run, not its quality.
+# reports/metrics.json's sample counts and provider describe the run, not its quality, and
+# the calibration's temperature and uncalibrated ECE how it was reached (calibration.ece,
+# the quality, stays).
 KEY_METRICS = ("test.accuracy", "test.macro_f1", "train.best_val_acc", "train.fit_time_s")
-HIDDEN_METRICS = ("test.samples", "test.provider", "export.samples")
+HIDDEN_METRICS = (
+    "test.samples",
+    "test.provider",
+    "export.samples",
+    "calibration.temperature",
+    "calibration.ece_uncalibrated",
+)
 HIDDEN_PARAMS = ("tune.",)  # the search space shapes no single experiment
 CELL = 28  # widest cell in the plain table; longer values (folder paths) are cut in the middle
 
