@@ -197,9 +197,10 @@ def _small(small: dict[str, Any] | None) -> list[str]:
         f"The whole command against the plain loop: **{small['ratios']['whole command']:.2f}x**"
         f"; its scoring part alone: {small['ratios']['scoring']:.2f}x"
         + _bulk_ratio(small["ratios"].get("python -m trainyard.bulk, whole command"))
-        + ". Before its first row the `trainyard` console script imports every command's "
-        "module (torch, Lightning, MLflow, Optuna: the house rule keeps imports at the top of "
-        "each module), which `python -m trainyard.bulk` does not.",
+        + ". The time outside the scoring is start-up (the first row's time: Python, NumPy, "
+        "ONNX Runtime, PyArrow and Pillow, and the probes that choose where to score) and "
+        "the final table; the console script imports no command's library before its own "
+        "(tests/house/test_cli.py).",
         "",
     ]
 
