@@ -31,8 +31,13 @@ SHA = "ab" * 32
 
 def bulk_chunk(labelled: bool):
     """Three rows as bulk scoring writes them: two scored, one unreadable."""
-    ranked = [(["cat", "dog"], [0.9, 0.1]), None, (["dog", "cat"], [0.4, 0.35])]
-    return bulk_table.chunk_table(
+    ranked = bulk_table.Ranked(
+        np.array([0, 1, 1, 0], np.int32),  # cat, dog | (unreadable) | dog, cat
+        ["cat", "dog"],
+        np.array([0.9, 0.1, 0.4, 0.35], np.float32),
+        np.array([2, 0, 2], np.int64),
+    )
+    return bulk_table.ranked_table(
         ["a.png", "b.png", "c.png"],
         ranked,
         [None, "not an image", None],

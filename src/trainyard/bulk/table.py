@@ -79,38 +79,6 @@ def schema(labelled: bool) -> pa.Schema:
 LIST_COLUMNS = tuple(c for c in PREDICT_TABLE.columns if c.is_list)
 
 
-def chunk_table(
-    paths: list[str],
-    ranked: list[tuple[list[str], list[float]] | None],
-    problems: list[str | None],
-    true_labels: list[str] | None,
-    *,
-    min_confidence: float,
-    version: str,
-    sha256: str,
-) -> pa.Table:
-    """The rows of ``paths``: each one's top-k (labels, probabilities), best first, or None
-    with its problem; ``true_labels`` ("" = none) when the source gave labels."""
-    labels = [label for r in ranked if r for label in r[0]]
-    names = list(dict.fromkeys(labels))
-    at = {name: i for i, name in enumerate(names)}
-    flat = Ranked(
-        np.array([at[label] for label in labels], np.int32),
-        names,
-        np.array([p for r in ranked if r for p in r[1]], np.float32),
-        np.array([len(r[0]) if r else 0 for r in ranked], np.int64),
-    )
-    return ranked_table(
-        paths,
-        flat,
-        problems,
-        true_labels,
-        min_confidence=min_confidence,
-        version=version,
-        sha256=sha256,
-    )
-
-
 class Ranked(NamedTuple):
     """The top-k of a chunk's rows, flat: the class indices and probabilities of the rows
     that were scored, one row after the other, and how many each row has (0: none)."""
@@ -131,10 +99,11 @@ def ranked_table(
     version: str,
     sha256: str,
 ) -> pa.Table:
-    """``chunk_table`` from flat top-k arrays: the columns are built from their buffers, the
-    labels by Arrow from the class names (a chunk of 4,096 rows in milliseconds;
-    ``pa.array`` would also import pandas, half a second, to ask whether a list is a
-    DataFrame)."""
+    """The rows of ``paths`` from flat top-k arrays (a row's top-k best first, none with its
+    problem; ``true_labels`` "" = none, when the source gave labels). The columns are built
+    from their buffers and the labels by Arrow from the class names: a chunk of 4,096 rows
+    in milliseconds (``pa.array`` would also import pandas, half a second, to ask whether a
+    list is a DataFrame)."""
     n, scored = len(paths), ranked.lengths > 0
     offsets = np.zeros(n + 1, np.int32)
     np.cumsum(ranked.lengths, out=offsets[1:])
