@@ -125,9 +125,9 @@ def wrk_script(
     ext = content_type.split("/")[1]
     paths = []
     for i, data in enumerate(images):
-        path = folder / f"{name}-body{i}.bin"
-        path.write_bytes(multipart_body(data, f"{i}.{ext}", content_type))
-        paths.append(json.dumps(str(path)))
+        body = folder / f"{name}-body{i}.bin"
+        body.write_bytes(multipart_body(data, f"{i}.{ext}", content_type))
+        paths.append(json.dumps(str(body)))
     script = folder / f"{name}.lua"
     fields = {"paths": ", ".join(paths), "boundary": BOUNDARY, "path": path}
     script.write_text(WRK_SCRIPT % fields)
