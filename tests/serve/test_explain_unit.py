@@ -184,3 +184,24 @@ def test_stretch_and_the_models_own_size():
     assert np.array_equal(to_upload(heat, card("pad"), 4, 4), heat)
     out = to_upload(heat, card("stretch"), width=12, height=2)
     assert out.shape == (2, 12) and out.min() >= 0.0 and out.max() <= 1.0
+
+
+@pytest.mark.parametrize("bind", [None, "cpu"], ids=["plain", "bound"])
+def test_run_with_cam_gives_the_maps_only_when_asked(cam_model, old_model, bind):
+    """The maps come from the run that asks for them (through IO binding too, as on CUDA);
+    ``run`` returns the logits alone, and a model without ``cam`` says so."""
+    from dataclasses import replace
+
+    from trainyard.runtime.sessions import load_onnx
+
+    model = replace(load_onnx(cam_model["path"], "cpu", say=False), bind_device=bind)
+    x = np.random.default_rng(7).normal(size=(3, *CARD.input_shape)).astype(np.float32)
+    logits, embedding, cam = model.run_with_cam(x, embedding=True)
+    assert embedding is None  # this model has no embedding output
+    np.testing.assert_array_equal(logits, model.run(x))
+    w = cam_model["weights"]["cam_weight"]
+    np.testing.assert_allclose(cam, x.mean(axis=1, keepdims=True) * w, rtol=1e-5, atol=1e-6)
+    old = replace(load_onnx(old_model["path"], "cpu", say=False), bind_device=bind)
+    assert model.has_cam and not old.has_cam
+    with pytest.raises(ValueError, match="no 'cam' output"):
+        old.run_with_cam(x)
