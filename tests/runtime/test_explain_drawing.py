@@ -74,8 +74,11 @@ def test_overlay_refuses_a_map_of_another_size():
 def test_heatmap_png_is_rgba_with_the_map_as_opacity():
     heat = np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4)
     png = Image.open(io.BytesIO(heatmap_png(heat)))
-    assert png.mode == "RGBA" and png.size == (4, 3)
-    alpha = np.asarray(png)[..., 3]
+    # Indexed, each level's colour and opacity in the palette: RGBA to a browser.
+    assert png.mode == "P" and "transparency" in png.info and png.size == (4, 3)
+    rgba = np.asarray(png.convert("RGBA"))
+    assert np.array_equal(rgba[..., :3], colorize(np.rint(heat * 255) / 255))
+    alpha = rgba[..., 3]
     assert alpha[0, 0] == 0 and alpha[-1, -1] == 255 and (np.diff(alpha.ravel()) > 0).all()
 
 

@@ -54,10 +54,11 @@ def old_client(request, old_model) -> Iterator[TestClient]:
 
 
 def heat_of(answer: dict) -> np.ndarray:
-    """The answer's heatmap PNG: RGBA, its opacity the map (0..255)."""
+    """The answer's heatmap PNG (indexed, colour and opacity per level: RGBA to a browser),
+    its opacity the map (0..255)."""
     im = Image.open(io.BytesIO(base64.b64decode(answer["heatmap"])))
-    assert im.format == "PNG" and im.mode == "RGBA"
-    return np.asarray(im)[..., 3]
+    assert im.format == "PNG" and im.mode == "P" and "transparency" in im.info
+    return np.asarray(im.convert("RGBA"))[..., 3]
 
 
 def expected_heat(data: bytes, weights: dict) -> tuple[int, np.ndarray]:

@@ -99,8 +99,26 @@ def overlay_png(image: np.ndarray | Image.Image, heat: np.ndarray, alpha: float 
 
 
 def heatmap_png(heat: np.ndarray) -> bytes:
-    """PNG bytes of the map alone: RGBA, coloured by ``JET``, opacity the map's value (a
-    page can lay it over the image it shows)."""
-    heat = np.clip(np.asarray(heat, dtype=np.float32), 0.0, 1.0)
-    a = np.rint(heat * 255).astype(np.uint8)[..., None]
-    return _png(np.concatenate([colorize(heat), a], axis=-1))
+    """PNG bytes of the map alone, coloured by ``JET``, opacity the map's value (a page can
+    lay it over the image it shows). An indexed PNG: the map in 256 levels, each palette
+    entry its colour and its opacity (tRNS), deflated at level 1; browsers and Pillow's
+    ``convert("RGBA")`` read RGBA. At 640x480 it takes ~5 ms where an RGBA PNG took ~120
+    (the colour map over every pixel, four times the bytes to deflate): it is on
+    ``/classify?explain=1``'s answer path."""
+    levels = np.rint(np.clip(np.nan_to_num(np.asarray(heat, np.float32)), 0.0, 1.0) * 255)
+    levels = np.ascontiguousarray(levels, dtype=np.uint8)
+    im = Image.frombytes("P", (levels.shape[1], levels.shape[0]), levels.tobytes())
+    im.putpalette(_PALETTE, rawmode="RGBA")
+    out = io.BytesIO()
+    im.save(out, format="PNG", compress_level=1)
+    return out.getvalue()
+
+
+# heatmap_png's palette: level i is colorize(i / 255) at opacity i.
+_PALETTE = np.concatenate(
+    [
+        colorize(np.linspace(0.0, 1.0, 256, dtype=np.float32)),
+        np.arange(256, dtype=np.uint8)[:, None],
+    ],
+    axis=1,
+).tobytes()

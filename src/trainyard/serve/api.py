@@ -106,9 +106,9 @@ class Prediction(BaseModel):
     heatmap: str | None = Field(
         None,
         description="only with explain: where the model looked for its top class, a PNG of "
-        "the upload's width and height, base64-encoded: RGBA, coloured (jet) and opaque "
-        "where the class's activation map is high, transparent where it is 0, to lay on "
-        "the image",
+        "the upload's width and height, base64-encoded: coloured (jet) and opaque where "
+        "the class's activation map is high, transparent where it is 0 (an indexed PNG "
+        "with alpha, RGBA to a browser), to lay on the image",
     )
 
 

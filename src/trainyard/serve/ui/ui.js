@@ -139,7 +139,7 @@ function showResults(pred) {
   if (pred.heatmap) showHeatmap(pred.heatmap);
 }
 
-// The answer's heatmap: an RGBA PNG the size of the upload, coloured where the model looked
+// The answer's heatmap: a PNG with alpha, the size of the upload, coloured where the model looked
 // for its top label and transparent elsewhere, laid on the preview.
 function showHeatmap(base64Png) {
   const img = $("heatmap");
