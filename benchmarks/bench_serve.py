@@ -254,7 +254,7 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
     if args.int8_only:
         return {"bench": bench, "int8": load_int8(bench, args, fashion_load)}
     if args.explain_only:
-        return {"bench": bench, "explain": load_explain(bench, args.images, tmp)}
+        return {"bench": bench, "explain": load_explain(bench, args.images)}
     build_s = build_large(large)
     photos = photo_jpegs(args.images)
     large_script = wrk_script(photos, "image/jpeg", tmp, LARGE)
@@ -263,7 +263,7 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
     )
     load_watching(bench, fashion_load, tmp)
     int8 = None if args.no_int8 else load_int8(bench, args, fashion_load)
-    explain = None if args.no_explain else load_explain(bench, args.images, tmp)
+    explain = None if args.no_explain else load_explain(bench, args.images)
     ort, decode, provider = in_process(
         settings, [(FASHION, fashion, pngs), (LARGE, large, photos)], args.ort_seconds
     )

@@ -16,6 +16,7 @@ moments (the machine may be shared: the ratios are what to read). Target: explai
 from __future__ import annotations
 
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +39,20 @@ TARGET = 1.5
 EXPLAIN_HEAD = "### /classify?explain=1 vs the plain answer"
 
 
-def build_explain_models(tmp: Path) -> dict[str, Path]:
-    """name -> the exported model (bench-predict's builder, in a child process, cached)."""
+def build_explain_models() -> dict[str, Path]:
+    """name -> the exported model (bench-predict's builder, in a child process, cached
+    where bench-predict caches its models)."""
     from benchmarks.predict_inputs import ensure_models
 
-    built = ensure_models(tmp, list(EXPLAIN_MODELS.values()), "benchmarks.bench_predict", print)
+    work = Path(tempfile.gettempdir()) / "trainyard-bench-predict"
+    built = ensure_models(work, list(EXPLAIN_MODELS.values()), "benchmarks.bench_predict", print)
     return {name: Path(built[kind]["path"]) for name, kind in EXPLAIN_MODELS.items()}
 
 
-def load_explain(bench: Bench, images: int, work: Path) -> dict[str, Any]:
+def load_explain(bench: Bench, images: int) -> dict[str, Any]:
     """7. per model, one server; wrk alternating plain and explain at each level."""
     print("7. /classify?explain=1 vs /classify, 1 worker", flush=True)
-    models = build_explain_models(work)
+    models = build_explain_models()
     uploads = {
         "Fashion CNN": (png_images(test_images(images)), "image/png"),
         "Lite0 160 px": (photo_jpegs(images), "image/jpeg"),
