@@ -333,7 +333,9 @@ def one_section(args: argparse.Namespace, run: dict[str, Any], command: str, mac
         date = time.strftime("%Y-%m-%d %H:%M")
         record = {"command": command, "machine": machine, "date": date, **run["explain"]}
         atomic_write_json(REPO / "reports/bench-serve-explain.json", record)
-        splice_explain(Path(args.docs), [*lines[:3], f"`{command}` on {date}.", *lines[3:]])
+        where = f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg']:.1f}"
+        said = f"`{command}` on {date}: {where} at the start (a shared machine: read the ratios)."
+        splice_explain(Path(args.docs), [*lines[:3], said, "", *lines[3:]])
         print("\n".join(lines))
     else:
         rows = run["bench"].rows
