@@ -91,6 +91,44 @@ def test_explain_adds_the_top_class_heatmap_and_keeps_the_answer(cam_client, cam
         assert np.abs(heat_of(body).astype(int) - heat).max() <= 1, i
 
 
+def test_explaining_and_plain_requests_share_the_batchers_runs(cam_model):
+    """Concurrent requests, every other one explaining, through BentoML's batcher: merged
+    into shared ONNX Runtime runs, each its own answer (a heatmap only where asked)."""
+    import concurrent.futures as cf
+    import contextlib
+
+    from prometheus_client import REGISTRY
+
+    def runs() -> tuple[float, float]:
+        count = REGISTRY.get_sample_value("trainyard_batch_size_count") or 0.0
+        return count, REGISTRY.get_sample_value("trainyard_batch_size_sum") or 0.0
+
+    rng = np.random.default_rng(8)
+    uploads = [png(rng.integers(0, 256, (4, 4), dtype=np.uint8)) for _ in range(8)]
+    settings = {**SETTINGS, "max_batch_size": 8, "max_latency_ms": 5000}
+    with contextlib.contextmanager(service_client)(
+        cam_model["path"], batching=True, **settings
+    ) as client:
+        before = runs()
+
+        def ask(i: int):
+            query = "?explain=1" if i % 2 else ""
+            return client.post(f"/classify{query}", files={"image": ("p.png", uploads[i % 8])})
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(ask, range(32)))
+        count, total = (a - b for a, b in zip(runs(), before, strict=True))
+    assert [r.status_code for r in answers] == [200] * 32
+    assert total == 32 and 0 < count < 32, (count, total)  # merged runs
+    for i, resp in enumerate(answers):
+        body = resp.json()
+        assert ("heatmap" in body) == bool(i % 2), i
+        if i % 2:
+            top, heat = expected_heat(uploads[i % 8], cam_model["weights"])
+            assert body["class_id"] == top
+            assert np.abs(heat_of(body).astype(int) - heat).max() <= 1, i
+
+
 def test_the_heatmap_is_the_size_of_the_upload_as_shown(cam_client):
     rng = np.random.default_rng(6)
     wide = png(rng.integers(0, 256, (7, 19), dtype=np.uint8))  # 19 wide, 7 high

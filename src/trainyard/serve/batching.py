@@ -12,10 +12,9 @@ to a worker thread: a lone request's, too, so that the next ones gather meanwhil
 splits the answers back, one per request, and the output descriptor (``BatchedPrediction``)
 hands each request its own response, a 200 or its ``Refused`` 4xx.
 
-An explaining request (``explain=1``) is never merged: it is answered as it is read, by the
-unbatched path (``Predictor.classify``), and its answer rides through the batcher as a
-finished response, as a refusal does. Its model call asks for the class activation maps,
-which the batch's call (and so every plain answer) never asks for.
+An explaining request (``explain=1``) is merged like any other: the batch's one ONNX Runtime
+run then asks for the class activation maps too (a batch of plain requests never does),
+and the explaining requests' answers get their heatmaps (the plain ones' are unchanged).
 
 What this replaced: /classify calling a batchable method through the service's own HTTP
 client (``self.to_async``), a second request through every middleware with the pixels as
@@ -61,6 +60,7 @@ class Queued:
     info: dict[str, Any]  # the upload's format, width and height (for the prediction log)
     image: bytes
     invert: bool
+    explain: bool = False  # the answer gets its heatmap
 
 
 class Asked(bentoml.IODescriptor):
@@ -77,23 +77,23 @@ class BatchedClassifyForm(ClassifyForm):
     photo: milliseconds to decode) is decoded here too, on a thread of its own, so the
     decodes of the next batch overlap this one's model call. A small one (a few KB) is
     decoded with its batch: its own thread trip would cost more than its decode. An
-    explaining request is answered here, unbatched, its answer queued as it is."""
+    explaining request to a model without maps is refused here."""
 
     @classmethod
     async def from_http_request(cls, request: Request, serde: Any) -> bentoml.IODescriptor:
         predictor: Predictor = bentoml.get_current_service().predictor
         start, info = time.perf_counter(), {}
-        item: Queued | Refused | Response
+        item: Queued | Refused
         try:
             ask = await read_classify(request, predictor.card, predictor.params)
             if ask.explain:
                 predictor.check_explainable()
-                explained = await predictor.classify(ask.image, ask.top_k, ask.invert, True)
-                return Asked.model_construct(asks=[answer(explained)])
             pixels = None
             if len(ask.image) > SMALL_UPLOAD_BYTES:  # decoded as it arrives
                 pixels = await predictor.decode_one(ask.image, ask.invert, info)
-            item = Queued(pixels, ask.top_k, predictor, start, info, ask.image, ask.invert)
+            item = Queued(
+                pixels, ask.top_k, predictor, start, info, ask.image, ask.invert, ask.explain
+            )
         except Refused as err:
             item = err
         return Asked.model_construct(asks=[item])  # built by us: nothing to validate
@@ -110,9 +110,8 @@ class BatchedPrediction(Prediction, bentoml.IODescriptor):
         return response  # type: ignore[no-any-return]
 
 
-async def answer_batch(items: Sequence[Queued | Refused | Response]) -> list[Response]:
-    """The merged requests' responses, in order: the refused and explained ones as they
-    are, the others in
+async def answer_batch(items: Sequence[Queued | Refused]) -> list[Response]:
+    """The merged requests' responses, in order: the refused ones at once, the others in
     one call per predictor (two only while a swap is under way): on the event loop for a
     merged batch small enough (``Predictor.inline_images``), else in one worker-thread trip."""
     responses: list[Response | None] = [None] * len(items)
@@ -120,8 +119,6 @@ async def answer_batch(items: Sequence[Queued | Refused | Response]) -> list[Res
     for i, item in enumerate(items):
         if isinstance(item, Refused):
             responses[i] = item.response()
-        elif isinstance(item, Response):
-            responses[i] = item
         else:
             groups.setdefault(id(item.predictor), []).append(i)
     for members in groups.values():

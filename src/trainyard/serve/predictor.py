@@ -259,9 +259,16 @@ class Predictor:
             invert=invert,
         )
         if explain:  # after: the log sees the prediction (and its latency) as without
-            heat = upload_heatmap(cam[0, answer["class_id"]], self.card, info)
-            return {**answer, "heatmap": base64.b64encode(heatmap_png(heat)).decode("ascii")}
+            return self._with_heatmap(answer, cam[0], info)
         return answer
+
+    def _with_heatmap(
+        self, answer: dict[str, Any], cam: np.ndarray, info: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``answer`` and its ``heatmap``: the top class's map of ``cam`` [classes,h,w] over
+        the upload ``info`` describes (decode's: its size, its EXIF turn), base64 PNG."""
+        heat = upload_heatmap(cam[answer["class_id"]], self.card, info)
+        return {**answer, "heatmap": base64.b64encode(heatmap_png(heat)).decode("ascii")}
 
     async def decode_one(
         self, image: bytes, invert: bool, info: dict[str, Any] | None = None
@@ -278,15 +285,23 @@ class Predictor:
     ) -> list[dict[str, Any]]:
         """Decoded images (uint8 [C,H,W]) of concurrent /classify requests, the adaptive
         batcher's batch, through ONNX Runtime at once: one answer each. ``asks`` give each
-        request's ``top_k`` and, for the prediction log, ``image``, ``invert``, ``info``
-        (the upload's format and size) and ``start``."""
-        probs, embeddings = self.scores(np.stack(pixels).astype(np.float32))
+        request's ``top_k``, ``explain`` and, for the prediction log and the heatmap,
+        ``image``, ``invert``, ``info`` (the upload's format and size) and ``start``. The
+        maps are asked of ONNX Runtime only when a request of the batch explains."""
+        batch = np.stack(pixels).astype(np.float32)
+        cam = None
+        if any(ask.explain for ask in asks):
+            probs, embeddings, cam = self.explained(batch)
+        else:
+            probs, embeddings = self.scores(batch)
         answers = []
         for row, ask in enumerate(asks):
             answer = self.prediction(probs[row], ask.top_k)
             embedding = None if embeddings is None else embeddings[row]
             seen = {"pixels": pixels[row], "image": ask.image, "invert": ask.invert}
             self.observe("/classify", answer, ask.start, ask.info, embedding=embedding, **seen)
+            if ask.explain and cam is not None:
+                answer = self._with_heatmap(answer, cam[row], ask.info)
             answers.append(answer)
         return answers
 
