@@ -22,7 +22,9 @@ request is one image as a multipart ``image`` upload to ``/classify``. In one ru
    batching can and cannot save;
 6. int8 vs fp32 (``serve.precision``), 1 worker, 16 clients, on the Fashion CNN and a
    resnet18 at 64 px trained here briefly (benchmarks/serve_int8.py), with the int8 gate's
-   agreement and accuracy drop and ONNX Runtime on one thread at batch 1 and 64.
+   agreement and accuracy drop and ONNX Runtime on one thread at batch 1 and 64;
+7. ``/classify?explain=1`` vs the plain ``/classify`` on one server, alternating, the
+   Fashion CNN's network and EfficientNet-Lite0 at 160 px (benchmarks/serve_explain.py).
 
 About 6 minutes with the defaults on 2 cores, 16 server starts (``--quick``: about 90 s,
 a smoke run whose figures mean little).
@@ -49,6 +51,7 @@ from typing import Any
 
 from benchmarks.harness.host_facts import load_facts
 from benchmarks.harness.stopwatch import Timer
+from benchmarks.serve_explain import EXPLAIN_HEAD, explain_lines, load_explain, splice_explain
 from benchmarks.serve_figures import BATCH_LEVELS, FASHION, LARGE, LATENCY_CLIENTS, LEVELS
 from benchmarks.serve_int8 import (
     FIGURES,
@@ -106,6 +109,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="only section 6 (int8 vs fp32), printed; the docs and JSON are left alone",
     )
+    p.add_argument(
+        "--explain-only",
+        action="store_true",
+        help="only section 7 (explain=1 vs plain): printed, reports/bench-serve-explain.json, "
+        "and its table in the docs' Serving section",
+    )
+    p.add_argument("--no-explain", action="store_true", help="skip section 7")
     p.add_argument("--int8-steps", type=int, default=200, help="section 6: resnet18 steps")
     p.add_argument(
         "--no-int8",
@@ -243,6 +253,8 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
         return {"bench": bench}
     if args.int8_only:
         return {"bench": bench, "int8": load_int8(bench, args, fashion_load)}
+    if args.explain_only:
+        return {"bench": bench, "explain": load_explain(bench, args.images)}
     build_s = build_large(large)
     photos = photo_jpegs(args.images)
     large_script = wrk_script(photos, "image/jpeg", tmp, LARGE)
@@ -251,6 +263,7 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
     )
     load_watching(bench, fashion_load, tmp)
     int8 = None if args.no_int8 else load_int8(bench, args, fashion_load)
+    explain = None if args.no_explain else load_explain(bench, args.images)
     ort, decode, provider = in_process(
         settings, [(FASHION, fashion, pngs), (LARGE, large, photos)], args.ort_seconds
     )
@@ -263,6 +276,7 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
         "large_mb": large.stat().st_size / 1e6,
         "large_sha": sha256_file(large),
         "int8": int8,
+        "explain": explain,
     }
 
 
@@ -301,9 +315,35 @@ def kept_int8(docs: Path) -> list[str]:
     head = text.find(INT8_HEAD)
     if head < 0:
         return []
-    end = min(i for i in (text.find("\n## ", head), text.find("\n<!--", head), len(text)) if i >= 0)
+    marks = ("\n## ", "\n<!--", f"\n{EXPLAIN_HEAD}\n")
+    end = min([i for i in (text.find(m, head) for m in marks) if i >= 0] + [len(text)])
     kept = text[head:end].rstrip("\n").splitlines()
     return ["", *kept, *([] if KEPT_NOTE in kept else ["", KEPT_NOTE]), ""]
+
+
+def one_section(args: argparse.Namespace, run: dict[str, Any], command: str, machine: Any) -> None:
+    """``--int8-only``, ``--explain-only`` or ``--watching-only``: printed; the explain
+    table also to reports/bench-serve-explain.json and into the docs' Serving section."""
+    from trainyard.core.io import atomic_write_json
+
+    if args.int8_only:
+        print("\n".join(int8_lines({"int8": run["int8"]})))
+    elif args.explain_only:
+        lines = explain_lines({"explain": run["explain"]})
+        date = time.strftime("%Y-%m-%d %H:%M")
+        record = {"command": command, "machine": machine, "date": date, **run["explain"]}
+        atomic_write_json(REPO / "reports/bench-serve-explain.json", record)
+        where = f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg']:.1f}"
+        said = f"`{command}` on {date}: {where} at the start (a shared machine: read the ratios)."
+        splice_explain(Path(args.docs), [*lines[:3], said, "", *lines[3:]])
+        print("\n".join(lines))
+    else:
+        rows = run["bench"].rows
+        for row in rows[1:]:
+            print(
+                f"{row['watching']:>13} / off: p99 {row['p99_ms'] / rows[0]['p99_ms']:.2f}x, "
+                f"2xx/s {row['ok_per_s'] / rows[0]['ok_per_s']:.2f}x"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,16 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     with Timer() as clock, tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
         run = measure_all(args, settings, Path(tmp_name))
     bench = run["bench"]
-    if args.int8_only:
-        print("\n".join(int8_lines({"int8": run["int8"]})))
-        return 0
-    if args.watching_only:
-        off = bench.rows[0]
-        for row in bench.rows[1:]:
-            print(
-                f"{row['watching']:>13} / off: p99 {row['p99_ms'] / off['p99_ms']:.2f}x, "
-                f"2xx/s {row['ok_per_s'] / off['ok_per_s']:.2f}x"
-            )
+    if args.int8_only or args.explain_only or args.watching_only:
+        one_section(args, run, command, machine)
         return 0
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -364,13 +396,15 @@ def main(argv: list[str] | None = None) -> int:
         "onnx_runtime": run["onnx_runtime"],
         "decode_ms": run["decode_ms"],
         "int8": run["int8"],
+        "explain": run["explain"],
     }
     result["summary"] = summary(result)
     atomic_write_json(args.json, result)
     int8 = int8_lines(result) or kept_int8(Path(args.docs))
-    replace_section(Path(args.docs), "\n".join([markdown(result), *int8]))
+    replace_section(Path(args.docs), "\n".join([markdown(result), *int8, *explain_lines(result)]))
     print_summary(result)
     print("\n".join(int8_lines(result)))
+    print("\n".join(explain_lines(result)))
     print(f"wrote {args.json} and the '{SECTION}' section of {args.docs} in {result['wall_s']} s")
     return 0
 

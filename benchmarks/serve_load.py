@@ -35,7 +35,7 @@ init = function(args)
     local f = assert(io.open(path, "rb"))
     local body = f:read("*all")
     f:close()
-    requests[i] = wrk.format("POST", "/classify",
+    requests[i] = wrk.format("POST", "%(path)s",
       {["Content-Type"] = "multipart/form-data; boundary=%(boundary)s"}, body)
   end
 end
@@ -117,16 +117,20 @@ def multipart_body(data: bytes, name: str, content_type: str) -> bytes:
     return head.encode() + data + f"\r\n--{BOUNDARY}--\r\n".encode()
 
 
-def wrk_script(images: Sequence[bytes], content_type: str, folder: Path, name: str) -> Path:
-    """A wrk Lua script that cycles through ``images``, one multipart upload each."""
+def wrk_script(
+    images: Sequence[bytes], content_type: str, folder: Path, name: str, path: str = "/classify"
+) -> Path:
+    """A wrk Lua script that cycles through ``images``, one multipart upload each to
+    ``path`` (with its query)."""
     ext = content_type.split("/")[1]
     paths = []
     for i, data in enumerate(images):
-        path = folder / f"{name}-body{i}.bin"
-        path.write_bytes(multipart_body(data, f"{i}.{ext}", content_type))
-        paths.append(json.dumps(str(path)))
+        body = folder / f"{name}-body{i}.bin"
+        body.write_bytes(multipart_body(data, f"{i}.{ext}", content_type))
+        paths.append(json.dumps(str(body)))
     script = folder / f"{name}.lua"
-    script.write_text(WRK_SCRIPT % {"paths": ", ".join(paths), "boundary": BOUNDARY})
+    fields = {"paths": ", ".join(paths), "boundary": BOUNDARY, "path": path}
+    script.write_text(WRK_SCRIPT % fields)
     return script
 
 

@@ -385,12 +385,15 @@ def write_tiny_onnx(
     run_id: str = "tiny-run",
     data_sha: str = "d" * 64,
     embedding: bool = False,
+    cam: bool = False,
 ) -> tuple[Path, dict]:
     """model.onnx (flatten -> matmul -> add: logits) carrying ``card``, plus its .sha256.
     Returns (path, weights) so a test can compute the expected answer itself.
 
     One output, as models were exported before the embedding; ``embedding=True`` adds a
-    second output, ``embedding`` = flat input @ weights["embedding_weight"] ([N, 4]), as now."""
+    second output, ``embedding`` = flat input @ weights["embedding_weight"] ([N, 4]), as now;
+    ``cam=True`` the class maps, ``cam`` [N, classes, H, W] = the input's channel mean x
+    weights["cam_weight"][class], with metadata ``explain: cam``."""
     from onnx import TensorProto, helper, numpy_helper
 
     from trainyard.core.card import METADATA_KEY
@@ -412,6 +415,12 @@ def write_tiny_onnx(
         weights["embedding_weight"] = rng.normal(0, 1, (c * h * w, 4)).astype(np.float32)
         nodes.append(helper.make_node("MatMul", ["flat", "embedding_weight"], ["embedding"]))
         outputs.append(helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", 4]))
+    if cam:
+        k = card.num_classes
+        weights["cam_weight"] = rng.normal(0, 1, (1, k, 1, 1)).astype(np.float32)
+        nodes.append(helper.make_node("ReduceMean", ["input"], ["gray"], axes=[1], keepdims=1))
+        nodes.append(helper.make_node("Mul", ["gray", "cam_weight"], ["cam"]))
+        outputs.append(helper.make_tensor_value_info("cam", TensorProto.FLOAT, ["N", k, h, w]))
     initializer = [numpy_helper.from_array(v, k) for k, v in weights.items()]
     graph = helper.make_graph(
         nodes,
@@ -426,7 +435,7 @@ def write_tiny_onnx(
         "mlflow_run_id": run_id,
         "data_sha256": data_sha,
         "arch": "tiny",
-    }
+    } | ({"explain": "cam"} if cam else {})
     folder.mkdir(parents=True, exist_ok=True)
     path = save_onnx(graph, folder / "model.onnx", props)
     path.with_name("model.onnx.sha256").write_text(f"{sha256_file(path)}  model.onnx\n")

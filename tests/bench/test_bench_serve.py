@@ -375,3 +375,44 @@ def test_a_run_without_int8_keeps_the_docs_int8_table(tmp_path: Path):
     assert bs.kept_int8(doc) == kept  # kept again: the note once
     doc.write_text(DOC)
     assert bs.kept_int8(doc) == []
+
+
+def test_explain_section_is_the_ratio_of_medians_and_replaces_its_own_table(tmp_path):
+    from benchmarks import serve_explain as ex
+
+    rows = [
+        {
+            "model": m,
+            "clients": c,
+            "explain": e,
+            "round": n,
+            "p50_ms": p,
+            "p99_ms": 2 * p,
+            "ok_per_s": 100 / p,
+        }
+        for m in ex.EXPLAIN_MODELS
+        for c in ex.EXPLAIN_LEVELS
+        for e in (False, True)
+        for n, p in enumerate((2.0, 4.0, 3.0) if e else (2.0, 2.0, 9.0))
+    ]
+    explain = {"rows": rows, "rounds": 3, "target": ex.TARGET}
+    ratios = ex.explain_ratios(explain)
+    assert len(ratios) == len(ex.EXPLAIN_MODELS) * len(ex.EXPLAIN_LEVELS)
+    assert ratios[0]["p50_ms"] == (2.0, 3.0, 1.5)  # medians 2 and 3
+    lines = ex.explain_lines({"explain": explain})
+    assert lines[1] == ex.EXPLAIN_HEAD and "| Fashion CNN | 1 | 2.00 / 3.00 | 1.50x |" in lines[5]
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# B\n\n## Serving\n\ntext\n\n### int8 vs fp32\n\nint8\n\n## Next\n\nmore\n")
+    ex.splice_explain(docs, lines)
+    ex.splice_explain(docs, lines)  # again: replaced, not repeated
+    text = docs.read_text()
+    assert text.count(ex.EXPLAIN_HEAD) == 1
+    assert text.index("int8") < text.index(ex.EXPLAIN_HEAD) < text.index("## Next")
+    assert text.endswith("## Next\n\nmore\n")
+
+
+def test_a_wrk_script_posts_to_its_path(tmp_path):
+    script = load.wrk_script([b"png"], "image/png", tmp_path, "x", "/classify?explain=1")
+    assert 'wrk.format("POST", "/classify?explain=1",' in script.read_text()
+    plain = load.wrk_script([b"png"], "image/png", tmp_path, "y")
+    assert 'wrk.format("POST", "/classify",' in plain.read_text()

@@ -102,7 +102,7 @@ def test_tasks_to_workers_hold_about_the_same_bytes(tmp_path, model):
         probe = engine.Job(
             **{**job.__dict__, "inputs": inputs, "spec": spec, "inline": False, "batch_size": 4}
         )
-        sizes = [len(locations) for locations, _ in engine._tasks(probe, [0])]
+        sizes = [len(locations) for locations, _, _ in engine._tasks(probe, [0])]
         assert sizes == expected, scoring
 
 
@@ -138,8 +138,11 @@ def test_cheap_decodes_get_batches_here_without_stat(tmp_path, model, photos):
     root, _made = photos
     job, _ = command.build_job(options(root, tmp_path / "o.parquet", model, "--batch-size", "4"))
     assert job.inline and job.spec.model == ""
-    sizes = [len(locations) for locations, _ in engine._tasks(job, [0])]
+    tasks = list(engine._tasks(job, [0]))
+    sizes = [len(locations) for locations, _, _ in tasks]
     assert set(sizes[:-1]) == {4} and sum(sizes) == len(job.inputs)
+    # Each task names the source's row of its first file (a heatmap's file name).
+    assert [first for _, _, first in tasks] == [4 * i for i in range(len(tasks))]
 
 
 def test_one_image_a_process_costs_its_decode(tmp_path, model):

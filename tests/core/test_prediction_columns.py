@@ -15,6 +15,7 @@ from trainyard.bulk import table as bulk_table
 from trainyard.core.config import ServeParams
 from trainyard.core.prediction_columns import (
     DRIFT_WINDOW,
+    HEATMAP,
     PREDICT_TABLE,
     PREDICTION_LOG,
     TRUE_LABEL,
@@ -29,8 +30,9 @@ from conftest import REPO
 SHA = "ab" * 32
 
 
-def bulk_chunk(labelled: bool):
-    """Three rows as bulk scoring writes them: two scored, one unreadable."""
+def bulk_chunk(labelled: bool, heatmaps: str = ""):
+    """Three rows as bulk scoring writes them: two scored, one unreadable (``heatmaps``:
+    with --explain, the source's rows 10 to 12)."""
     ranked = bulk_table.Ranked(
         np.array([0, 1, 1, 0], np.int32),  # cat, dog | (unreadable) | dog, cat
         ["cat", "dog"],
@@ -45,6 +47,8 @@ def bulk_chunk(labelled: bool):
         min_confidence=0.5,
         version="local",
         sha256=SHA,
+        heatmaps=heatmaps,
+        first=10,
     )
 
 
@@ -72,8 +76,13 @@ def served(label: str, probability: float, shadow: bool) -> dict:
 
 @pytest.mark.parametrize("suffix", [".parquet", ".csv"])
 def test_a_predict_table_and_a_log_are_read_alike_by_drift(tmp_path: Path, suffix: str) -> None:
-    chunk = bulk_chunk(labelled=True)
+    chunk = bulk_chunk(labelled=True, heatmaps="scores.heatmaps")
     assert chunk.column_names == list(PREDICT_TABLE.names)
+    assert chunk.column(HEATMAP.name).to_pylist() == [
+        "scores.heatmaps/0000010.png",
+        None,  # unreadable: no heatmap
+        "scores.heatmaps/0000012.png",
+    ]
     out = tmp_path / f"scores{suffix}"
     bulk_table.write_table(out, bulk_table.output_format(out), iter([chunk]), chunk.schema)
     assert next(bulk_table.read_tables(out)).equals(chunk)  # bulk's own reader (merge)
@@ -106,9 +115,12 @@ def test_the_writers_build_one_type_for_each_column() -> None:
     assert set(DRIFT_WINDOW.required) <= set(PREDICT_TABLE.names) & set(PREDICTION_LOG.names)
     assert set(DRIFT_WINDOW.names) <= set(PREDICT_TABLE.names) | set(PREDICTION_LOG.names)
     assert bulk_table.schema(False).names == [
-        n for n in PREDICT_TABLE.names if n != TRUE_LABEL.name
+        n for n in PREDICT_TABLE.names if n not in (TRUE_LABEL.name, HEATMAP.name)
     ]
+    assert bulk_table.schema(True, explained=True).names == list(PREDICT_TABLE.names)
     assert bulk_chunk(labelled=False).column_names == bulk_table.schema(False).names
+    explained = bulk_chunk(labelled=False, heatmaps="h")
+    assert explained.column_names == bulk_table.schema(False, explained=True).names
     with pytest.raises(ValueError, match="not optional"):
         PREDICT_TABLE.without("label")
 

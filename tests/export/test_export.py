@@ -93,7 +93,7 @@ def test_the_embedding_is_the_heads_input_as_a_second_output(exported, checkpoin
     assert (meta["embedding_output"], meta["embedding_dim"]) == ("embedding", "128")
     model = load_onnx(out, device="cpu")
     outputs = [(o.name, o.shape[1]) for o in model.session.get_outputs()]
-    assert outputs == [("logits", 10), ("embedding", 128)]
+    assert outputs == [("logits", 10), ("embedding", 128), ("cam", 10)]
 
     torch_model = load_checkpoint(checkpoint)
     head = torch_model.net.head[-1]  # the cnn's own layout, named here, not searched for

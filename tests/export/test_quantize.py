@@ -55,7 +55,7 @@ def test_int8_model_passes_the_gate_and_keeps_outputs_and_card(fp32_model, fashi
     assert report["samples"] == 1000 and report["calibration_samples"] == 256
     assert verify_model(path) == report["sha256"] == sha256_file(path)
     fp32, int8 = load_onnx(fp32_model, "cpu"), load_onnx(path, "cpu")
-    assert report["outputs"] == ["logits", "embedding"] and int8.has_embedding
+    assert report["outputs"] == ["logits", "embedding", "cam"] and int8.has_embedding
     assert int8.metadata["precision"] == "int8" and "precision" not in fp32.metadata
     assert int8.metadata["quantized_from_sha256"] == sha256_file(fp32_model)
     for key in ("dataset_card", "classes", "normalization", "mlflow_run_id", "embedding_dim"):
@@ -64,6 +64,13 @@ def test_int8_model_passes_the_gate_and_keeps_outputs_and_card(fp32_model, fashi
     ops = {n.op_type for n in onnx.load(str(path)).graph.node}
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops
     assert path.stat().st_size < fp32_model.stat().st_size / 2
+    # The class maps come from the int8 trunk's feature maps by float arithmetic: the top
+    # class's map is the fp32 model's, up to the trunk's rounding.
+    x = normalize_pixels(test[:100], (0.286,), (0.353,))
+    top = fp32.run(x).argmax(1)
+    maps = [m.session.run(["cam"], {"image": x})[0][np.arange(100), top] for m in (fp32, int8)]
+    r = [np.corrcoef(a.ravel(), b.ravel())[0, 1] for a, b in zip(*maps, strict=True)]
+    assert np.mean(r) > 0.95 and int8.metadata["explain"] == "gradcam"
 
 
 def test_a_miscalibrated_int8_model_fails_the_gate_naming_both_figures(fp32_model, fashion):

@@ -77,7 +77,7 @@ def test_every_backbone_exports_to_onnx_with_parity(tmp_path, arch):
     outputs = [
         (o.name, o.shape[1]) for o in load_onnx(path, "cpu", say=False).session.get_outputs()
     ]
-    assert outputs == [("logits", 3), ("embedding", dim)]
+    assert outputs == [("logits", 3), ("embedding", dim), ("cam", 3)]
 
 
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])

@@ -8,6 +8,8 @@ they take (an image file as a multipart part, options as form fields).
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
@@ -89,3 +91,33 @@ def test_the_api_key_is_the_clients_token(keyed_server, test_set, offline, tmp_p
     with bentoml.SyncHTTPClient(keyed_server.url, token=API_KEY) as client:
         answer = client.classify(image=path)
     assert np.allclose(answer["probabilities"], offline[0], atol=1e-5)
+
+
+def test_explain_by_name_adds_a_heatmap_the_size_of_the_upload(server, test_set, tmp_path):
+    """The batching server: an explaining request is answered unbatched, with the plain
+    answer's fields unchanged and a PNG of the upload's own width and height."""
+    [path] = image_files(tmp_path, test_set[0][:1])
+    wide = tmp_path / "wide.png"
+    Image.fromarray(test_set[0][1]).resize((90, 60)).save(wide)
+    with bentoml.SyncHTTPClient(server.url) as client:
+        plain = client.classify(image=path)
+        explained = client.classify(image=path, explain=True)
+        stretched = client.classify(image=wide, explain=True)
+    assert "heatmap" not in plain
+    assert {k: v for k, v in explained.items() if k != "heatmap"} == plain
+    heat = Image.open(io.BytesIO(base64.b64decode(explained["heatmap"])))
+    assert (heat.format, heat.size) == ("PNG", (28, 28)) and "transparency" in heat.info
+    assert np.asarray(heat.convert("RGBA"))[..., 3].max() == 255  # the hottest: opaque
+    assert Image.open(io.BytesIO(base64.b64decode(stretched["heatmap"]))).size == (90, 60)
+
+
+def test_explain_on_the_unbatched_server_and_a_bad_value(keyed_server, test_set):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    data = png(test_set[0][2])
+    url = keyed_server.url
+    plain = test_serving.classify(url, data, headers=auth).json()
+    explained = test_serving.classify(url, data, headers=auth, explain="true").json()
+    assert {k: v for k, v in explained.items() if k != "heatmap"} == plain
+    assert Image.open(io.BytesIO(base64.b64decode(explained["heatmap"]))).size == (28, 28)
+    bad = test_serving.classify(url, data, headers=auth, explain="sometimes")
+    assert bad.status_code == 400 and bad.json()["field"] == "explain", bad.text

@@ -271,3 +271,29 @@ def test_page_asks_for_the_key_and_classifies_a_dropped_image(
     wait_for(browser, "5 bars", lambda d: len(bars(d)) == 5)
     check_bars(browser, expected)
     no_policy_violations(browser)
+
+
+def test_explain_overlays_the_heatmap_on_the_uploaded_image(server, test_set, browser, tmp_path):  # noqa: F811
+    image = tmp_path / "explain-me.png"
+    image.write_bytes(png_bytes(test_set[0][3]))
+    browser.get(f"{server.url}/ui")
+    wait_for(browser, "the model card", lambda d: field(d, "model version"))
+    toggle = browser.find_element(By.ID, "explain")
+    assert toggle.is_enabled()  # /metadata says this model explains
+    toggle.click()
+    browser.find_element(By.ID, "file").send_keys(str(image))
+    wait_for(browser, "bars", lambda d: len(bars(d)) > 0)
+    heat = browser.find_element(By.ID, "heatmap")
+    natural = (
+        "return arguments[0].complete && [arguments[0].naturalWidth, arguments[0].naturalHeight]"
+    )
+    wait_for(
+        browser, "the heatmap", lambda d: heat.is_displayed() and d.execute_script(natural, heat)
+    )
+    assert browser.execute_script(natural, heat) == [28, 28]  # the upload's size
+    assert heat.rect == browser.find_element(By.ID, "preview").rect  # laid on the preview
+    # Off again: the next answer has no heatmap, and none is shown.
+    toggle.click()
+    wait_for(browser, "the heatmap gone", lambda d: not heat.is_displayed() and len(bars(d)) > 0)
+    errors = [e["message"] for e in no_policy_violations(browser) if e["level"] == "SEVERE"]
+    assert errors == [], errors

@@ -58,6 +58,12 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--shard", default="0/1", help="K/N: score the K-th of N slices (0-based), N machines"
     )
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable file")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="also write each image's heatmap of its top label, a PNG of the image's size, "
+        "in <out>.heatmaps/ beside the table (its path: the heatmap column)",
+    )
     return p
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from trainyard.bulk.heatmaps import write_heatmaps
 from trainyard.core.card import Card
 from trainyard.core.errors import InputError
 from trainyard.data.fingerprint import is_url
@@ -61,7 +62,11 @@ class DecodeSpec:
     model: str = ""  # a model file: the workers score too (on a CPU); "" = decode only
     top_k: int = 5
     batch_size: int = 16  # images per model call in a worker
+    heatmaps: str = ""  # --explain: the folder of the heatmaps (trainyard.bulk.heatmaps); "" = off
 
+
+# A task: its files, the problems already known of them, the source's row of the first.
+Task = tuple[list[str], list[str | None], int]
 
 _SPEC: DecodeSpec | None = None  # this worker's spec (set by the pool's initializer)
 _MODEL: OnnxModel | None = None  # this worker's session, when it scores
@@ -121,27 +126,38 @@ def read_bytes(location: str, spec: DecodeSpec) -> bytes:
 
 def decode_many(
     locations: Sequence[str], known: Sequence[str | None], spec: DecodeSpec | None = None
-) -> tuple[np.ndarray, list[str | None]]:
-    """(pixels uint8 [n,C,H,W], problem per image: None or why it could not be read).
+) -> tuple[Any, ...]:
+    """(pixels uint8 [n,C,H,W], problem per image: None or why it could not be read), and
+    with ``spec.heatmaps`` each image's (width, height) as shown, int32 [n,2], third.
     ``known``: problems found before decoding (a broken symlink): not read again."""
     spec = spec or _SPEC
     assert spec is not None, "decode_many runs in a DecodePool worker or with a spec"
     card = spec.card
     pixels = np.zeros((len(locations), *card.input_shape), dtype=np.uint8)
     problems: list[str | None] = list(known)
+    sizes = np.zeros((len(locations), 2), np.int32) if spec.heatmaps else None
     for i, location in enumerate(locations):
         if problems[i] is not None:
             continue
         try:
             data = read_bytes(location, spec)
+            info: dict[str, Any] = {}
             pixels[i] = decode_image(
-                data, card, max_pixels=spec.max_pixels, field="file", max_aspect_ratio=math.inf
+                data,
+                card,
+                max_pixels=spec.max_pixels,
+                field="file",
+                max_aspect_ratio=math.inf,
+                info=info,
             )
+            if sizes is not None:
+                shown = (info["width"], info["height"])
+                sizes[i] = shown[::-1] if info.get("turned") else shown
         except InputError as err:
             problems[i] = str(err).removeprefix("file: ")
         except OSError as err:
             problems[i] = f"unreadable ({err.strerror or err})"
-    return pixels, problems
+    return (pixels, problems) if sizes is None else (pixels, problems, sizes)
 
 
 def rank(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,13 +168,16 @@ def rank(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def score_many(
-    locations: Sequence[str], known: Sequence[str | None]
+    locations: Sequence[str], known: Sequence[str | None], first: int = 0
 ) -> tuple[np.ndarray, np.ndarray, list[str | None]]:
     """In a scoring worker: ``decode_many``, then the model on the images that decoded,
-    ``batch_size`` at a time: (top-k indices, their probabilities, problems)."""
+    ``batch_size`` at a time: (top-k indices, their probabilities, problems). With
+    ``spec.heatmaps`` the heatmaps too, the task's images being the source's rows from
+    ``first``."""
     spec, model = _SPEC, _MODEL
     assert spec is not None and model is not None, "score_many runs in a scoring worker"
-    pixels, problems = decode_many(locations, known, spec)
+    decoded = decode_many(locations, known, spec)
+    pixels, problems = decoded[0], decoded[1]
     k = min(spec.top_k, spec.card.num_classes)
     top = np.zeros((len(locations), k), np.int64)
     probs = np.zeros((len(locations), k), np.float32)
@@ -166,7 +185,12 @@ def score_many(
     for a in range(0, len(good), spec.batch_size):
         rows = good[a : a + spec.batch_size]
         x = model_input(pixels[rows], spec.card)
-        top[rows], probs[rows] = rank(softmax(model.run(x)), k)
+        if not spec.heatmaps:
+            top[rows], probs[rows] = rank(softmax(model.run(x)), k)
+            continue
+        logits, _, cam = model.run_with_cam(x)
+        top[rows], probs[rows] = rank(softmax(logits), k)
+        write_heatmaps(spec.heatmaps, first + rows, top[rows, 0], cam, decoded[2][rows], spec.card)
     return top, probs, problems
 
 
@@ -182,14 +206,17 @@ class DecodePool:
             workers, mp_context=context, initializer=_install, initargs=(spec, os.getpid())
         )
 
-    def imap(self, tasks: Iterator[tuple[list[str], list[str | None]]]) -> Iterator[Any]:
+    def imap(self, tasks: Iterator[Task]) -> Iterator[Any]:
         """``score_many`` (a scoring pool) or ``decode_many`` of each task, in order, at
         most ``workers x 4`` tasks ahead."""
         window: deque[Future[Any]] = deque()
         limit = self.workers * WINDOW_PER_WORKER
-        work = score_many if self.spec.model else decode_many
-        for task in tasks:
-            window.append(self.executor.submit(work, *task))
+        for locations, known, first in tasks:
+            if self.spec.model:
+                future = self.executor.submit(score_many, locations, known, first)
+            else:
+                future = self.executor.submit(decode_many, locations, known)
+            window.append(future)
             if len(window) >= limit:
                 yield window.popleft().result()
         while window:
@@ -232,7 +259,7 @@ class InlineDecoder:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def imap(self, tasks: Iterator[tuple[list[str], list[str | None]]]) -> Iterator[Any]:
+    def imap(self, tasks: Iterator[Task]) -> Iterator[Any]:
         """``decode_many`` of each task, in order."""
         self.thread = threading.Thread(target=self._decode, args=(tasks,), daemon=True)
         self.thread.start()
@@ -244,9 +271,9 @@ class InlineDecoder:
                 raise item
             yield item
 
-    def _decode(self, tasks: Iterator[tuple[list[str], list[str | None]]]) -> None:
+    def _decode(self, tasks: Iterator[Task]) -> None:
         try:
-            for locations, known in tasks:
+            for locations, known, _first in tasks:
                 if not self._put(decode_many(locations, known, self.spec)):
                     return
         except BaseException as err:  # the caller raises it: a bug is not a silent stop

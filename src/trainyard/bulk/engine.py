@@ -31,8 +31,10 @@ from trainyard.bulk.decode import (
     DecodePool,
     DecodeSpec,
     InlineDecoder,
+    Task,
     rank,
 )
+from trainyard.bulk.heatmaps import fresh_folder, write_heatmaps
 from trainyard.bulk.listing import Inputs, chunk_count, shard_range
 from trainyard.bulk.summary import tally
 from trainyard.bulk.table import ChunkStore, Ranked, ranked_table, read_tables, summary_path
@@ -71,6 +73,7 @@ class Job:
     about: dict[str, Any] = field(default_factory=dict)  # model source, provenance
     inline: bool = False  # decoded by a thread of this process (trainyard.bulk.where_to_score)
     place: str = ""  # where the images are decoded and scored, and why
+    heatmaps: str = ""  # --explain: the heatmap folder, relative to the table's; "" = off
 
     @property
     def classes(self) -> list[str]:
@@ -100,7 +103,7 @@ class Job:
             "min_confidence": self.min_confidence,
             "chunk_rows": self.chunk_rows,
             "labels": self.inputs.label_from,
-        }
+        } | ({"heatmaps": self.heatmaps} if self.heatmaps else {})
 
 
 class _Scorer:
@@ -112,13 +115,24 @@ class _Scorer:
         self.infer_s = 0.0
         self.first_row_s: float | None = None  # from the process's start
 
-    def top(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(top-k class indices, their probabilities) per image, as the service ranks them."""
+    def top(
+        self, pixels: np.ndarray, rows: np.ndarray, sizes: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(top-k class indices, their probabilities) per image, as the service ranks them;
+        with ``sizes`` (--explain) the heatmaps of the source's ``rows`` are written too."""
         t0 = time.perf_counter()
-        probs = softmax(self.job.model.run(model_input(pixels, self.job.spec.card)))
+        x = model_input(pixels, self.job.spec.card)
+        if sizes is None:
+            probs = softmax(self.job.model.run(x))
+        else:
+            logits, _, cam = self.job.model.run_with_cam(x)
+            probs = softmax(logits)
         self.infer_s += time.perf_counter() - t0
         self.scored()
-        return rank(probs, self.k)
+        top, top_probs = rank(probs, self.k)
+        if sizes is not None:
+            write_heatmaps(self.job.spec.heatmaps, rows, top[:, 0], cam, sizes, self.job.spec.card)
+        return top, top_probs
 
     def scored(self) -> None:
         """Rows were scored: the first time, note how long after the start."""
@@ -143,6 +157,8 @@ class _Scorer:
             min_confidence=job.min_confidence,
             version=job.version,
             sha256=job.sha256,
+            heatmaps=job.heatmaps,
+            first=lo,
         )
 
 
@@ -159,7 +175,7 @@ def process_age() -> float | None:
     return uptime - started / os.sysconf("SC_CLK_TCK")
 
 
-def _tasks(job: Job, chunks: list[int]) -> Iterator[tuple[list[str], list[str | None]]]:
+def _tasks(job: Job, chunks: list[int]) -> Iterator[Task]:
     """The chunks' rows in tasks. To workers, about ``TASK_BYTES`` of files each (at least
     a model batch where they score, at most ``TASK_MAX_IMAGES``): a task of 28 px PNGs
     holds a thousand, one of phone photos a few, so each costs a worker about the same
@@ -177,6 +193,7 @@ def _tasks(job: Job, chunks: list[int]) -> Iterator[tuple[list[str], list[str | 
             yield (
                 [job.inputs.location(i) for i in range(a, b)],
                 [job.inputs.problems.get(i) for i in range(a, b)],
+                a,
             )
             a = b
 
@@ -204,17 +221,19 @@ def _score_chunk(
         result = next(results)
         clock["wait_s"] += time.perf_counter() - t0
         at = len(problems)
-        if len(result) == 3:  # scored in the worker (a CPU): its top-k, its problems
+        if job.spec.model:  # scored in the worker (a CPU): its top-k, its problems
             scorer.scored()
             top[at : at + len(result[2])], probs[at : at + len(result[2])] = result[:2]
             found = result[2]
-        else:
-            pixels, found = result
+        else:  # pixels, problems, and with --explain the sizes
+            pixels, found = result[0], result[1]
             good = np.flatnonzero([p is None for p in found])
+            every = len(good) == len(found)
             # Blocks of a task's images, not one array per image: 28 px images are cheap.
-            waiting.add(pixels if len(good) == len(found) else pixels[good], at + good)
-            for x, rows in waiting.full(len(problems) + len(found) >= n):
-                top[rows], probs[rows] = scorer.top(x)
+            sizes = None if len(result) == 2 else result[2] if every else result[2][good]
+            waiting.add(pixels if every else pixels[good], at + good, sizes)
+            for x, rows, shown in waiting.full(len(problems) + len(found) >= n):
+                top[rows], probs[rows] = scorer.top(x, lo + rows, shown)
         problems.extend(found)
         _check_strict(job, lo + at, found)
     return scorer.table(lo, hi, top, probs, problems)
@@ -227,25 +246,35 @@ class _Batcher:
         self.size = size
         self.pixels: list[np.ndarray] = []
         self.rows: list[np.ndarray] = []
+        self.sizes: list[np.ndarray] = []  # --explain: (width, height) per image
         self.count = 0
 
-    def add(self, pixels: np.ndarray, rows: np.ndarray) -> None:
+    def add(self, pixels: np.ndarray, rows: np.ndarray, sizes: np.ndarray | None = None) -> None:
         if len(rows):
             self.pixels.append(pixels)
             self.rows.append(rows)
+            if sizes is not None:
+                self.sizes.append(sizes)
             self.count += len(rows)
 
-    def full(self, last: bool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """The whole batches waiting (``last``: the rest too), each with its rows."""
+    def full(self, last: bool) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        """The whole batches waiting (``last``: the rest too), each with its rows (and
+        with --explain the images' sizes)."""
         if not self.count or (self.count < self.size and not last):
             return
-        x = self.pixels[0] if len(self.pixels) == 1 else np.concatenate(self.pixels)
-        rows = self.rows[0] if len(self.rows) == 1 else np.concatenate(self.rows)
+        x, rows = _joined(self.pixels), _joined(self.rows)
+        sizes = _joined(self.sizes) if self.sizes else None
         cut = len(x) if last else len(x) - len(x) % self.size
         for a in range(0, cut, self.size):
-            yield x[a : a + self.size], rows[a : a + self.size]
+            part = None if sizes is None else sizes[a : a + self.size]
+            yield x[a : a + self.size], rows[a : a + self.size], part
         self.pixels, self.rows = [x[cut:]], [rows[cut:]]
+        self.sizes = [] if sizes is None else [sizes[cut:]]
         self.count = len(x) - cut
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _check_strict(job: Job, first: int, problems: list[str | None]) -> None:
@@ -277,6 +306,8 @@ def run(job: Job, progress_stream: Any = None) -> dict[str, Any]:
     count = chunk_count(stop - start, job.chunk_rows)
     store = ChunkStore(job.out, job.identity())
     done = store.open()
+    if job.heatmaps and not done:
+        fresh_folder(Path(job.spec.heatmaps))
     todo = [c for c in range(count) if c not in done]
     resumed = sum(hi - lo for lo, hi in map(job.chunk, done))
     if done:

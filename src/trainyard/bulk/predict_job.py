@@ -20,6 +20,7 @@ from typing import Any
 
 from trainyard.bulk import engine
 from trainyard.bulk.decode import DecodeSpec, worker_count
+from trainyard.bulk.heatmaps import check_explains, heatmap_folder
 from trainyard.bulk.listing import Inputs, folder_labels, list_inputs, parse_shard, shard_range
 from trainyard.bulk.summary import summary_line, tally
 from trainyard.bulk.table import output_format, read_tables, summary_path, write_table
@@ -58,6 +59,7 @@ class PredictOptions:
     chunk_rows: int | None = None
     shard: str = "0/1"  # K/N: the K-th of N slices (0-based)
     strict: bool = False  # stop at the first unreadable file
+    explain: bool = False  # each image's heatmap, a PNG beside the table (trainyard.bulk.heatmaps)
 
 
 def default_out(source: str) -> Path:
@@ -135,6 +137,8 @@ def build_job(
     source, field = model_source(options, opts["model"], params)
     path, provenance = resolve_model(source, field, params_file, registry, base)
     model, sha = open_verified(path, opts["device"], 0)
+    if options.explain:
+        check_explains(model, path)
     card = card_from_metadata(model.metadata, str(path))
     folder_labels(inputs, model.classes)
     probe = choose_batch(model, path, card.input_shape, opts["batch_size"])
@@ -145,6 +149,7 @@ def build_job(
         params.data.csv_max_download_bytes,
         top_k=opts["top_k"],
         batch_size=probe.batch,
+        heatmaps=str(heatmap_folder(out)) if options.explain else "",
     )
     place = where_to_score(inputs, shard_range(len(inputs), *shard), spec, probe, opts["workers"])
     if place.inline or probe.single is None:  # scored here: on one thread, or on the GPU
@@ -173,6 +178,7 @@ def build_job(
         },
         inline=place.inline,
         place=place.reason,
+        heatmaps=heatmap_folder(out).name if options.explain else "",
     )
     return job, params
 

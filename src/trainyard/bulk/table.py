@@ -26,10 +26,12 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
+from trainyard.bulk.heatmaps import heatmap_name
 from trainyard.core.errors import DataError
 from trainyard.core.io import atomic_file, atomic_write_json
 from trainyard.core.prediction_columns import (
     ERROR,
+    HEATMAP,
     LABEL,
     LOW_CONFIDENCE,
     MODEL_SHA256,
@@ -68,10 +70,11 @@ def arrow_field(column: Column) -> pa.Field:
     return pa.field(column.name, pa.list_(kind) if column.is_list else kind)
 
 
-def schema(labelled: bool) -> pa.Schema:
+def schema(labelled: bool, explained: bool = False) -> pa.Schema:
     """The table's columns (``PREDICT_TABLE``; ``true_label`` only when the source gave
-    labels)."""
-    columns = PREDICT_TABLE.columns if labelled else PREDICT_TABLE.without(TRUE_LABEL.name)
+    labels, ``heatmap`` only with --explain)."""
+    wanted = {TRUE_LABEL.name: labelled, HEATMAP.name: explained}
+    columns = PREDICT_TABLE.without(*(name for name, there in wanted.items() if not there))
     return pa.schema([arrow_field(c) for c in columns])
 
 
@@ -98,9 +101,13 @@ def ranked_table(
     min_confidence: float,
     version: str,
     sha256: str,
+    heatmaps: str = "",
+    first: int = 0,
 ) -> pa.Table:
     """The rows of ``paths`` from flat top-k arrays (a row's top-k best first, none with its
-    problem; ``true_labels`` "" = none, when the source gave labels). The columns are built
+    problem; ``true_labels`` "" = none, when the source gave labels; ``heatmaps``: with
+    --explain, the folder whose ``heatmap_name`` of the source's row, ``first`` the first
+    of ``paths``, a scored row's ``heatmap`` names). The columns are built
     from their buffers and the labels by Arrow from the class names: a chunk of 4,096 rows
     in milliseconds (``pa.array`` would also import pandas, half a second, to ask whether a
     list is a DataFrame)."""
@@ -130,7 +137,11 @@ def ranked_table(
     }
     if true_labels is not None:
         cols[TRUE_LABEL.name] = strings([label or None for label in true_labels])
-    table_schema = schema(true_labels is not None)
+    if heatmaps:
+        cols[HEATMAP.name] = strings(
+            [f"{heatmaps}/{heatmap_name(first + i)}" if ok else None for i, ok in enumerate(scored)]
+        )
+    table_schema = schema(true_labels is not None, bool(heatmaps))
     return pa.Table.from_arrays([cols[name] for name in table_schema.names], schema=table_schema)
 
 

@@ -190,6 +190,9 @@ class ExportRecord(Record):
     # written back without): its max abs diff and the limit it met, relative to its scale.
     embedding_max_abs_diff: float | None = None
     threshold_embedding_max_abs_diff: float | None = None
+    # The cam output's parity, likewise (None: a record from before the model had it).
+    cam_max_abs_diff: float | None = None
+    threshold_cam_max_abs_diff: float | None = None
     int8: Int8Export | None = None  # None: export.quantize none
     calibration: Calibration | None = None  # None: a record from before calibration
 
@@ -199,6 +202,8 @@ class ExportRecord(Record):
         for key in (
             "embedding_max_abs_diff",
             "threshold_embedding_max_abs_diff",
+            "cam_max_abs_diff",
+            "threshold_cam_max_abs_diff",
             "int8",
             "calibration",
         ):

@@ -190,7 +190,8 @@ def image_to_pixels(
     as the header is read (also when decoding then fails): what the service reports as
     input image sizes, without opening the image twice. ``reserve``, when given, is called
     once the header is read with the bytes the decode will hold at most (the file's own
-    included), and the context manager it returns is held while they are.
+    included), and the context manager it returns is held while they are. ``info`` also
+    gets ``turned`` (True) when the EXIF shows the image turned by 90 degrees (sides swapped).
 
     In order: header check (format, pixel count against ``limit_key``'s ``max_pixels``,
     aspect ratio), decode (JPEGs far larger than needed decode at 1/2..1/8 scale), a box
@@ -215,6 +216,8 @@ def image_to_pixels(
             # the target's swapped when the EXIF says it is shown turned by 90 degrees.
             method = _ORIENT.get(_exif(im, layout).get(0x0112, 1))
             th, tw = (width, height) if method in _TURNED else (height, width)
+            if info is not None and method in _TURNED:
+                info["turned"] = True  # shown with width and height swapped
             if fmt in ("JPEG", "MPO"):
                 # Any scale that keeps both sides at least twice the target: enough for every
                 # policy (crop needs the shorter side >= target) and far cheaper to decode.

@@ -61,6 +61,7 @@ LOW_CONFIDENCE = Column("low_confidence", "bool")
 TRUE_LABEL = Column("true_label", "string")  # only when the source gave labels
 ERROR = Column("error", "string")  # why the file could not be scored, else null
 MODEL_SHA256 = Column("model_sha256", "string")
+HEATMAP = Column("heatmap", "string")  # only with --explain: the row's PNG, beside the table
 
 # The prediction log
 TIME = Column("time", UTC_TIME)
@@ -92,8 +93,9 @@ PREDICT_TABLE = Columns(
         ERROR,
         MODEL_VERSION,
         MODEL_SHA256,
+        HEATMAP,
     ),
-    optional=frozenset({TRUE_LABEL.name}),
+    optional=frozenset({TRUE_LABEL.name, HEATMAP.name}),
 )
 # Every column is in every file: a shadow_* column is null when no shadow runs, embedding
 # for a model exported without its embedding output, image without serve.log_images.

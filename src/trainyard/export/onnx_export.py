@@ -2,13 +2,14 @@
 
 The ONNX file carries its own contract (classes, input shape, normalisation, provenance) so
 the service reads it from the model and never from a copy. Its outputs are ``logits``
-(first, as before) and ``embedding``: the input of the classifier head (the net's last
-``nn.Linear``), the features drift detection and the prediction log compare.
+(first, as before), ``embedding``: the input of the classifier head (the net's last
+``nn.Linear``), the features drift detection and the prediction log compare, and ``cam``:
+a class activation map per class over the last feature maps, [N, K, h, w], made in the
+graph (``trainyard.export.cam``; metadata ``explain`` says ``cam`` or ``gradcam``).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -25,8 +26,10 @@ from trainyard.core.errors import ExportError
 from trainyard.core.io import atomic_file, atomic_write_text, sha256_file
 from trainyard.core.pause_points import pause_point
 from trainyard.export.calibration import fit_temperature, nll
+from trainyard.export.cam import ExplainedNet
 from trainyard.model import networks
 from trainyard.model.classifier import Classifier
+from trainyard.runtime.explain import CAM_OUTPUT, EXPLAIN_KEY
 from trainyard.runtime.sessions import EMBEDDING_OUTPUT, LOGITS_OUTPUT, OnnxModel, load_onnx
 
 INPUT_NAME = "image"
@@ -35,6 +38,10 @@ INPUT_NAME = "image"
 MIN_CALIBRATION_IMAGES = 50
 OUTPUT_NAME = LOGITS_OUTPUT  # output 0: what every reader of a one-output model took
 EMBEDDING_NAME = EMBEDDING_OUTPUT  # output 1: [N, D] float32
+CAM_NAME = CAM_OUTPUT  # output 2: [N, K, h, w] float32
+# The parity gate compares the maps on this many of its images: one more PyTorch forward
+# of the export view, the maps being K times the logits' size per position.
+CAM_PARITY_IMAGES = 64
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Any:
@@ -66,31 +73,23 @@ def classifier_head(model: nn.Module) -> tuple[str, nn.Linear]:
     return found
 
 
-class LogitsAndEmbedding(nn.Module):
-    """Export-only view of a classifier: ``forward(x) -> (logits, embedding)``, where the
-    embedding is what the head sees and the logits are the head applied to it.
+class LogitsAndEmbedding(ExplainedNet):
+    """Export-only view of a classifier: ``forward(x) -> (logits, embedding, cam)``, where
+    the embedding is what the head sees, the logits are the head applied to it, and cam
+    [N, K, h, w] the class activation maps (``trainyard.export.cam``; ``kind``: ``cam`` or
+    ``gradcam``, what the metadata's ``explain`` records).
 
-    The body is a copy of the model with its head replaced by ``nn.Identity`` (the model
-    itself is left as it was): a plain graph with no hooks or side effects, which
-    ``torch.export`` traces like any net. The head is the model's own module. The logits
-    are divided by ``temperature`` (``trainyard.export.calibration``; 1: as trained).
+    The net's own modules, split into trunk (input -> last feature maps), pooling and
+    head (the model itself is left as it was): a plain graph with no hooks or side effects,
+    which ``torch.export`` traces like any net. The logits and the maps are divided by
+    ``temperature`` (``trainyard.export.calibration``; 1: as trained).
     """
 
     def __init__(self, model: nn.Module, temperature: float = 1.0) -> None:
-        super().__init__()
-        self.temperature = float(temperature)
-        path, head = classifier_head(model)
-        body = copy.deepcopy(model)
-        parent, _, name = path.rpartition(".")
-        setattr(body.get_submodule(parent) if parent else body, name, nn.Identity())
-        self.body = body
-        self.head = head
+        classifier_head(model)  # the ExportError for a model without a Linear head
+        net = model.net if isinstance(model, Classifier) else model
+        super().__init__(net, temperature)
         self.train(model.training)  # in the model's mode (eval, to export): no mode warning
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        embedding = self.body(x)
-        logits = self.head(embedding)
-        return (logits if self.temperature == 1.0 else logits / self.temperature), embedding
 
 
 def export_onnx(
@@ -101,18 +100,21 @@ def export_onnx(
     temperature: float = 1.0,
 ) -> None:
     """Write ``model`` (a Classifier in eval mode) to ONNX with a dynamic batch dimension
-    and two outputs: ``logits`` [N, classes] (divided by ``temperature``), then
-    ``embedding`` [N, D] (the head's input)."""
+    and three outputs: ``logits`` [N, classes] (divided by ``temperature``), ``embedding``
+    [N, D] (the head's input), then ``cam`` [N, classes, h, w] (divided likewise); the
+    metadata gains ``explain`` (``cam`` or ``gradcam``: how the maps are made)."""
 
     example = torch.zeros(2, *model.card.input_shape)
+    view = LogitsAndEmbedding(model, temperature)
+    metadata = metadata | {EXPLAIN_KEY: view.kind}
     with atomic_file(path) as tmp:
         torch.onnx.export(
-            LogitsAndEmbedding(model, temperature),
+            view,
             (example,),
             str(tmp),
             dynamo=True,
             input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME, EMBEDDING_NAME],
+            output_names=[OUTPUT_NAME, EMBEDDING_NAME, CAM_NAME],
             dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
             opset_version=opset,
             external_data=False,
@@ -170,13 +172,18 @@ def check_parity(
     temperature: float = 1.0,
 ) -> dict[str, Any]:
     """Compare ONNX Runtime (CPU, fp32) with PyTorch on the same normalised images: the
-    logits (max abs diff <= ``max_abs_diff``, 100% argmax agreement) and the embedding.
+    logits (max abs diff <= ``max_abs_diff``, 100% argmax agreement), the embedding, and
+    the class activation maps on the first ``CAM_PARITY_IMAGES``.
 
     The embedding's limit is relative to its scale, ``max_abs_diff * max(1, max|ref|)``:
     features are not normalised like logits (post-ReLU activations can reach tens), and
     fp32 rounding grows with the magnitude; at a scale <= 1 it is the logits' own limit.
-    The PyTorch embedding comes from a forward hook on the head, not from the exported
-    view, so a wrong tap in the export fails here. ``parity_failures`` says what failed.
+    The maps' limit is relative the same way. The PyTorch embedding comes from a forward
+    hook on the head, not from the exported view, so a wrong tap in the export fails here;
+    the PyTorch maps come from the export view (``LogitsAndEmbedding``) run by PyTorch,
+    which the tests hold equal to autograd's Grad-CAM and to CAM from a hook on the last
+    feature maps (a per-export autograd pass would cost K backward passes a batch).
+    ``parity_failures`` says what failed.
     """
 
     # numpy normalisation: exactly what evaluate and the service feed ONNX Runtime.
@@ -191,6 +198,7 @@ def check_parity(
     emb_diff = None
     if embedding is not None and embedding.shape == ref_embedding.shape:
         emb_diff = float(np.abs(ref_embedding - embedding).max())
+    cam_diff, cam_limit = _cam_parity(model, ort_model, x[:CAM_PARITY_IMAGES], temperature)
     report = {
         "samples": int(images.shape[0]),
         "max_abs_diff": diff,
@@ -198,6 +206,8 @@ def check_parity(
         "threshold_max_abs_diff": max_abs_diff,
         "embedding_max_abs_diff": emb_diff,  # None: no embedding output of the right shape
         "threshold_embedding_max_abs_diff": emb_limit,
+        "cam_max_abs_diff": cam_diff,  # None: no cam output of the view's shape
+        "threshold_cam_max_abs_diff": max_abs_diff * max(1.0, cam_limit),
         "provider": ort_model.provider,
     }
     report["passed"] = not parity_failures(report)
@@ -215,18 +225,39 @@ def parity_failures(report: dict[str, Any]) -> list[str]:
         )
     if report["argmax_agreement"] != 1.0:
         failures.append(f"logits: argmax agreement {report['argmax_agreement']:.4%} (need 100%)")
-    emb_diff, emb_limit = (
-        report["embedding_max_abs_diff"],
-        report["threshold_embedding_max_abs_diff"],
-    )
-    if emb_diff is None:
-        failures.append(f"embedding: no '{EMBEDDING_NAME}' output of the head's input shape")
-    elif not emb_diff <= emb_limit:
-        failures.append(
-            f"embedding: max abs diff {emb_diff:.3g} (limit {emb_limit:.3g}: "
-            f"{report['threshold_max_abs_diff']:g} x max(1, max |embedding|))"
-        )
+    failures += _relative_failures(report, "embedding", "the head's input shape")
+    failures += _relative_failures(report, CAM_NAME, "the class maps' shape")
     return failures
+
+
+def _relative_failures(report: dict[str, Any], output: str, shape: str) -> list[str]:
+    """The failure of ``output`` (``embedding`` or ``cam``) in a parity report, whose limit
+    is relative to its scale; empty when it passes."""
+    diff, limit = report[f"{output}_max_abs_diff"], report[f"threshold_{output}_max_abs_diff"]
+    if diff is None:
+        return [f"{output}: no '{output}' output of {shape}"]
+    if not diff <= limit:
+        return [
+            f"{output}: max abs diff {diff:.3g} (limit {limit:.3g}: "
+            f"{report['threshold_max_abs_diff']:g} x max(1, max |{output}|))"
+        ]
+    return []
+
+
+def _cam_parity(
+    model: nn.Module, ort_model: OnnxModel, x: np.ndarray, temperature: float
+) -> tuple[float | None, float]:
+    """(max abs diff of ONNX Runtime's ``cam`` from PyTorch's, or None when the model has
+    no such output of that shape; max |PyTorch's cam|, the scale its limit is relative to)."""
+    with torch.inference_mode():
+        ref = LogitsAndEmbedding(model, temperature)(torch.from_numpy(x))[2].numpy()
+    scale = float(np.abs(ref).max()) if ref.size else 0.0
+    if CAM_NAME not in [o.name for o in ort_model.session.get_outputs()]:
+        return None, scale
+    got = ort_model.session.run([CAM_NAME], {ort_model.input_name: x})[0]
+    if got.shape != ref.shape:
+        return None, scale
+    return float(np.abs(ref - got).max()), scale
 
 
 def _torch_outputs(model: nn.Module, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

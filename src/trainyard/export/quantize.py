@@ -3,10 +3,11 @@ fp32 model's answers.
 
 ONNX Runtime's static quantization (QDQ format, int8 weights per output channel, uint8
 activations) with activation ranges calibrated on a seeded sample of the train split, fed
-exactly as evaluate and the service feed the model (the card's normalisation). Both
-outputs, ``logits`` and ``embedding``, stay float32 outputs (the quantizer dequantizes
-before a graph output), and the fp32 model's metadata (dataset card, provenance) is kept,
-plus ``precision: int8`` and the sha256 of the model it was made from.
+exactly as evaluate and the service feed the model (the card's normalisation). The
+outputs, ``logits``, ``embedding`` and ``cam``, stay float32 outputs (the quantizer
+dequantizes before a graph output; the class maps' own arithmetic, after the last feature
+maps, is not quantized at all), and the fp32 model's metadata (dataset card, provenance) is
+kept, plus ``precision: int8`` and the sha256 of the model it was made from.
 
 The gate, on the whole test set: its top-1 must equal the fp32 model's on at least
 ``export.int8_min_agreement`` of the images, and its accuracy may fall at most
@@ -37,6 +38,7 @@ from onnxruntime.quantization import (
 from trainyard.core.card import card_from_metadata, normalize_pixels
 from trainyard.core.errors import ExportError
 from trainyard.core.io import atomic_file, atomic_write_text, sha256_file
+from trainyard.runtime.explain import CAM_OUTPUT
 from trainyard.runtime.model_file import PRECISION_KEY, int8_beside
 from trainyard.runtime.sessions import load_onnx
 
@@ -68,6 +70,29 @@ def calibration_sample(images: np.ndarray, count: int, seed: int) -> np.ndarray:
     return np.asarray(images[rows])
 
 
+def explain_only_nodes(graph: onnx.GraphProto) -> list[str]:
+    """Names of the nodes that only the ``cam`` output needs (the class maps' arithmetic on
+    the last feature maps): left in float. Quantized, their MatMul would share the head's
+    weights with its Gemm under another per-channel axis, which the quantizer cannot do."""
+    producer = {out: node for node in graph.node for out in node.output}
+
+    def ancestors(outputs: list[str]) -> set[str]:
+        seen: set[str] = set()
+        todo = [producer[o] for o in outputs if o in producer]
+        while todo:
+            node = todo.pop()
+            if node.name not in seen:
+                seen.add(node.name)
+                todo += [producer[i] for i in node.input if i in producer]
+        return seen
+
+    names = [o.name for o in graph.output]
+    if CAM_OUTPUT not in names:
+        return []
+    answers = ancestors([n for n in names if n != CAM_OUTPUT])
+    return sorted(ancestors([CAM_OUTPUT]) - answers)
+
+
 def quantize_int8(fp32_path: Path, out_path: Path, calibration: np.ndarray) -> None:
     """Write the int8 model of ``fp32_path`` to ``out_path`` (any path: the caller's temp),
     calibrated on ``calibration`` (uint8 [N,C,H,W]), with the fp32 model's metadata plus
@@ -76,6 +101,7 @@ def quantize_int8(fp32_path: Path, out_path: Path, calibration: np.ndarray) -> N
     meta = {p.key: p.value for p in proto.metadata_props}
     card = card_from_metadata(meta, str(fp32_path))
     input_name = proto.graph.input[0].name
+    keep_float = explain_only_nodes(proto.graph)
     del proto
     quantize_static(
         str(fp32_path),
@@ -93,6 +119,7 @@ def quantize_int8(fp32_path: Path, out_path: Path, calibration: np.ndarray) -> N
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8,
         calibrate_method=CalibrationMethod.MinMax,
+        nodes_to_exclude=keep_float,
     )
     quantized = onnx.load(str(out_path))
     del quantized.metadata_props[:]  # the fp32 model's, whatever the quantizer kept

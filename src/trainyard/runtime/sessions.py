@@ -10,8 +10,9 @@ around the kernels; bound, the input crosses the bus once, the outputs are alloc
 device by ORT's arena, and the caller decides whether (and when) they come back.
 
 A trainyard model's outputs are ``logits`` and, from the export that added it,
-``embedding`` (the classifier head's input, for drift and the prediction log). Readers
-ask for an output by name, so a model exported before it (logits only) runs everywhere.
+``embedding`` (the classifier head's input, for drift and the prediction log), then
+``cam`` (the class activation maps, trainyard.runtime.explain). Readers ask for an output
+by name, so a model exported before them (logits only) runs everywhere.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import onnxruntime as ort
 
 from trainyard.core.errors import ProviderError
+from trainyard.runtime.explain import CAM_OUTPUT
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +130,13 @@ class OnnxModel:
     bind_device: str | None = None
     logits_output: str = field(init=False)
     embedding_output: str | None = field(init=False)
+    cam_output: str | None = field(init=False)
 
     def __post_init__(self) -> None:
         names = [out.name for out in self.session.get_outputs()]
         self.logits_output = LOGITS_OUTPUT if LOGITS_OUTPUT in names else names[0]
         self.embedding_output = EMBEDDING_OUTPUT if EMBEDDING_OUTPUT in names else None
+        self.cam_output = CAM_OUTPUT if CAM_OUTPUT in names else None
 
     @property
     def classes(self) -> list[str]:
@@ -161,6 +165,26 @@ class OnnxModel:
             return self.run(x), None
         logits, embedding = self._run(x, [self.logits_output, self.embedding_output])
         return logits, embedding
+
+    @property
+    def has_cam(self) -> bool:
+        """Whether the model has the ``cam`` output (models exported before it: no)."""
+        return self.cam_output is not None
+
+    def run_with_cam(
+        self, x: np.ndarray, embedding: bool = False
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """(logits, embedding or None, cam [B, classes, h, w]) from one run, host arrays;
+        the embedding only when asked for and the model has it. Only an explaining caller
+        asks: ``run`` neither copies nor returns the maps."""
+        if self.cam_output is None:
+            raise ValueError("the model has no 'cam' output (exported before it)")
+        names = [self.logits_output, self.cam_output]
+        if embedding and self.embedding_output is not None:
+            logits, cam, emb = self._run(x, [*names, self.embedding_output])
+            return logits, emb, cam
+        logits, cam = self._run(x, names)
+        return logits, None, cam
 
     def _run(self, x: np.ndarray, names: list[str]) -> list[np.ndarray]:
         x = np.ascontiguousarray(x, np.float32)

@@ -67,12 +67,17 @@ class _RequestSpec(bentoml.IODescriptor):
 
 class ClassifyForm(_RequestSpec):
     """POST /classify: one image as the multipart file field ``image``, or as the whole body
-    with its image Content-Type (image/png, image/jpeg, ... image/heic); ``top_k`` and
-    ``invert`` as form fields or query parameters."""
+    with its image Content-Type (image/png, image/jpeg, ... image/heic); ``top_k``,
+    ``invert`` and ``explain`` as form fields or query parameters."""
 
     image: ImageFile = Field(description="the image (any format Pillow decodes)")
     top_k: int | None = Field(None, ge=1, description="labels to list; default serve.top_k")
     invert: bool = Field(False, description="invert the image first (dark object on white)")
+    explain: bool = Field(
+        False,
+        description="add `heatmap`: where in the image the top class was seen (a base64 PNG "
+        "the size of the upload); a model exported without its `cam` output answers 400",
+    )
 
 
 class BatchForm(_RequestSpec):
@@ -98,6 +103,13 @@ class Prediction(BaseModel):
     probabilities: list[float]
     top_k: list[Ranked]
     model_version: str = Field(description="the first 12 hex digits of the model's sha256")
+    heatmap: str | None = Field(
+        None,
+        description="only with explain: where the model looked for its top class, a PNG of "
+        "the upload's width and height, base64-encoded: coloured (jet) and opaque where "
+        "the class's activation map is high, transparent where it is 0 (an indexed PNG "
+        "with alpha, RGBA to a browser), to lay on the image",
+    )
 
 
 class Predictions(RootModel[list[Prediction]]):
@@ -114,6 +126,7 @@ class OneImage:
     image: bytes
     top_k: int
     invert: bool
+    explain: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,9 +147,10 @@ async def read_classify(request: Request, card: Card, params: ServeParams) -> On
     if media.startswith("image/"):
         image = body
         invert = parse_flag("invert", query.get("invert"))
+        explain = parse_flag("explain", query.get("explain"))
         top_k = parse_top_k(query.get("top_k"), n, params.top_k)
     elif media == "multipart/form-data":
-        images, top_k, invert = await _read_form(
+        images, top_k, invert, explain = await _read_form(
             request, body, "image", 1, CLASSIFY_USAGE, n, params
         )
         if len(images) != 1:
@@ -156,7 +170,7 @@ async def read_classify(request: Request, card: Card, params: ServeParams) -> On
             field="image",
             reason="bad_image",
         )
-    return OneImage(image, top_k, invert)
+    return OneImage(image, top_k, invert, explain)
 
 
 async def read_batch(request: Request, card: Card, params: ServeParams) -> ImageBatch:
@@ -166,8 +180,16 @@ async def read_batch(request: Request, card: Card, params: ServeParams) -> Image
     _require_body(body, BATCH_USAGE)
     media, query = media_type(request.headers), request.query_params
     n, limit = len(card.classes), params.max_batch_images
+    if parse_flag("explain", query.get("explain")):
+        raise Refused(
+            400,
+            "explain: /classify_batch does not explain its answers; send each image to "
+            "/classify?explain=1",
+            field="explain",
+            reason="bad_field",
+        )
     if media == "multipart/form-data":
-        files, top_k, invert = await _read_form(
+        files, top_k, invert, _ = await _read_form(
             request, body, "images", limit, BATCH_USAGE, n, params
         )
         check_count(len(files), limit)
@@ -193,20 +215,23 @@ async def _read_form(
     usage: str,
     n_classes: int,
     params: ServeParams,
-) -> tuple[list[bytes], int, bool]:
-    """A multipart body's files under ``field``, with top_k and invert from the form or
-    the query string (the form wins), or a Refused 4xx."""
+) -> tuple[list[bytes], int, bool, bool]:
+    """A multipart body's files under ``field``, with top_k, invert and (/classify's only:
+    an ``explain`` field of a batch is unknown) explain from the form or the query string
+    (the form wins), or a Refused 4xx."""
     query = request.query_params
+    texts = ("invert", "top_k", "explain") if field == "image" else ("invert", "top_k")
     form = await parse_form(
-        request, body, files=field, texts=("invert", "top_k"), max_files=max_files, usage=usage
+        request, body, files=field, texts=texts, max_files=max_files, usage=usage
     )
     try:
         files = await file_fields(form, field, usage)
         invert = parse_flag("invert", form_text(form, "invert") or query.get("invert"))
+        explain = parse_flag("explain", form_text(form, "explain") or query.get("explain"))
         top_k = parse_top_k(form_text(form, "top_k") or query.get("top_k"), n_classes, params.top_k)
     finally:
         await form.close()
-    return files, top_k, invert
+    return files, top_k, invert, explain
 
 
 def _require_body(body: bytes, usage: str) -> None:
@@ -224,7 +249,9 @@ async def classify_one(ctx: bentoml.Context, predictor: Any, params: ServeParams
     a swap meanwhile leaves this request its model); a Refused is its own 4xx answer."""
     try:
         ask = await read_classify(ctx.request, predictor.card, params)
-        return answer(await predictor.classify(ask.image, ask.top_k, ask.invert))
+        if ask.explain:
+            predictor.check_explainable()  # before the image is decoded
+        return answer(await predictor.classify(ask.image, ask.top_k, ask.invert, ask.explain))
     except Refused as err:
         return err.answer(ctx)
 

@@ -12,6 +12,10 @@ to a worker thread: a lone request's, too, so that the next ones gather meanwhil
 splits the answers back, one per request, and the output descriptor (``BatchedPrediction``)
 hands each request its own response, a 200 or its ``Refused`` 4xx.
 
+An explaining request (``explain=1``) is merged like any other: the batch's one ONNX Runtime
+run then asks for the class activation maps too (a batch of plain requests never does),
+and the explaining requests' answers get their heatmaps (the plain ones' are unchanged).
+
 What this replaced: /classify calling a batchable method through the service's own HTTP
 client (``self.to_async``), a second request through every middleware with the pixels as
 base64 JSON both ways (docs/serving.md, "Adaptive batching").
@@ -56,6 +60,7 @@ class Queued:
     info: dict[str, Any]  # the upload's format, width and height (for the prediction log)
     image: bytes
     invert: bool
+    explain: bool = False  # the answer gets its heatmap
 
 
 class Asked(bentoml.IODescriptor):
@@ -71,7 +76,8 @@ class BatchedClassifyForm(ClassifyForm):
     read here, before the batcher, so a bad one never waits for a batch; a large upload (a
     photo: milliseconds to decode) is decoded here too, on a thread of its own, so the
     decodes of the next batch overlap this one's model call. A small one (a few KB) is
-    decoded with its batch: its own thread trip would cost more than its decode."""
+    decoded with its batch: its own thread trip would cost more than its decode. An
+    explaining request to a model without maps is refused here."""
 
     @classmethod
     async def from_http_request(cls, request: Request, serde: Any) -> bentoml.IODescriptor:
@@ -80,10 +86,14 @@ class BatchedClassifyForm(ClassifyForm):
         item: Queued | Refused
         try:
             ask = await read_classify(request, predictor.card, predictor.params)
+            if ask.explain:
+                predictor.check_explainable()
             pixels = None
             if len(ask.image) > SMALL_UPLOAD_BYTES:  # decoded as it arrives
                 pixels = await predictor.decode_one(ask.image, ask.invert, info)
-            item = Queued(pixels, ask.top_k, predictor, start, info, ask.image, ask.invert)
+            item = Queued(
+                pixels, ask.top_k, predictor, start, info, ask.image, ask.invert, ask.explain
+            )
         except Refused as err:
             item = err
         return Asked.model_construct(asks=[item])  # built by us: nothing to validate

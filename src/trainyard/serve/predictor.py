@@ -9,6 +9,7 @@ an HTTP request; a refusal (an image that is no image, or too large) is a ``Refu
 
 from __future__ import annotations
 
+import base64
 import functools
 import io
 import json
@@ -25,6 +26,7 @@ from PIL import Image
 from trainyard.core.card import Card, card_from_metadata
 from trainyard.core.config import ServeParams
 from trainyard.core.errors import InputError
+from trainyard.runtime.explain import explain_kind, heatmap_png
 from trainyard.runtime.inputs import (
     IMAGE_FORMATS,
     decode_image,
@@ -34,6 +36,7 @@ from trainyard.runtime.inputs import (
 )
 from trainyard.runtime.model_file import precision_of
 from trainyard.runtime.sessions import OnnxModel
+from trainyard.runtime.upload_frame import upload_heatmap
 from trainyard.serve.log_and_shadow import Observer, Seen
 from trainyard.serve.metrics import metrics
 from trainyard.serve.parsing import BATCH_USAGE, CLASSIFY_USAGE
@@ -76,6 +79,8 @@ class Predictor:
         # adaptive batch's) decodes and scores on the event loop rather than on a worker
         # thread: set at start-up, where that is faster than the hop (serve.batch_choice).
         self.inline_images = 0
+        # "cam" or "gradcam": how its ``cam`` output was made; None: exported before it.
+        self.explain_method = explain_kind(model.metadata) if model.has_cam else None
 
     @classmethod
     def load(cls, path: Path, params: ServeParams, provenance: dict[str, str]) -> Predictor:
@@ -124,17 +129,44 @@ class Predictor:
     def scores(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Pixels 0–255 [N,C,H,W] -> (probabilities [N,classes], the embeddings [N,D] when
         the prediction log keeps them and the model has them, else None)."""
-        if pixels.ndim != 4 or pixels.shape[1:] != self.card.input_shape:
-            raise ValueError(
-                f"pixels must be [N,{','.join(map(str, self.card.input_shape))}], "
-                f"got {list(pixels.shape)}"
-            )
+        self._check_shape(pixels)
         self.metrics.batch_size.observe(pixels.shape[0])
         x = model_input(pixels, self.card)
         if self.observer is not None and self.observer.wants_embedding and self.model.has_embedding:
             logits, embedding = self.model.run_with_embedding(x)
             return softmax(logits), embedding
         return softmax(self.model.run(x)), None
+
+    def explained(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """``scores`` and the class activation maps [N,classes,h,w] of the same run (the
+        plain answer asks ONNX Runtime for none: only an explaining request pays for them)."""
+        self._check_shape(pixels)
+        self.metrics.batch_size.observe(pixels.shape[0])
+        wants = self.observer is not None and self.observer.wants_embedding
+        logits, embedding, cam = self.model.run_with_cam(
+            model_input(pixels, self.card), embedding=wants
+        )
+        return softmax(logits), embedding, cam
+
+    def check_explainable(self) -> None:
+        """Refuse (400, field ``explain``) an explaining request to a model without ``cam``."""
+        if self.explain_method is None:
+            raise Refused(
+                400,
+                f"explain: this model (version {self.version}) was exported without its class "
+                "activation map output 'cam' (no 'explain' in its ONNX metadata), so it cannot "
+                "show what its answer looked at; re-export it with this trainyard "
+                "(dvc repro export), or ask without explain",
+                field="explain",
+                reason="cannot_explain",
+            )
+
+    def _check_shape(self, pixels: np.ndarray) -> None:
+        if pixels.ndim != 4 or pixels.shape[1:] != self.card.input_shape:
+            raise ValueError(
+                f"pixels must be [N,{','.join(map(str, self.card.input_shape))}], "
+                f"got {list(pixels.shape)}"
+            )
 
     def observe(
         self,
@@ -196,17 +228,25 @@ class Predictor:
 
     # ------------------------------------------------------------------ answers
 
-    async def classify(self, image: bytes, top_k: int, invert: bool) -> dict[str, Any]:
-        """One image's answer. Decode and inference inline, for a small upload when the
-        start-up chose it, else in one worker-thread hop (each hop costs a GIL handoff)."""
+    async def classify(
+        self, image: bytes, top_k: int, invert: bool, explain: bool = False
+    ) -> dict[str, Any]:
+        """One image's answer (``explain``: with its heatmap; ``check_explainable`` first).
+        Decode and inference inline, for a small upload when the start-up chose it, else in
+        one worker-thread hop (each hop costs a GIL handoff)."""
         if self.inline_images and len(image) <= SMALL_UPLOAD_BYTES:
-            return self._classify_now(image, top_k, invert)
-        return await self.in_thread(self._classify_now, image, top_k, invert)
+            return self._classify_now(image, top_k, invert, explain)
+        return await self.in_thread(self._classify_now, image, top_k, invert, explain)
 
-    def _classify_now(self, image: bytes, top_k: int, invert: bool) -> dict[str, Any]:
+    def _classify_now(
+        self, image: bytes, top_k: int, invert: bool, explain: bool = False
+    ) -> dict[str, Any]:
         start, info = time.perf_counter(), {}
         pixels = self.decode(image, "image", invert, info)
-        probs, embedding = self.scores(pixels[None].astype(np.float32))
+        if explain:
+            probs, embedding, cam = self.explained(pixels[None].astype(np.float32))
+        else:
+            probs, embedding = self.scores(pixels[None].astype(np.float32))
         answer = self.prediction(probs[0], top_k)
         self.observe(
             "/classify",
@@ -218,7 +258,17 @@ class Predictor:
             image=image,
             invert=invert,
         )
+        if explain:  # after: the log sees the prediction (and its latency) as without
+            return self._with_heatmap(answer, cam[0], info)
         return answer
+
+    def _with_heatmap(
+        self, answer: dict[str, Any], cam: np.ndarray, info: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``answer`` and its ``heatmap``: the top class's map of ``cam`` [classes,h,w] over
+        the upload ``info`` describes (decode's: its size, its EXIF turn), base64 PNG."""
+        heat = upload_heatmap(cam[answer["class_id"]], self.card, info)
+        return {**answer, "heatmap": base64.b64encode(heatmap_png(heat)).decode("ascii")}
 
     async def decode_one(
         self, image: bytes, invert: bool, info: dict[str, Any] | None = None
@@ -235,15 +285,23 @@ class Predictor:
     ) -> list[dict[str, Any]]:
         """Decoded images (uint8 [C,H,W]) of concurrent /classify requests, the adaptive
         batcher's batch, through ONNX Runtime at once: one answer each. ``asks`` give each
-        request's ``top_k`` and, for the prediction log, ``image``, ``invert``, ``info``
-        (the upload's format and size) and ``start``."""
-        probs, embeddings = self.scores(np.stack(pixels).astype(np.float32))
+        request's ``top_k``, ``explain`` and, for the prediction log and the heatmap,
+        ``image``, ``invert``, ``info`` (the upload's format and size) and ``start``. The
+        maps are asked of ONNX Runtime only when a request of the batch explains."""
+        batch = np.stack(pixels).astype(np.float32)
+        cam = None
+        if any(ask.explain for ask in asks):
+            probs, embeddings, cam = self.explained(batch)
+        else:
+            probs, embeddings = self.scores(batch)
         answers = []
         for row, ask in enumerate(asks):
             answer = self.prediction(probs[row], ask.top_k)
             embedding = None if embeddings is None else embeddings[row]
             seen = {"pixels": pixels[row], "image": ask.image, "invert": ask.invert}
             self.observe("/classify", answer, ask.start, ask.info, embedding=embedding, **seen)
+            if ask.explain and cam is not None:
+                answer = self._with_heatmap(answer, cam[row], ask.info)
             answers.append(answer)
         return answers
 
@@ -300,10 +358,12 @@ class Predictor:
                 "pretrained": json.loads(meta.get("pretrained") or "{}") or None,
             },
             "classes": self.classes,
+            # /classify?explain=1's method ("cam", "gradcam"); null: this model cannot.
+            "explain": self.explain_method,
             "dataset_card": self.card.contract(),
             "input": self._input_contract(),
             "endpoints": {
-                "POST /classify": CLASSIFY_USAGE + "; query or form: top_k, invert",
+                "POST /classify": CLASSIFY_USAGE + "; query or form: top_k, invert, explain",
                 "POST /classify_batch": BATCH_USAGE + "; query or form: top_k, invert",
                 "GET /metadata": "this document",
             },

@@ -80,6 +80,16 @@ function showCard(meta) {
   if (input.top_k) topK.value = String(input.top_k);
 }
 
+// A model exported before its class activation maps cannot explain: no toggle to fail.
+function offerExplain(method) {
+  const explain = $("explain");
+  explain.disabled = !method;
+  if (!method) explain.checked = false;
+  $("explain-label").title = method
+    ? `overlay where the model looked for its top label (${method}, POST /classify?explain=1)`
+    : "this model was exported without its class activation maps: it cannot explain";
+}
+
 async function loadMetadata() {
   let resp;
   try {
@@ -97,7 +107,9 @@ async function loadMetadata() {
     return;
   }
   showError("");
-  showCard(await resp.json());
+  const meta = await resp.json();
+  showCard(meta);
+  offerExplain(meta.explain);
 }
 
 function showResults(pred) {
@@ -124,6 +136,15 @@ function showResults(pred) {
   });
   $("results").replaceChildren(...bars);
   setStatus(`${pred.label} (model ${pred.model_version})`);
+  if (pred.heatmap) showHeatmap(pred.heatmap);
+}
+
+// The answer's heatmap: a PNG with alpha, the size of the upload, coloured where the model looked
+// for its top label and transparent elsewhere, laid on the preview.
+function showHeatmap(base64Png) {
+  const img = $("heatmap");
+  img.onload = () => { img.hidden = false; };
+  img.src = `data:image/png;base64,${base64Png}`;
 }
 
 function preview(file) {
@@ -141,9 +162,11 @@ async function classify(file) {
   preview(file);
   showError("");
   $("results").replaceChildren();
+  $("heatmap").hidden = true;
   setStatus("classifying…");
   const query = new URLSearchParams({ top_k: $("top-k").value || "5" });
   if ($("invert").checked) query.set("invert", "true");
+  if ($("explain").checked) query.set("explain", "1");
   const form = new FormData();
   form.append("image", file, file.name);
   let resp;
@@ -187,7 +210,7 @@ function setUp() {
   $("api-key").addEventListener("keydown", (event) => {
     if (event.key === "Enter") useKey();
   });
-  for (const id of ["top-k", "invert"]) {
+  for (const id of ["top-k", "invert", "explain"]) {
     $(id).addEventListener("change", () => classify(lastFile));
   }
   loadMetadata();
