@@ -218,7 +218,7 @@ def test_written_beside_the_model_and_into_reports(tmp_path):
     assert json.loads(paths["json"].read_text()) == c
     assert (tmp_path / "models" / "model.card.md").read_text() == card_markdown(c)
     assert (tmp_path / "models" / "model.card.json").read_bytes() == paths["json"].read_bytes()
-    assert model_card.CARD_SUFFIXES["json"] == ".card.json"
+    assert model_card.card_beside(tmp_path / "m.int8.onnx", "md") == tmp_path / "m.card.md"
 
 
 @pytest.mark.parametrize("bad", ["not json", '"a string"'])

@@ -19,10 +19,10 @@ from typing import Any
 
 from trainyard.core.card import Card
 from trainyard.core.io import atomic_write_text
+from trainyard.runtime.model_file import card_beside
 
 CARD_SCHEMA = 1
 CARD_FILES = {"json": "model_card.json", "md": "model_card.md"}  # in reports/
-CARD_SUFFIXES = {"json": ".card.json", "md": ".card.md"}  # beside model.onnx: model.card.json
 WORST_CLASSES = 3
 CONFUSED_PAIRS = 5
 SERVICE_URL = "http://127.0.0.1:3000"  # make serve's default (serve.host, serve.port)
@@ -197,11 +197,10 @@ def write_card(
         "json": json.dumps(card, indent=2, ensure_ascii=False) + "\n",
         "md": card_markdown(card),
     }
-    model = Path(model)
     paths = {}
     for kind, text in texts.items():
         paths[kind] = atomic_write_text(Path(reports, CARD_FILES[kind]), text)
-        atomic_write_text(model.with_name(model.stem + CARD_SUFFIXES[kind]), text)
+        atomic_write_text(card_beside(Path(model), kind), text)
     return paths
 
 
