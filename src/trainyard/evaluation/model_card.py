@@ -19,10 +19,9 @@ from typing import Any
 
 from trainyard.core.card import Card
 from trainyard.core.io import atomic_write_text
-from trainyard.runtime.model_file import card_beside
+from trainyard.runtime.model_file import CARD_FILES, card_beside
 
 CARD_SCHEMA = 1
-CARD_FILES = {"json": "model_card.json", "md": "model_card.md"}  # in reports/
 WORST_CLASSES = 3
 CONFUSED_PAIRS = 5
 SERVICE_URL = "http://127.0.0.1:3000"  # make serve's default (serve.host, serve.port)

@@ -43,8 +43,10 @@ def int8_beside(model: Path) -> Path:
 
 
 # evaluate writes the model card beside the fp32 model (models/model.onnx ->
-# models/model.card.json and .card.md); the bento ships them and GET /card serves them.
+# models/model.card.json and .card.md), which the bento ships and GET /card serves, and as
+# reports/model_card.{json,md}, which it logs to the train run under model_card/.
 CARD_SUFFIXES = {"json": ".card.json", "md": ".card.md"}
+CARD_FILES = {"json": "model_card.json", "md": "model_card.md"}
 
 
 def card_beside(model: Path, kind: str) -> Path:

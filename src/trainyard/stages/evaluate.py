@@ -24,7 +24,7 @@ from trainyard.track.lineage import git_state
 from trainyard.track.quantized import int8_tags
 from trainyard.track.registry import describe_version, register_and_promote, tag_reference
 from trainyard.track.store import DVC_EXP_NAME, in_temp_workspace, tracking_client
-from trainyard.track.versions import REFERENCE_ARTIFACT
+from trainyard.track.versions import CARD_ARTIFACT_DIR, REFERENCE_ARTIFACT
 from trainyard.watch.reference import reference_from_predictions, sample_rows, save_reference
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
@@ -33,7 +33,6 @@ log = logging.getLogger("trainyard.stages.evaluate")
 # MLflow artifact folders of the train run: the data files, and the pictures to look at.
 EVALUATION_ARTIFACTS = "evaluation"
 REPORT_ARTIFACTS = "report"
-CARD_ARTIFACTS = "model_card"  # the model card, JSON and Markdown (trainyard card reads it)
 REFERENCE_FILE = "model.reference.npz"  # beside model.onnx: what `trainyard drift` reads
 
 
@@ -109,7 +108,7 @@ def write_model_card(
         card = model_card.with_registration(card, registration.model_dump())
     paths = model_card.write_card(card, args.reports, Path(args.models, "model.onnx"))
     with logging_into(info.run_id, "evaluate"):
-        log_to_open_run(artifacts={path: CARD_ARTIFACTS for path in paths.values()})
+        log_to_open_run(artifacts={path: CARD_ARTIFACT_DIR for path in paths.values()})
     if registration is not None:
         markdown = paths["md"].read_text(encoding="utf-8")
         describe_version(client, registration.model_name, registration.version, markdown)

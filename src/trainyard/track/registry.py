@@ -457,11 +457,10 @@ def description_of(markdown: str, full_card: str, limit: int = MAX_DESCRIPTION) 
     is (``full_card``: the command that prints it)."""
     if len(markdown) <= limit:
         return markdown
-    note = f"\n_The card is cut here to fit the registry: `{full_card}` prints all of it._\n"
+    note = f"\n\n_The card is cut here to fit the registry: `{full_card}` prints all of it._\n"
     room = limit - len(note)
     cut = markdown.rfind("\n## ", 0, room)
-    kept = markdown[: cut if cut > 0 else room].rstrip()
-    return kept[:room] + "\n" + note
+    return markdown[: cut if cut > 0 else room].rstrip() + note
 
 
 def describe_version(client: Any, name: str, version: int | str, markdown: str) -> None:
