@@ -239,3 +239,21 @@ def test_pretrained_metadata_that_is_no_object_is_said_or_scratch(bad):
     )
     weights = c["model"]["weights"]
     assert weights is None if bad.startswith('"') else weights["source"] == bad
+
+
+def test_the_card_files_are_evaluate_outputs_and_the_reports_are_committed():
+    import yaml
+
+    from conftest import REPO
+
+    evaluate = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["evaluate"]
+    outs = {
+        (o if isinstance(o, str) else next(iter(o))): ({} if isinstance(o, str) else o)
+        for o in evaluate["outs"]
+    }
+    for kind in ("md", "json"):
+        report = f"reports/model_card.{kind}"
+        assert outs[report] == {report: {"cache": False}}
+        assert f"models/model.card.{kind}" in outs  # cached beside the model, as the reference
+    gitignore = (REPO / ".gitignore").read_text().splitlines()
+    assert {"!/reports/model_card.md", "!/reports/model_card.json"} <= set(gitignore)
