@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from starlette.testclient import TestClient
-from test_serve_unit import service_client, write_tiny_model
+from test_ui import client, model  # noqa: F401 - the demo page's app on a tiny model
 
 from trainyard.runtime.model_file import card_beside
 from trainyard.serve.card_page import card_format
@@ -19,19 +17,8 @@ CARD_MD = "# Model card: tiny\n\n| class | F1 |\n|---|---|\n| a | 0.5 |\n"
 CARD_JSON = {"schema": 1, "name": "tiny", "quality": {"test": {"accuracy": 0.5}}}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    path, _ = write_tiny_model(tmp_path_factory.mktemp("card-model"))
-    return path
-
-
-@pytest.fixture(scope="module")
-def client(model) -> Iterator[TestClient]:
-    yield from service_client(model, batching=False)
-
-
 @pytest.fixture
-def with_card(model) -> Iterator[None]:
+def with_card(model) -> Iterator[None]:  # noqa: F811
     """The card beside the model, as evaluate writes it; removed again after the test."""
     card_beside(model, "md").write_text(CARD_MD, encoding="utf-8")
     card_beside(model, "json").write_text(json.dumps(CARD_JSON), encoding="utf-8")
@@ -40,7 +27,7 @@ def with_card(model) -> Iterator[None]:
         card_beside(model, kind).unlink()
 
 
-def test_a_model_without_a_card_is_a_clear_404(client):
+def test_a_model_without_a_card_is_a_clear_404(client):  # noqa: F811
     resp = client.get("/card")
     assert resp.status_code == 404
     assert resp.json()["error"].startswith("no card for this model: model.card.md is not beside")
@@ -49,7 +36,7 @@ def test_a_model_without_a_card_is_a_clear_404(client):
     assert meta["card"] is None and "GET /card" in meta["endpoints"]
 
 
-def test_the_card_is_markdown_by_default_and_json_when_asked(client, with_card):
+def test_the_card_is_markdown_by_default_and_json_when_asked(client, with_card):  # noqa: F811
     md = client.get("/card")
     assert md.status_code == 200 and md.text == CARD_MD
     assert md.headers["content-type"] == "text/markdown; charset=utf-8"
@@ -67,7 +54,7 @@ def test_the_card_is_markdown_by_default_and_json_when_asked(client, with_card):
     assert client.get("/metadata").json()["card"] == "/card"
 
 
-def test_an_unknown_paths_404_lists_the_card(client):
+def test_an_unknown_paths_404_lists_the_card(client):  # noqa: F811
     resp = client.get("/no-such-page")
     assert resp.status_code == 404 and "GET /card" in resp.json()["error"]
 
