@@ -13,7 +13,7 @@ import pytest
 from trainyard import cli
 from trainyard.core.io import sha256_file
 from trainyard.runtime.model_file import card_beside
-from trainyard.track.registry import MAX_DESCRIPTION, description_of
+from trainyard.track.version_card import MAX_DESCRIPTION, description_of
 
 from conftest import fashion_card, write_tiny_onnx
 
@@ -27,7 +27,8 @@ def registered(mlflow_db, tmp_path_factory):
     from a run evaluated before cards: (tracking URI, run ids, v1's model file)."""
     import mlflow
 
-    from trainyard.track.registry import describe_version, log_onnx_model, register_and_promote
+    from trainyard.track.registry import log_onnx_model, register_and_promote
+    from trainyard.track.version_card import describe_version
     from trainyard.track.versions import CARD_ARTIFACT_DIR
 
     uri, experiment = mlflow_db

@@ -22,8 +22,9 @@ from trainyard.stages.runner import stage_main
 from trainyard.track.continued_runs import log_to_open_run, logging_into, open_run
 from trainyard.track.lineage import git_state
 from trainyard.track.quantized import int8_tags
-from trainyard.track.registry import describe_version, register_and_promote, tag_reference
+from trainyard.track.registry import register_and_promote, tag_reference
 from trainyard.track.store import DVC_EXP_NAME, in_temp_workspace, tracking_client
+from trainyard.track.version_card import describe_version
 from trainyard.track.versions import CARD_ARTIFACT_DIR, REFERENCE_ARTIFACT
 from trainyard.watch.reference import reference_from_predictions, sample_rows, save_reference
 
