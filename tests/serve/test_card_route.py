@@ -80,3 +80,30 @@ def test_card_format(query, accept, kind):
 def test_an_int8_models_card_is_its_fp32_models(tmp_path):
     assert card_beside(tmp_path / "model.int8.onnx", "json") == tmp_path / "model.card.json"
     assert card_beside(tmp_path / "model.onnx", "md") == tmp_path / "model.card.md"
+
+
+def test_a_registry_models_card_is_fetched_beside_it_or_said_missing(tmp_path, caplog):
+    """Serving models:/...: start-up (and each swap) asks the registry for both cards, into
+    the cache where the version's model.onnx lands; a version without one is a log line."""
+    from types import SimpleNamespace
+
+    from trainyard.core.errors import TrackingError
+    from trainyard.core.model_ref import parse_model_ref
+    from trainyard.serve.startup import Startup
+
+    ref, asked = parse_model_ref("models:/clf/2", "serve.model"), []
+
+    class Registry:
+        def fetch_card(self, got, cache, kind):
+            asked.append((got, cache, kind))
+            if got.version == "3":
+                raise TrackingError(f"{got} (v3) has no model card")
+            return tmp_path
+
+    begun = SimpleNamespace(registry=Registry(), settings=SimpleNamespace(cache_dir=tmp_path))
+    Startup.fetch_card(begun, ref)  # type: ignore[arg-type]
+    assert asked == [(ref, tmp_path, "json"), (ref, tmp_path, "md")]
+    with caplog.at_level("INFO", logger="bentoml.serve.trainyard"):
+        Startup.fetch_card(begun, parse_model_ref("models:/clf/3", "serve.model"))  # type: ignore[arg-type]
+    assert "models:/clf/3: no model card for GET /card" in caplog.text
+    Startup.fetch_card(SimpleNamespace(registry=None), ref)  # type: ignore[arg-type]  # a bento
