@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from trainyard.commands import (
+    card,
     doctor,
     drift_check,
     exps,
@@ -30,6 +31,7 @@ COMMANDS = [
     drift_check,
     promote,
     rollback,
+    card,
     exps,
 ]
 

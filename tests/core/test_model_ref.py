@@ -313,7 +313,7 @@ def test_mlflow_registry_is_the_protocol_method_for_method():
     from trainyard.track.model_refs import MlflowRegistry
 
     wanted = {n for n, f in vars(ModelRegistry).items() if inspect.isfunction(f) and n[0] != "_"}
-    assert wanted == {"fetch", "fetch_int8", "fetch_reference", "follow"}
+    assert wanted == {"fetch", "fetch_int8", "fetch_reference", "fetch_card", "follow"}
     for name in wanted:
         protocol = inspect.signature(getattr(ModelRegistry, name))
         assert inspect.signature(getattr(MlflowRegistry, name)) == protocol, name

@@ -14,7 +14,7 @@ import yaml
 
 from trainyard.core.handoffs import REGISTRY_RECORD, TRAIN_RECORD, RegistryRecord, TrainRecord
 
-from conftest import copy_reproduced, dvc, run_ok, set_params, train_concurrently
+from conftest import VENV_BIN, copy_reproduced, dvc, run_ok, set_params, train_concurrently
 
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
@@ -133,6 +133,33 @@ def test_first_version_is_champion_and_its_file_is_the_exported_one(repo):
         "models:/fashion-mnist-classifier@champion", dst_path=str(repo / "dl")
     )
     assert hashlib.sha256((Path(folder) / "model.onnx").read_bytes()).hexdigest() == sha
+
+
+def test_evaluate_writes_the_model_card_logs_it_and_describes_the_version(repo):
+    """The card of the real model: in reports/ and beside it, in the run, as the version's
+    description, and what `trainyard card models:/NAME@champion` prints."""
+    from mlflow.tracking import MlflowClient
+
+    markdown = (repo / "reports/model_card.md").read_text()
+    card = json.loads((repo / "reports/model_card.json").read_text())
+    assert (repo / "models/model.card.md").read_text() == markdown
+    assert json.loads((repo / "models/model.card.json").read_text()) == card
+    assert markdown.startswith("# Model card: fashion-mnist-classifier\n")
+    sha = (repo / "models/model.onnx.sha256").read_text().split()[0]
+    assert card["model"]["onnx_sha256"] == sha and card["registry"]["version"] == 1
+    metrics = json.loads((repo / "reports/metrics.json").read_text())
+    assert card["quality"]["test"] == metrics["test"]
+    assert card["data"]["data_version"].endswith(".dir")  # DVC's hash of data/prepared
+    assert card["model"]["recipe"]  # the train run's recipe.<key> tags
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
+    version = client.get_model_version("fashion-mnist-classifier", "1")
+    assert version.description == markdown
+    logged = {a.path for a in client.list_artifacts(version.run_id, "model_card")}
+    assert logged == {"model_card/model_card.md", "model_card/model_card.json"}
+    ref = "models:/fashion-mnist-classifier@champion"
+    uri = f"sqlite:///{repo}/mlflow.db"
+    out = run_ok([str(VENV_BIN / "trainyard"), "card", ref], repo, MLFLOW_TRACKING_URI=uri)
+    assert out.stdout == markdown
 
 
 def test_worse_train_params_rerun_train_export_evaluate_only_and_become_challenger(repo):

@@ -258,6 +258,7 @@ def pipeline_repo(reproduced_pipeline, tmp_path_factory) -> Path:
     service load), plus decoys that a loose include pattern would pick up."""
     repo = copy_reproduced(reproduced_pipeline, tmp_path_factory.mktemp("bento") / "trainyard")
     assert (repo / "models/model.reference.npz").is_file()
+    assert (repo / "models/model.card.json").is_file()
     run = repo / "mlruns" / "0" / "decoy-run" / "artifacts"
     for rel, data in {
         "config/params.yaml": (repo / "params.yaml").read_bytes(),  # MLflow's copy
@@ -371,6 +372,8 @@ def test_bento_holds_only_the_service_its_modules_params_and_the_verified_model(
         "models/model.onnx",
         "models/model.onnx.sha256",
         "models/model.reference.npz",  # evaluate's: the drift score on /metrics
+        "models/model.card.md",  # evaluate's model card: GET /card
+        "models/model.card.json",
         *modules,
         # the demo page at /ui (trainyard.serve.ui_routes), served from the package's files
         "trainyard/serve/ui/index.html",
@@ -552,6 +555,12 @@ def test_bento_from_a_clean_venv_answers_like_offline_onnx_runtime(
         # Served from the bento itself, not from the repository it was built in.
         assert Path(meta["model"]["path"]).resolve() == model_path.resolve()
         assert meta["classes"] == list(card.classes)
+        # The model card evaluate wrote travels in the bento and is served at /card.
+        assert meta["card"] == "/card"
+        shipped = requests.get(f"{url}/card?format=json", headers=auth, timeout=10)
+        assert shipped.status_code == 200, shipped.text
+        assert shipped.json()["model"]["onnx_sha256"] == meta["model"]["sha256"]
+        assert requests.get(f"{url}/card", headers=auth, timeout=10).text.startswith("# Model card")
 
         for n, (i, png) in enumerate(zip(picks, pngs, strict=True)):
             resp = requests.post(

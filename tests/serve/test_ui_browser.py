@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,10 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 from test_serving import API_KEY, keyed_server, server  # noqa: F401
 
-from conftest import REPO
+from trainyard.evaluation.model_card import build_card, card_markdown, with_registration
+from trainyard.runtime.model_file import card_beside
+
+from conftest import REPO, fashion_card
 
 pytestmark = pytest.mark.slow
 
@@ -188,6 +192,9 @@ def test_page_shows_the_apis_answer_for_an_uploaded_test_image(
     classes = [li.text for li in browser.find_elements(By.CSS_SELECTOR, "#classes li")]
     assert classes == meta["classes"]
     assert not browser.find_element(By.ID, "key-row").is_displayed()  # no key on this server
+    # This model has no card beside it: the panel says so, without a failed request.
+    assert meta["card"] is None
+    assert browser.find_element(By.ID, "model-card").text == "no card for this model"
 
     browser.find_element(By.ID, "file").send_keys(str(image))
     wait_for(browser, f"{top_k} bars", lambda d: len(bars(d)) == top_k)
@@ -295,5 +302,82 @@ def test_explain_overlays_the_heatmap_on_the_uploaded_image(server, test_set, br
     # Off again: the next answer has no heatmap, and none is shown.
     toggle.click()
     wait_for(browser, "the heatmap gone", lambda d: not heat.is_displayed() and len(bars(d)) > 0)
+
+
+# ---------------------------------------------------------------------------- the model card
+
+
+def made_up_card(sha256: str) -> dict:
+    """A model card for the served Fashion-MNIST model, from made-up scores (evaluate's
+    builder: tests/evaluation/test_model_card.py checks what it says)."""
+    dataset = fashion_card()
+    classes = list(dataset.classes)
+    k = len(classes)
+    cm = [[90 if i == j else (8 if (i, j) == (6, 0) else 0) for j in range(k)] for i in range(k)]
+    per_class = {
+        c: {"precision": 0.9, "recall": 0.9 - (0.1 if i == 6 else 0), "f1": 0.9 - i / 100}
+        | {"support": sum(cm[i])}
+        for i, c in enumerate(classes)
+    }
+    card = build_card(
+        name="fashion-mnist-classifier",
+        metadata={"arch": "cnn", "pretrained": "{}"},
+        dataset=dataset,
+        scores={"per_class": per_class, "confusion_matrix": cm},
+        metrics={
+            "test": {"accuracy": 0.9012, "macro_f1": 0.8955, "samples": 908},
+            "calibration": {"temperature": 0.62, "ece": 0.014, "ece_uncalibrated": 0.092},
+        },
+        train={"run_id": "run-for-serving-tests", "epochs_run": 1, "best_epoch": 1},
+        onnx_sha256=sha256,
+        lineage={"git_commit": "c0ffee" * 6, "git_dirty": "false", "data_version": "a.dir"},
+        recipe={},
+        params={},
+    )
+    reg = {"model_name": "fashion-mnist-classifier", "version": 4, "alias": "champion"}
+    return with_registration(card, reg | {"reason": "first"})
+
+
+@pytest.fixture
+def carded(server, model_dir) -> Iterator[dict]:  # noqa: F811
+    """The served model with its card beside it (as evaluate leaves models/), removed after."""
+    meta = requests.get(f"{server.url}/metadata", timeout=10).json()
+    card = made_up_card(meta["model"]["sha256"])
+    paths = {kind: card_beside(model_dir / "model.onnx", kind) for kind in ("md", "json")}
+    paths["md"].write_text(card_markdown(card), encoding="utf-8")
+    paths["json"].write_text(json.dumps(card), encoding="utf-8")
+    try:
+        yield card
+    finally:
+        for path in paths.values():
+            path.unlink()
+
+
+def test_the_card_panel_shows_the_models_card(server, carded, browser):  # noqa: F811
+    browser.get(f"{server.url}/ui")
+    panel = browser.find_element(By.ID, "model-card")
+    wait_for(browser, "the card's tables", lambda d: panel.find_elements(By.TAG_NAME, "table"))
+    headings = [h.text for h in panel.find_elements(By.TAG_NAME, "h3")]
+    assert headings == [
+        "How good it is",
+        "Where it is weak",
+        "What it learned from",
+        "What the model is",
+    ]
+    text = panel.text
+    assert "0.9012 on 908 images" in text and "0.0140 at temperature 0.620" in text
+    # The per-class table: one row per class, the weakest confusion (Shirt taken for T-shirt).
+    tables = panel.find_elements(By.TAG_NAME, "table")
+    per_class = tables[1].find_elements(By.CSS_SELECTOR, "tbody tr")
+    assert [r.find_element(By.TAG_NAME, "td").text for r in per_class] == carded["data"]["classes"]
+    confused = tables[2].find_element(By.CSS_SELECTOR, "tbody tr").text
+    assert confused.startswith("Shirt T-shirt/top 8")
+    assert "fashion-mnist-classifier v4 (champion at registration)" in text
+    assert "trained from scratch" in text
+    links = {a.text: a.get_attribute("href") for a in panel.find_elements(By.TAG_NAME, "a")}
+    assert links == {
+        "the whole card (Markdown)": f"{server.url}/card",
+        "JSON": f"{server.url}/card?format=json",
+    }
     errors = [e["message"] for e in no_policy_violations(browser) if e["level"] == "SEVERE"]
     assert errors == [], errors

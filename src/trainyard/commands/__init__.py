@@ -73,5 +73,8 @@ class RegistryOnDemand:
     def fetch_reference(self, ref: ModelRef, cache_dir: Path) -> Path:
         return self._mlflow().fetch_reference(ref, cache_dir)
 
+    def fetch_card(self, ref: ModelRef, cache_dir: Path, kind: str) -> Path:
+        return self._mlflow().fetch_card(ref, cache_dir, kind)
+
     def follow(self, ref: ModelRef, current: str, cache_dir: Path) -> FetchedModel | None:
         return self._mlflow().follow(ref, current, cache_dir)

@@ -172,6 +172,10 @@ class ModelRegistry(Protocol):
         """That version's drift reference (evaluate's model.reference.npz)."""
         ...
 
+    def fetch_card(self, ref: ModelRef, cache_dir: Path, kind: str) -> Path:
+        """That version's model card (evaluate's; ``kind``: md or json), beside its model."""
+        ...
+
     def follow(self, ref: ModelRef, current: str, cache_dir: Path) -> FetchedModel | None:
         """For an alias: None while it still points at version ``current``, else the
         version it points at now, fetched; its provenance says the move's reason."""

@@ -284,6 +284,7 @@ def evaluate_onnx(
         "embeddings": embeddings,
         "classes": classes,
         "card": card,
+        "metadata": model.metadata,  # the ONNX model's (arch, pretrained weights: the card's)
     }
 
 

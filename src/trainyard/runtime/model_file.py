@@ -42,6 +42,20 @@ def int8_beside(model: Path) -> Path:
     return model.with_name(model.stem + INT8_SUFFIX)
 
 
+# evaluate writes the model card beside the fp32 model (models/model.onnx ->
+# models/model.card.json and .card.md), which the bento ships and GET /card serves, and as
+# reports/model_card.{json,md}, which it logs to the train run under model_card/.
+CARD_SUFFIXES = {"json": ".card.json", "md": ".card.md"}
+CARD_FILES = {"json": "model_card.json", "md": "model_card.md"}
+
+
+def card_beside(model: Path, kind: str) -> Path:
+    """Where evaluate writes ``model``'s card as ``kind`` (json or md); an int8 model's is
+    its fp32 model's (``model.int8.onnx`` -> ``model.card.json``)."""
+    stem = model.name.removesuffix(INT8_SUFFIX) if model.name.endswith(INT8_SUFFIX) else model.stem
+    return model.with_name(stem + CARD_SUFFIXES[kind])
+
+
 def precision_of(metadata: dict[str, str]) -> str:
     """``int8`` or ``fp32`` from a model's ONNX metadata (models without the key: fp32)."""
     return metadata.get(PRECISION_KEY) or "fp32"

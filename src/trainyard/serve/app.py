@@ -1,5 +1,6 @@
 """The routes that are not prediction endpoints, as a Starlette app the service mounts at /:
-GET /metadata (for curl and the demo page; the client's is the POST api method), the demo
+GET /metadata (for curl and the demo page; the client's is the POST api method), GET /card
+(the model card, trainyard.serve.card_page), the demo
 page /ui, the Swagger UI page /docs, / -> /docs, and a JSON 404/405 for any other path.
 
 BentoML matches its own routes (the ``@bentoml.api`` methods, probes, /metrics) first; this
@@ -16,13 +17,14 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Match, Route
 
+from trainyard.serve.card_page import card
 from trainyard.serve.metrics import count_refusal
 from trainyard.serve.predictor import Predictor
 from trainyard.serve.ui_routes import ui_routes
 
 # Listed in a 404 after the service's api methods (POST), which the service sets on start-up.
 PAGES = (
-    "GET /metadata, GET /ui, GET /docs, GET /docs.json, GET /healthz, GET /readyz, "
+    "GET /metadata, GET /card, GET /ui, GET /docs, GET /docs.json, GET /healthz, GET /readyz, "
     "GET /livez, GET /metrics"
 )
 ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
@@ -56,6 +58,7 @@ def build_app() -> Starlette:
         exception_handlers={404: not_found, 405: not_found},
         routes=[
             Route("/metadata", _metadata, methods=["GET"]),
+            Route("/card", card, methods=["GET"]),  # the model card (serve.card_page)
             *ui_routes(),
             Route("/docs", _docs_page, methods=["GET"]),
             Route("/", _to_docs, methods=["GET"]),

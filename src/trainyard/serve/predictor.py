@@ -34,7 +34,7 @@ from trainyard.runtime.inputs import (
     model_input,
     softmax,
 )
-from trainyard.runtime.model_file import precision_of
+from trainyard.runtime.model_file import card_beside, precision_of
 from trainyard.runtime.sessions import OnnxModel
 from trainyard.runtime.upload_frame import upload_heatmap
 from trainyard.serve.log_and_shadow import Observer, Seen
@@ -360,12 +360,15 @@ class Predictor:
             "classes": self.classes,
             # /classify?explain=1's method ("cam", "gradcam"); null: this model cannot.
             "explain": self.explain_method,
+            # GET /card: evaluate's model card beside the model file; null: none shipped.
+            "card": "/card" if card_beside(self.model_path, "json").is_file() else None,
             "dataset_card": self.card.contract(),
             "input": self._input_contract(),
             "endpoints": {
                 "POST /classify": CLASSIFY_USAGE + "; query or form: top_k, invert, explain",
                 "POST /classify_batch": BATCH_USAGE + "; query or form: top_k, invert",
                 "GET /metadata": "this document",
+                "GET /card": "the model card (Markdown; ?format=json for JSON)",
             },
             "source": self.provenance,
             "provider": self.model.provider,

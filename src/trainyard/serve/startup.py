@@ -23,6 +23,7 @@ from trainyard.core.config import ServeParams
 from trainyard.core.errors import TrainyardError
 from trainyard.core.host import x86_without_vnni
 from trainyard.core.model_ref import ModelRef, ModelRegistry, parse_model_ref, registered_version
+from trainyard.runtime.model_file import CARD_SUFFIXES
 from trainyard.runtime.sessions import choose_providers
 from trainyard.serve.batch_choice import ServePath, choose_path
 from trainyard.serve.drift_watch import reference_beside
@@ -102,8 +103,9 @@ class Startup:
         the drift score restarts against the new version's reference."""
         new.observer = old.observer
         new.inline_images = old.inline_images  # the alias's next version: the same pipeline's
+        name, number = new.provenance["registry_model"], new.provenance["registry_version"]
+        self.fetch_card(registered_version(name, number, "serve.model"))  # its GET /card
         if new.observer is not None:
-            name, number = new.provenance["registry_model"], new.provenance["registry_version"]
             reference = self.fetch_reference(registered_version(name, number, "serve.model"))
             new.observer.model_changed(reference_key(new), reference, self.settings.drift)
 
@@ -128,6 +130,17 @@ class Startup:
             "shed_paths": frozenset({"/classify"} if p.batching else ()),
             "shed": lambda: overloaded(p.max_latency_ms).response(),
         }
+
+    def fetch_card(self, ref: ModelRef) -> None:
+        """A registered version's model card, beside its downloaded model where GET /card
+        reads it; a version without one (or no MLflow) is said once and /card says so."""
+        if self.registry is None:
+            return
+        try:
+            for kind in CARD_SUFFIXES:
+                self.registry.fetch_card(ref, self.settings.cache_dir, kind)
+        except TrainyardError as err:
+            log.info("trainyard: %s: no model card for GET /card (%s)", ref, err)
 
     def fetch_reference(self, ref: ModelRef) -> Path | None:
         """The reference evaluate stored with a registered version; None without MLflow or
@@ -177,6 +190,8 @@ def start(load_registry: RegistryLoader) -> Startup:
         registry=registry,
         path=path,
     )
+    if settings.from_registry:
+        begun.fetch_card(settings.model_ref)
     # What the model saw on its test split (evaluate's model.reference.npz): drift score.
     begun.reference = (
         begun.fetch_reference(settings.model_ref)

@@ -1,6 +1,7 @@
 """DVC stage `evaluate`: the ONNX model on the full test set -> reports/ + the MLflow run."""
 
 import argparse
+import json
 import logging
 import os
 from pathlib import Path
@@ -8,19 +9,23 @@ from typing import Any
 
 import numpy as np
 
+from trainyard.core.card import load_card
 from trainyard.core.config import Params
 from trainyard.core.fit_history import HISTORY_FILE, read_history
 from trainyard.core.handoffs import ExportRecord, Registration, RegistryRecord, TrainRecord
 from trainyard.core.io import atomic_write_json, sha256_file
 from trainyard.core.pause_points import pause_point
 from trainyard.data.arrays import load_split
+from trainyard.evaluation import model_card
 from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.runner import stage_main
 from trainyard.track.continued_runs import log_to_open_run, logging_into, open_run
+from trainyard.track.lineage import git_state
 from trainyard.track.quantized import int8_tags
 from trainyard.track.registry import register_and_promote, tag_reference
 from trainyard.track.store import DVC_EXP_NAME, in_temp_workspace, tracking_client
-from trainyard.track.versions import REFERENCE_ARTIFACT
+from trainyard.track.version_card import describe_version
+from trainyard.track.versions import CARD_ARTIFACT_DIR, REFERENCE_ARTIFACT
 from trainyard.watch.reference import reference_from_predictions, sample_rows, save_reference
 
 # By name: run as `python -m`, __name__ is "__main__", outside the trainyard logger whose
@@ -65,8 +70,49 @@ def run(params: Params, args: argparse.Namespace) -> None:
         tag_reference(
             tracking_client(), registration.model_name, registration.version, sha256_file(reference)
         )
+    write_model_card(params, args, result, info, exported, registration)
     record = RegistryRecord(enabled=enabled, registration=registration)
     record.write(RegistryRecord.path_in(args.reports))
+
+
+def write_model_card(
+    params: Params,
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    info: TrainRecord,
+    exported: ExportRecord,
+    registration: Registration | None,
+) -> None:
+    """The model card (trainyard.evaluation.model_card) from metrics.json as written, the
+    dataset card and the train run's recipe and lineage: into reports/ and beside the model,
+    the train run's ``model_card/`` artifacts and the registry version's description."""
+    client = tracking_client()
+    tags = client.get_run(info.run_id).data.tags
+    git = git_state()  # the train run's tags name the commit that trained; older runs: now
+    card = model_card.build_card(
+        name=params.registry_model_name(),
+        metadata=result["metadata"],
+        dataset=load_card(args.data),
+        scores=result["metrics"],
+        metrics=json.loads(Path(args.reports, "metrics.json").read_text(encoding="utf-8")),
+        train=info.to_json(),
+        onnx_sha256=exported.onnx_sha256,
+        lineage={
+            "git_commit": tags.get("git.commit", git["git_commit"]),
+            "git_dirty": tags.get("git.dirty", git["git_dirty"]),
+            "data_version": info.data_version,
+        },
+        recipe=model_card.recipe_choices(tags),
+        params=model_card.changed_params(params.flat(), Params().flat()),
+    )
+    if registration is not None:
+        card = model_card.with_registration(card, registration.model_dump())
+    paths = model_card.write_card(card, args.reports, Path(args.models, "model.onnx"))
+    with logging_into(info.run_id, "evaluate"):
+        log_to_open_run(artifacts={path: CARD_ARTIFACT_DIR for path in paths.values()})
+    if registration is not None:
+        markdown = paths["md"].read_text(encoding="utf-8")
+        describe_version(client, registration.model_name, registration.version, markdown)
 
 
 def stage_metrics(

@@ -9,6 +9,8 @@ points build one ``MlflowRegistry`` and hand it down (trainyard.core.model_ref).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import tempfile
 from pathlib import Path
@@ -20,10 +22,11 @@ from mlflow.exceptions import MlflowException
 from trainyard.core.errors import TrackingError
 from trainyard.core.io import atomic_write_text, sha256_file
 from trainyard.core.model_ref import FetchedModel, ModelRef
-from trainyard.runtime.model_file import INT8_SUFFIX
+from trainyard.runtime.model_file import CARD_FILES, INT8_SUFFIX, card_beside
 from trainyard.track.quantized import INT8_ARTIFACT_TAG, INT8_SHA_TAG
 from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
 from trainyard.track.versions import (
+    CARD_ARTIFACT_DIR,
     DATA_TAG,
     PROMOTE_REASON_TAG,
     REFERENCE_ARTIFACT,
@@ -74,6 +77,31 @@ class MlflowRegistry:
             )
         dest = Path(cache_dir) / mv.name / str(mv.version) / "model.reference.npz"
         return download_verified(mv, REFERENCE_ARTIFACT, dest, expected, tracking_uri, what)
+
+    def fetch_card(self, ref: ModelRef, cache_dir: Path, kind: str) -> Path:
+        """The model card (``kind``: md or json) evaluate logged in the run of the version
+        ``ref`` names, beside that version's model.onnx in ``cache_dir`` (where GET /card
+        looks); a TrackingError when the run has none (evaluated before cards existed)."""
+        mv, tracking_uri = _version(ref)
+        dest = card_beside(Path(cache_dir) / mv.name / str(mv.version) / "model.onnx", kind)
+        artifact = f"{CARD_ARTIFACT_DIR}/{CARD_FILES[kind]}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+            try:  # quietly: MLflow's progress bar for a few KB would be most of the output
+                with contextlib.redirect_stderr(io.StringIO()):
+                    got = mlflow.artifacts.download_artifacts(
+                        artifact_uri=f"runs:/{mv.run_id}/{artifact}",
+                        dst_path=tmp,
+                        tracking_uri=tracking_uri,
+                    )
+            except (MlflowException, OSError) as err:
+                raise TrackingError(
+                    f"{ref.field}: {ref} (v{mv.version}) has no model card: its run "
+                    f"{mv.run_id} has no {artifact} (evaluated before evaluate wrote cards? "
+                    f"rerun `dvc repro evaluate` for that model): {err}"
+                ) from None
+            os.replace(got, dest)
+        return dest
 
     def follow(self, ref: ModelRef, current: str, cache_dir: Path) -> FetchedModel | None:
         """None while ``ref``'s alias still points at version ``current`` (one registry

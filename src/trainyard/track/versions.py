@@ -25,6 +25,9 @@ DECISION_TAG, PENDING = "decision", "pending"
 # REFERENCE_ARTIFACT, its sha256 tagged on the version so a download can be checked.
 REFERENCE_TAG = "reference_sha256"
 REFERENCE_ARTIFACT = "reference/model.reference.npz"
+# The model card (trainyard.evaluation.model_card): evaluate logs reports/model_card.{md,json}
+# into this folder of the train run; `trainyard card` reads them from there.
+CARD_ARTIFACT_DIR = "model_card"
 # What a move of `champion` by hand (trainyard promote / rollback, track.promotion) records
 # on the version it moves to; read by a following service too, for the reason it logs.
 PROMOTE_REASON_TAG = "promote.reason"

@@ -1,4 +1,5 @@
-// The demo page: GET metadata for the model card, POST classify for a dropped image.
+// The demo page: GET metadata for the model's identity, GET card?format=json for its model
+// card (when /metadata names one), POST classify for a dropped image.
 // Plain browser JavaScript, no build step. URLs are relative to the page (/ui), so the
 // page also works when the service sits behind a path prefix.
 "use strict";
@@ -78,6 +79,117 @@ function showCard(meta) {
   const topK = $("top-k");
   topK.max = String((meta.classes || []).length || 1);
   if (input.top_k) topK.value = String(input.top_k);
+  loadModelCard(meta.card);
+}
+
+// An element with text, and a table of rows of text: the card holds class names and
+// numbers only, always set as text (never as HTML).
+function el(tag, text, className) {
+  const node = document.createElement(tag);
+  if (text !== undefined) node.textContent = text;
+  if (className) node.className = className;
+  return node;
+}
+
+function table(head, rows) {
+  const t = el("table");
+  const tr = el("tr");
+  tr.append(...head.map((h) => el("th", h)));
+  const body = el("tbody");
+  body.append(...rows.map((r) => {
+    const row = el("tr");
+    row.append(...r.map((v) => el("td", v === null || v === undefined ? "—" : String(v))));
+    return row;
+  }));
+  const thead = el("thead");
+  thead.append(tr);
+  t.append(thead, body);
+  return t;
+}
+
+const num = (x, digits) => (typeof x === "number" ? x.toFixed(digits) : "—");
+const pct = (x) => (typeof x === "number" ? `${(100 * x).toFixed(1)}%` : "—");
+
+function qualityRows(q) {
+  const cal = q.calibration || {};
+  const rows = [
+    ["test accuracy", `${num(q.test.accuracy, 4)} on ${q.test.samples} images`],
+    ["macro F1", num(q.test.macro_f1, 4)],
+    ["calibration error (ECE)",
+      `${num(cal.ece, 4)} at temperature ${num(cal.temperature, 3)} (${num(cal.ece_uncalibrated, 4)} before)`],
+  ];
+  if (q.explain) {
+    const e = q.explain;
+    rows.push(["heatmap deletion test", `${e.passed ? "passed" : "failed"}: top 20% ` +
+      `-${pct(e.deletion_drop_top20)}, random 20% -${pct(e.deletion_drop_random20)}`]);
+  }
+  if (q.int8) rows.push(["int8 agreement", `${pct(q.int8.agreement)} of ${q.int8.samples}`]);
+  return rows;
+}
+
+function showModelCard(card) {
+  const m = card.model || {};
+  const q = card.quality || {};
+  const d = card.data || {};
+  const w = card.weak || {};
+  const reg = card.registry;
+  const weights = m.weights
+    ? `${m.weights.source} (licence: ${m.weights.license})`
+    : "trained from scratch";
+  const splits = ["train", "val", "test"].filter((s) => (d.counts || {})[s]);
+  const links = el("p", "", "card-links");
+  const md = el("a", "the whole card (Markdown)");
+  md.href = "card";
+  const json = el("a", "JSON");
+  json.href = "card?format=json";
+  links.append(md, " · ", json);
+  $("model-card").replaceChildren(
+    el("h3", "How good it is"),
+    table(["", ""], qualityRows(q)),
+    table(["class", "precision", "recall", "F1", "test images"], (q.per_class || []).map(
+      (r) => [r.class, num(r.precision, 3), num(r.recall, 3), num(r.f1, 3), r.support],
+    )),
+    el("h3", "Where it is weak"),
+    table(["true class", "taken for", "images", "share"], (w.confused_pairs || []).map(
+      (p) => [p.true, p.predicted, p.images, pct(p.share_of_true)],
+    )),
+    el("h3", "What it learned from"),
+    el("p", `${d.source}, DVC data version ${d.data_version || "—"}, git commit ` +
+      `${(d.git_commit || "").slice(0, 12) || "—"}`),
+    table(["class", ...splits], (d.classes || []).map(
+      (c) => [c, ...splits.map((s) => ((d.counts[s] || {}).per_class || {})[c])],
+    )),
+    el("h3", "What the model is"),
+    table(["", ""], [
+      ["architecture", m.arch],
+      ["weights", weights],
+      ["registry", reg
+        ? `${reg.model} v${reg.version} (${reg.alias_at_registration} at registration)`
+        : "not registered"],
+    ]),
+    links,
+  );
+}
+
+async function loadModelCard(url) {
+  const box = $("model-card");
+  if (!url) {
+    box.replaceChildren(el("p", "no card for this model", "no-card"));
+    return;
+  }
+  let resp;
+  try {
+    resp = await fetch("card?format=json", { headers: headers() });
+  } catch (err) {
+    box.replaceChildren(el("p", `GET /card failed: ${err.message}`, "no-card"));
+    return;
+  }
+  if (!resp.ok) {
+    const why = resp.status === 404 ? "no card for this model" : await errorText(resp);
+    box.replaceChildren(el("p", why, "no-card"));
+    return;
+  }
+  showModelCard(await resp.json());
 }
 
 // A model exported before its class activation maps cannot explain: no toggle to fail.
