@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from trainyard.commands import (
+    audit,
     doctor,
     drift_check,
     exps,
@@ -31,6 +32,7 @@ COMMANDS = [
     promote,
     rollback,
     exps,
+    audit,
 ]
 
 
