@@ -36,15 +36,17 @@ def add_parser(subparsers: Subparsers) -> None:
 class CmdAudit(Command):
     def run(self) -> int:
         """0 when the audit is written (suspects or not); 2 on bad input, named."""
+        from trainyard.data.sources.folder import folder_path
         from trainyard.stages.label_audit import AuditJob, audit_folder
 
         configure_logging("audit")
         a = self.args
         try:
             params = load_params(Path(a.params))
-            folder = Path(a.dir or params.data.folder or "")
             if not a.dir and not params.data.folder:
                 raise TrainyardError(f"no DIR given and data.folder is not set in {a.params}")
+            # data.folder as prepare reads it: relative to the workspace (params.yaml's)
+            folder = Path(a.dir) if a.dir else folder_path(params.data, Path(a.params).parent)
             if not folder.is_dir():
                 raise TrainyardError(f"{folder} is not a folder (a class-per-folder tree)")
             job = AuditJob(folder, Path(a.out), Path(a.cache))

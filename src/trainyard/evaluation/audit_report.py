@@ -165,8 +165,11 @@ def summary_counts(findings: Findings, images: Audited) -> dict[str, Any]:
     }
 
 
-def write_outputs(out: Path, findings: Findings, images: Audited) -> dict[str, Any]:
-    """suspects.csv, report.html, summary.json in ``out``; the summary."""
+def write_outputs(
+    out: Path, findings: Findings, images: Audited, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """suspects.csv, report.html, summary.json (the counts and ``extra``) in ``out``; the
+    summary."""
     rows = suspect_rows(findings, images)
     write_csv(out / "suspects.csv", rows)
     write_html(out / "report.html", findings, images, rows)
@@ -174,6 +177,7 @@ def write_outputs(out: Path, findings: Findings, images: Audited) -> dict[str, A
         "folder": str(images.root),
         "imbalanced": findings.imbalanced,
         "class_counts": findings.class_counts,
+        **extra,
     }
     atomic_write_json(out / "summary.json", summary)
     return summary

@@ -35,7 +35,7 @@ from trainyard.data.image_files import (
 from trainyard.data.image_size import background_fill
 from trainyard.data.splits import assign_splits
 from trainyard.data.walk import scan_folder
-from trainyard.evaluation.audit_findings import audit
+from trainyard.evaluation.audit_findings import TINY, TINY_DIM, audit, tiny_images
 from trainyard.evaluation.audit_report import Audited, write_outputs
 from trainyard.evaluation.embedding_cache import EmbeddingCache
 from trainyard.model.embeddings import EMBED_SIZE, Embedder, embedding_key
@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 CACHE = Path(".cache") / "audit"  # the embedding cache, beside the workspace's other caches
 OUT = Path("reports") / "audit"
-CHUNK = 256  # images decoded then embedded at a time: 38 MB of 224 px pixels
+BATCH = 256  # images decoded then embedded at a time: 38 MB of 224 px pixels
+CHUNK = 64  # files per pool task (prepare's)
 
 
 @dataclass(frozen=True)
@@ -58,56 +59,62 @@ class AuditJob:
 
 @dataclass
 class Embedded:
-    """What embedding cost: files embedded now (the others came from the cache)."""
+    """What the run cost: files embedded now (the others came from the cache), and the
+    model's forward passes (0 when everything was cached: no model is even loaded)."""
 
     computed: int = 0
     forward_passes: int = 0
 
 
+def _decode_chunk(
+    array: Path, paths: list[str], pool: FilePool, spec: dict[str, Any]
+) -> dict[int, str]:
+    """Decode ``paths`` into the rows of a new memory-mapped ``array`` (prepare's workers
+    and decoder); {row: why} for the files that failed."""
+    shape = (len(paths), 3, spec["height"], spec["width"])
+    np.lib.format.open_memmap(array, "w+", np.uint8, shape).flush()
+    calls = [
+        (str(array), list(range(s, min(s + CHUNK, len(paths)))), paths[s : s + CHUNK], spec)
+        for s in range(0, len(paths), CHUNK)
+    ]
+    return {slot: why for part in pool.map(decode_files, calls) for slot, why in part}
+
+
 def _embed_missing(
     files: list[ImageFile],
     hashes: list[str],
-    cache: EmbeddingCache,
+    caches: tuple[EmbeddingCache, EmbeddingCache],
     pool: FilePool,
     spec: dict[str, Any],
     bad: list[tuple[str, str]],
 ) -> Embedded:
-    """Decode and embed the files whose content is not in ``cache``; add them to it. The
-    files that fail to decode go to ``bad``."""
+    """Decode the files whose content is missing from either cache (embeddings, tiny
+    images), embed those missing embeddings, keep both. Failures go to ``bad``."""
+    vectors, tinies = caches
     todo: dict[str, int] = {}
     for i, h in enumerate(hashes):
-        if h not in cache:
+        if h not in vectors or h not in tinies:
             todo.setdefault(h, i)
-    done = Embedded()
-    if not todo:
-        return done
-    embedder = Embedder(EMBED_SIZE)
-    rows = list(todo.values())
-    shape = (3, spec["height"], spec["width"])
+    done, rows = Embedded(), list(todo.values())
+    embedder = Embedder(EMBED_SIZE) if any(hashes[i] not in vectors for i in rows) else None
     with tempfile.TemporaryDirectory(prefix="trainyard-audit-") as tmp:
-        for start in range(0, len(rows), CHUNK):
-            chunk = rows[start : start + CHUNK]
+        for start in range(0, len(rows), BATCH):
+            chunk = rows[start : start + BATCH]
             array = Path(tmp) / "pixels.npy"
-            np.lib.format.open_memmap(array, "w+", np.uint8, (len(chunk), *shape)).flush()
-            calls = [
-                (
-                    str(array),
-                    list(range(s, min(s + 64, len(chunk)))),
-                    [str(files[i].path) for i in chunk[s : s + 64]],
-                    spec,
-                )
-                for s in range(0, len(chunk), 64)
-            ]
-            failed = {slot: why for part in pool.map(decode_files, calls) for slot, why in part}
-            ok = [k for k in range(len(chunk)) if k not in failed]
+            failed = _decode_chunk(array, [str(files[i].path) for i in chunk], pool, spec)
             bad += [(files[chunk[k]].rel, why) for k, why in failed.items()]
+            ok = [k for k in range(len(chunk)) if k not in failed]
             pixels = np.load(array, mmap_mode="r")
-            vectors = embedder.embed(pixels[ok]) if ok else np.empty((0, embedder.dim))
-            cache.add([hashes[chunk[k]] for k in ok], vectors)
-            done.computed += len(ok)
+            tinies.add([hashes[chunk[k]] for k in ok], tiny_images(pixels[ok]))
+            new = [k for k in ok if hashes[chunk[k]] not in vectors]
+            if new and embedder is not None:
+                vectors.add([hashes[chunk[k]] for k in new], embedder.embed(pixels[new]))
+                done.computed += len(new)
             del pixels
-    cache.save()
-    done.forward_passes = embedder.calls
+    if rows:
+        vectors.save()
+        tinies.save()
+    done.forward_passes = embedder.calls if embedder is not None else 0
     return done
 
 
@@ -139,25 +146,28 @@ def audit_folder(params: Params, job: AuditJob) -> dict[str, Any]:
         fill = background_fill(clear[0], len(files), clear[1], params.seed)
         spec = decode_spec(params.data, 3, max_pixels, (EMBED_SIZE, EMBED_SIZE), fill)
         key = f"{embedding_key(EMBED_SIZE)}-{spec['resize']}-fill{fill}"
-        cache = EmbeddingCache(job.cache, key, Embedder.dim)
-        embedded = _embed_missing(files, hashes, cache, pool, spec, bad)
+        vectors = EmbeddingCache(job.cache, key, Embedder.dim)
+        tinies = EmbeddingCache(job.cache, f"tiny{TINY}-{spec['resize']}-fill{fill}", TINY_DIM)
+        embedded = _embed_missing(files, hashes, (vectors, tinies), pool, spec, bad)
     finally:
         pool.close()
     decoded = {b[0] for b in bad}
     keep = [i for i, f in enumerate(files) if f.rel not in decoded]
     files, hashes = [files[i] for i in keep], [hashes[i] for i in keep]
-    x = cache.get(hashes)
+    x, tiny = vectors.get(hashes), tinies.get(hashes)
     splits = _splits(files, scan.classes, params)
     labels = np.array([f.label for f in files], dtype=np.int64)
-    findings = audit(x, labels, splits, hashes, scan.classes, params.seed)
+    findings = audit(x, tiny, labels, splits, hashes, scan.classes, params.seed)
     images = Audited(
         root, [f.rel for f in files], [f.path for f in files], labels, splits, scan.classes, bad
     )
-    summary = write_outputs(job.out, findings, images) | {
+    extra = {
         "model": key,
         "embedded": embedded.computed,
+        "forward_passes": embedded.forward_passes,
         "seconds": round(time.perf_counter() - t0, 2),
     }
+    summary = write_outputs(job.out, findings, images, extra)
     log.info(
         "audit of %d images (%d embedded now) in %.1f s: %d label issue(s), %d duplicate(s) "
         "across splits, %d outlier(s); %s",
