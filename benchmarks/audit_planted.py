@@ -122,8 +122,6 @@ def score(planted: Planted, rows: list[dict[str, str]]) -> dict[str, Any]:
         for r in rows
         if "across splits" in r["reason"]
     }
-    planted_pairs = {("exact duplicate", f) for f in planted.exact}
-    planted_pairs |= {("near duplicate", f) for f in planted.near}
     across = [r for r in rows if "across splits" in r["reason"]]
     extra = [
         r
@@ -147,5 +145,4 @@ def score(planted: Planted, rows: list[dict[str, str]]) -> dict[str, Any]:
         "near_planted": len(planted.near),
         "near_found": sum(("near duplicate", f) in named for f in planted.near),
         "other_pairs_across_splits": len(extra),
-        "planted_pairs_named": len(planted_pairs & named),
     }

@@ -26,13 +26,13 @@ COMMANDS = [
     doctor,
     tune,
     pr_report,
+    audit,
     predict_files,
     predict_merge,
     drift_check,
     promote,
     rollback,
     exps,
-    audit,
 ]
 
 

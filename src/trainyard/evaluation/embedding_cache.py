@@ -40,12 +40,14 @@ class EmbeddingCache:
         return sha256 in self.rows
 
     def add(self, hashes: Sequence[str], vectors: np.ndarray) -> None:
-        """Keep ``vectors`` (one row per hash) in memory until ``save``."""
-        fresh = [i for i, h in enumerate(hashes) if h not in self.rows]
-        start = len(self.rows)
-        for k, i in enumerate(fresh):
-            self.rows[hashes[i]] = start + k
-        self._new.append(np.asarray(vectors, np.float32)[fresh])
+        """Keep ``vectors`` (one row per hash; a hash already kept, or twice, once) in
+        memory until ``save``."""
+        fresh = []
+        for i, h in enumerate(hashes):
+            if h not in self.rows:
+                self.rows[h] = len(self.rows)
+                fresh.append(i)
+        self._new.append(np.asarray(vectors, np.float32)[fresh].reshape(-1, self.dim))
 
     def get(self, hashes: Sequence[str]) -> np.ndarray:
         """float32 ``[len(hashes), D]``; every hash must be in the cache."""
