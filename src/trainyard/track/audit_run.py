@@ -8,13 +8,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from mlflow.exceptions import MlflowException
-
 from trainyard import __version__
 from trainyard.core.config import Params
-from trainyard.core.errors import TrackingError
 from trainyard.track.lineage import git_state
-from trainyard.track.outage import unreachable
+from trainyard.track.outage import recording
 from trainyard.track.store import ensure_experiment, resolve_tracking_uri, tracking_client
 
 log = logging.getLogger(__name__)
@@ -26,7 +23,7 @@ def record_audit_run(params: Params, summary: dict[str, Any], out: Path) -> str:
     """Log the audit's ``summary`` and the files in ``out`` as a new finished run; its id."""
     uri = resolve_tracking_uri()
     client = tracking_client(uri)
-    try:
+    with recording(uri, "the audit run"):
         experiment = ensure_experiment(uri, params.experiment_name())
         run = client.create_run(
             experiment,
@@ -43,8 +40,5 @@ def record_audit_run(params: Params, summary: dict[str, Any], out: Path) -> str:
             if (out / name).is_file():
                 client.log_artifact(run_id, str(out / name), "audit")
         client.set_terminated(run_id, "FINISHED")
-    except MlflowException as err:
-        why = unreachable(err) or err.message
-        raise TrackingError(f"MLflow at {uri}: could not record the audit run ({why})") from None
     log.info("MLflow run %s (audit) in %s", run_id, uri)
     return run_id
