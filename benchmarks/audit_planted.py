@@ -130,6 +130,11 @@ def score(planted: Planted, rows: list[dict[str, str]]) -> dict[str, Any]:
         and r["other_file"] not in planted.exact + planted.near
     ]
     suggested = sum(planted.flipped.get(r["file"]) == r["suggested_label"] for r in top)
+    # The target reads the list from the top: the most flips found while at least
+    # 70% of the suspects read so far are flips.
+    hit = np.cumsum([r["file"] in planted.flipped for r in labels])
+    keep = [m for m in range(len(labels)) if hit[m] >= 0.7 * (m + 1)]
+    at_70 = int(hit[keep[-1]]) if keep else 0
     return {
         "images": planted.images,
         "flipped": k,
@@ -140,6 +145,8 @@ def score(planted: Planted, rows: list[dict[str, str]]) -> dict[str, Any]:
             sum(r["file"] in planted.flipped for r in labels) / max(1, k), 3
         ),
         "suggested_right": round(suggested / max(1, hits), 3),
+        "recall_at_precision_70": round(at_70 / max(1, k), 3),
+        "suspects_read_at_precision_70": keep[-1] + 1 if keep else 0,
         "exact_planted": len(planted.exact),
         "exact_found": sum(("exact duplicate", f) in named for f in planted.exact),
         "near_planted": len(planted.near),

@@ -63,9 +63,10 @@ def one_folder(name: str, work: Path, seed: int, per_class: int) -> dict[str, An
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| folder | images | flipped | label suspects | precision@k | recall@k | exact found "
-        "| near found | other pairs across splits | audit s (uncached / cached) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| folder | images | flipped | label suspects | precision@k | recall@k "
+        "| recall at precision 0.7 | exact found | near found | other pairs across splits "
+        "| audit s (uncached / cached) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         s = r["seconds"]
@@ -74,6 +75,7 @@ def table(results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {r['folder']} | {f['images']} | {f['flipped']} ({key[5:]}%) "
                 f"| {f['label_suspects']} | {f['precision_at_k']} | {f['recall_at_k']} "
+                f"| {f['recall_at_precision_70']} (first {f['suspects_read_at_precision_70']}) "
                 f"| {f['exact_found']}/{f['exact_planted']} "
                 f"| {f['near_found']}/{f['near_planted']} "
                 f"| {f['other_pairs_across_splits']} "

@@ -63,5 +63,7 @@ def test_score_counts_hits_misses_and_other_pairs(tmp_path):
     assert found["flipped"] == 6 and found["label_suspects"] == 7
     assert found["precision_at_k"] == found["recall_at_k"] == round(5 / 6, 3)
     assert found["recall_all_suspects"] == 1.0 and found["suggested_right"] == 0.8
+    # read from the top: 4/4, then 4/5, 5/6, 6/7 flips, all at least 70%
+    assert found["recall_at_precision_70"] == 1.0 and found["suspects_read_at_precision_70"] == 7
     assert (found["exact_found"], found["near_found"]) == (1, 1)
     assert found["other_pairs_across_splits"] == 1
