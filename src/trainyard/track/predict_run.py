@@ -16,9 +16,8 @@ from mlflow.exceptions import MlflowException
 
 from trainyard import __version__
 from trainyard.core.config import Params
-from trainyard.core.errors import TrackingError
 from trainyard.track.lineage import git_state
-from trainyard.track.outage import unreachable
+from trainyard.track.outage import recording
 from trainyard.track.store import ensure_experiment, resolve_tracking_uri, tracking_client
 
 log = logging.getLogger(__name__)
@@ -42,7 +41,7 @@ def record_predict_run(params: Params, summary: dict[str, Any], name: str) -> st
     uri = resolve_tracking_uri()
     client = tracking_client(uri)
     model, source, speed = summary["model"], summary["source"], summary["speed"]
-    try:
+    with recording(uri, "the predict run"):
         run = client.create_run(
             _experiment(client, uri, summary, params),
             run_name=name,
@@ -76,9 +75,6 @@ def record_predict_run(params: Params, summary: dict[str, Any], name: str) -> st
             client.log_metric(run_id, key, value)
         client.log_dict(run_id, summary, "predict/summary.json")
         client.set_terminated(run_id, "FINISHED")
-    except MlflowException as err:
-        why = unreachable(err) or err.message
-        raise TrackingError(f"MLflow at {uri}: could not record the predict run ({why})") from None
     log.info("MLflow run %s (predict) in %s", run_id, uri)
     return run_id
 
