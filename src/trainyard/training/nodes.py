@@ -31,14 +31,14 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import Strategy
 
-from trainyard.core.card import Card, load_card
+from trainyard.core.card import Card
 from trainyard.core.config import TrainParams
 from trainyard.core.errors import ParamsError, TrainyardError
 from trainyard.track.store import check_tracking_uri
 from trainyard.training.builder import RESUME_ROOT, build_trainer
 from trainyard.training.device import Hardware
 from trainyard.training.recipe import RECIPE_FILE, Plan, describe, load_plan, plan
-from trainyard.training.resume import LAST_CKPT, resume_key
+from trainyard.training.resume import LAST_CKPT, resume_folder
 
 if TYPE_CHECKING:
     from trainyard.training.job import TrainJob, Workspace
@@ -220,30 +220,24 @@ def what_trains(
 @dataclass(frozen=True)
 class Agreement:
     """What every rank trains, settled before the fit: this process's place among the
-    ranks, the prepared data's card, the resume key and folder, and the recipe's plan."""
+    ranks and the recipe's plan."""
 
     nodes: Nodes
-    card: Card
-    key: str  # resume_key: the job as written, the data, the code and the store
-    folder: Path  # the resume folder of ``key``
     plan: Plan
 
 
-def agree(job: TrainJob, ws: Workspace, hw: Hardware) -> Agreement:
-    """Join the other ranks (``join_nodes``) and settle what the fit trains. Across nodes
-    rank 0 alone checks the tracking store and plans (``plan_training``), after every rank
-    showed it would train the same thing (``what_trains``), and every rank trains its plan:
-    ranks timing their own probes planned different epochs, and DDP hangs when one rank
-    stops before the others."""
+def agree(job: TrainJob, ws: Workspace, hw: Hardware, card: Card, key: str) -> Agreement:
+    """Join the other ranks (``join_nodes``) and settle what the fit trains on ``card``'s
+    data; an interrupted run of the same job (its resume ``key``) keeps the plan it made.
+    Across nodes rank 0 alone checks the tracking store and plans (``plan_training``),
+    after every rank showed it would train the same thing (``what_trains``), and every rank
+    trains its plan: ranks timing their own probes planned different epochs, and DDP hangs
+    when one rank stops before the others."""
     nodes = join_nodes(job.train, hw.accelerator)
+    folder = resume_folder(ws.root, key)
     if not nodes.joined:
         check_tracking_uri(ws.uri)  # before any work: a dead server fails in seconds
-    card = load_card(ws.data_dir)
-    # From the job as written (auto keys, not the plan): a rerun after a kill finds its run.
-    key = resume_key(job, card.data_sha256, ws.uri, ws.out_dir)
-    folder = ws.root / RESUME_ROOT / key
-    if not nodes.joined:
-        return Agreement(nodes, card, key, folder, plan_training(job, card, ws, hw, folder))
+        return Agreement(nodes, plan_training(job, card, ws, hw, folder))
 
     def decide() -> Plan:
         check_tracking_uri(ws.uri)
@@ -254,16 +248,14 @@ def agree(job: TrainJob, ws: Workspace, hw: Hardware) -> Agreement:
     if not nodes.lead:
         for line in describe(recipe):  # what this rank trains: rank 0's choices
             log.info("%s", line)
-    return Agreement(nodes, card, key, folder, recipe)
+    return Agreement(nodes, recipe)
 
 
-def plan_training(
-    job: TrainJob, card: Card, ws: Workspace, hw: Hardware, resume_folder: Path
-) -> Plan:
+def plan_training(job: TrainJob, card: Card, ws: Workspace, hw: Hardware, folder: Path) -> Plan:
     """The recipe's plan for this data and hardware (trainyard.training.recipe), said once per
-    choice; an interrupted run of the same job (its ``resume_folder``) resumes with the
+    choice; an interrupted run of the same job (its resume ``folder``) resumes with the
     plan it made."""
-    recipe = load_plan(resume_folder / RECIPE_FILE, job.train) or plan(
+    recipe = load_plan(folder / RECIPE_FILE, job.train) or plan(
         job.train, card, ws.data_dir, hw.accelerator, hw.precision, hw.device
     )
     for line in describe(recipe):
