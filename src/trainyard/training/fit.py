@@ -55,7 +55,7 @@ def train(job: TrainJob, ws: Workspace, extras: RunExtras | None = None) -> Trai
     Returns the record written, or None on a DDP rank other than 0 (which writes nothing).
     """
     extras = extras or RunExtras()
-    hw = resolve_hardware(job.train)
+    hw = resolve_hardware(job.train.accelerator, job.train.precision)
     card = load_card(ws.data_dir)  # the prepared data, described once for every step
     # From the job as written (auto keys, not the plan): a rerun after a kill finds its run.
     key = resume_key(job, card.data_sha256, ws.uri, ws.out_dir)
