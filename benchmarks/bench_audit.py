@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     text = (
         f"## Audit\n\n{provenance('benchmarks.bench_audit', argv)['date']}, "
         f"`python -m benchmarks.bench_audit {' '.join(argv or sys.argv[1:])}`, "
-        f"{cpu_facts().get('cores', '?')} cores (load {load_facts()['loadavg']} at the "
+        f"{cpu_facts().get('cores', '?')} cores (load {load_facts()['loadavg']:.1f} at the "
         "end: a shared machine). k = the number flipped; a planted copy is found when a row "
         "of suspects.csv across splits names it.\n\n" + table(results)
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import test_predict
 from PIL import Image
 
 from trainyard.bulk import command_line, engine
@@ -23,22 +24,10 @@ from trainyard.bulk.engine import process_age
 from trainyard.bulk.listing import list_inputs
 from trainyard.bulk.where_to_score import POOL_START_S, choose_place
 
-from conftest import REPO, make_card, make_photo_folder, stage_env, write_tiny_onnx
+from conftest import REPO, stage_env
 
-CLASSES = ("circle", "square", "triangle")
-CARD = make_card(CLASSES, (3, 12, 12), (0.5, 0.4, 0.3), (0.25, 0.2, 0.3), resize="crop")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    path, _weights = write_tiny_onnx(tmp_path_factory.mktemp("model"), CARD)
-    return path
-
-
-@pytest.fixture(scope="module")
-def photos(tmp_path_factory) -> tuple[Path, dict]:
-    root = tmp_path_factory.mktemp("photos") / "photos"
-    return root, make_photo_folder(root, per_class=10, bad=True)
+# test_predict's tiny model and photo folder (module fixtures), and the card they share.
+CARD, model, photos = test_predict.CARD, test_predict.model, test_predict.photos
 
 
 def options(source: Path, out: Path, model: Path, *extra: str) -> command.PredictOptions:

@@ -62,6 +62,10 @@ def test_metrics_file_has_test_and_export_parity(repo):
     assert metrics["export"]["samples"] == 1000
     shown = dvc(repo, "metrics", "show", "--json").stdout
     assert "test" in shown and "max_abs_diff" in shown
+    # The deletion test of the model's heatmaps (its verdict on a one-epoch model is open).
+    explain = metrics["explain"]
+    assert explain["deletion_drop_top20"] > 0 and isinstance(explain["passed"], bool)
+    assert explain["deletion_ratio"] is None or explain["deletion_ratio"] > 0
 
 
 def test_mlflow_run_holds_params_metrics_artifacts(repo):
@@ -76,6 +80,7 @@ def test_mlflow_run_holds_params_metrics_artifacts(repo):
     metrics = run.data.metrics
     test_acc = json.loads((repo / "reports/metrics.json").read_text())["test"]["accuracy"]
     assert metrics["test/accuracy"] == pytest.approx(test_acc)
+    assert metrics["test/deletion_drop_top20"] > 0 and "test/deletion_drop_random20" in metrics
     for key in ("val/acc", "val/loss", "train/loss_step", "export/max_abs_diff", "lr-AdamW"):
         assert key in metrics, key
     assert len(client.get_metric_history(run.info.run_id, "train/loss_step")) >= 2

@@ -58,9 +58,9 @@ def test_several_nodes_without_a_launcher_name_the_key(monkeypatch):
     with pytest.raises(
         ParamsError, match=r"train\.num_nodes is 2, but this process was not started"
     ):
-        join_nodes(tp, "cpu")
+        join_nodes(tp.num_nodes, tp.devices, "cpu")
     # One node, no launcher: the plain single process (or one machine's DDP), no probing.
-    assert join_nodes(tp.model_copy(update={"num_nodes": 1}), "cpu").world_size == 1
+    assert join_nodes(1, tp.devices, "cpu").world_size == 1
 
 
 def test_plain_launch_of_several_devices_a_node_needs_each_process_started():

@@ -22,7 +22,7 @@ HELP = "the DVC experiments table with only the columns people compare"
 # Metrics always shown when present (others only when they differ between rows);
 # reports/metrics.json's sample counts and provider describe the run, not its quality, and
 # the calibration's temperature and uncalibrated ECE how it was reached (calibration.ece,
-# the quality, stays).
+# the quality, stays), as do the deletion test's two drops (explain.deletion_ratio stays).
 KEY_METRICS = ("test.accuracy", "test.macro_f1", "train.best_val_acc", "train.fit_time_s")
 HIDDEN_METRICS = (
     "test.samples",
@@ -30,6 +30,9 @@ HIDDEN_METRICS = (
     "export.samples",
     "calibration.temperature",
     "calibration.ece_uncalibrated",
+    "explain.deletion_drop_top20",
+    "explain.deletion_drop_random20",
+    "explain.passed",
 )
 HIDDEN_PARAMS = ("tune.",)  # the search space shapes no single experiment
 CELL = 28  # widest cell in the plain table; longer values (folder paths) are cut in the middle

@@ -28,7 +28,8 @@ def collect_precision(params: Params) -> dict[str, Any]:
         return {"error": f"{type(err).__name__}: {err}"}
     out: dict[str, Any] = {"setting": params.train.precision, "error": None}
     try:
-        accelerator, precision, device = resolve_device(params.train)
+        train = params.train
+        accelerator, precision, device = resolve_device(train.accelerator, train.precision)
     except TrainyardError as err:
         return {**out, "accelerator": None, "precision": None, "device": None, "error": str(err)}
     return {**out, "accelerator": accelerator, "precision": precision, "device": device}

@@ -5,7 +5,8 @@
 - ``confusion_matrix.png`` (image counts) and ``confusion_matrix_normalized.png`` (the share
   of each actual class: the diagonal is the recall);
 - ``per_class.png``: precision and recall of each class;
-- ``mistakes.png``: the test images the model gets wrong most confidently;
+- ``mistakes.png``: the test images the model gets wrong most confidently, each with the
+  heatmap of the class it predicted;
 - ``reliability.png``: confidence against accuracy, with and without the graph's temperature.
 
 Each is drawn on a private ``Figure`` with an Agg canvas, not pyplot: no global backend
@@ -19,7 +20,7 @@ import contextlib
 import io
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import matplotlib
@@ -29,6 +30,8 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
+
+from trainyard.runtime.explain import overlay
 
 TICK_LABEL_CHARS = 24
 MAX_FIGURE_INCHES = 30.0
@@ -279,12 +282,13 @@ def mistakes_png(
     confidence: np.ndarray,
     classes: Sequence[str],
     limit: int = MAX_MISTAKES,
+    heatmaps: Mapping[int, np.ndarray] | None = None,
 ) -> bytes:
     """The grid of the most confident wrong predictions as a PNG (``draw_mistakes``)."""
     rows, cols = _grid(len(worst_mistakes(labels, preds, confidence, limit)))
     width, height = max(cols * 2.3, 6.0), rows * 2.75 + 0.9
     with _figure(width, height, _dpi(width, height, most=100.0)) as fig:
-        draw_mistakes(fig, images, labels, preds, confidence, classes, limit)
+        draw_mistakes(fig, images, labels, preds, confidence, classes, limit, heatmaps)
         return _png(fig)
 
 
@@ -296,16 +300,21 @@ def draw_mistakes(
     confidence: np.ndarray,
     classes: Sequence[str],
     limit: int = MAX_MISTAKES,
+    heatmaps: Mapping[int, np.ndarray] | None = None,
 ) -> list[Axes]:
     """Up to ``limit`` most confident wrong predictions on ``images`` (uint8 ``[N, C, H,
     W]``; only those shown are read, so a memmap stays on disk), most confident first, each
-    titled with its true class, the predicted one and the model's probability for it.
-    Returns the image cells in that order."""
+    titled with its true class, the predicted one and the model's probability for it, and
+    overlaid with its heatmap (``heatmaps``: image index -> the predicted class's map,
+    0..1 at the image's size; ``runtime.explain.overlay``, what the service draws) where
+    one is given. Returns the image cells in that order."""
     chosen = worst_mistakes(labels, preds, confidence, limit)
     wrong = int((np.asarray(labels) != np.asarray(preds)).sum())
     n = len(chosen)
+    heatmaps = heatmaps or {}
     fig.suptitle(
         f"The {n} most confident of {wrong} wrong predictions on {len(labels)} test images"
+        + ("\nheatmap: the region behind the predicted class" if heatmaps else "")
         if n
         else f"No wrong predictions on {len(labels)} test images",
         parse_math=False,
@@ -321,6 +330,8 @@ def draw_mistakes(
     pixels = dict(zip(in_file_order.tolist(), images[in_file_order], strict=True))
     for ax, index in zip(axes, chosen.tolist(), strict=False):
         picture, cmap = _as_picture(np.asarray(pixels[index]))
+        if index in heatmaps:
+            picture, cmap = overlay(picture, heatmaps[index]), None
         ax.imshow(picture, cmap=cmap, vmin=0, vmax=255, interpolation="nearest")
         ax.set_title(
             f"true: {tick_label(classes[labels[index]], 20)}\n"

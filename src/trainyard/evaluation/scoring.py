@@ -26,6 +26,7 @@ from trainyard.core.card import card_from_metadata, normalize_pixels
 from trainyard.core.errors import DataError, ModelError
 from trainyard.core.io import atomic_write_bytes, atomic_write_text
 from trainyard.core.pause_points import pause_point
+from trainyard.evaluation.deletion import explain_split
 from trainyard.evaluation.pictures import (
     confusion_png,
     learning_curves_png,
@@ -240,7 +241,9 @@ def evaluate_onnx(
     "predictions": int64 [N], "confidence": float32 [N] (softmax probability of the
     prediction), "embeddings": float32 [len(embedding_rows), D] (the model's embedding of
     those test images, sorted row indices; None without rows or without the model's
-    embedding output), "classes": the card's class names, "card"}``.
+    embedding output), "classes": the card's class names, "card", "heatmaps": test image
+    index -> the predicted class's heatmap, for the worst mistakes (empty for a model
+    without maps)}``; ``metrics["explain"]``: the deletion test (``evaluation.deletion``).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -274,6 +277,9 @@ def evaluate_onnx(
     )
     metrics = classification_metrics(labels.astype(np.int64), preds, classes)
     metrics["calibration"] = calibration_metrics(labels, preds, confidence, raw, temperature)
+    deletion, heatmaps = explain_split(model, images, labels, preds, confidence, card, batch_size)
+    if deletion is not None:  # a model exported before its maps has no deletion test
+        metrics["explain"] = deletion
     metrics["samples"] = int(labels.shape[0])
     metrics["provider"] = model.provider
     metrics["io_binding"] = model.io_binding  # bound on the device (CUDA) or plain run
@@ -285,6 +291,7 @@ def evaluate_onnx(
         "classes": classes,
         "card": card,
         "metadata": model.metadata,  # the ONNX model's (arch, pretrained weights: the card's)
+        "heatmaps": heatmaps,
     }
 
 
@@ -315,7 +322,9 @@ def write_reports(
             m["confusion_matrix"], classes, title, normalize=True
         ),
         "per_class_png": lambda: per_class_png(m["per_class"], classes, title),
-        "mistakes_png": lambda: mistakes_png(images, labels, preds, result["confidence"], classes),
+        "mistakes_png": lambda: mistakes_png(
+            images, labels, preds, result["confidence"], classes, heatmaps=result.get("heatmaps")
+        ),
         "curves_png": lambda: learning_curves_png(history, "Training history"),
         "reliability_png": lambda: reliability_png(
             {

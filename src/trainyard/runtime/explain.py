@@ -2,11 +2,11 @@
 this module: no torch, no matplotlib).
 
 The export writes ``cam`` [N, K, h, w] (``trainyard.export.cam``): per class, a map over
-the net's last feature maps, unrectified. ``heatmap`` keeps its positive part (what speaks
-*for* the class), scales it to 0..1 and upsamples it to the image's size; ``overlay_png``
-draws it over the image with a fixed colour map, ``heatmap_png`` alone. The ONNX metadata
-``explain`` says how the maps were made (``cam`` or ``gradcam``); a model exported before
-them has neither the key nor the output.
+the net's last feature maps, unrectified. ``upsample`` brings one to the image's size;
+``heatmap`` keeps its positive part (what speaks *for* the class) scaled to 0..1;
+``overlay_png`` draws that over the image with a fixed colour map, ``heatmap_png`` alone.
+The ONNX metadata ``explain`` says how the maps were made (``cam`` or ``gradcam``); a model
+exported before them has neither the key nor the output.
 """
 
 from __future__ import annotations
@@ -34,17 +34,23 @@ def explain_kind(metadata: dict[str, str]) -> str | None:
     return kind if kind in EXPLAIN_KINDS else None
 
 
-def heatmap(cam_row: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """One class's map [h, w] -> float32 [H, W] in 0..1 for an image ``size`` = (H, W):
-    the positive part, upsampled bilinearly, divided by its maximum (after the upsampling,
-    which at a scale that is no integer misses the peak: the hottest pixel is 1). All
-    zeros when nothing is positive (or the map is not finite)."""
-    cam = np.maximum(np.nan_to_num(np.asarray(cam_row, dtype=np.float32), nan=0.0), 0.0)
+def upsample(cam_row: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """One class's map [h, w] -> float32 [H, W] for an image ``size`` = (H, W), bilinear,
+    unrectified (NaN read as 0): what ranks the image's pixels (the deletion test)."""
+    cam = np.nan_to_num(np.asarray(cam_row, dtype=np.float32), nan=0.0, posinf=0.0, neginf=0.0)
     height, width = size
     small = Image.fromarray(np.ascontiguousarray(cam))  # mode F: 32-bit float
-    big = np.asarray(small.resize((width, height), Image.Resampling.BILINEAR), dtype=np.float32)
+    return np.asarray(small.resize((width, height), Image.Resampling.BILINEAR), dtype=np.float32)
+
+
+def heatmap(cam_row: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """One class's map [h, w] -> float32 [H, W] in 0..1 for an image ``size`` = (H, W):
+    upsampled bilinearly, its positive part (what speaks for the class), divided by its
+    maximum (after the upsampling, which at a scale that is no integer would miss the
+    peak: the hottest pixel is 1). All zeros when nothing is positive."""
+    big = np.maximum(upsample(cam_row, size), 0.0)
     top = float(big.max()) if big.size else 0.0
-    if not np.isfinite(top) or top <= 0.0:
+    if top <= 0.0:
         return np.zeros(size, dtype=np.float32)
     return np.clip(big / np.float32(top), 0.0, 1.0)
 

@@ -17,6 +17,7 @@ from trainyard.core.io import atomic_write_json, sha256_file
 from trainyard.core.pause_points import pause_point
 from trainyard.data.arrays import load_split
 from trainyard.evaluation import model_card
+from trainyard.evaluation.deletion import deletion_line, deletion_metrics, deletion_mlflow
 from trainyard.evaluation.scoring import evaluate_onnx, metric_key, write_reports
 from trainyard.stages.runner import stage_main
 from trainyard.track.continued_runs import log_to_open_run, logging_into, open_run
@@ -134,6 +135,8 @@ def stage_metrics(
             "ece_uncalibrated": metrics["calibration"]["uncalibrated"]["ece"],
         },
     }
+    if "explain" in metrics:  # the deletion test of the model's heatmaps
+        out["explain"] = deletion_metrics(metrics["explain"])
     if exported.int8 is not None:
         keys = ("agreement", "accuracy_drop", "accuracy_int8", "samples")
         out["int8"] = {k: getattr(exported.int8, k) for k in keys}
@@ -199,6 +202,7 @@ def log_evaluation(
             run_id,
         )
         pause_point("evaluate.logging")
+        say_deletion(m)
         cal = m["calibration"]
         log_to_open_run(
             metrics={
@@ -207,6 +211,7 @@ def log_evaluation(
                 "test/ece": cal["calibrated"]["ece"],
                 "test/ece_uncalibrated": cal["uncalibrated"]["ece"],
             }
+            | deletion_mlflow(m)
         )
         # Class names may hold '/', spaces or any letter: keys are index + a safe spelling.
         classes = result["classes"]
@@ -221,6 +226,15 @@ def log_evaluation(
             }
             | {reference: str(Path(REFERENCE_ARTIFACT).parent)},
         )
+
+
+def say_deletion(metrics: dict[str, Any]) -> None:
+    """The deletion test's line: a warning when the heatmaps fail it, a note without maps."""
+    if "explain" not in metrics:
+        log.info("the model has no class maps (exported before them): no deletion test")
+        return
+    passed = metrics["explain"]["passed"]
+    log.log(logging.INFO if passed else logging.WARNING, deletion_line(metrics["explain"]))
 
 
 def register(

@@ -36,7 +36,7 @@ from trainyard.data.image_size import background_fill
 from trainyard.data.splits import assign_splits
 from trainyard.data.walk import scan_folder
 from trainyard.evaluation.audit_findings import TINY, TINY_DIM, audit, tiny_images
-from trainyard.evaluation.audit_report import Audited, write_outputs
+from trainyard.evaluation.audit_report import THUMB, Audited, write_outputs
 from trainyard.evaluation.embedding_cache import EmbeddingCache
 from trainyard.model.embeddings import EMBED_SIZE, Embedder, embedding_key
 from trainyard.stages.runner import stage_main
@@ -182,9 +182,9 @@ def audit_folder(params: Params, job: AuditJob) -> dict[str, Any]:
     splits = _splits(files, classes, params)
     labels = np.array([f.label for f in files], dtype=np.int64)
     findings = audit(got.x, got.tiny, labels, splits, hashes, classes, params.seed)
-    images = Audited(
-        root, [f.rel for f in files], [f.path for f in files], labels, splits, classes, got.bad
-    )
+    rels, paths = [f.rel for f in files], [f.path for f in files]
+    thumbs = job.cache / f"thumbs{THUMB}"
+    images = Audited(root, rels, paths, labels, splits, classes, got.bad, hashes, thumbs)
     extra = {
         "model": got.key,
         "embedded": got.embedded.computed,

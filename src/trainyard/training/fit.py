@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 
-from trainyard.core.card import Card
+from trainyard.core.card import Card, load_card
 from trainyard.core.config import TrainParams
 from trainyard.core.fit_history import HISTORY_FILE
 from trainyard.core.handoffs import TrainRecord
@@ -34,7 +34,7 @@ from trainyard.training.job import RunExtras, TrainJob, Workspace
 from trainyard.training.nodes import ShareRun, agree
 from trainyard.training.perf import InputBoundMeter
 from trainyard.training.recipe import Plan, few_steps_warning
-from trainyard.training.resume import AtomicCheckpointIO, ResumeCallback
+from trainyard.training.resume import AtomicCheckpointIO, ResumeCallback, resume_key
 from trainyard.training.run_logger import GapEpoch
 from trainyard.training.tracked_run import FitResult, TrackedRun, tracked_run
 
@@ -55,68 +55,72 @@ def train(job: TrainJob, ws: Workspace, extras: RunExtras | None = None) -> Trai
     Returns the record written, or None on a DDP rank other than 0 (which writes nothing).
     """
     extras = extras or RunExtras()
-    hw = resolve_hardware(job.train)
+    hw = resolve_hardware(job.train.accelerator, job.train.precision)
+    card = load_card(ws.data_dir)  # the prepared data, described once for every step
+    # From the job as written (auto keys, not the plan): a rerun after a kill finds its run.
+    key = resume_key(job, card.data_sha256, ws.uri, ws.out_dir)
     # Across nodes the ranks join here; rank 0 checks the store and plans for all.
-    team = agree(job, ws, hw)
+    team = agree(job, ws, hw, card, key)
     job = job.planned(team.plan.train)  # every auto train key resolved
-    dm, model = team.nodes.together(lambda: data_and_model(job, ws, team.card, team.plan))
+    dm, model = team.nodes.together(lambda: data_and_model(job, ws.data_dir, card, team.plan))
     # The MLflow run's life around the fit: opened or reopened (resume), closed when done.
-    with tracked_run(job, ws, extras, team, hw, dm, model.pretrained_info) as tracked:
+    with tracked_run(job, ws, extras, team, key, hw, card, model.pretrained_info) as tracked:
         limit = time_limit_min(job.train, team.plan.planned_epochs)
-        result = tracked.finished or fit(job, ws, hw, tracked, dm, model, limit, extras)
+        result = tracked.finished or fit(
+            job.train, ws.out_dir, hw, tracked, dm, model, limit, extras.callbacks
+        )
         if result is None:
             return None  # another DDP rank: rank 0 writes the outputs
         tracked.complete(result)  # the server away past the wait: the state is kept, raises
-        record = write_outputs(ws.out_dir, job, tracked, result, hw, dm)
+        record = write_outputs(ws.out_dir, job.experiment, tracked, result, hw, card)
     log.info("best val/acc %.4f; MLflow run %s at %s", result.best_score, record.run_id, ws.uri)
     return record
 
 
 def fit(
-    job: TrainJob,
-    ws: Workspace,
+    tp: TrainParams,
+    out_dir: Path,
     hw: Hardware,
     tracked: TrackedRun,
     dm: ImageDataModule,
     model: Classifier,
     limit_min: float | None,
-    extras: RunExtras,
+    callbacks: tuple[L.Callback, ...] = (),
 ) -> FitResult | None:
     """The fit (from the last checkpoint when resuming) with system metrics; its result on
-    rank 0, None on the other ranks. ``limit_min``: a hard stop (``time_limit_min``).
+    rank 0, None on the other ranks. ``limit_min``: a hard stop (``time_limit_min``);
+    ``callbacks``: a caller's own (``RunExtras.callbacks``).
 
     A SIGTERM/SIGINT ends the run KILLED, keeps the checkpoint and exits 143/130.
     """
     n_train = dm.card.counts["train"]["total"]
-    trainer, checkpoint, meter = build_fit(
-        job, ws.out_dir, hw, tracked, n_train, limit_min, extras.callbacks
-    )
+    trainer, checkpoint, meter = build_fit(tp, out_dir, hw, tracked, n_train, limit_min, callbacks)
     t0 = time.perf_counter()
-    with tracked.watching(trainer, job):
+    with tracked.watching(trainer):
         trainer.fit(model, datamodule=dm, ckpt_path=tracked.resume.ckpt_path)
     fit_s = time.perf_counter() - t0
     if trainer.global_rank != 0:
         return None
-    history = ws.out_dir / HISTORY_FILE
+    history = out_dir / HISTORY_FILE
     return FitResult.of(trainer, checkpoint, meter.result, fit_s, dm.placement, history)
 
 
 def data_and_model(
-    job: TrainJob, ws: Workspace, card: Card, recipe: Plan
+    job: TrainJob, data_dir: Path, card: Card, recipe: Plan
 ) -> tuple[ImageDataModule, Classifier]:
     """The data module and the classifier of ``job`` (planned by ``recipe``), seeded."""
     # After the plan: its timing probe draws random numbers, the fit must not see them.
     L.seed_everything(job.seed, workers=True, verbose=False)
-    dm = load_data(job, ws.data_dir, card)
+    dm = load_data(job, data_dir, card)
     tp = job.train
     # Epochs the recipe planned are the budget's (its own line says so); epochs set by hand
     # that leave a run of a few steps get the keys to change.
-    n_train = dm.card.counts["train"]["total"]
+    n_train = card.counts["train"]["total"]
     if not recipe.planned_epochs and (
         warning := few_steps_warning(n_train, tp.batch_size, tp.max_epochs)
     ):
         log.warning(warning)
-    return dm, classifier_for(tp, dm.card, job.seed, recipe.finetune, recipe.frozen_stages)
+    return dm, classifier_for(tp, card, job.seed, recipe.finetune, recipe.frozen_stages)
 
 
 def load_data(job: TrainJob, data_dir: Path, card: Card) -> ImageDataModule:
@@ -132,7 +136,6 @@ def load_data(job: TrainJob, data_dir: Path, card: Card) -> ImageDataModule:
         device_resident=tp.device_resident,
         memory_budget=tp.memory_budget,
     )
-    card = dm.card
     log.info("data: %s, arch %s", card.summary(), tp.arch)
     return dm
 
@@ -168,7 +171,7 @@ def checkpoint_callbacks(
 
 
 def build_fit(
-    job: TrainJob,
+    tp: TrainParams,
     out_dir: Path,
     hw: Hardware,
     tracked: TrackedRun,
@@ -179,11 +182,11 @@ def build_fit(
     """The trainer with trainyard's callbacks: checkpoints, early stopping, timing, meter,
     the per-epoch history; ``limit_min``: a hard stop after that many minutes. Returned
     with the callbacks whose results become the stage's outputs."""
-    tp = job.train
     checkpoint, resume_callbacks = checkpoint_callbacks(tp, tracked)
     early = EarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
-    # Data wait / host->device copy / compute per step; the input-bound verdict at the end.
-    meter = InputBoundMeter(data_path=tp.data_path, device_resident=tp.device_resident)
+    # Data wait / host->device copy / compute per step; the input-bound verdict at the end
+    # (the data path and placement it names: the trainer's datamodule's).
+    meter = InputBoundMeter()
     trainer = build_trainer(
         accelerator=hw.accelerator,
         devices=tp.devices,
@@ -222,11 +225,11 @@ def build_fit(
 
 def write_outputs(
     out_dir: Path,
-    job: TrainJob,
+    experiment: str,
     tracked: TrackedRun,
     result: FitResult,
     hw: Hardware,
-    dm: ImageDataModule,
+    card: Card,
 ) -> TrainRecord:
     """``out_dir/best.ckpt`` (the run's ``checkpoints/best.ckpt``) and the record
     ``out_dir/train.json``."""
@@ -234,11 +237,10 @@ def write_outputs(
     best_dest = out_dir / BEST_CKPT
     with atomic_file(best_dest) as tmp:
         shutil.copyfile(tracked.resume.folder / result.best_ckpt, tmp)
-    card = dm.card
     record = TrainRecord(
         run_id=logger.run_id,
         experiment_id=logger.experiment_id,
-        experiment=job.experiment,
+        experiment=experiment,
         best_val_acc=round(result.best_score, 6),
         best_epoch=int(_ckpt_epoch(best_dest)),
         epochs_run=result.epochs_run,

@@ -31,14 +31,13 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import Strategy
 
-from trainyard.core.card import Card, load_card
-from trainyard.core.config import TrainParams
+from trainyard.core.card import Card
 from trainyard.core.errors import ParamsError, TrainyardError
 from trainyard.track.store import check_tracking_uri
 from trainyard.training.builder import RESUME_ROOT, build_trainer
 from trainyard.training.device import Hardware
 from trainyard.training.recipe import RECIPE_FILE, Plan, describe, load_plan, plan
-from trainyard.training.resume import LAST_CKPT, resume_key
+from trainyard.training.resume import LAST_CKPT, resume_folder
 
 if TYPE_CHECKING:
     from trainyard.training.job import TrainJob, Workspace
@@ -175,95 +174,84 @@ def _describe(err: BaseException) -> str:
     return str(err) if isinstance(err, TrainyardError) else f"{type(err).__name__}: {err}"
 
 
-def join_nodes(tp: TrainParams, accelerator: str) -> Nodes:
-    """This process's rank, after checking the launcher against ``train.num_nodes`` and
-    ``train.devices``; with ``num_nodes > 1``, joined to the other ranks' process group
+def join_nodes(num_nodes: int, devices: int | str, accelerator: str) -> Nodes:
+    """This process's rank, after checking the launcher against ``num_nodes`` and
+    ``devices`` (``train.*``); with ``num_nodes > 1``, joined to the other ranks' process group
     (gloo on CPU, NCCL on GPU: Lightning's choice), which can take as long as the last
     node needs to start."""
     launch = launch_from_env()
-    if launch is None and tp.num_nodes == 1:
+    if launch is None and num_nodes == 1:
         return Nodes()  # one process, or one machine's DDP before Lightning launches it
     # Lightning's own reading of the environment: the same trainer settings as the fit's,
     # so ranks and world size are what the fit will use.
-    probe = build_trainer(accelerator=accelerator, devices=tp.devices, num_nodes=tp.num_nodes)
-    check_launch(tp.num_nodes, probe.num_devices, launch, "LOCAL_RANK" in os.environ)
+    probe = build_trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes)
+    check_launch(num_nodes, probe.num_devices, launch, "LOCAL_RANK" in os.environ)
     if launch is not None and launch.launcher == "WORLD_SIZE" and probe.num_devices == 1:
         # One process a node: this one is the node's local rank 0. Lightning's plain
         # environment then takes it as started by the user instead of launching it.
         os.environ.setdefault("LOCAL_RANK", "0")
     nodes = Nodes(probe.global_rank, probe.world_size)
-    if probe.node_rank >= tp.num_nodes:
+    if probe.node_rank >= num_nodes:
         raise ParamsError(
-            f"train.num_nodes is {tp.num_nodes}, but this node's rank is {probe.node_rank}"
-            f" (NODE_RANK / --node-rank count from 0 to {tp.num_nodes - 1})"
+            f"train.num_nodes is {num_nodes}, but this node's rank is {probe.node_rank}"
+            f" (NODE_RANK / --node-rank count from 0 to {num_nodes - 1})"
         )
     # torchrun and srun start every process themselves, also on one machine; under plain
     # variables on one machine the others are Lightning's, launched at the fit's start.
     external = launch is not None and launch.launcher != "WORLD_SIZE"
-    if tp.num_nodes > 1 or (external and nodes.world_size > 1):
+    if num_nodes > 1 or (external and nodes.world_size > 1):
         probe.strategy.setup_environment()  # the process group, as the fit would start it
         nodes.strategy = probe.strategy
     return nodes
 
 
-def what_trains(
-    flat: dict[str, Any], card: Card, accelerator: str, precision: str
-) -> dict[str, str]:
-    """What every rank of one fit must share: the params (``flat``, dotted keys) that shape
-    the model, its data and its steps, the data's hash, and the accelerator and precision."""
-    keys = ["seed", "evaluate.batch_size", *(k for k in flat if k.startswith("train."))]
-    same = {k: str(flat[k]) for k in keys}
-    hardware = {"accelerator": accelerator, "precision": precision}
-    return same | {"data sha256": card.data_sha256} | hardware
+def what_trains(job: TrainJob, card: Card, hw: Hardware) -> dict[str, str]:
+    """What every rank of one fit must share, by dotted param key: the params that shape the
+    model, its data and its steps (the seed, the validation batch, every train key as
+    written), the data's hash, and the accelerator and precision."""
+    shape = {"seed": job.seed, "evaluate.batch_size": job.eval_batch_size}
+    shape |= {f"train.{k}": v for k, v in job.train.model_dump().items()}
+    same = {k: str(v) for k, v in shape.items()} | {"data sha256": card.data_sha256}
+    return same | {"accelerator": hw.accelerator, "precision": hw.precision}
 
 
 @dataclass(frozen=True)
 class Agreement:
     """What every rank trains, settled before the fit: this process's place among the
-    ranks, the prepared data's card, the resume key and folder, and the recipe's plan."""
+    ranks and the recipe's plan."""
 
     nodes: Nodes
-    card: Card
-    key: str  # resume_key: the job as written, the data, the code and the store
-    folder: Path  # the resume folder of ``key``
     plan: Plan
 
 
-def agree(job: TrainJob, ws: Workspace, hw: Hardware) -> Agreement:
-    """Join the other ranks (``join_nodes``) and settle what the fit trains. Across nodes
-    rank 0 alone checks the tracking store and plans (``plan_training``), after every rank
-    showed it would train the same thing (``what_trains``), and every rank trains its plan:
-    ranks timing their own probes planned different epochs, and DDP hangs when one rank
-    stops before the others."""
-    nodes = join_nodes(job.train, hw.accelerator)
-    if not nodes.joined:
-        check_tracking_uri(ws.uri)  # before any work: a dead server fails in seconds
-    card = load_card(ws.data_dir)
-    # From the job as written (auto keys, not the plan): a rerun after a kill finds its run.
-    key = resume_key(job, card.data_sha256, ws.uri, ws.out_dir)
-    folder = ws.root / RESUME_ROOT / key
-    if not nodes.joined:
-        return Agreement(nodes, card, key, folder, plan_training(job, card, ws, hw, folder))
+def agree(job: TrainJob, ws: Workspace, hw: Hardware, card: Card, key: str) -> Agreement:
+    """Join the other ranks (``join_nodes``) and settle what the fit trains on ``card``'s
+    data; an interrupted run of the same job (its resume ``key``) keeps the plan it made.
+    Across nodes rank 0 alone checks the tracking store and plans (``plan_training``),
+    after every rank showed it would train the same thing (``what_trains``), and every rank
+    trains its plan: ranks timing their own probes planned different epochs, and DDP hangs
+    when one rank stops before the others."""
+    nodes = join_nodes(job.train.num_nodes, job.train.devices, hw.accelerator)
+    folder = resume_folder(ws.root, key)
 
     def decide() -> Plan:
-        check_tracking_uri(ws.uri)
+        check_tracking_uri(ws.uri)  # before any work: a dead server fails in seconds
         return plan_training(job, card, ws, hw, folder)
 
-    same = what_trains(job.flat(), card, hw.accelerator, hw.precision)
+    # Not joined, this process is the only rank: it decides, with no one to compare.
+    same = what_trains(job, card, hw) if nodes.joined else None
     recipe = nodes.from_lead(decide, same)
     if not nodes.lead:
         for line in describe(recipe):  # what this rank trains: rank 0's choices
             log.info("%s", line)
-    return Agreement(nodes, card, key, folder, recipe)
+    return Agreement(nodes, recipe)
 
 
-def plan_training(
-    job: TrainJob, card: Card, ws: Workspace, hw: Hardware, resume_folder: Path
-) -> Plan:
+def plan_training(job: TrainJob, card: Card, ws: Workspace, hw: Hardware, folder: Path) -> Plan:
     """The recipe's plan for this data and hardware (trainyard.training.recipe), said once per
-    choice; an interrupted run of the same job (its ``resume_folder``) resumes with the
+    choice; an interrupted run of the same job (its resume ``folder``) resumes with the
     plan it made."""
-    recipe = load_plan(resume_folder / RECIPE_FILE, job.train) or plan(
+    recipe = load_plan(folder / RECIPE_FILE, job.train) or plan(
         job.train, card, ws.data_dir, hw.accelerator, hw.precision, hw.device
     )
     for line in describe(recipe):

@@ -82,6 +82,11 @@ def resume_key(
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def resume_folder(root: str | os.PathLike[str], key: str) -> Path:
+    """Where the training of resume ``key`` keeps its checkpoints, under ``root``."""
+    return Path(root) / RESUME_ROOT / key
+
+
 def _code_sha256(path: Path) -> str:
     # "" for a file not there (an installed wheel without sources): the key still works.
     try:
@@ -191,8 +196,8 @@ def prepare(
     root: str | os.PathLike[str], key: str, mode: str, uri: str, client: Any, lead: bool
 ) -> Resume:
     """Decide whether this start resumes; on rank 0, settle every earlier interrupted run."""
-    base = Path(root) / RESUME_ROOT
-    folder = base / key
+    folder = resume_folder(root, key)
+    base = folder.parent
     if not lead:
         # Rank 0 decided before launching the other ranks and passed its decision down.
         ckpt = os.environ.get("TRAINYARD_RESUME_CKPT")

@@ -42,18 +42,18 @@ from trainyard.core.card import Card
 from trainyard.core.errors import TrackingError
 from trainyard.core.fit_history import HISTORY_FILE
 from trainyard.core.io import atomic_write_json, atomic_write_text
+from trainyard.data.arrays import load_split
 from trainyard.track.lineage import dvc_data_version, dvc_experiment_tags, run_tags
 from trainyard.track.outage import PENDING_FILE
 from trainyard.track.store import DVC_EXP_NAME, ensure_experiment, tracking_client
 from trainyard.track.train_run import TrainRun
 from trainyard.training.builder import stop_reason
-from trainyard.training.datamodule import ImageDataModule
 from trainyard.training.device import Hardware
 from trainyard.training.gpu_busy import gpu_busy_of
 from trainyard.training.job import RunExtras, TrainJob, Workspace
 from trainyard.training.nodes import Agreement, Nodes, resume_mode
 from trainyard.training.recipe import RECIPE_FILE, Plan
-from trainyard.training.resume import LAST_CKPT, Resume, interruptions
+from trainyard.training.resume import LAST_CKPT, Resume, interruptions, resume_folder
 from trainyard.training.resume import prepare as prepare_resume
 from trainyard.training.run_logger import RunLogger
 
@@ -134,6 +134,9 @@ class TrackedRun:
     peer_run_id: str | None = None  # on the other ranks: rank 0's run, once it is shared
     finished: FitResult | None = None  # a fit that finished while the server was away
     completed: bool = False  # the run ended FINISHED with its outputs (``complete``)
+    # mlflow.system_metrics and its interval: sampled around the fit (``watching``)
+    system_metrics: bool = False
+    system_metrics_interval_s: float = 5.0
 
     @property
     def run_id(self) -> str | None:
@@ -175,7 +178,15 @@ class TrackedRun:
             log_model=False,
             run_id=resume.run_id,
         )
-        tracked = cls(uri, logger, resume, lead, dvc_md5)
+        tracked = cls(
+            uri,
+            logger,
+            resume,
+            lead,
+            dvc_md5,
+            system_metrics=job.system_metrics,
+            system_metrics_interval_s=job.system_metrics_interval_s,
+        )
         if client is None:  # another rank: rank 0 alone writes to the run
             return tracked
         tracked.run = TrainRun(uri, str(logger.run_id), client)  # the logger makes the run
@@ -194,20 +205,20 @@ class TrackedRun:
     def begin(
         self,
         recipe: Plan,
-        dm: ImageDataModule,
+        card: Card,
         data_dir: str | os.PathLike[str],
         params_file: str | os.PathLike[str] | None,
     ) -> None:
         """Rank 0: the plan (``recipe.json``) and the run's id beside the checkpoint, what
-        the run learns from (the splits as datasets, params and card, the recipe's
-        choices), and what an earlier start kept while the server was away, sent."""
+        the run learns from (``data_dir``'s splits as datasets, params and ``card``, the
+        recipe's choices), and what an earlier start kept while the server was away, sent."""
         run, folder = self.run, self.resume.folder
         if run is None:
             return
         recipe.save(folder / RECIPE_FILE)
         self.resume.write_state(run.run_id, self.logger.experiment_id, self.uri)
-        splits = {split: dm.split_arrays(split) for split in ("train", "val")}
-        run.log_inputs(splits, dm.card, data_dir, params_file, recipe.tags(), recipe.to_dict())
+        splits = {split: load_split(data_dir, split) for split in ("train", "val")}
+        run.log_inputs(splits, card, data_dir, params_file, recipe.tags(), recipe.to_dict())
         run.send_kept(folder)
 
     def finished_fit(self, out_dir: Path) -> FitResult | None:
@@ -229,14 +240,14 @@ class TrackedRun:
         return result
 
     @contextlib.contextmanager
-    def watching(self, trainer: L.Trainer, job: TrainJob) -> Iterator[None]:
+    def watching(self, trainer: L.Trainer) -> Iterator[None]:
         """Around ``trainer.fit``: system metrics (rank 0, ``mlflow.system_metrics``), and
         SIGTERM/SIGINT recorded. A signal ends the run KILLED, keeps the checkpoint and
         exits 128 + its number; an error keeps what the server did not take, and is raised."""
         resume, run = self.resume, self.run
         monitor: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if run is not None:
-            interval_s, enabled = job.system_metrics_interval_s, job.system_metrics
+            interval_s, enabled = self.system_metrics_interval_s, self.system_metrics
             monitor = run.system_metrics(interval_s, enabled, resume.resuming)
         try:
             with interruptions(resume), monitor:
@@ -333,26 +344,29 @@ def tracked_run(
     ws: Workspace,
     extras: RunExtras,
     team: Agreement,
+    key: str,
     hw: Hardware,
-    dm: ImageDataModule,
+    card: Card,
     pretrained: dict[str, str],
 ) -> Iterator[TrackedRun]:
-    """The MLflow run around the fit: opened, or an interrupted one reopened (``open``: the
-    resume decision), every rank told which (across nodes: ``join_run``), and what it
-    learns from logged (``begin``); ``finished`` holds a fit that finished while the
-    server was away. Once the body has completed the run (``complete``), the resume folder
-    goes (``close``): a forced rerun of the same params trains anew."""
+    """The MLflow run of resume ``key`` around the fit: opened, or an interrupted one
+    reopened (``open``: the resume decision), every rank told which (across nodes:
+    ``join_run``), and what it learns from logged (``begin``); ``finished`` holds a fit
+    that finished while the server was away. Once the body has completed the run
+    (``complete``), the resume folder goes (``close``): a forced rerun of the same params
+    trains anew. ``hw``, ``card`` and the ``pretrained`` weights become its tags."""
 
     def start(resume_mode: str | None = None) -> TrackedRun:
         dvc_md5 = dvc_data_version(ws.root)
-        tags = lineage_tags(ws.root, team.card, pretrained, hw, dvc_md5) | extras.tags
-        name = extras.run_name or run_name(job, team.key)
-        tracked = TrackedRun.open(job, ws, team.key, tags, name, dvc_md5, resume_mode)
-        tracked.begin(team.plan, dm, ws.data_dir, ws.params_file)
+        tags = lineage_tags(ws.root, card, pretrained, hw, dvc_md5) | extras.tags
+        name = extras.run_name or run_name(job.dataset, job.train.arch, key)
+        tracked = TrackedRun.open(job, ws, key, tags, name, dvc_md5, resume_mode)
+        tracked.begin(team.plan, card, ws.data_dir, ws.params_file)
         return tracked
 
     joined = team.nodes.joined
-    tracked = join_run(team.nodes, start, team.folder, ws.uri) if joined else start()
+    folder = resume_folder(ws.root, key)
+    tracked = join_run(team.nodes, start, folder, ws.uri) if joined else start()
     # Finished while the server was away (TrackedRun.complete): nothing left to train.
     tracked.finished = None if joined else tracked.finished_fit(ws.out_dir)
     yield tracked
@@ -381,10 +395,10 @@ def lineage_tags(
     return tags | dvc_experiment_tags(root)
 
 
-def run_name(job: TrainJob, key: str) -> str:
+def run_name(dataset: str, arch: str, key: str) -> str:
     """A name a person can tell apart in the MLflow UI: the DVC experiment's name when DVC
     runs one, else dataset, architecture and the first characters of the resume key (the
     hash of params, data and code). MLflow's own random names were all the same: the seed
     is set before the run is created."""
     exp = os.environ.get(DVC_EXP_NAME, "").strip()
-    return exp or f"{job.dataset}-{job.train.arch}-{key[:6]}"
+    return exp or f"{dataset}-{arch}-{key[:6]}"

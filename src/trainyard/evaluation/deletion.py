@@ -1,0 +1,181 @@
+"""Do the model's heatmaps mean something? The deletion test (Petsiuk et al., "RISE",
+BMVC 2018), on the exported model's own ``cam`` output, with ONNX Runtime only.
+
+For each image of a seeded sample of the test split, delete the ``DELETE_SHARE`` of its
+pixels that the predicted class's map ranks highest, then (separately) as many pixels drawn
+at random, and measure how much the predicted class's probability drops each time. A map
+that points at what the model uses makes the first drop much larger than the second: the
+test passes when it is at least ``PASS_RATIO`` times the random one (and positive).
+
+"Delete" is: set to the dataset's mean pixel, which is 0 after the card's normalisation
+(every channel of the pixel). The mean is what the model saw most of on average and favours
+no class; black would be Fashion-MNIST's background (deleting it there changes nothing, and
+deleting garment pixels to it draws a garment-shaped hole), and a blur would keep the shape.
+The pixels are ranked by the unrectified upsampled map (``runtime.explain.upsample``: the
+same order as the heatmap's where it is positive, and no ties where it is not).
+
+Also the heatmaps of the report's worst mistakes (``mistake_heatmaps``), from one run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from trainyard.core.card import Card, normalize_pixels
+from trainyard.evaluation.pictures import worst_mistakes
+from trainyard.runtime.explain import CAM_OUTPUT, explain_kind, heatmap, upsample
+from trainyard.runtime.inputs import softmax
+from trainyard.runtime.sessions import OnnxModel
+
+DELETION_SAMPLE = 500  # test images (seeded): ~3 model runs each, seconds on 2 cores
+DELETION_SEED = 0
+DELETE_SHARE = 0.2
+PASS_RATIO = 2.0
+
+
+def has_maps(model: OnnxModel) -> bool:
+    """Whether the model has a ``cam`` output (and says how it is made)."""
+    names = [o.name for o in model.session.get_outputs()]
+    return CAM_OUTPUT in names and explain_kind(model.metadata) is not None
+
+
+def _logits_and_maps(model: OnnxModel, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(logits [B, K], cam [B, K, h, w]) from one run (plain ``session.run``: host arrays
+    on any provider)."""
+    logits, cam = model.session.run([model.logits_output, CAM_OUTPUT], {model.input_name: x})
+    return logits, cam
+
+
+def _delete(x: np.ndarray, scores: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """``x`` [B, C, H, W] with the ``count`` highest-scoring pixels of each image (scores
+    [B, H*W]; ties broken at random, not towards the top-left) set to 0: the mean pixel
+    after normalisation, in every channel."""
+    top = np.lexsort((rng.random(scores.shape), -scores), axis=-1)[:, :count]
+    mask = np.zeros(scores.shape, dtype=bool)
+    np.put_along_axis(mask, top, True, axis=1)
+    b, c, h, w = x.shape
+    return np.where(mask[:, None, :], np.float32(0), x.reshape(b, c, h * w)).reshape(x.shape)
+
+
+def _batch_drops(
+    model: OnnxModel, x: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """(drop of the predicted class's probability with its map's top pixels deleted, with
+    as many random pixels deleted) for each image of the normalised batch ``x``."""
+    b, _, h, w = x.shape
+    logits, cam = _logits_and_maps(model, x)
+    top = logits.argmax(axis=1)
+    rows = np.arange(b)
+    before = softmax(logits)[rows, top]
+    ranked = np.stack([upsample(cam[i, top[i]], (h, w)).ravel() for i in range(b)])
+    count = max(1, math.floor(DELETE_SHARE * h * w))
+    drops = []
+    for scores in (ranked, rng.random((b, h * w))):
+        after = softmax(model.run(_delete(x, scores, count, rng)))[rows, top]
+        drops.append(before - after)
+    return drops[0], drops[1]
+
+
+def deletion_test(
+    model: OnnxModel,
+    images: np.ndarray,
+    card: Card,
+    batch_size: int,
+    sample: int = DELETION_SAMPLE,
+) -> dict[str, Any]:
+    """The deletion test on ``sample`` test images drawn with ``DELETION_SEED`` (all, if
+    fewer): the mean drops, their ratio (None when the random drop is not positive) and
+    ``passed``."""
+    n = images.shape[0]
+    rng = np.random.default_rng(DELETION_SEED)
+    rows = np.sort(rng.choice(n, size=min(sample, n), replace=False))
+    top, rand = [], []
+    for start in range(0, len(rows), batch_size):
+        x = normalize_pixels(images[rows[start : start + batch_size]], card.mean, card.std)
+        t, r = _batch_drops(model, x, rng)
+        top.append(t)
+        rand.append(r)
+    drop_top = float(np.concatenate(top).mean())
+    drop_random = float(np.concatenate(rand).mean())
+    return {
+        "samples": len(rows),
+        "share": DELETE_SHARE,
+        "maps": explain_kind(model.metadata),
+        "drop_top": round(drop_top, 6),
+        "drop_random": round(drop_random, 6),
+        "ratio": round(drop_top / drop_random, 4) if drop_random > 0 else None,
+        "passed": bool(drop_top > 0 and drop_top >= PASS_RATIO * drop_random),
+    }
+
+
+def mistake_heatmaps(
+    model: OnnxModel, images: np.ndarray, card: Card, indices: np.ndarray, preds: np.ndarray
+) -> dict[int, np.ndarray]:
+    """Test image index -> the heatmap (0..1, the image's size) of its predicted class,
+    for ``indices`` (the report's worst mistakes: a few dozen, one run)."""
+    if not len(indices):
+        return {}
+    rows = np.sort(np.asarray(indices))  # a memmap reads them in file order
+    _, cam = _logits_and_maps(model, normalize_pixels(images[rows], card.mean, card.std))
+    size = (card.height, card.width)
+    return {int(i): heatmap(cam[j, preds[i]], size) for j, i in enumerate(rows)}
+
+
+def explain_split(
+    model: OnnxModel,
+    images: np.ndarray,
+    labels: np.ndarray,
+    preds: np.ndarray,
+    confidence: np.ndarray,
+    card: Card,
+    batch_size: int,
+) -> tuple[dict[str, Any] | None, dict[int, np.ndarray]]:
+    """(the deletion test, the worst mistakes' heatmaps) of the test split; (None, {}) for
+    a model exported without maps."""
+    if not has_maps(model):
+        return None, {}
+    mistakes = worst_mistakes(labels, preds, confidence)
+    heatmaps = mistake_heatmaps(model, images, card, mistakes, preds)
+    return deletion_test(model, images, card, batch_size), heatmaps
+
+
+def deletion_metrics(result: dict[str, Any]) -> dict[str, Any]:
+    """The deletion test as ``reports/metrics.json``'s ``explain`` block."""
+    return {
+        "deletion_drop_top20": result["drop_top"],
+        "deletion_drop_random20": result["drop_random"],
+        "deletion_ratio": result["ratio"],
+        "passed": result["passed"],
+    }
+
+
+def deletion_mlflow(metrics: dict[str, Any]) -> dict[str, float]:
+    """The deletion test's MLflow metrics (beside ``test/ece``) from evaluate's metrics;
+    none for a model without maps (and no ratio when it is undefined)."""
+    if "explain" not in metrics:
+        return {}
+    block = deletion_metrics(metrics["explain"])
+    return {
+        f"test/{key}": float(value)
+        for key, value in block.items()
+        if key.startswith("deletion_") and value is not None
+    }
+
+
+def deletion_line(result: dict[str, Any]) -> str:
+    """The log line: both drops, their ratio, and whether the maps pass."""
+    ratio = "n/a" if result["ratio"] is None else f"{result['ratio']:.2f}x"
+    verdict = (
+        "passed"
+        if result["passed"]
+        else f"FAILED (need >= {PASS_RATIO:g}x): the heatmaps do not show what the model uses"
+    )
+    return (
+        f"deletion test ({result['maps']}, {result['samples']} test images): deleting the "
+        f"top {result['share']:.0%} of the map drops the predicted class's probability by "
+        f"{result['drop_top']:.3f}, a random {result['share']:.0%} by "
+        f"{result['drop_random']:.3f}; ratio {ratio}, {verdict}"
+    )

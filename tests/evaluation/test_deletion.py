@@ -1,0 +1,143 @@
+"""The deletion test and the mistakes' heatmaps, on hand-made ONNX models whose answer
+depends on one known region of the image: a map that points at that region passes, one
+that points elsewhere fails, and a model without maps is evaluated as before."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from matplotlib.figure import Figure
+from onnx import TensorProto, helper, numpy_helper
+
+from trainyard.core.card import METADATA_KEY
+from trainyard.evaluation.deletion import (
+    PASS_RATIO,
+    deletion_line,
+    deletion_metrics,
+    deletion_mlflow,
+    deletion_test,
+)
+from trainyard.evaluation.pictures import draw_mistakes, mistakes_png, worst_mistakes
+from trainyard.evaluation.scoring import evaluate_onnx
+from trainyard.runtime.explain import overlay
+from trainyard.runtime.sessions import load_onnx
+
+from conftest import make_card, save_onnx
+
+CARD = make_card(("plain", "marked"), (1, 8, 8), mean=0.5, std=0.25)
+UPPER_LEFT, LOWER_RIGHT = (slice(0, 4), slice(0, 4)), (slice(4, 8), slice(4, 8))
+
+
+def quadrant(where: tuple[slice, slice], value: float) -> np.ndarray:
+    mask = np.zeros((1, 1, 8, 8), np.float32)
+    mask[(0, 0, *where)] = value
+    return mask
+
+
+def region_model(tmp_path, map_region: tuple[slice, slice] | None, name: str = "model.onnx"):
+    """logit("marked") = 0.2 x the sum of the normalised upper-left quadrant, "plain" its
+    negative; ``cam`` [N, 2, 8, 8]: 0.2 x |pixel| over ``map_region``, 0 elsewhere, for
+    "marked" (its negative for "plain"): over the upper-left, each pixel's share of the
+    logit (the true map); elsewhere, a map that lies. None: no ``cam`` output, as models
+    were exported before."""
+    nodes = [
+        helper.make_node("Mul", ["image", "used"], ["contrib"]),
+        helper.make_node("ReduceSum", ["contrib", "axes"], ["marked"], keepdims=0),
+        helper.make_node("Unsqueeze", ["marked", "one"], ["marked_col"]),
+        helper.make_node("Neg", ["marked_col"], ["plain_col"]),
+        helper.make_node("Concat", ["plain_col", "marked_col"], ["logits"], axis=1),
+        helper.make_node("Identity", ["logits"], ["embedding"]),
+    ]
+    weights = {
+        "used": quadrant(UPPER_LEFT, 0.2),
+        "axes": np.array([1, 2, 3], np.int64),
+        "one": np.array([1], np.int64),
+    }
+    outputs = [
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 2]),
+        helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", 2]),
+    ]
+    props = {METADATA_KEY: json.dumps(CARD.contract()), "classes": json.dumps(CARD.classes)}
+    if map_region is not None:
+        weights["shown"] = quadrant(map_region, 0.2)
+        nodes += [
+            helper.make_node("Abs", ["image"], ["magnitude"]),
+            helper.make_node("Mul", ["magnitude", "shown"], ["cam_marked"]),
+            helper.make_node("Neg", ["cam_marked"], ["cam_plain"]),
+            helper.make_node("Concat", ["cam_plain", "cam_marked"], ["cam"], axis=1),
+        ]
+        outputs.append(helper.make_tensor_value_info("cam", TensorProto.FLOAT, ["N", 2, 8, 8]))
+        props["explain"] = "cam"
+    graph = helper.make_graph(
+        nodes,
+        "region",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 1, 8, 8])],
+        outputs,
+        initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()],
+    )
+    return save_onnx(graph, tmp_path / name, props)
+
+
+@pytest.fixture(scope="module")
+def marked_images():
+    """Grey noise with a bright upper-left quadrant: every image is "marked", confidently."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(100, 156, (600, 1, 8, 8)).astype(np.uint8)
+    images[:, :, :4, :4] = rng.integers(200, 256, (600, 1, 4, 4))
+    return images
+
+
+def test_a_map_that_points_at_what_the_model_uses_passes(tmp_path, marked_images):
+    model = load_onnx(region_model(tmp_path, UPPER_LEFT), "cpu", say=False)
+    result = deletion_test(model, marked_images, CARD, batch_size=128)
+    assert result["samples"] == 500 and result["maps"] == "cam" and result["passed"]
+    # 12 of the 64 pixels go: all 12 inside the used quadrant, against 3 of them at random.
+    assert result["drop_top"] > 0.05 and result["ratio"] >= 10 * PASS_RATIO
+    assert result["drop_top"] > result["drop_random"] > 0
+    block = deletion_metrics(result)
+    assert block["passed"] and block["deletion_ratio"] == result["ratio"]
+    assert set(deletion_mlflow({"explain": result})) == {
+        "test/deletion_drop_top20",
+        "test/deletion_drop_random20",
+        "test/deletion_ratio",
+    }
+    assert "passed" in deletion_line(result)
+
+
+def test_a_map_that_points_elsewhere_fails_and_says_so(tmp_path, marked_images):
+    model = load_onnx(region_model(tmp_path, LOWER_RIGHT), "cpu", say=False)
+    result = deletion_test(model, marked_images[:100], CARD, batch_size=64)
+    assert result["samples"] == 100 and not result["passed"]
+    # The deleted pixels are ones the logit never reads: no drop at all.
+    assert result["drop_top"] == pytest.approx(0, abs=1e-6) and result["drop_random"] > 0
+    assert result["ratio"] == pytest.approx(0, abs=1e-3)
+    assert "FAILED" in deletion_line(result) and "do not show" in deletion_line(result)
+
+
+def test_evaluate_reports_the_test_and_heatmaps_and_an_old_model_has_neither(
+    tmp_path, marked_images
+):
+    labels = np.ones(len(marked_images), np.int64)
+    labels[:30] = 0  # 30 wrong answers: the mistakes picture has 25 to show
+    new = evaluate_onnx(region_model(tmp_path, UPPER_LEFT), marked_images, labels, 256, "cpu")
+    assert new["metrics"]["explain"]["passed"]
+    heatmaps = new["heatmaps"]
+    shown = worst_mistakes(labels, new["predictions"], new["confidence"])
+    assert len(shown) == 25 and sorted(heatmaps) == sorted(shown.tolist())
+    heat = heatmaps[0]
+    assert heat.shape == (8, 8) and heat.max() == pytest.approx(1.0)
+    assert heat[4:, :].max() == 0 and heat[:4, :4].min() > 0  # the upper-left quadrant
+    old = evaluate_onnx(region_model(tmp_path, None, "old.onnx"), marked_images, labels, 256)
+    assert "explain" not in old["metrics"] and old["heatmaps"] == {}
+    assert deletion_mlflow(old["metrics"]) == {}
+    np.testing.assert_array_equal(old["predictions"], new["predictions"])
+
+    # The mistakes picture shows each image with its heatmap over it, as the service draws.
+    args = (marked_images, labels, new["predictions"], new["confidence"], CARD.classes)
+    cells = draw_mistakes(Figure(), *args, heatmaps=heatmaps)
+    for ax, index in zip(cells, shown.tolist(), strict=True):
+        want = overlay(marked_images[index], heatmaps[index])
+        np.testing.assert_array_equal(ax.images[0].get_array(), want)
+    assert mistakes_png(*args, heatmaps=heatmaps).startswith(b"\x89PNG")
