@@ -7,13 +7,16 @@ None of them is in the tests: they are what a user brings, and the recipe is mea
   saved as HEIC or AVIF, the formats phones save.
 - ``clipart``: Debian's openclipart-png, 7 categories of real clip art in nested subfolders
   (RGBA, LA and P modes, some over 100 megapixels), one pool that the benchmark splits.
+- ``clipart-check``: 5 other openclipart-png categories, none of the 7 above (education,
+  electronics, office, people, recreation: 1,253 drawings): a check folder, that no rule of
+  the recipe was tuned on.
 - ``emoji``: Google's Noto emoji as 64 px RGBA PNGs from the npm package
   ``emoji-datasource-google``, one folder per category of ``emoji-datasource``'s
   ``emoji.json`` (9 once "Component", the bare skin-tone swatches, is dropped; 1,906 images,
   skin-tone variants left out), one pool that the benchmark splits. ``npm pack`` fetches both
   tarballs into a cache folder, as a user would.
 
-``python -m benchmarks.recipe_folders OUT`` writes all three under OUT.
+``python -m benchmarks.recipe_folders OUT`` writes all four under OUT.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ CLIPART_CATEGORIES = (
     "tools",
     "transportation",
 )
+# The check folder's categories: disjoint from the tuning ones (a test says so).
+CLIPART_CHECK_CATEGORIES = ("education", "electronics", "office", "people", "recreation")
 EMOJI_IMAGES = ("emoji-datasource-google", "16.0.0")  # img/google/64/*.png
 EMOJI_NAMES = ("emoji-datasource", "16.0.0")  # emoji.json: image file -> category
 EMOJI_DROP = ("Component",)  # five skin-tone and hair swatches, not emoji of their own
@@ -86,11 +91,13 @@ def _save_heic(im: object, path: Path) -> None:
     im.convert("RGB").save(path, format="HEIF", quality=90)  # type: ignore[attr-defined]
 
 
-def clipart_folder(out: Path, categories: tuple[str, ...] = CLIPART_CATEGORIES) -> Path:
+def clipart_folder(
+    out: Path, categories: tuple[str, ...] = CLIPART_CATEGORIES, name: str = "clipart"
+) -> Path:
     """openclipart-png's categories as one class folder each (symlinks: no copy)."""
     if not OPENCLIPART.is_dir():
         raise SystemExit(f"{OPENCLIPART} missing: apt-get install openclipart-png")
-    root = out / "clipart"
+    root = out / name
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
@@ -176,6 +183,11 @@ def emoji_classes(
     return root
 
 
+def clipart_check_folder(out: Path) -> Path:
+    """The check folder: openclipart categories the recipe was never tuned on."""
+    return clipart_folder(out, CLIPART_CHECK_CATEGORIES, "clipart-check")
+
+
 def emoji_folder(out: Path, cache: Path = CACHE) -> Path:
     """The emoji pool: Google's 64 px images, one class folder per emoji.json category."""
     images = npm_package(*EMOJI_IMAGES, cache=cache) / "img" / "google" / "64"
@@ -190,6 +202,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     print(digits_folder(args.out))
     print(clipart_folder(args.out))
+    print(clipart_check_folder(args.out))
     print(emoji_folder(args.out))
 
 

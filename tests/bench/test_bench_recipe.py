@@ -1,7 +1,8 @@
 """The recipe benchmark: its split maker (stratified, seeded, one test set for every
-contender), the emoji folder's builder (on a fake emoji.json and tarball: npm may be absent)
-and the quick mode end to end on a tiny folder: three contenders, each with numbers, scored
-on the same test images."""
+contender), the emoji folder's builder (on a fake emoji.json and tarball: npm may be absent),
+the tuning and check groups (disjoint), the frozen probe on a tiny folder, and the quick
+mode end to end on a tiny folder: four contenders, each with numbers, scored on the same
+test images."""
 
 from __future__ import annotations
 
@@ -17,14 +18,25 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 
 from benchmarks.bench_recipe import (
+    BUILDERS,
     CONTENDERS,
     FRACTIONS,
+    GROUPS,
+    MARGIN,
     SCRATCH_SETS,
     SPLITS,
+    group_of,
     stratified_split,
     subsample,
 )
-from benchmarks.recipe_folders import emoji_classes, npm_package, unpack_tarball
+from benchmarks.recipe_folders import (
+    CLIPART_CATEGORIES,
+    CLIPART_CHECK_CATEGORIES,
+    emoji_classes,
+    npm_package,
+    unpack_tarball,
+)
+from benchmarks.recipe_probe import probe
 from trainyard.data.walk import scan_folder
 
 from conftest import PHOTO_CLASSES, draw_shape, run_ok
@@ -125,6 +137,33 @@ def test_subsample_keeps_a_few_per_class_in_each_split(tmp_path):
         assert files(few, "test")[name] <= files(split, "test")[name]
 
 
+def test_tuning_and_check_groups_are_disjoint():
+    """A check folder shares no name, and no clip art category (so no image), with the
+    folders the recipe was tuned on; every folder the benchmark builds is in one group."""
+    tuning, check = set(GROUPS["tuning"]), set(GROUPS["check"])
+    assert tuning and check and not tuning & check
+    assert tuning | check == set(BUILDERS)
+    assert not set(CLIPART_CATEGORIES) & set(CLIPART_CHECK_CATEGORIES)
+    assert group_of("clipart") == "tuning" and group_of("clipart-check") == "check"
+    assert group_of("/my/photos") == "yours"
+
+
+def test_frozen_probe_learns_from_train_and_val_and_scores_the_test_split(tmp_path):
+    """The probe reads the split folders as they are: it learns from train + val, is scored
+    on every test image, and its second run on the same cache embeds nothing."""
+    out = stratified_split(shapes(tmp_path / "pool", 10), tmp_path / "split", seed=0)
+    count = {s: sum(1 for _ in (out / s).rglob("*.*")) for s in SPLITS}
+    first = probe(out, tmp_path / "cache")
+    assert first["test_images"] == count["test"]
+    assert first["train_images"] == count["train"] + count["val"]
+    assert first["embedded_now"] == sum(count.values())
+    assert first["image_size"] == [224, 224] and first["epochs_run"] is None
+    # Drawn circles, squares and triangles: frozen ImageNet features tell them apart.
+    assert first["test_accuracy"] > 1 / 3 + 0.2
+    again = probe(out, tmp_path / "cache")
+    assert again["embedded_now"] == 0 and again["test_accuracy"] == first["test_accuracy"]
+
+
 def fake_emoji(root: Path) -> tuple[Path, Path]:
     """emoji-datasource's emoji.json layout (image file, category) over a few RGBA PNGs:
     one listed emoji has no image, and a "Component" swatch has one."""
@@ -205,8 +244,8 @@ def test_npm_package_is_unpacked_once_and_safely(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_quick_benchmark_end_to_end(tmp_path):
     """Two real `dvc exp run`s (in clones of the committed repository: the defaults, and
-    from scratch) and the textbook fine-tune, on a tiny flat folder the benchmark splits
-    itself."""
+    from scratch), the textbook fine-tune and the frozen probe, on a tiny flat folder the
+    benchmark splits itself."""
     src = shapes(tmp_path / "photos", 10)
     out = tmp_path / "bench-recipe.json"
     proc = run_ok(
@@ -223,14 +262,15 @@ def test_quick_benchmark_end_to_end(tmp_path):
     assert list(runs) == list(CONTENDERS)
     for name, r in runs.items():
         assert 0.0 <= r["test_accuracy"] <= 1.0, name
-        assert r["wall_s"] > 0 and r["epochs_run"] >= 1, name
+        assert r["wall_s"] > 0, name
+        assert r["epochs_run"] is None if name == "frozen probe" else r["epochs_run"] >= 1
         # One test set for all: the split the benchmark made.
         assert r["test_images"] == result["files"]["test"], name
         row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {name} |"))
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
         assert float(cells[1]) == r["test_accuracy"] and float(cells[2]) == r["wall_s"]
         assert cells[-2].startswith(f"{r['network']}, ") and cells[-1], name
-    defaults, scratch, textbook = (runs[c] for c in CONTENDERS)
+    defaults, scratch, textbook, frozen = (runs[c] for c in CONTENDERS)
     assert (defaults["accuracy_vs_defaults"], defaults["wall_vs_defaults"]) == (1.0, 1.0)
     assert scratch["wall_vs_defaults"] == round(scratch["wall_s"] / defaults["wall_s"], 3)
     # From scratch is what it says: the command sets it, and no weights file was loaded.
@@ -245,3 +285,13 @@ def test_quick_benchmark_end_to_end(tmp_path):
     assert len(textbook["pretrained"]["sha256"]) == 64
     assert textbook["wall_s"] <= textbook["budget_s"] + textbook["first_epoch_s"] + 15
     assert textbook["train_images"] == result["files"]["train"]
+    # The frozen probe learnt from train + val; the defaults' margin over it, and its row in
+    # the groups table, the folder's group named (a path of the user's: "yours").
+    assert frozen["train_images"] == result["files"]["train"] + result["files"]["val"]
+    margin = defaults["test_accuracy"] - frozen["test_accuracy"]
+    assert result["defaults_minus_probe"] == round(margin, 4)
+    assert result["target_met"] == (defaults["test_accuracy"] >= 1.0 or margin >= MARGIN)
+    assert result["group"] == "yours"
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| yours |"))
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    assert [float(c) for c in cells[2:6]] == [runs[c]["test_accuracy"] for c in CONTENDERS]

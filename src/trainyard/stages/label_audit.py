@@ -130,11 +130,25 @@ def _splits(files: list[ImageFile], classes: tuple[str, ...], params: Params) ->
         return np.array([g or "train" for g in given], dtype=object)
 
 
-def audit_folder(params: Params, job: AuditJob) -> dict[str, Any]:
-    """Audit ``job.folder``: write suspects.csv, report.html and summary.json into
-    ``job.out``; the summary (with ``embedded``: how many were computed, not cached)."""
-    t0 = time.perf_counter()
-    root = job.folder.expanduser().resolve()
+@dataclass
+class FolderVectors:
+    """A folder's readable images (walk order), their sha256, embeddings and tiny images,
+    the embedding's model key, what was embedded now, and the files that failed."""
+
+    classes: tuple[str, ...]
+    files: list[ImageFile]
+    hashes: list[str]
+    x: np.ndarray
+    tiny: np.ndarray
+    key: str
+    embedded: Embedded
+    bad: list[tuple[str, str]]
+
+
+def embed_folder(params: Params, root: Path, cache: Path = CACHE) -> FolderVectors:
+    """Every image of the class-per-folder ``root``, read as prepare reads it and embedded
+    by the pretrained Lite0 at 224 px through the cache under ``cache`` (the audit's work;
+    the recipe benchmark's frozen probe reads the same vectors)."""
     scan = scan_folder(root)
     if len(scan.classes) < 2:
         raise DataError(f"{root}: {len(scan.classes)} class folder(s); an audit needs two")
@@ -146,8 +160,8 @@ def audit_folder(params: Params, job: AuditJob) -> dict[str, Any]:
         fill = background_fill(clear[0], len(files), clear[1], params.seed)
         spec = decode_spec(params.data, 3, max_pixels, (EMBED_SIZE, EMBED_SIZE), fill)
         key = f"{embedding_key(EMBED_SIZE)}-{spec['resize']}-fill{fill}"
-        vectors = EmbeddingCache(job.cache, key, Embedder.dim)
-        tinies = EmbeddingCache(job.cache, f"tiny{TINY}-{spec['resize']}-fill{fill}", TINY_DIM)
+        vectors = EmbeddingCache(cache, key, Embedder.dim)
+        tinies = EmbeddingCache(cache, f"tiny{TINY}-{spec['resize']}-fill{fill}", TINY_DIM)
         embedded = _embed_missing(files, hashes, (vectors, tinies), pool, spec, bad)
     finally:
         pool.close()
@@ -155,16 +169,26 @@ def audit_folder(params: Params, job: AuditJob) -> dict[str, Any]:
     keep = [i for i, f in enumerate(files) if f.rel not in decoded]
     files, hashes = [files[i] for i in keep], [hashes[i] for i in keep]
     x, tiny = vectors.get(hashes), tinies.get(hashes)
-    splits = _splits(files, scan.classes, params)
+    return FolderVectors(scan.classes, files, hashes, x, tiny, key, embedded, bad)
+
+
+def audit_folder(params: Params, job: AuditJob) -> dict[str, Any]:
+    """Audit ``job.folder``: write suspects.csv, report.html and summary.json into
+    ``job.out``; the summary (with ``embedded``: how many were computed, not cached)."""
+    t0 = time.perf_counter()
+    root = job.folder.expanduser().resolve()
+    got = embed_folder(params, root, job.cache)
+    files, hashes, classes = got.files, got.hashes, got.classes
+    splits = _splits(files, classes, params)
     labels = np.array([f.label for f in files], dtype=np.int64)
-    findings = audit(x, tiny, labels, splits, hashes, scan.classes, params.seed)
+    findings = audit(got.x, got.tiny, labels, splits, hashes, classes, params.seed)
     rels, paths = [f.rel for f in files], [f.path for f in files]
     thumbs = job.cache / f"thumbs{THUMB}"
-    images = Audited(root, rels, paths, labels, splits, scan.classes, bad, hashes, thumbs)
+    images = Audited(root, rels, paths, labels, splits, classes, got.bad, hashes, thumbs)
     extra = {
-        "model": key,
-        "embedded": embedded.computed,
-        "forward_passes": embedded.forward_passes,
+        "model": got.key,
+        "embedded": got.embedded.computed,
+        "forward_passes": got.embedded.forward_passes,
         "seconds": round(time.perf_counter() - t0, 2),
     }
     summary = write_outputs(job.out, findings, images, extra)
@@ -172,7 +196,7 @@ def audit_folder(params: Params, job: AuditJob) -> dict[str, Any]:
         "audit of %d images (%d embedded now) in %.1f s: %d label issue(s), %d duplicate(s) "
         "across splits, %d outlier(s); %s",
         len(files),
-        embedded.computed,
+        got.embedded.computed,
         summary["seconds"],
         summary["label_issues"],
         summary["exact_duplicates_across_splits"] + summary["near_duplicates_across_splits"],
