@@ -40,6 +40,7 @@ FILE_MINUTES = {
     "test_registry_race.py": 3,
     "test_multinode.py": 3,
     "test_quantize.py": 3,
+    "test_bench_recipe.py": 2.5,
     "test_ui_browser.py": 2,
     "test_recipe.py": 2,
     "test_client.py": 1.5,
