@@ -9,7 +9,6 @@ import sys
 
 from trainyard.commands import (
     audit,
-    card,
     doctor,
     drift_check,
     exps,
@@ -19,6 +18,7 @@ from trainyard.commands import (
     predict_merge,
     promote,
     rollback,
+    show_card,
     tune,
 )
 
@@ -33,7 +33,7 @@ COMMANDS = [
     drift_check,
     promote,
     rollback,
-    card,
+    show_card,
     exps,
 ]
 
