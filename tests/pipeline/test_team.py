@@ -25,6 +25,7 @@ from PIL import Image
 from trainyard.core.handoffs import EXPORT_RECORD, REGISTRY_RECORD, TRAIN_RECORD
 from trainyard.core.io import sha256_file
 from trainyard.data.idx import read_idx
+from trainyard.runtime.model_file import CARD_FILES, CARD_SUFFIXES
 
 from conftest import EVALUATE_REPORTS, VENV_BIN, copy_reproduced, dvc, git_env, stop_group
 
@@ -37,6 +38,7 @@ CACHED = (
     "models/best.ckpt",
     "models/model.onnx",
     "models/model.reference.npz",
+    *(f"models/model{suffix}" for suffix in CARD_SUFFIXES.values()),  # the model card
 )
 # The small `cache: false` outs: committed to git beside dvc.lock.
 IN_GIT = (
@@ -45,6 +47,7 @@ IN_GIT = (
     "models/model.onnx.sha256",
     str(EXPORT_RECORD),
     *EVALUATE_REPORTS,
+    *(f"reports/{name}" for name in CARD_FILES.values()),
     str(REGISTRY_RECORD),
 )
 

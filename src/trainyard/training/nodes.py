@@ -238,9 +238,11 @@ def agree(job: TrainJob, ws: Workspace, hw: Hardware, card: Card, key: str) -> A
         check_tracking_uri(ws.uri)  # before any work: a dead server fails in seconds
         return plan_training(job, card, ws, hw, folder)
 
-    # Not joined, this process is the only rank: it decides, with no one to compare.
-    same = what_trains(job, card, hw) if nodes.joined else None
-    recipe = nodes.from_lead(decide, same)
+    if not nodes.joined:
+        # Alone, or a rank that Lightning launched for one machine's DDP (each such rank
+        # plans for itself, as rank 0 does): no one to compare with or wait for.
+        return Agreement(nodes, decide())
+    recipe = nodes.from_lead(decide, what_trains(job, card, hw))
     if not nodes.lead:
         for line in describe(recipe):  # what this rank trains: rank 0's choices
             log.info("%s", line)
