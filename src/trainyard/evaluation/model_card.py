@@ -83,7 +83,8 @@ def usage(name: str, version: int | None) -> dict[str, str]:
     return {
         "curl": f"curl -F image=@photo.jpg {SERVICE_URL}/classify",
         "python": (
-            "import bentoml; from pathlib import Path\n"
+            # As ruff formats it: the card is Markdown in the repo, and ruff formats its code.
+            "import bentoml\nfrom pathlib import Path\n\n"
             f'bentoml.SyncHTTPClient("{SERVICE_URL}").classify(image=Path("photo.jpg"))'
         ),
         "predict": f"trainyard predict photos/ --model {model}",
