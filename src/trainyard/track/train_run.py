@@ -56,7 +56,15 @@ def log_dataset_inputs(
                 dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]
             )
         )
-    client.log_inputs(run_id, datasets=inputs)
+    try:
+        client.log_inputs(run_id, datasets=inputs)
+    except Exception as err:  # MlflowException, or SQLAlchemy's IntegrityError itself
+        # Two processes logging the same dataset into one experiment at once (two tune
+        # workers): MLflow's store looks for the dataset's row, then inserts it, and the
+        # later insert breaks the UNIQUE constraint. The row exists now: again links it.
+        if not any(s in str(err) for s in ("UNIQUE constraint", "duplicate key")):
+            raise
+        client.log_inputs(run_id, datasets=inputs)
 
 
 def run_status(client: TrackingClient, run_id: str) -> str | None:
