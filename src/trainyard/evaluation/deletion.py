@@ -26,7 +26,7 @@ import numpy as np
 
 from trainyard.core.card import Card, normalize_pixels
 from trainyard.evaluation.pictures import worst_mistakes
-from trainyard.runtime.explain import CAM_OUTPUT, explain_kind, heatmap, upsample
+from trainyard.runtime.explain import explain_kind, heatmap, upsample
 from trainyard.runtime.inputs import softmax
 from trainyard.runtime.sessions import OnnxModel
 
@@ -38,15 +38,7 @@ PASS_RATIO = 2.0
 
 def has_maps(model: OnnxModel) -> bool:
     """Whether the model has a ``cam`` output (and says how it is made)."""
-    names = [o.name for o in model.session.get_outputs()]
-    return CAM_OUTPUT in names and explain_kind(model.metadata) is not None
-
-
-def _logits_and_maps(model: OnnxModel, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(logits [B, K], cam [B, K, h, w]) from one run (plain ``session.run``: host arrays
-    on any provider)."""
-    logits, cam = model.session.run([model.logits_output, CAM_OUTPUT], {model.input_name: x})
-    return logits, cam
+    return model.has_cam and explain_kind(model.metadata) is not None
 
 
 def _delete(x: np.ndarray, scores: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -66,7 +58,7 @@ def _batch_drops(
     """(drop of the predicted class's probability with its map's top pixels deleted, with
     as many random pixels deleted) for each image of the normalised batch ``x``."""
     b, _, h, w = x.shape
-    logits, cam = _logits_and_maps(model, x)
+    logits, _, cam = model.run_with_cam(x)
     top = logits.argmax(axis=1)
     rows = np.arange(b)
     before = softmax(logits)[rows, top]
@@ -119,7 +111,7 @@ def mistake_heatmaps(
     if not len(indices):
         return {}
     rows = np.sort(np.asarray(indices))  # a memmap reads them in file order
-    _, cam = _logits_and_maps(model, normalize_pixels(images[rows], card.mean, card.std))
+    _, _, cam = model.run_with_cam(normalize_pixels(images[rows], card.mean, card.std))
     size = (card.height, card.width)
     return {int(i): heatmap(cam[j, preds[i]], size) for j, i in enumerate(rows)}
 
