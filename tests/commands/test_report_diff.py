@@ -79,6 +79,7 @@ def new_run(repo: Path) -> dict:
     champion = reg["version"]
     reg.update(
         alias="champion",
+        already_registered=False,  # a new run registers a new version
         version=champion + 1,
         previous_champion=champion,
         reason=f"test accuracy 0.9312 beats champion v{champion} (0.9208) by more than the "
