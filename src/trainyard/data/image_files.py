@@ -187,7 +187,7 @@ def decode_spec(
 # ------------------------------------------------------------------ writing
 
 
-def _first_pass(
+def read_headers(
     files: list[ImageFile], pool: FilePool, max_pixels: int, bad: list[tuple[str, str]]
 ) -> tuple[list[ImageFile], list[str], bool, list[int], tuple[int, list[str]]]:
     """Pass 1: read every file once. Returns the readable files, their sha256, whether all
@@ -360,7 +360,7 @@ def prepare_image_set(
     pool = FilePool(min(worker_count(params), max(1, len(images.files) // CHUNK)))
     try:
         bad = list(images.bad)
-        files, hashes, gray, shorter, clear = _first_pass(images.files, pool, max_pixels, bad)
+        files, hashes, gray, shorter, clear = read_headers(images.files, pool, max_pixels, bad)
         channels = (1 if gray else 3) if params.channels == "auto" else int(params.channels)
         size = choose_image_size(params, shorter, for_pretrained)
         fill = background_fill(clear[0], len(files), clear[1], seed)

@@ -28,8 +28,8 @@ from trainyard.data.file_workers import decode_files
 from trainyard.data.image_files import (
     FilePool,
     ImageFile,
-    _first_pass,
     decode_spec,
+    read_headers,
     worker_count,
 )
 from trainyard.data.image_size import background_fill
@@ -156,7 +156,7 @@ def embed_folder(params: Params, root: Path, cache: Path = CACHE) -> FolderVecto
     max_pixels = params.data.max_image_pixels
     pool = FilePool(min(worker_count(params.data), max(1, len(scan.entries) // 64)))
     try:
-        files, hashes, _, _, clear = _first_pass(scan.entries, pool, max_pixels, bad)
+        files, hashes, _, _, clear = read_headers(scan.entries, pool, max_pixels, bad)
         fill = background_fill(clear[0], len(files), clear[1], params.seed)
         spec = decode_spec(params.data, 3, max_pixels, (EMBED_SIZE, EMBED_SIZE), fill)
         key = f"{embedding_key(EMBED_SIZE)}-{spec['resize']}-fill{fill}"
