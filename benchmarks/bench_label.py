@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from sklearn.linear_model import LogisticRegression
 
-from benchmarks.audit_planted import planted_tree, read_suspects
+from benchmarks.audit_planted import planted_tree, read_suspects, score
 from benchmarks.harness.host_facts import cpu_facts, load_facts
 from benchmarks.harness.procs import child_env, run_timed
 from benchmarks.harness.publish import REPO, bench_parser, outputs, provenance, publish
@@ -106,6 +106,33 @@ def review(client: LabelStudio, title: str, truth: dict[str, str]) -> dict[str, 
     return {"reviewed": len(tasks), "flipped_among_them": flips}
 
 
+def in_label_studio(
+    work: Path, tree: Path, suspects: Path, truth: dict[str, str], venv: Path
+) -> dict[str, Any]:
+    """A real Label Studio on a free port: push, the scripted review, pull; then stopped."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = server.start(venv, port, work / "label-studio", TOKEN, log=work / "ls.log")
+    seconds: dict[str, float] = {}
+    try:
+        started = time.perf_counter()
+        server.wait_up(url, proc, timeout=600)
+        seconds["label_studio_start"] = round(time.perf_counter() - started, 1)
+        common = ("--url", url, "--project", "bench")
+        push = ("label", "push", str(tree), *common, "--suspects", str(suspects), "--served", "0")
+        seconds["push"] = trainyard(*push, work=work, what="trainyard label push")[0]
+        started = time.perf_counter()
+        reviewed = review(LabelStudio(url, TOKEN), "bench", truth)
+        seconds["review"] = round(time.perf_counter() - started, 1)
+        pull = ("label", "pull", str(tree), *common)
+        seconds["pull"], text = trainyard(*pull, work=work, what="trainyard label pull")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    pulled = json.JSONDecoder().raw_decode(text)[0]
+    return {"review": reviewed, "pull": pulled, "label_seconds": seconds}
+
+
 def round_trip(work: Path, seed: int, per_class: int, venv: Path) -> dict[str, Any]:
     source = emoji_folder(work / "sources")
     clean = planted_tree(source, work / "clean", 0.0, 0, seed, per_class)
@@ -113,56 +140,19 @@ def round_trip(work: Path, seed: int, per_class: int, venv: Path) -> dict[str, A
     truth = {index_of(rel): Path(rel).parent.name for rel in _files(clean.root)}
     cache, out = work / "cache", work / "audit"
     result: dict[str, Any] = {"images": flipped.images, "flipped": len(flipped.flipped)}
+    audit = ("audit", str(flipped.root), "--out", str(out), "--cache", str(cache), "--no-track")
     result["seconds"] = {
-        "audit": trainyard(
-            "audit",
-            str(flipped.root),
-            "--out",
-            str(out),
-            "--cache",
-            str(cache),
-            "--no-track",
-            work=work,
-            what="trainyard audit (uncached)",
-        )[0]
+        "audit": trainyard(*audit, work=work, what="trainyard audit (uncached)")[0]
     }
+    found = score(flipped, read_suspects(out / "suspects.csv"))
+    result["audit"] = {k: found[k] for k in ("precision_at_k", "recall_at_k")}
     labels = [r for r in read_suspects(out / "suspects.csv") if r["reason"] == "label"]
     result["label_suspects"] = len(labels)
     result["flips_among_suspects"] = sum(r["file"] in flipped.flipped for r in labels)
     result["before"] = {"clean": retrain(clean.root, cache, truth)}
     result["before"]["flipped"] = retrain(flipped.root, cache, truth)
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = server.start(venv, port, work / "label-studio", TOKEN, log=work / "ls.log")
-    try:
-        started = time.perf_counter()
-        server.wait_up(url, proc, timeout=600)
-        result["seconds"]["label_studio_start"] = round(time.perf_counter() - started, 1)
-        common = ("--url", url, "--project", "bench")
-        result["seconds"]["push"] = trainyard(
-            "label",
-            "push",
-            str(flipped.root),
-            *common,
-            "--suspects",
-            str(out / "suspects.csv"),
-            "--served",
-            "0",
-            work=work,
-            what="trainyard label push",
-        )[0]
-        started = time.perf_counter()
-        result["review"] = review(LabelStudio(url, TOKEN), "bench", truth)
-        result["seconds"]["review"] = round(time.perf_counter() - started, 1)
-        seconds, text = trainyard(
-            "label", "pull", str(flipped.root), *common, work=work, what="trainyard label pull"
-        )
-        result["seconds"]["pull"] = seconds
-        result["pull"] = json.JSONDecoder().raw_decode(text)[0]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+    result |= in_label_studio(work, flipped.root, out / "suspects.csv", truth, venv)
     result["manifest_lines"] = len((flipped.root / MANIFEST).read_text().splitlines())
     result["after"] = retrain(flipped.root, cache, truth)
     return result
@@ -182,11 +172,12 @@ def table(r: dict[str, Any]) -> str:
     lines += [
         f"| {n} | {x['wrong_labels_trained_on']} | {x['test_accuracy']:.4f} |" for n, x in rows
     ]
-    s = r["seconds"]
+    s = r["seconds"] | r["label_seconds"]
     gap = a["test_accuracy"] - b["clean"]["test_accuracy"]
     return "\n".join(lines) + (
         f"\n\n{r['images']} images, {r['flipped']} flipped; the audit listed "
-        f"{r['label_suspects']} label suspects ({r['flips_among_suspects']} of the flips), all "
+        f"{r['label_suspects']} label suspects ({r['flips_among_suspects']} of the flips; "
+        f"precision = recall of its first k = {r['flipped']}: {r['audit']['precision_at_k']}), all "
         f"pushed; the reviewer answered {r['review']['reviewed']} tasks; the pull moved "
         f"{r['pull']['moved']} files and kept {r['pull']['kept']} ({r['manifest_lines']} "
         f"manifest lines). After the round trip: {gap:+.4f} against the clean folder's "
