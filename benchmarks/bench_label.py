@@ -199,16 +199,16 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         r = round_trip(work, args.seed, 12 if args.quick else 0, Path(args.venv))
-    text = (
-        f"## Labelling round trip\n\n{provenance('benchmarks.bench_label', argv)['date']}, "
-        f"`python -m benchmarks.bench_label {' '.join(argv or sys.argv[1:])}`, "
-        f"{cpu_facts().get('cores', '?')} cores (load {load_facts()['loadavg']:.1f} at the "
-        "end: a shared machine), Google's emoji, the three rows in one run. Retraining: the "
-        "frozen EfficientNet-Lite0 + logistic regression probe (train + val as filed, the "
-        "test images scored against their true labels).\n\n" + table(r)
+    facts = cpu_facts() | load_facts()
+    run = provenance("benchmarks.bench_label", argv)
+    header = (
+        f"{run['date']}, `{run['command']}`, {facts.get('cores', '?')} cores (load "
+        f"{facts['loadavg']:.1f} at the end: a shared machine), Google's emoji, the three rows "
+        "in one run. Retraining: the frozen EfficientNet-Lite0 + logistic regression probe "
+        "(train + val as filed, the test images scored against their true labels)."
     )
-    result = {**provenance("benchmarks.bench_label", argv), "result": r}
-    result["host"] = cpu_facts() | load_facts()
+    text = f"## Labelling round trip\n\n{header}\n\n{table(r)}"
+    result = {**run, "result": r, "host": facts}
     publish(result, text, out, docs, DOCS_KEY)
 
 
