@@ -21,7 +21,14 @@ from trainyard.review.folder import (
     refiled,
 )
 from trainyard.review.pull import apply_journal, latest_answer
-from trainyard.track.label_studio import choice_result, chosen, label_config
+from trainyard.track.label_studio import (
+    IMPORT_BATCH,
+    IMPORT_BYTES,
+    _batches,
+    choice_result,
+    chosen,
+    label_config,
+)
 
 
 @pytest.mark.parametrize(
@@ -97,3 +104,12 @@ def test_the_latest_submitted_answer_counts_and_a_skip_is_none():
     ]
     assert latest_answer({"annotations": answers})["id"] == 2
     assert latest_answer({"annotations": answers[2:]}) is None
+
+
+def test_imports_are_cut_by_count_and_by_size():
+    """Photos travel as data URLs: a request stays far under Label Studio's 250 MB."""
+    big = {"data": {"image": "x" * (IMPORT_BYTES // 2 + 1)}}
+    small = [{"data": {"n": i}} for i in range(IMPORT_BATCH + 5)]
+    sizes = [len(b) for b in _batches([big, big, *small])]
+    assert sizes == [1, IMPORT_BATCH, 6]
+    assert sum(sizes) == len(small) + 2

@@ -19,6 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
+
+from trainyard.core.prediction_columns import (
+    FORMAT,
+    IMAGE,
+    LABEL,
+    MODEL_VERSION,
+    PROBABILITY,
+    SHADOW_LABEL,
+    TIME,
+)
 from trainyard.data.walk import scan_folder
 from trainyard.review.folder import KEY, project_title
 from trainyard.track.label_studio import LabelStudio, choice_result
@@ -27,6 +38,7 @@ from trainyard.watch.log import read_log
 # Reasons of suspects.csv a reviewer answers with a class (duplicates are removed, not
 # relabelled; an outlier may be either: ask with --reasons).
 DEFAULT_REASONS = ("label",)
+SERVED = (TIME, LABEL, PROBABILITY, SHADOW_LABEL, FORMAT, MODEL_VERSION, IMAGE)
 
 
 @dataclass(frozen=True)
@@ -87,11 +99,11 @@ def served_tasks(job: PushJob, classes: Sequence[str]) -> list[dict[str, Any]]:
     """Logged uploads the shadow disagreed on, then those least sure (``job.below``)."""
     if job.log_dir is None or job.served <= 0 or not job.log_dir.is_dir():
         return []
-    table = read_log(job.log_dir).to_pylist()
+    table = read_log(job.log_dir)
+    # Only the rows that kept their image, and only the columns read (not the embeddings).
+    table = table.filter(pc.is_valid(table.column("image"))).select([c.name for c in SERVED])
     picked = []
-    for row in table:
-        if not row.get("image"):
-            continue
+    for row in table.to_pylist():
         shadow = row.get("shadow_label")
         disagreed = shadow is not None and shadow != row["label"]
         if disagreed or (row["probability"] or 0.0) < job.below:

@@ -27,7 +27,9 @@ URL_ENV, DEFAULT_URL = "TRAINYARD_LABEL_STUDIO_URL", f"http://127.0.0.1:{DEFAULT
 TOKEN_ENV, DEFAULT_TOKEN = "LABEL_STUDIO_USER_TOKEN", "trainyard-local-review-token"
 TIMEOUT_S = 60.0
 PAGE = 100  # tasks per page when listing a project (their data holds the images)
-IMPORT_BATCH = 50  # tasks per import request: each carries its image as a data URL
+# An import request's tasks: each carries its image as a data URL, and Label Studio takes
+# at most DATA_UPLOAD_MAX_MEMORY_SIZE (250 MB) a request; photos are megabytes each.
+IMPORT_BATCH, IMPORT_BYTES = 50, 32 << 20
 # The names the labelling config gives its image and its choices: the predictions and the
 # answers refer to them.
 IMAGE, CHOICE = "image", "label"
@@ -57,6 +59,21 @@ def choice_result(label: str) -> list[dict[str, Any]]:
 def chosen(result: Sequence[dict[str, Any]]) -> list[str]:
     """The choices an annotation's ``result`` made (empty when it chose none)."""
     return [c for r in result if r.get("type") == "choices" for c in r["value"]["choices"]]
+
+
+def _batches(tasks: Sequence[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """``tasks`` in requests of at most IMPORT_BATCH tasks and about IMPORT_BYTES of JSON."""
+    batch: list[dict[str, Any]] = []
+    size = 0
+    for task in tasks:
+        n = len(json.dumps(task))
+        if batch and (len(batch) >= IMPORT_BATCH or size + n > IMPORT_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(task)
+        size += n
+    if batch:
+        yield batch
 
 
 @dataclass
@@ -124,10 +141,8 @@ class LabelStudio:
     def import_tasks(self, project: int, tasks: Sequence[dict[str, Any]]) -> int:
         """Add ``tasks`` (data and predictions) to ``project``; how many were added."""
         added = 0
-        for i in range(0, len(tasks), IMPORT_BATCH):
-            answer = self.call(
-                "POST", f"/api/projects/{project}/import", tasks[i : i + IMPORT_BATCH]
-            )
+        for batch in _batches(tasks):
+            answer = self.call("POST", f"/api/projects/{project}/import", batch)
             added += int(answer.get("task_count", 0))
         return added
 
