@@ -8,7 +8,8 @@ export PATH := $(abspath $(BIN)):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: help venv data run repro train-fast test lint format ui bench gpu-check serve bento \
-	bench-serve bench-prepare bench-predict bench-resume bench-recipe bench-audit soak doctor gpu-wheels clean \
+	bench-serve bench-prepare bench-predict bench-resume bench-recipe bench-audit bench-label \
+	label-studio label-studio-venv soak doctor gpu-wheels clean \
 	tune report exps bench-sweep team-up team-down
 
 help:
@@ -27,6 +28,8 @@ help:
 	@echo "make bench-resume - SIGKILL after epoch 2 of 4, rerun resumes: time saved vs an uninterrupted run"
 	@echo "make bench-recipe - trainyard's defaults vs from scratch vs a textbook fine-tune vs a frozen probe, 3 tuning + 1 check real folders (~60-80 min)"
 	@echo "make bench-audit - trainyard audit on real folders with 5%/10% labels flipped and copies planted across splits (~15 min)"
+	@echo "make label-studio - Label Studio on http://127.0.0.1:$(LABEL_STUDIO_PORT) from .venv-labelstudio, for trainyard label push/pull"
+	@echo "make bench-label - audit -> label push -> scripted review -> pull -> retrain, clean vs flipped vs after (~10 min)"
 	@echo "make bench-sweep - a 4-experiment DVC queue, -j 1 vs -j 2 wall time (~8 min)"
 	@echo "make doctor - this machine (CPU, RAM, GPUs, torch, ONNX Runtime, disk) and what trainyard will do on it"
 	@echo "make tune   - Optuna search over params.yaml tune.space (TUNE_ARGS=\"--trials 8\"), child runs in MLflow"
@@ -61,6 +64,25 @@ team-up: venv
 
 team-down: venv
 	$(BIN)/python -m team down $(TEAM_ARGS)
+
+# Label Studio (trainyard label push/pull, docs/label.md) in its own environment, so that
+# .venv and `make run` do not grow: about 80 s to install on 2 shared cores (once), about
+# 90 s for a first start (it migrates its SQLite database), on loopback only, its data in
+# LABEL_STUDIO_DATA, its user's API token LABEL_STUDIO_USER_TOKEN (what trainyard label sends).
+LABEL_STUDIO_VENV ?= .venv-labelstudio
+LABEL_STUDIO_PORT ?= 8089
+LABEL_STUDIO_DATA ?= .label-studio
+label-studio-venv: $(LABEL_STUDIO_VENV)/.installed
+
+$(LABEL_STUDIO_VENV)/.installed:
+	test -x $(LABEL_STUDIO_VENV)/bin/python || $(PYTHON) -m venv $(LABEL_STUDIO_VENV)
+	$(LABEL_STUDIO_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LABEL_STUDIO_VENV)/bin/python -m pip install --quiet 'label-studio>=1.23,<1.24'
+	touch $@
+
+label-studio: venv label-studio-venv
+	$(BIN)/python -m trainyard.track.label_studio_server --venv $(LABEL_STUDIO_VENV) \
+	  --port $(LABEL_STUDIO_PORT) --data-dir $(LABEL_STUDIO_DATA)
 
 # Debian's dataset-fashion-mnist, when it can be installed here (root with apt-get);
 # otherwise the fetch stage downloads from the upstream mirrors in params.yaml.
@@ -134,6 +156,15 @@ bench-recipe: venv
 BENCH_AUDIT_ARGS ?=
 bench-audit: venv
 	$(BIN)/python -m benchmarks.bench_audit $(BENCH_AUDIT_ARGS)
+
+# About 10 min on 2 cores, not part of `make test`: Google's emoji (as bench-audit) with 10% of
+# the labels flipped (seeded); trainyard audit -> label push to a real Label Studio (started
+# from .venv-labelstudio) -> a scripted reviewer answers the pushed tasks with the true labels
+# -> label pull -> retrain; test accuracy of the clean, flipped and pulled folders side by
+# side; reports/bench-label.json + docs/benchmarks.md ("Labelling round trip").
+BENCH_LABEL_ARGS ?=
+bench-label: venv label-studio-venv
+	$(BIN)/python -m benchmarks.bench_label $(BENCH_LABEL_ARGS)
 
 # About 8 min on 2 cores, not part of `make test`: in two clones of the committed repo, 4 queued
 # experiments (train.lr grid, data.limit 8000, 1 epoch) run by `dvc queue start -j 1`, then -j 2;
@@ -233,7 +264,8 @@ exps: venv
 # of its time waiting on real servers and pipelines. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
-test: venv
+# label-studio-venv: tests/review's real Label Studio server.
+test: venv label-studio-venv
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: venv

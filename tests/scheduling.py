@@ -44,6 +44,7 @@ FILE_MINUTES = {
     "test_ui_browser.py": 2,
     "test_recipe.py": 2,
     "test_client.py": 1.5,
+    "test_label_loop.py": 1.2,  # a real Label Studio: its first start migrates a database
     "test_evaluation.py": 1.2,
     "test_backbones.py": 1.2,
     "test_serving_drain.py": 1,

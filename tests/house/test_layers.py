@@ -45,6 +45,8 @@ ALLOWED: dict[str, set[str]] = {
     "evaluation": {"core", "data", "runtime", "watch"},
     "watch": {"core"},
     "serve": {"core", "runtime", "watch"},
+    # The labelling loop: the folder, the prediction log, Label Studio's client (track/).
+    "review": {"core", "data", "watch", "track"},
     "bulk": {"core", "data", "runtime"},
     "stages": {
         "core",

@@ -36,19 +36,13 @@ def add_parser(subparsers: Subparsers) -> None:
 class CmdAudit(Command):
     def run(self) -> int:
         """0 when the audit is written (suspects or not); 2 on bad input, named."""
-        from trainyard.data.sources.folder import folder_path
         from trainyard.stages.label_audit import AuditJob, audit_folder
 
         configure_logging("audit")
         a = self.args
         try:
             params = load_params(Path(a.params))
-            if not a.dir and not params.data.folder:
-                raise TrainyardError(f"no DIR given and data.folder is not set in {a.params}")
-            # data.folder as prepare reads it: relative to the workspace (params.yaml's)
-            folder = Path(a.dir) if a.dir else folder_path(params.data, Path(a.params).parent)
-            if not folder.is_dir():
-                raise TrainyardError(f"{folder} is not a folder (a class-per-folder tree)")
+            folder = target_folder(a.dir, params, Path(a.params))
             job = AuditJob(folder, Path(a.out), Path(a.cache))
             summary = audit_folder(params, job)
         except TrainyardError as err:
@@ -58,6 +52,19 @@ class CmdAudit(Command):
             record_run(params, summary, job.out)
         print(f"{job.out / 'suspects.csv'}: {_line(summary)}")
         return 0
+
+
+def target_folder(given: str | None, params: Params, params_file: Path) -> Path:
+    """DIR, else data.folder as prepare reads it (relative to the params file's folder);
+    TrainyardError when neither names a folder."""
+    from trainyard.data.sources.folder import folder_path
+
+    if not given and not params.data.folder:
+        raise TrainyardError(f"no DIR given and data.folder is not set in {params_file}")
+    folder = Path(given) if given else folder_path(params.data, params_file.parent)
+    if not folder.is_dir():
+        raise TrainyardError(f"{folder} is not a folder (a class-per-folder tree)")
+    return folder
 
 
 def _line(summary: dict) -> str:
