@@ -191,24 +191,17 @@ def test_a_registry_uri_without_mlflow_says_to_build_from_a_local_file(tmp_path,
 
 def test_the_path_is_decided_by_the_models_call_and_a_busy_thread_hop(tmp_path, monkeypatch):
     """At start-up the model's one-image call is timed on the CPU, and a thread hop with the
-    event loop busy: this tiny model's call is far shorter, so /classify calls it inline and
-    auto does not batch it (as the plain server for such a model); batching asked for
-    batches, a merged batch inline up to as many images as fit in a hop; over MAX_CALL_MS
-    (a limit no model meets) every call hops to a thread and auto does not batch; a bool
-    in params is kept as set."""
+    event loop busy: this tiny model's call is far shorter, so /classify calls it inline
+    (as many images per batch as fit in a hop) and auto batches; over MAX_CALL_MS (a limit
+    no model meets) every call hops to a thread and auto does not batch; a bool in params
+    is kept as set."""
     from trainyard.serve import batch_choice
 
     monkeypatch.delenv(batch_choice.CHOICE_ENV, raising=False)
     model, _ = write_tiny_model(tmp_path)
     path = batch_choice.choose_path(ServeParams(), model)
-    assert path.params.batching is False and path.inline_images >= 1, path.why
-    assert path.why.startswith("a call of one image takes ") and "a thread hop " in path.why
-    assert "shorter than the hop: inline, and auto does not batch" in path.why
-    assert path.describe().startswith("inline on the event loop")
-    monkeypatch.delenv(batch_choice.CHOICE_ENV, raising=False)
-    path = batch_choice.choose_path(ServeParams(batching=True), model)
     assert path.params.batching is True and path.inline_images >= 1, path.why
-    assert "auto" not in path.why
+    assert path.why.startswith("a call of one image takes ") and "a thread hop " in path.why
     assert f"a batch of 2 to {path.inline_images} images inline on the event loop" in (
         path.describe()
     )

@@ -37,10 +37,10 @@ class ServeParams(Strict):
     def model_threads(self) -> int:
         """ONNX Runtime intra-op threads per inference. ``auto`` is 1: a worker runs up to
         ``concurrent_inferences`` model calls side by side, one core each, which beat one
-        call on every core on these CPUs. Also with batching (``serve.batching: true`` on a
-        CPU; auto batches only on a GPU), where BentoML's batcher runs one batch at a time
-        per worker: for a cheap call ONNX Runtime's second thread spinning for work cost
-        more CPU per request than it saved (2.1 vs 3.5 ms, make bench-serve's CNN)."""
+        call on every core on these CPUs. Also with batching, where BentoML's batcher runs
+        one batch at a time per worker: batching is on by default only for models whose call
+        is cheap (serve.batching auto), where ONNX Runtime's second thread spinning for work
+        cost more CPU per request than it saved (2.1 vs 3.5 ms, make bench-serve's CNN)."""
         return 1 if self.intra_op_threads == "auto" else self.intra_op_threads
 
     def concurrent_inferences(self) -> int:

@@ -6,16 +6,16 @@ loop is its scarcest core. A small model's whole call (decode, inference, softma
 Fashion CNN's takes a fifth of a millisecond) costs less there than the trip to a worker
 thread and back (a future, a wake-up, two GIL handoffs), so the fastest plain server calls
 it inline, and so does the service: measured here, not assumed, by racing the two ways in
-process. Such a model is not batched either (``auto``): BentoML's batcher costs each
-request a queue, a future and a second look-up of the api method, more than the few
-tenths of a millisecond a merged ONNX Runtime call saves (1 worker, 16 clients: 708
-req/s inline and unbatched against 559 batched, docs/benchmarks.md). A 160 px resnet18's
-call takes 10-20 ms: inline it would stall every other request on the loop, so it goes to
-a thread (unbatched: ONNX Runtime computes a batch of 8 no faster per image than 8 single
-calls on one thread each, and BentoML's batcher runs one batch at a time per worker where
-unbatched calls run side by side on its cores). On a GPU one call of many images is what
-keeps the device busy, so there ``auto`` batches. ``batching: true`` on a CPU is kept:
-merged batches small enough then run inline.
+process. Such a model stays batched under ``auto``, its merged batches inline too: per
+request that costs less CPU than an inline call each (in one process, 16 requests at a
+time: 0.65-0.68 against 0.83-0.90 ms; one ONNX Runtime call, softmax and metrics update
+per batch), and on a CPU shared with other work the CPU per request is what sets req/s
+(1 worker, 16 clients, alternating: 560 against 462 req/s; 2 workers: 706 against 497).
+A 160 px resnet18's call takes 10-20 ms: inline it would stall every other
+request on the loop, so it goes to a thread (unbatched: ONNX Runtime computes a batch of 8
+no faster per image than 8 single calls on one thread each, and BentoML's batcher runs one
+batch at a time per worker where unbatched calls run side by side on its cores). On a GPU
+one call of many images is what keeps the device busy, so there ``auto`` batches.
 
 `bentoml serve` imports the service once in its own process before it starts the workers:
 the choice made there is handed to them in the environment (``CHOICE_ENV``), so every
@@ -80,8 +80,8 @@ class ServePath:
 
 def choose_path(params: ServeParams, model_path: Path, sha256: str = "") -> ServePath:
     """The path for ``params`` and the model at ``model_path``. Batching: as set, or with
-    ``auto`` on CUDA only. Inline: on a CPU, a call under ``MAX_CALL_MS``, as many images
-    per call as take less time than a thread hop with the event loop busy. A choice
+    ``auto`` on CUDA and for a CPU call under ``MAX_CALL_MS``. Inline: on a CPU, as many
+    images per call as take less time than a thread hop with the event loop busy. A choice
     ``bentoml serve`` already made for the same model is reused."""
     key = f"{sha256}:{params.device}:{params.model_threads()}:{params.batching}"
     try:
@@ -117,16 +117,13 @@ def _measure(params: ServeParams, model_path: Path) -> ServePath:
         call()
     ms = statistics.median(_timed(call) for _ in range(TIMED_CALLS))
     said = f"a call of one image takes {ms:.2f} ms on the CPU"
-    unbatched = params.model_copy(update={"batching": params.batching is True})
     if ms >= MAX_CALL_MS:
         why = f"{said}, over {MAX_CALL_MS:g} ms" + (": auto does not batch" if auto else "")
-        return ServePath(unbatched, 0, why)
+        return ServePath(params.model_copy(update={"batching": params.batching is True}), 0, why)
     hop = busy_hop_ms(params.concurrent_inferences())
     why = f"{said}, a thread hop {hop:.1f} ms with the event loop busy"
-    if auto:  # as the plain server for such a model: each request's call inline, alone
-        where = "shorter than the hop: inline" if hop > ms else "over the hop: on a thread"
-        why += f", {where}, and auto does not batch"
-    return ServePath(unbatched, int(hop // ms), why)
+    batching = params.batching is not False  # auto: a cheap call batches
+    return ServePath(params.model_copy(update={"batching": batching}), int(hop // ms), why)
 
 
 def _one_call(model: OnnxModel) -> Call:
