@@ -3,6 +3,10 @@
 Every server is started on a free port and loaded by wrk (C, one thread, keep-alive); each
 request is one image as a multipart ``image`` upload to ``/classify``. In one run:
 
+0. the small model in rounds (benchmarks/serve_rounds.py): the service with 1 worker, both
+   bare servers with 1 worker and `make serve`'s configuration started twice, one after
+   the other in each of ``--rounds`` rounds (``--round-seconds`` of load each), every
+   ratio taken within its round: what the small-model targets read (median, spread);
 1. throughput, Fashion CNN (models/model.onnx): the service with ``serve.workers: 1``,
    params.yaml's batching, vs the two bare Starlette + ONNX Runtime servers with 1 worker
    (benchmarks/reference_server.py: the model on a worker thread, and inline on the event
@@ -26,7 +30,7 @@ request is one image as a multipart ``image`` upload to ``/classify``. In one ru
 7. ``/classify?explain=1`` vs the plain ``/classify`` on one server, alternating, the
    Fashion CNN's network and EfficientNet-Lite0 at 160 px (benchmarks/serve_explain.py).
 
-About 6 minutes with the defaults on 2 cores, 16 server starts (``--quick``: about 90 s,
+About 11 minutes with the defaults on 2 cores, 31 server starts (``--quick``: about 90 s,
 a smoke run whose figures mean little).
 Writes reports/bench-serve.json and replaces the "## Serving" section of
 docs/benchmarks.md (other sections are left as they are); ``--render`` rewrites that
