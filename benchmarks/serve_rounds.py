@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.serve_explain import splice_subsection
 from benchmarks.serve_figures import LATENCY_CLIENTS
 from benchmarks.serve_load import REPO, Bench
 
@@ -141,20 +142,9 @@ def rounds_lines(result: dict[str, Any]) -> list[str]:
 
 
 def splice_rounds(docs: Path, lines: list[str]) -> None:
-    """Put section 0's table first in the docs' Serving section subsections, in place of
-    the one there: ``--rounds-only`` leaves the rest as it is."""
-    text = docs.read_text()
-    block = "\n".join(lines).strip("\n") + "\n"
-    start = text.find(f"\n{ROUNDS_HEAD}\n")
-    if start == -1:
-        serving = text.find("\n## Serving\n")
-        at = text.find("\n### ", serving + 1)
-        text = text[: at + 1] + block + "\n" + text[at + 1 :]
-    else:
-        ends = [i for i in (text.find(m, start + 1) for m in ("\n### ", "\n## ", "\n<!--"))]
-        end = min([i for i in ends if i != -1] or [len(text)])
-        text = text[: start + 1] + block + text[end:]
-    docs.write_text(text)
+    """Put section 0's table first among the docs' Serving subsections, in place of the
+    one there: ``--rounds-only`` leaves the rest as it is."""
+    splice_subsection(docs, ROUNDS_HEAD, lines, first=True)
 
 
 def publish_rounds(
