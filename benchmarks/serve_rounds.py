@@ -161,7 +161,9 @@ def publish_rounds(
     where = f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg']:.1f}"
     said = (
         f"`{command}` on {date}: {where} at the start (a shared 2-core machine: other "
-        "users' work ran meanwhile; read the ratios)."
+        "users' work ran meanwhile; read the ratios). This part alone: the Targets and the "
+        "sections below are the full run's named above (a full run now reads these four "
+        "figures from its own section 0)."
     )
     splice_rounds(docs, [*lines[:3], said, "", *lines[3:]])
     print("\n".join(lines))
