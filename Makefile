@@ -218,7 +218,8 @@ serve: venv
 bento: venv
 	$(BIN)/bentoml build -f bento/bentofile.yaml .
 
-# About 3 min on 2 cores (apt-get install wrk): service vs two bare servers (thread hop, inline; 1 worker,
+# About 8 min on 2 cores (apt-get install wrk): 3 interleaved rounds of the service (1 worker), both bare
+# servers and two starts of make serve (--rounds-only: that part alone, ~5 min); service vs two bare servers (thread hop, inline; 1 worker,
 # 1/16/64 clients), p99 with cpu_count workers, cold start of `make serve`, adaptive
 # batching on/off on the Fashion CNN and a 160 px resnet18, int8 vs fp32 (about 5 min more:
 # a 64 px resnet18 trained 200 steps); needs models/model.onnx and data/prepared (make run).

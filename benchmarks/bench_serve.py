@@ -3,6 +3,10 @@
 Every server is started on a free port and loaded by wrk (C, one thread, keep-alive); each
 request is one image as a multipart ``image`` upload to ``/classify``. In one run:
 
+0. the small model in rounds (benchmarks/serve_rounds.py): the service with 1 worker, both
+   bare servers with 1 worker and `make serve`'s configuration started twice, one after
+   the other in each of ``--rounds`` rounds (``--round-seconds`` of load each), every
+   ratio taken within its round: what the small-model targets read (median, spread);
 1. throughput, Fashion CNN (models/model.onnx): the service with ``serve.workers: 1``,
    params.yaml's batching, vs the two bare Starlette + ONNX Runtime servers with 1 worker
    (benchmarks/reference_server.py: the model on a worker thread, and inline on the event
@@ -26,7 +30,7 @@ request is one image as a multipart ``image`` upload to ``/classify``. In one ru
 7. ``/classify?explain=1`` vs the plain ``/classify`` on one server, alternating, the
    Fashion CNN's network and EfficientNet-Lite0 at 160 px (benchmarks/serve_explain.py).
 
-About 6 minutes with the defaults on 2 cores, 16 server starts (``--quick``: about 90 s,
+About 11 minutes with the defaults on 2 cores, 31 server starts (``--quick``: about 90 s,
 a smoke run whose figures mean little).
 Writes reports/bench-serve.json and replaces the "## Serving" section of
 docs/benchmarks.md (other sections are left as they are); ``--render`` rewrites that
@@ -78,6 +82,7 @@ from benchmarks.serve_models import (
     raw_onnx,
 )
 from benchmarks.serve_report import SECTION, markdown, print_summary, replace_section, summary
+from benchmarks.serve_rounds import ROUNDS, load_rounds, publish_rounds
 
 MODULE = "benchmarks.bench_serve"
 
@@ -116,6 +121,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "and its table in the docs' Serving section",
     )
     p.add_argument("--no-explain", action="store_true", help="skip section 7")
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="section 0: rounds (0: skip it)")
+    p.add_argument(
+        "--round-seconds", type=int, default=10, help="section 0: load per server and round, s"
+    )
+    p.add_argument(
+        "--rounds-only",
+        action="store_true",
+        help="only section 0 (the small model in rounds): printed, reports/bench-serve-rounds"
+        ".json, and its table in the docs' Serving section",
+    )
     p.add_argument("--int8-steps", type=int, default=200, help="section 6: resnet18 steps")
     p.add_argument(
         "--no-int8",
@@ -128,6 +143,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.quick:
         args.seconds, args.warmup, args.first_seconds = 2, 1, 2
         args.ort_seconds, args.images, args.int8_steps = 0.3, 8, 10
+        args.round_seconds, args.rounds = 2, min(args.rounds, 1)
     return args
 
 
@@ -255,6 +271,15 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
         return {"bench": bench, "int8": load_int8(bench, args, fashion_load)}
     if args.explain_only:
         return {"bench": bench, "explain": load_explain(bench, args.images)}
+    # Section 0 at its own length: each side of a ratio long enough on a shared machine.
+    in_rounds = Bench(tmp, args.round_seconds, args.warmup, args.first_seconds)
+    rounds = (
+        load_rounds(in_rounds, fashion_load, settings.batching, args.rounds)
+        if args.rounds
+        else None
+    )
+    if args.rounds_only:
+        return {"bench": bench, "rounds": rounds}
     build_s = build_large(large)
     photos = photo_jpegs(args.images)
     large_script = wrk_script(photos, "image/jpeg", tmp, LARGE)
@@ -277,6 +302,7 @@ def measure_all(args: argparse.Namespace, settings: Any, tmp: Path) -> dict[str,
         "large_sha": sha256_file(large),
         "int8": int8,
         "explain": explain,
+        "rounds": rounds,
     }
 
 
@@ -322,11 +348,14 @@ def kept_int8(docs: Path) -> list[str]:
 
 
 def one_section(args: argparse.Namespace, run: dict[str, Any], command: str, machine: Any) -> None:
-    """``--int8-only``, ``--explain-only`` or ``--watching-only``: printed; the explain
-    table also to reports/bench-serve-explain.json and into the docs' Serving section."""
+    """``--rounds-only``, ``--int8-only``, ``--explain-only`` or ``--watching-only``:
+    printed; the rounds' and the explain table also to their JSON under reports/ and into
+    the docs' Serving section."""
     from trainyard.core.io import atomic_write_json
 
-    if args.int8_only:
+    if args.rounds_only:
+        publish_rounds(Path(args.docs), run["rounds"], command, machine)
+    elif args.int8_only:
         print("\n".join(int8_lines({"int8": run["int8"]})))
     elif args.explain_only:
         lines = explain_lines({"explain": run["explain"]})
@@ -375,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     with Timer() as clock, tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
         run = measure_all(args, settings, Path(tmp_name))
     bench = run["bench"]
-    if args.int8_only or args.explain_only or args.watching_only:
+    if args.int8_only or args.explain_only or args.watching_only or args.rounds_only:
         one_section(args, run, command, machine)
         return 0
     result = {
@@ -397,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_ms": run["decode_ms"],
         "int8": run["int8"],
         "explain": run["explain"],
+        "rounds": run["rounds"],
     }
     result["summary"] = summary(result)
     atomic_write_json(args.json, result)

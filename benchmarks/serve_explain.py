@@ -144,11 +144,21 @@ def explain_lines(result: dict[str, Any]) -> list[str]:
 def splice_explain(docs: Path, lines: list[str]) -> None:
     """Put section 7's table in the docs' Serving section in place of the one there (or
     after the section's last subsection): ``--explain-only`` leaves the rest as it is."""
+    splice_subsection(docs, EXPLAIN_HEAD, lines)
+
+
+def splice_subsection(docs: Path, head: str, lines: list[str], first: bool = False) -> None:
+    """``lines`` (a subsection under ``head``) in the docs' Serving section, in place of
+    the one there; a new one goes after the section's last subsection, or with ``first``
+    before its first."""
     text = docs.read_text()
     block = "\n".join(lines).strip("\n") + "\n"
-    start = text.find(f"\n{EXPLAIN_HEAD}\n")
+    start = text.find(f"\n{head}\n")
     serving = text.find("\n## Serving\n")
-    if start == -1:
+    if start == -1 and first:
+        at = text.find("\n### ", serving + 1)
+        text = text[: at + 1] + block + "\n" + text[at + 1 :]
+    elif start == -1:
         ends = [
             i
             for i in (text.find("\n## ", serving + 1), text.find("\n<!--", serving + 1))

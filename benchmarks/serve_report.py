@@ -19,6 +19,7 @@ from benchmarks.serve_figures import (
     ratio,
     summary,
 )
+from benchmarks.serve_rounds import rounds_lines
 
 SECTION = "## Serving"
 __all__ = ["SECTION", "markdown", "print_summary", "replace_section", "summary"]
@@ -306,7 +307,9 @@ def _onnx_runtime(result: dict[str, Any], s: dict[str, Any]) -> list[str]:
 def markdown(result: dict[str, Any]) -> str:
     """The "## Serving" section of docs/benchmarks.md, from the run's result."""
     s = summary(result)
-    lines = [*_intro(result), *_targets(s), *_throughput_latency(result, s)]
+    rounds = rounds_lines(result)
+    lines = [*_intro(result), *_targets(s), *([*rounds[1:], ""] if rounds else [])]
+    lines += _throughput_latency(result, s)
     lines += [*_cold_start(result, s), *_batching(result, s), *_onnx_runtime(result, s)]
     return "\n".join(lines)
 

@@ -32,7 +32,7 @@ from trainyard.serve.app import build_app
 from trainyard.serve.balance import balance_connections
 from trainyard.serve.batching import answer_batch, batched_classify
 from trainyard.serve.guard import RequestGuard
-from trainyard.serve.lifecycle import freeze_heap, stop_listening_on_sigterm
+from trainyard.serve.lifecycle import bind_api_methods, freeze_heap, stop_listening_on_sigterm
 from trainyard.serve.settings import service_config
 from trainyard.serve.startup import start
 
@@ -62,6 +62,7 @@ class ImageClassifier:
 
     def __init__(self) -> None:
         self.predictor = START.predictor()  # with its observer: log, shadow, drift score
+        bind_api_methods(self)  # built once, not per request (serve.lifecycle)
         freeze_heap()  # after the model: what start-up built stays for the process's life
         log.info("%s", START.startup_line(self.predictor))
 

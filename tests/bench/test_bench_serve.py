@@ -416,3 +416,74 @@ def test_a_wrk_script_posts_to_its_path(tmp_path):
     assert 'wrk.format("POST", "/classify?explain=1",' in script.read_text()
     plain = load.wrk_script([b"png"], "image/png", tmp_path, "y")
     assert 'wrk.format("POST", "/classify",' in plain.read_text()
+
+
+def rounds_section(per_round: list[dict[str, tuple[float, float]]]) -> dict[str, Any]:
+    """Section 0 with each round's (2xx/s, p99 ms) per role."""
+    rows = []
+    for n, roles in enumerate(per_round):
+        for role, (ok, p99) in roles.items():
+            server = role if role in ("inline", "reference") else "service"
+            workers = 2 if role.startswith("start") else 1
+            rows.append(
+                row("rounds", fig.FASHION, server, workers, None, ok_per_s=ok, p99_ms=p99)
+                | {"round": n, "role": role}
+            )
+    return {"rows": rows, "rounds": len(per_round), "seconds": 10, "warmup": 3}
+
+
+ROUND_1 = {
+    "service": (600.0, 30.0),
+    "inline": (800.0, 20.0),
+    "reference": (750.0, 40.0),
+    "start-a": (900.0, 24.0),
+    "start-b": (990.0, 26.0),
+}
+ROUND_2 = {
+    "service": (400.0, 50.0),
+    "inline": (800.0, 25.0),
+    "reference": (500.0, 60.0),
+    "start-a": (700.0, 40.0),
+    "start-b": (500.0, 45.0),
+}
+
+
+def test_rounds_ratios_are_taken_within_each_round_and_read_by_their_median(tmp_path):
+    """Section 0: each ratio within its round (p99: the worse start), the targets read
+    the median over the rounds with its spread; the table lists every round and goes
+    first among the Serving section's subsections, replacing its own on a rerun."""
+    from benchmarks import serve_rounds as sr
+
+    section = rounds_section([ROUND_1, ROUND_2, ROUND_1])
+    got = sr.round_figures(section["rows"])
+    assert [f["throughput_inline"] for f in got] == [0.75, 0.5, 0.75]
+    assert got[1]["throughput"] == pytest.approx(0.8)
+    assert got[0]["latency_inline"] == pytest.approx(26 / 20)
+    assert got[1]["two_starts"] == pytest.approx(500 / 700)
+    s = fig.summary({**result(), "rounds": section})
+    t = s["targets"]
+    assert t["throughput_inline"]["value"] == 0.75 and t["throughput_inline"]["met"] is True
+    assert "median of 3 rounds (section 0), 0.50x-0.75x" in t["throughput_inline"]["text"]
+    assert t["two_starts"]["value"] == pytest.approx(900 / 990)
+    assert t["latency_inline"]["value"] == pytest.approx(1.3) and t["latency_inline"]["met"]
+    assert t["latency"]["value"] == pytest.approx(0.8)  # not a rounds figure: as before
+    lines = sr.rounds_lines({"rounds": section})
+    assert lines[1] == sr.ROUNDS_HEAD and len([x for x in lines if x.startswith("| ")]) == 4
+    assert "service / inline median **0.75x** (0.50-0.75)" in "\n".join(lines)
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# B\n\n## Serving\n\nintro\n\n### Targets\n\nt\n\n## Next\n\nkept\n")
+    for _ in range(2):
+        sr.splice_rounds(docs, lines)
+    text = docs.read_text()
+    assert text.count(sr.ROUNDS_HEAD) == 1 and text.index(sr.ROUNDS_HEAD) < text.index("### T")
+    assert text.endswith("## Next\n\nkept\n")
+    assert sr.ROUNDS_HEAD in report.markdown({**result(), "rounds": section})
+
+
+def test_a_round_missing_a_server_is_left_out():
+    from benchmarks import serve_rounds as sr
+
+    partial = {k: v for k, v in ROUND_2.items() if k != "start-b"}
+    section = rounds_section([ROUND_1, partial])
+    assert [f["round"] for f in sr.round_figures(section["rows"])] == [0]
+    assert sr.rounds_summary(None) == {} and sr.rounds_lines({}) == []

@@ -213,6 +213,23 @@ def test_the_path_is_decided_by_the_models_call_and_a_busy_thread_hop(tmp_path, 
         assert "over 0 ms" in path.why and path.describe().endswith("on a worker thread")
 
 
+def test_the_call_is_timed_as_its_quickest_so_other_work_does_not_move_the_choice(
+    tmp_path, monkeypatch
+):
+    """Other work on the cores only adds to a timed call: the quickest of the timings is
+    the call's cost, and with it the inline batch size (hop / call)."""
+    from trainyard.serve import batch_choice
+
+    monkeypatch.delenv(batch_choice.CHOICE_ENV, raising=False)
+    model, _ = write_tiny_model(tmp_path)
+    timings = iter([0.9, 0.5, 3.0, 0.25, 0.7])
+    monkeypatch.setattr(batch_choice, "_timed", lambda call: next(timings))
+    monkeypatch.setattr(batch_choice, "busy_hop_ms", lambda threads: 5.0)
+    path = batch_choice.choose_path(ServeParams(), model)
+    assert path.why.startswith("a call of one image takes 0.25 ms"), path.why
+    assert path.inline_images == 20
+
+
 def test_the_serve_process_hands_its_choice_to_its_workers(tmp_path, monkeypatch):
     """The choice is measured once, in the process that imports the service first
     (`bentoml serve`), and read from the environment by its workers for the same model

@@ -582,6 +582,20 @@ def test_an_unbatched_call_runs_where_start_up_chose(client, tiny, monkeypatch):
     assert where == [True, False]
 
 
+def test_the_api_methods_callers_are_built_once_per_worker(client):
+    """BentoML looks each api method up per request; the service keeps the caller it
+    builds on the instance (trainyard.serve.lifecycle.bind_api_methods), so the look-up
+    finds the same one every time, and requests still reach the method through it."""
+    service = bentoml.get_current_service()
+    for name in ("classify", "classify_batch", "metadata"):
+        assert name in vars(service), name
+        assert getattr(service, name) is getattr(service, name)
+        assert getattr(service, name).local is getattr(service, name).local
+    resp = client.post("/classify", files={"image": ("p.png", PHOTOS[0], "image/png")})
+    assert resp.status_code == 200, resp.text
+    assert client.get("/metadata").status_code == 200
+
+
 def test_a_merged_batch_runs_inline_from_two_images_up_to_the_chosen_size(
     batched_client, tiny, monkeypatch
 ):

@@ -54,3 +54,24 @@ def stop_listening_on_sigterm() -> None:
         uvicorn_handler(sig, frame)
 
     signal.signal(signal.SIGTERM, stop_listening)
+
+
+def bind_api_methods(instance: Any) -> list[str]:
+    """Build each ``@bentoml.api`` method's caller once, on ``instance``; the names bound.
+
+    BentoML looks the method up on the service instance for every request (and its batcher
+    once more per batch), and ``APIMethod.__get__`` then builds a new caller each time, with
+    ``inspect.signature`` and ``functools.wraps``: about 3% of a small model's request
+    (py-spy, docs/serving.md "What BentoML costs per request"). The caller it builds is the
+    same each time, and an api method is a non-data descriptor (no ``__set__``), so the one
+    kept in the instance's ``__dict__`` is found first. An instance behind a proxy (BentoML's
+    ``__self_proxy__``, a service another one depends on) is left as BentoML makes it.
+    """
+    if getattr(instance, "__self_proxy__", None) is not None:
+        return []
+    bound = []
+    for name, attr in vars(type(instance)).items():
+        if hasattr(attr, "input_spec") and hasattr(attr, "_local_call"):
+            setattr(instance, name, attr.__get__(instance, type(instance)))
+            bound.append(name)
+    return bound

@@ -1,0 +1,169 @@
+"""`make bench-serve`'s section 0: the service on the small model against the two bare
+servers, and two starts of `make serve`, interleaved in rounds (issue 44's three figures).
+
+One server at a time would give each its own moment of a shared machine: in each round
+every configuration is started, warmed up and loaded at 16 clients one after the other
+(the order turned by one each round), and each ratio is taken within its round; the
+table lists every round, and the targets read the median with its spread. The
+configurations, all on the Fashion CNN with 28 px PNG uploads:
+
+- the service, 1 worker, params.yaml's serve settings (``batching: auto`` as it is);
+- the bare Starlette + ONNX Runtime server with the model inline on its event loop, and
+  the one that hops to a thread per request (benchmarks/reference_server.py), 1 worker;
+- `make serve`'s configuration (params.yaml as it is, ``workers: cpu_count``), started
+  twice: its p99 against the inline bare server's, and the two starts' req/s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serve_explain import splice_subsection
+from benchmarks.serve_figures import LATENCY_CLIENTS
+from benchmarks.serve_load import REPO, Bench
+
+ROUNDS = 3
+ROUNDS_HEAD = "### 0. The small model in rounds: service vs the bare servers, two starts"
+ROLES = ("service", "inline", "reference", "start-a", "start-b")
+
+
+def load_rounds(
+    bench: Bench, fashion: dict[str, Any], batching: bool, rounds: int = ROUNDS
+) -> dict[str, Any]:
+    """Section 0: ``rounds`` rounds of the five configurations (order turned each round);
+    ``batching``: what the start-up chose for params.yaml's (the rows' label)."""
+    print(f"0. the small model in {rounds} rounds, {LATENCY_CLIENTS} clients", flush=True)
+    one_worker = bench.params("rounds-service", workers=1)
+    for n in range(rounds):
+        turn = n % len(ROLES)
+        for role in ROLES[turn:] + ROLES[:turn]:
+            label = {"round": n, "role": role}
+            if role == "service":
+                run = {"params": one_worker, "batching": batching}
+            elif role in ("inline", "reference"):
+                run = {"reference": True, "inline": role == "inline"}
+            else:  # make serve: params.yaml as it is
+                run = {"params": REPO / "params.yaml", "workers": "cpu_count", "batching": batching}
+            bench.run("rounds", **fashion, levels=(LATENCY_CLIENTS,), label=label, **run)
+    rows = [r for r in bench.rows if r["section"] == "rounds"]
+    return {"rows": rows, "rounds": rounds, "seconds": bench.seconds, "warmup": bench.warmup}
+
+
+def round_figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per round: each role's row and the ratios taken within the round."""
+    out = []
+    for n in sorted({r["round"] for r in rows}):
+        got = {r["role"]: r for r in rows if r["round"] == n}
+        if any(role not in got for role in ROLES):
+            continue
+        svc, inline, ref = got["service"], got["inline"], got["reference"]
+        starts = sorted(got[s]["ok_per_s"] for s in ("start-a", "start-b"))
+        out.append(
+            {
+                "round": n,
+                "rows": got,
+                "throughput_inline": svc["ok_per_s"] / inline["ok_per_s"],
+                "throughput": svc["ok_per_s"] / ref["ok_per_s"],
+                # Both starts are `make serve`: the worse p99 of the two counts.
+                "latency_inline": max(got[s]["p99_ms"] for s in ("start-a", "start-b"))
+                / inline["p99_ms"],
+                "two_starts": starts[0] / starts[1],
+            }
+        )
+    return out
+
+
+def rounds_summary(section: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Per figure: the median over the rounds, the lowest and highest, every round's."""
+    figures = round_figures(section["rows"]) if section else []
+    out = {}
+    for key in ("throughput_inline", "throughput", "latency_inline", "two_starts"):
+        values = [f[key] for f in figures]
+        if values:
+            out[key] = {
+                "median": statistics.median(values),
+                "low": min(values),
+                "high": max(values),
+                "rounds": values,
+            }
+    return out
+
+
+def rounds_lines(result: dict[str, Any]) -> list[str]:
+    """Section 0 as markdown: every round's req/s and p99, the ratios within each round."""
+    section = result.get("rounds")
+    if not section:
+        return []
+    lines = [
+        "",
+        ROUNDS_HEAD,
+        "",
+        "| round | service, 1 worker: 2xx/s, p99 ms | inline bare: 2xx/s, p99 ms | "
+        "thread-hop bare: 2xx/s, p99 ms | `make serve`, two starts: 2xx/s, p99 ms | "
+        "service / inline | service / thread hop | p99 `make serve` / inline | two starts |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in round_figures(section["rows"]):
+        got = f["rows"]
+        cells = [f"{got[r]['ok_per_s']:.0f}, {got[r]['p99_ms']:.1f}" for r in ROLES[:3]]
+        starts = " / ".join(
+            f"{got[s]['ok_per_s']:.0f}, {got[s]['p99_ms']:.1f}" for s in ("start-a", "start-b")
+        )
+        lines.append(
+            f"| {f['round'] + 1} | {' | '.join(cells)} | {starts} | "
+            f"{f['throughput_inline']:.2f}x | {f['throughput']:.2f}x | "
+            f"{f['latency_inline']:.2f}x | {f['two_starts']:.2f}x |"
+        )
+    s = rounds_summary(section)
+    if s:
+        said = ", ".join(
+            f"{name} median **{s[key]['median']:.2f}x** ({s[key]['low']:.2f}-{s[key]['high']:.2f})"
+            for key, name in (
+                ("throughput_inline", "service / inline"),
+                ("throughput", "service / thread hop"),
+                ("latency_inline", "p99 / inline"),
+                ("two_starts", "two starts"),
+            )
+        )
+        lines += ["", f"Over the rounds: {said}."]
+    lines += [
+        "",
+        f"{section['rounds']} rounds; in each, every server started fresh, {section['warmup']} s "
+        f"of warm-up, then {section['seconds']} s of wrk at {LATENCY_CLIENTS} connections, one "
+        "after the other (the order turned by one each round); a ratio is taken within its "
+        "round. The service with 1 worker and `make serve`'s configuration (params.yaml as "
+        "it is) serve `batching: auto` as the start-up decides it; p99 `make serve` / inline "
+        "takes the worse of its two starts; two starts: lower / higher 2xx/s.",
+    ]
+    return lines
+
+
+def splice_rounds(docs: Path, lines: list[str]) -> None:
+    """Put section 0's table first among the docs' Serving subsections, in place of the
+    one there: ``--rounds-only`` leaves the rest as it is."""
+    splice_subsection(docs, ROUNDS_HEAD, lines, first=True)
+
+
+def publish_rounds(
+    docs: Path, section: dict[str, Any], command: str, machine: dict[str, Any]
+) -> None:
+    """``--rounds-only``: the table printed, reports/bench-serve-rounds.json, and the table
+    in the docs' Serving section with the command, the date and the machine."""
+    from trainyard.core.io import atomic_write_json
+
+    lines = rounds_lines({"rounds": section})
+    date = time.strftime("%Y-%m-%d %H:%M")
+    record = {"command": command, "machine": machine, "date": date, **section}
+    atomic_write_json(REPO / "reports/bench-serve-rounds.json", record)
+    where = f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg']:.1f}"
+    said = (
+        f"`{command}` on {date}: {where} at the start (a shared 2-core machine: other "
+        "users' work ran meanwhile; read the ratios). This part alone: the Targets and the "
+        "sections below are the full run's named above (a full run now reads these four "
+        "figures from its own section 0)."
+    )
+    splice_rounds(docs, [*lines[:3], said, "", *lines[3:]])
+    print("\n".join(lines))
