@@ -4,6 +4,14 @@ logits. A network trained to low loss is over-confident (its 0.95 is right less 
 95 times in 100); T > 1 softens every answer alike, so the argmax, and every accuracy
 figure, stays exactly as it was. The export stage bakes 1/T into the ONNX graph, so the
 service, ``trainyard predict``, drift and evaluate all read the calibrated numbers.
+
+The NLL is what the fit minimises, but the expected calibration error (15 bins) is what the
+report promises: the two disagree when a few confident mistakes dominate the NLL (it pulls
+T up to soften them, and every well-calibrated answer with them). ``choose_temperature``
+therefore keeps T = 1 unless the fitted T lowers the validation split's own ECE: a
+temperature that does not make the split it was fitted on better calibrated is not applied
+(measured: an emoji model's 190 validation images went 0.116 -> 0.065 with T 0.74, so
+applied; the guard is for the case where the NLL and the ECE point opposite ways).
 """
 
 from __future__ import annotations
@@ -14,6 +22,27 @@ import numpy as np
 
 # The search interval for T, and how finely it is found (golden-section on log T).
 T_MIN, T_MAX, T_TOLERANCE = 0.05, 20.0, 1e-4
+# Equal-width confidence bins of the ECE: evaluate's (``evaluation.scoring.ECE_BINS``, a
+# layer export may not import), as Guo et al. (2017) report.
+ECE_BINS = 15
+
+
+def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    z = np.asarray(logits, np.float64) / temperature
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def ece(logits: np.ndarray, labels: np.ndarray, temperature: float = 1.0) -> float:
+    """Expected calibration error of the top-class confidence of softmax(logits / T):
+    ``ECE_BINS`` equal-width bins, each |accuracy - mean confidence| weighted by its share
+    of the images (evaluate's ``reliability``, on logits)."""
+    p = _softmax(logits, temperature)
+    confidence, correct = p.max(axis=1), p.argmax(axis=1) == np.asarray(labels)
+    which = np.minimum((confidence * ECE_BINS).astype(np.int64), ECE_BINS - 1)
+    # n_b / N * |acc_b - conf_b| = |sum over the bin of (correct - confidence)| / N
+    gap = np.bincount(which, correct - confidence, minlength=ECE_BINS)
+    return float(np.abs(gap).sum() / max(len(which), 1))
 
 
 def nll(logits: np.ndarray, labels: np.ndarray, temperature: float = 1.0) -> float:
@@ -22,6 +51,22 @@ def nll(logits: np.ndarray, labels: np.ndarray, temperature: float = 1.0) -> flo
     z -= z.max(axis=1, keepdims=True)
     log_norm = np.log(np.exp(z).sum(axis=1))
     return float((log_norm - z[np.arange(len(z)), labels]).mean())
+
+
+def choose_temperature(logits: np.ndarray, labels: np.ndarray) -> dict[str, float | bool]:
+    """The temperature to bake in: the NLL fit (``fit_temperature``) if it lowers the
+    split's ECE, else 1 (``applied`` False). Also the fitted T and the ECE at T = 1 and at
+    the fitted T, what the export record, metrics.json and the model card show."""
+    fitted = fit_temperature(logits, labels)
+    before, after = ece(logits, labels), ece(logits, labels, fitted)
+    applied = after < before
+    return {
+        "temperature": fitted if applied else 1.0,
+        "fitted_temperature": fitted,
+        "val_ece_before": round(before, 6),
+        "val_ece_after": round(after, 6),
+        "applied": applied,
+    }
 
 
 def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> float:
