@@ -152,10 +152,12 @@ def test_a_temperature_the_guard_refused_is_said_with_its_evidence():
         "fitted_temperature": 2.9,
         "val_ece_before": 0.0495,
         "val_ece_after": 0.0715,
+        "val_ece_improved_share": 0.0,
     }
     md = card_markdown(card(metrics=METRICS | {"calibration": refused}))
     assert "0.0670, as trained: the fitted temperature 2.9 was not applied" in md
-    assert "(validation ECE 0.0495 -> 0.0715)" in md and "with temperature" not in md
+    assert "(validation ECE 0.0495 -> 0.0715, lower in 0% of bootstrap resamples" in md
+    assert "with temperature" not in md
     applied = METRICS["calibration"] | {"applied": True, "fitted_temperature": 0.8}
     assert "0.0210 with temperature 0.8" in card_markdown(
         card(metrics=METRICS | {"calibration": applied})

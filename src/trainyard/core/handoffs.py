@@ -170,11 +170,13 @@ class Calibration(_Frozen):
     samples: int = Field(ge=0)
     val_nll_before: float | None = None
     val_nll_after: float | None = None
-    # The NLL fit's T and the split's ECE at T = 1 and at it; applied False: the fit did not
-    # lower the ECE, so the graph carries T = 1 (None: a record from before this guard).
+    # The NLL fit's T, the split's ECE at T = 1 and at it, and the share of bootstrap
+    # resamples where it is lower; applied False: not sure enough that the fit helps, the
+    # graph carries T = 1 (None: a record from before this guard).
     fitted_temperature: float | None = None
     val_ece_before: float | None = None
     val_ece_after: float | None = None
+    val_ece_improved_share: float | None = None
     applied: bool | None = None
 
 

@@ -142,6 +142,7 @@ def stage_metrics(
             "fitted_temperature": cal.fitted_temperature,
             "val_ece_before": cal.val_ece_before,
             "val_ece_after": cal.val_ece_after,
+            "val_ece_improved_share": cal.val_ece_improved_share,
         }
     if "explain" in metrics:  # the deletion test of the model's heatmaps
         out["explain"] = deletion_metrics(metrics["explain"])
