@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from trainyard.core.card import METADATA_KEY
 from trainyard.evaluation.deletion import (
     PASS_RATIO,
+    blurred,
     deletion_line,
     deletion_metrics,
     deletion_mlflow,
@@ -112,6 +113,21 @@ def test_a_map_that_points_at_what_the_model_uses_passes(tmp_path, marked_images
         "test/deletion_ratio",
     }
     assert "passed" in deletion_line(result)
+
+
+def test_the_fill_is_the_image_blurred_grey_or_colour():
+    grey = make_card(("a", "b"), (1, 28, 28), mean=0.5, std=0.25)
+    flat = np.full((2, 1, 28, 28), 200, np.uint8)
+    np.testing.assert_allclose(blurred(flat, grey), (200 / 255 - 0.5) / 0.25, atol=1e-6)
+    checker = (128 + 60 * np.resize(CHECKER, (28, 28))).astype(np.uint8)[None, None]
+    soft = blurred(checker, grey) * 0.25 + 0.5  # back to 0..1: sigma 2 px wipes 1-px detail
+    assert np.ptp(soft[0, 0, 8:20, 8:20]) < 0.02 < np.ptp(checker / 255)
+    rgb = make_card(("a", "b"), (3, 16, 16), mean=0.5, std=0.25)
+    colour = np.zeros((1, 3, 16, 16), np.uint8)
+    colour[:, 0] = 255  # red stays red: the channels are blurred apart
+    out = blurred(colour, rgb) * 0.25 + 0.5
+    assert out.shape == (1, 3, 16, 16)
+    np.testing.assert_allclose(out[0, :, 8, 8], [1.0, 0.0, 0.0], atol=1e-6)
 
 
 def test_a_map_that_points_elsewhere_fails_and_says_so(tmp_path, marked_images):

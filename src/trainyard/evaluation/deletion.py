@@ -198,8 +198,8 @@ def deletion_line(result: dict[str, Any]) -> str:
         else f"FAILED (need >= {PASS_RATIO:g}x): the heatmaps do not show what the model uses"
     )
     return (
-        f"deletion test ({result['maps']}, {result['samples']} test images): deleting the "
+        f"deletion test ({result['maps']}, {result['samples']} test images): blurring the "
         f"top {result['share']:.0%} of the map drops the predicted class's probability by "
-        f"{result['drop_top']:.3f}, a random {result['share']:.0%} by "
+        f"{result['drop_top']:.3f}, a random map's top {result['share']:.0%} by "
         f"{result['drop_random']:.3f}; ratio {ratio}, {verdict}"
     )
