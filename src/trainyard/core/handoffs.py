@@ -217,6 +217,8 @@ class ExportRecord(Record):
         ):
             if raw[key] is None:
                 del raw[key]
+        if "calibration" in raw:  # its guard's keys likewise (absent from older records)
+            raw["calibration"] = {k: v for k, v in raw["calibration"].items() if v is not None}
         return raw
 
 
