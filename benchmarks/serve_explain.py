@@ -135,7 +135,7 @@ def explain_lines(result: dict[str, Any]) -> list[str]:
         f"plain and the explaining request, medians of {explain['rounds']} rounds; target: "
         f"p50 at 1 client <= {explain['target']}x the plain answer's. Fashion CNN: the "
         "pipeline's cnn at 28x28 grey (bench-predict's cnn-28: exported with its maps, "
-        "gradcam, no training), Fashion-MNIST test PNGs; Lite0 160 px: bench-predict's "
+        "hirescam, no training), Fashion-MNIST test PNGs; Lite0 160 px: bench-predict's "
         "lite0-160 (cam), RGB JPEGs of 320x240 to 640x480 px, each heatmap the upload's size.",
     ]
     return lines

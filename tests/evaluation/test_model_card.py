@@ -144,6 +144,26 @@ def test_how_good_it_is_overall_per_class_and_calibrated():
     assert "deletion test" not in md and "int8" not in md
 
 
+def test_a_temperature_the_guard_refused_is_said_with_its_evidence():
+    refused = METRICS["calibration"] | {
+        "temperature": 1.0,
+        "ece": 0.067,
+        "applied": False,
+        "fitted_temperature": 2.9,
+        "val_ece_before": 0.0495,
+        "val_ece_after": 0.0715,
+        "val_ece_improved_share": 0.0,
+    }
+    md = card_markdown(card(metrics=METRICS | {"calibration": refused}))
+    assert "0.0670, as trained: the fitted temperature 2.9 was not applied" in md
+    assert "(validation ECE 0.0495 -> 0.0715, lower in 0% of bootstrap resamples" in md
+    assert "with temperature" not in md
+    applied = METRICS["calibration"] | {"applied": True, "fitted_temperature": 0.8}
+    assert "0.0210 with temperature 0.8" in card_markdown(
+        card(metrics=METRICS | {"calibration": applied})
+    )
+
+
 def test_the_deletion_test_and_int8_appear_only_when_measured():
     c = card(metrics=METRICS | {"explain": EXPLAIN, "int8": INT8})
     assert c["quality"]["explain"] == EXPLAIN and c["quality"]["int8"] == INT8

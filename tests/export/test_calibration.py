@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from trainyard.evaluation.scoring import reliability
-from trainyard.export.calibration import T_MAX, T_MIN, fit_temperature, nll
+from trainyard.export.calibration import (
+    MIN_IMPROVED_SHARE,
+    T_MAX,
+    T_MIN,
+    choose_temperature,
+    ece,
+    fit_temperature,
+    nll,
+)
 from trainyard.export.onnx_export import _torch_outputs, export_and_verify, load_checkpoint
 from trainyard.runtime.sessions import load_onnx
 
@@ -47,17 +55,87 @@ def test_ece_is_the_weighted_gap_between_confidence_and_accuracy():
     assert reliability(np.ones(3), np.ones(3, bool))["ece"] == 0.0  # 1.0 lands in the last bin
 
 
+def _two_groups() -> tuple[np.ndarray, np.ndarray]:
+    """Two-class logits where the NLL and the ECE disagree: 50 answers at confidence 0.7,
+    35 of them right (calibrated), and 50 at 0.999, 45 right (over-confident). The five
+    confident mistakes dominate the NLL, whose optimum (T ~ 2.9) softens the calibrated
+    group to ~0.57 too: the ECE rises from 0.0495 to ~0.072."""
+    calibrated, confident = np.log(0.7 / 0.3), np.log(0.999 / 0.001)
+    logits = np.array([[calibrated, 0.0]] * 50 + [[confident, 0.0]] * 50)
+    labels = np.array([0] * 35 + [1] * 15 + [0] * 45 + [1] * 5)
+    return logits, labels
+
+
+def test_a_temperature_that_would_raise_the_ece_is_not_applied():
+    logits, labels = _two_groups()
+    fitted = fit_temperature(logits, labels)
+    assert fitted > 2 and nll(logits, labels, fitted) < nll(logits, labels)  # the NLL wants it
+    assert ece(logits, labels, fitted) > ece(logits, labels)  # ... and it is worse calibrated
+    chosen = choose_temperature(logits, labels)
+    assert chosen["temperature"] == 1.0 and chosen["applied"] is False
+    assert chosen["fitted_temperature"] == fitted and chosen["val_ece_improved_share"] == 0
+    assert chosen["val_ece_before"] == pytest.approx(0.0495)
+    assert chosen["val_ece_after"] == pytest.approx(ece(logits, labels, fitted), abs=1e-6)
+
+
+def test_a_temperature_that_lowers_the_ece_by_noise_alone_is_not_applied():
+    # 150 answers drawn at T = 1 (calibrated): the fit lands near 1 and, on this draw,
+    # lowers the split's ECE from 0.0837 to 0.0744 by chance; most resamples do not agree.
+    rng = np.random.default_rng(6)
+    logits = rng.normal(0, 2, (150, 5))
+    p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    labels = (p.cumsum(axis=1) > rng.random((150, 1))).argmax(axis=1)
+    fitted = fit_temperature(logits, labels)
+    assert fitted != 1.0 and ece(logits, labels, fitted) < ece(logits, labels)  # has teeth
+    chosen = choose_temperature(logits, labels)
+    assert chosen["applied"] is False and chosen["temperature"] == 1.0
+    assert 0.0 < chosen["val_ece_improved_share"] < MIN_IMPROVED_SHARE
+
+
+def test_a_temperature_that_lowers_the_ece_is_applied():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 3, (5_000, 6))
+    p = np.exp(logits / 2.5)
+    p /= p.sum(axis=1, keepdims=True)
+    labels = (p.cumsum(axis=1) > rng.random((len(p), 1))).argmax(axis=1)
+    chosen = choose_temperature(logits, labels)  # drawn at T 2.5: over-confident at T 1
+    assert chosen["applied"] is True and chosen["temperature"] == chosen["fitted_temperature"]
+    assert chosen["temperature"] == pytest.approx(2.5, rel=0.05)
+    assert chosen["val_ece_after"] < chosen["val_ece_before"] / 3
+    assert chosen["val_ece_improved_share"] == 1.0
+
+
+def test_ece_on_logits_is_evaluates_reliability():
+    logits, labels = _two_groups()
+    rng = np.random.default_rng(2)
+    many = rng.normal(0, 2, (3_000, 10))
+    many_labels = rng.integers(0, 10, 3_000)
+    for z, y, t in ((logits, labels, 1.0), (logits, labels, 2.9), (many, many_labels, 0.7)):
+        p = np.exp(z / t - (z / t).max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        expected = reliability(p.max(axis=1), p.argmax(axis=1) == y)["ece"]
+        assert ece(z, y, t) == pytest.approx(expected, abs=1e-6)
+
+
 def test_the_exported_graph_carries_the_fitted_temperature(tmp_path):
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (96, 28, 28), dtype=np.uint8)
     labels = rng.integers(0, 10, 96)
     ckpt = train_checkpoint(tmp_path, images, labels, steps=3, batch_size=16, mean=0.3, std=0.35)
-    val = (images[:64, None], labels[:64])
+    # Validation labels the barely trained model mostly gets right (its own answers, 8 of
+    # 64 changed): right 7 times in 8 at a confidence near 1/10, an under-confidence the
+    # guard is sure a temperature fixes.
+    x_val = ((images[:64, None] / 255.0 - 0.3) / 0.35).astype(np.float32)
+    val_labels = _torch_outputs(load_checkpoint(ckpt), x_val)[0].argmax(1)
+    val_labels[:8] = (val_labels[:8] + 1) % 10
+    val = (images[:64, None], val_labels)
     out = tmp_path / "model.onnx"
     report = export_and_verify(ckpt, out, images[64:, None], 18, 1e-4, "r", "d" * 64, val)
     scaling = report["calibration"]
     t = scaling["temperature"]
     assert report["passed"] and t != 1.0 and scaling["samples"] == 64
+    assert scaling["applied"] is True and t == scaling["fitted_temperature"]
+    assert scaling["val_ece_after"] < scaling["val_ece_before"]
     assert scaling["val_nll_after"] <= scaling["val_nll_before"]
     model = load_checkpoint(ckpt)
     x = ((images[64:, None] / 255.0 - 0.3) / 0.35).astype(np.float32)

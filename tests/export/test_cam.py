@@ -81,8 +81,11 @@ def test_gap_heads_give_cam_whose_mean_is_the_logit_less_the_bias(arch):
     torch.testing.assert_close(logits, own_logits, rtol=1e-5, atol=1e-6)
 
 
-def autograd_gradcam(model: Classifier, module, x: torch.Tensor, classes: int) -> torch.Tensor:
-    """Grad-CAM by autograd: alpha_k,c = mean over positions of d logit_k / d F_c."""
+def autograd_maps(
+    model: Classifier, module, x: torch.Tensor, classes: int, hires: bool
+) -> torch.Tensor:
+    """By autograd, with G = d logit_k / d F: Grad-CAM (alpha_k,c = mean over positions of
+    G, map sum_c alpha_k,c F_c) or, ``hires``, HiResCAM (map sum_c G_c F_c)."""
     with torch.enable_grad():
         maps, logits = maps_and_logits(model, module, x)
         maps.retain_grad()
@@ -90,34 +93,57 @@ def autograd_gradcam(model: Classifier, module, x: torch.Tensor, classes: int) -
         for k in range(classes):
             maps.grad = None
             logits[:, k].sum().backward(retain_graph=True)  # images are independent
-            alpha = maps.grad.mean((2, 3), keepdim=True)
-            cams.append((alpha * maps).sum(1))
+            weight = maps.grad if hires else maps.grad.mean((2, 3), keepdim=True)
+            cams.append((weight * maps).sum(1))
     return torch.stack(cams, 1).detach()
 
 
 @pytest.mark.parametrize(
-    ("arch", "shape"),
-    [("cnn", (1, 28, 28)), ("cnn", (3, 160, 160)), ("mobilenet_v3_small", (1, 32, 32))],
+    ("arch", "shape", "kind"),
+    [
+        ("cnn", (1, 28, 28), "hirescam"),
+        ("cnn", (3, 160, 160), "hirescam"),
+        ("mobilenet_v3_small", (1, 32, 32), "gradcam"),
+    ],
 )
-def test_other_heads_give_autograds_gradcam(arch, shape):
+def test_other_heads_give_autograds_hirescam_or_gradcam(arch, shape, kind):
     model = random_model(arch, shape)
     x = torch.randn(3, *shape)
     module = GRAD_MAPS[arch](model.net)
-    want = autograd_gradcam(model, module, x, 4)
+    want = autograd_maps(model, module, x, 4, hires=kind == "hirescam")
     view = LogitsAndEmbedding(model, temperature=2.0)
     with torch.inference_mode():
         logits, _, cam = view(x)
         own_logits = model(x)
-    assert view.kind == "gradcam" and cam.shape == want.shape
+    assert view.kind == kind and cam.shape == want.shape
     # The graph divides by the temperature; after mean pooling its weights are the
     # gradient at the pooled vector, h*w times the gradient at each position.
     scale = 2.0 if arch == "cnn" else 2.0 / (want.shape[2] * want.shape[3])
     assert want.abs().max() > 1e-3  # the maps are not all zero: the check has teeth
     torch.testing.assert_close(cam * scale, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits * 2.0, own_logits, rtol=1e-5, atol=1e-5)
+    if kind == "hirescam":  # not Grad-CAM: the flatten head weighs each position its own way
+        gradcam = autograd_maps(model, module, x, 4, hires=False)
+        assert (cam * scale - gradcam).abs().max() > 1e-2 * gradcam.abs().max()
 
 
-@pytest.mark.parametrize(("arch", "kind"), [("cnn", "gradcam"), ("resnet", "cam")])
+def test_hirescam_sums_to_the_logit_less_the_biases_share():
+    model = random_model("cnn", (1, 28, 28))
+    x = torch.randn(5, 1, 28, 28)
+    view = LogitsAndEmbedding(model)
+    first, last = view.tail[2], view.tail[5]  # Flatten, Dropout, Linear, ReLU, Dropout, Linear
+    with torch.inference_mode():
+        logits, embedding, cam = view(x)
+        # The head is linear in F for the ReLU's pattern: logit_k = sum over positions of
+        # cam_k + g_k . b_1 + b_2[k], g_k = W_2[k] * relu'(z), z the hidden layer's input.
+        relu_on = (first(model.net.features(x).flatten(1)) > 0).float()
+        g = last.weight[None] * relu_on[:, None]
+        bias_share = (g @ first.bias) + last.bias
+    assert embedding.abs().max() > 0  # the check has teeth: the hidden layer is not all off
+    torch.testing.assert_close(cam.sum((2, 3)) + bias_share, logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("arch", "kind"), [("cnn", "hirescam"), ("resnet", "cam")])
 def test_onnx_runtime_cam_equals_pytorchs_and_the_gate_checks_it(tmp_path, arch, kind):
     model = random_model(arch, (1, 28, 28), classes=3)
     path = tmp_path / "model.onnx"

@@ -70,7 +70,7 @@ def test_int8_model_passes_the_gate_and_keeps_outputs_and_card(fp32_model, fashi
     top = fp32.run(x).argmax(1)
     maps = [m.session.run(["cam"], {"image": x})[0][np.arange(100), top] for m in (fp32, int8)]
     r = [np.corrcoef(a.ravel(), b.ravel())[0, 1] for a, b in zip(*maps, strict=True)]
-    assert np.mean(r) > 0.95 and int8.metadata["explain"] == "gradcam"
+    assert np.mean(r) > 0.95 and int8.metadata["explain"] == "hirescam"
 
 
 def test_a_miscalibrated_int8_model_fails_the_gate_naming_both_figures(fp32_model, fashion):

@@ -85,4 +85,5 @@ def test_heatmap_png_is_rgba_with_the_map_as_opacity():
 def test_explain_kind_reads_the_metadata():
     assert explain_kind({"explain": "cam"}) == "cam"
     assert explain_kind({"explain": "gradcam"}) == "gradcam"
+    assert explain_kind({"explain": "hirescam"}) == "hirescam"
     assert explain_kind({}) is None and explain_kind({"explain": "shap"}) is None

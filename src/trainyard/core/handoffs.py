@@ -170,6 +170,14 @@ class Calibration(_Frozen):
     samples: int = Field(ge=0)
     val_nll_before: float | None = None
     val_nll_after: float | None = None
+    # The NLL fit's T, the split's ECE at T = 1 and at it, and the share of bootstrap
+    # resamples where it is lower; applied False: not sure enough that the fit helps, the
+    # graph carries T = 1 (None: a record from before this guard).
+    fitted_temperature: float | None = None
+    val_ece_before: float | None = None
+    val_ece_after: float | None = None
+    val_ece_improved_share: float | None = None
+    applied: bool | None = None
 
 
 class ExportRecord(Record):
@@ -209,6 +217,8 @@ class ExportRecord(Record):
         ):
             if raw[key] is None:
                 del raw[key]
+        if "calibration" in raw:  # its guard's keys likewise (absent from older records)
+            raw["calibration"] = {k: v for k, v in raw["calibration"].items() if v is not None}
         return raw
 
 

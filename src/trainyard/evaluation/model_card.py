@@ -294,17 +294,29 @@ def _what_it_learned(card: Mapping[str, Any]) -> list[str]:
     return out + _table(["class", *splits], rows)
 
 
+def _calibration(cal: Mapping[str, Any]) -> str:
+    """The calibration row: the ECE with the graph's temperature and as trained, or why the
+    fitted temperature was not applied (the validation split was not sure it helps)."""
+    if cal.get("applied") is False:
+        return (
+            f"{cal['ece']:.4f}, as trained: the fitted temperature "
+            f"{cal['fitted_temperature']:g} was not applied (validation ECE "
+            f"{cal['val_ece_before']:.4f} -> {cal['val_ece_after']:.4f}, lower in "
+            f"{cal['val_ece_improved_share']:.0%} of bootstrap resamples; 95% needed)"
+        )
+    return (
+        f"{cal['ece']:.4f} with temperature {cal['temperature']:g} "
+        f"({cal['ece_uncalibrated']:.4f} as trained)"
+    )
+
+
 def _how_good(card: Mapping[str, Any]) -> list[str]:
     q = card["quality"]
     test, cal = q["test"], q["calibration"]
     rows = [
         ["test accuracy", f"{test['accuracy']:.4f} on {test['samples']} images"],
         ["macro F1", f"{test['macro_f1']:.4f}"],
-        [
-            "calibration (ECE, 15 bins)",
-            f"{cal['ece']:.4f} with temperature {cal['temperature']:g} "
-            f"({cal['ece_uncalibrated']:.4f} as trained)",
-        ],
+        ["calibration (ECE, 15 bins)", _calibration(cal)],
     ]
     if "explain" in q:
         e = q["explain"]

@@ -4,6 +4,19 @@ logits. A network trained to low loss is over-confident (its 0.95 is right less 
 95 times in 100); T > 1 softens every answer alike, so the argmax, and every accuracy
 figure, stays exactly as it was. The export stage bakes 1/T into the ONNX graph, so the
 service, ``trainyard predict``, drift and evaluate all read the calibrated numbers.
+
+The NLL is what the fit minimises, but the expected calibration error (15 bins) is what the
+report promises, and the two can disagree: a few confident mistakes dominate the NLL (it
+pulls T up to soften them, and every well-calibrated answer with them), and a small
+validation split's ECE moves by its sampling noise alone (a perfectly calibrated model
+scores ~0.06 on 190 images). ``choose_temperature`` therefore keeps T = 1 unless the fitted
+T lowers the validation ECE in 95% of paired bootstrap resamples of the split: a
+correction is applied when the split is sure it helps. Measured (docs/pipeline.md): on
+Fashion-MNIST's 5,000 validation images T 0.62 wins in every resample (test ECE 0.092 ->
+0.014); on 124 clip-art validation images T 1.32 lowered the ECE by 0.001 (in 42% of the
+resamples) and raised the test split's from 0.064 to 0.114: not applied. The first version
+applied any T that lowered the validation ECE at all; that clip-art model is why it asks
+for more.
 """
 
 from __future__ import annotations
@@ -14,6 +27,52 @@ import numpy as np
 
 # The search interval for T, and how finely it is found (golden-section on log T).
 T_MIN, T_MAX, T_TOLERANCE = 0.05, 20.0, 1e-4
+# Equal-width confidence bins of the ECE: evaluate's (``evaluation.scoring.ECE_BINS``, a
+# layer export may not import), as Guo et al. (2017) report.
+ECE_BINS = 15
+# The guard: a fitted T is applied when it lowers the validation ECE in this share of the
+# paired bootstrap resamples (a one-sided 5% test, the usual level; module doc).
+BOOTSTRAP, MIN_IMPROVED_SHARE = 1000, 0.95
+
+
+def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    z = np.asarray(logits, np.float64) / temperature
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def _confidence(logits: np.ndarray, labels: np.ndarray, temperature: float) -> np.ndarray:
+    """[2, N]: the top-class confidence of softmax(logits / T), and whether it is right."""
+    p = _softmax(logits, temperature)
+    return np.stack([p.max(axis=1), p.argmax(axis=1) == np.asarray(labels)])
+
+
+def _ece(conf_correct: np.ndarray) -> float:
+    confidence, correct = conf_correct
+    which = np.minimum((confidence * ECE_BINS).astype(np.int64), ECE_BINS - 1)
+    # n_b / N * |acc_b - conf_b| = |sum over the bin of (correct - confidence)| / N
+    gap = np.bincount(which, correct - confidence, minlength=ECE_BINS)
+    return float(np.abs(gap).sum() / max(len(which), 1))
+
+
+def ece(logits: np.ndarray, labels: np.ndarray, temperature: float = 1.0) -> float:
+    """Expected calibration error of the top-class confidence of softmax(logits / T):
+    ``ECE_BINS`` equal-width bins, each |accuracy - mean confidence| weighted by its share
+    of the images (evaluate's ``reliability``, on logits)."""
+    return _ece(_confidence(logits, labels, temperature))
+
+
+def improved_share(logits: np.ndarray, labels: np.ndarray, temperature: float) -> float:
+    """In how many of ``BOOTSTRAP`` resamples of the images (with replacement, seeded,
+    paired) the ECE at ``temperature`` is below the ECE at 1: how sure the split is that
+    the temperature helps, beyond its own sampling noise."""
+    before, after = _confidence(logits, labels, 1.0), _confidence(logits, labels, temperature)
+    rng = np.random.default_rng(0)
+    wins = 0
+    for _ in range(BOOTSTRAP):
+        i = rng.integers(0, len(labels), len(labels))
+        wins += _ece(after[:, i]) < _ece(before[:, i])
+    return wins / BOOTSTRAP
 
 
 def nll(logits: np.ndarray, labels: np.ndarray, temperature: float = 1.0) -> float:
@@ -22,6 +81,26 @@ def nll(logits: np.ndarray, labels: np.ndarray, temperature: float = 1.0) -> flo
     z -= z.max(axis=1, keepdims=True)
     log_norm = np.log(np.exp(z).sum(axis=1))
     return float((log_norm - z[np.arange(len(z)), labels]).mean())
+
+
+def choose_temperature(logits: np.ndarray, labels: np.ndarray) -> dict[str, float | bool]:
+    """The temperature to bake in: the NLL fit (``fit_temperature``) if it lowers the
+    split's ECE in at least ``MIN_IMPROVED_SHARE`` of the bootstrap resamples
+    (``improved_share``), else 1 (``applied`` False). Also the fitted T, the ECE at T = 1
+    and at the fitted T, and that share: what the export record, metrics.json and the model
+    card show."""
+    fitted = fit_temperature(logits, labels)
+    before, after = ece(logits, labels), ece(logits, labels, fitted)
+    share = improved_share(logits, labels, fitted) if after < before else 0.0
+    applied = share >= MIN_IMPROVED_SHARE
+    return {
+        "temperature": fitted if applied else 1.0,
+        "fitted_temperature": fitted,
+        "val_ece_before": round(before, 6),
+        "val_ece_after": round(after, 6),
+        "val_ece_improved_share": share,
+        "applied": applied,
+    }
 
 
 def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> float:

@@ -10,13 +10,23 @@ Linear layers and elementwise activations (the last Linear is the classifier hea
   resnets and EfficientNet-B0): CAM (Zhou et al., 2016), ``cam_k = sum_c W[k, c] F_c``. The
   logit is linear in F, so its gradient is W[k]/(h w) everywhere: Grad-CAM *is* CAM, and the
   spatial mean of ``cam_k`` is ``logit_k - b_k`` exactly. Metadata ``explain: cam``.
-- Any other tail (the cnn: flatten, Linear, ReLU, Linear; MobileNetV3: pooling, Linear,
-  Hardswish, Linear): Grad-CAM (Selvaraju et al., 2017). The gradient of logit k with respect
-  to the pooled vector v is the chain ``W_L diag(act'(z)) ... W_1``, a few matrix products
-  the graph carries; the weights ``alpha_k,c`` are its spatial mean over F's positions (after
-  the mean pooling the gradient is the same at every position: alpha is the row itself, up to
-  the 1/(h w) the heatmap's normalisation removes), and ``cam_k = sum_c alpha_k,c F_c``.
-  Metadata ``explain: gradcam``.
+- Global average pooling then a hidden layer (MobileNetV3: pooling, Linear, Hardswish,
+  Linear): Grad-CAM (Selvaraju et al., 2017). The gradient of logit k with respect to the
+  pooled vector v is the chain ``W_L diag(act'(z)) ... W_1``, a few matrix products the graph
+  carries; after the mean pooling it is the same at every position of F, so Grad-CAM's
+  weights ``alpha_k,c`` are the chain's row (up to the 1/(h w) the heatmap's normalisation
+  removes) and ``cam_k = sum_c alpha_k,c F_c``. Metadata ``explain: gradcam``.
+- The cnn's flatten then Linear, ReLU, Linear: HiResCAM (Draelos & Carin, 2020),
+  ``cam_k[i,j] = sum_c G_k[c,i,j] F[c,i,j]`` with G the gradient of logit k with respect to
+  F at each position. A flatten head gives every position its own weights (the cnn keeps
+  *where* a feature is: a collar, a sole); Grad-CAM would average G over the positions,
+  which throws exactly that away (on the Fashion-MNIST cnn its maps correlate ~0.06 with
+  the position-wise ones; the deletion test's figures are in ``docs/pipeline.md``).
+  HiResCAM is exact: the head is linear in F once the ReLU's pattern is fixed, so the maps
+  sum over the positions to ``logit_k`` less the biases' share. The graph computes it
+  without the [K, C h w] gradient: ``P[h, i, j] = sum_c W_1[h, c, i, j] F[c, i, j]``, each
+  position's share of the hidden layer's input (as many products as the first Linear
+  itself), then ``cam_k = (W_2 diag(relu'(z)))[k] . P``. Metadata ``explain: hirescam``.
 
 The maps are in the exported logits' units (divided by the temperature, like the logits)
 and not rectified: a reader keeps the positive part (``trainyard.runtime.explain``).
@@ -72,10 +82,13 @@ def split_net(net: nn.Module) -> tuple[nn.Module, str, list[nn.Module]]:
 
 
 def explain_kind(pooling: str, tail: list[nn.Module]) -> str:
-    """``cam`` for global average pooling then one Linear (CAM is exact), else ``gradcam``."""
+    """``hirescam`` after a flatten; after global average pooling ``cam`` for one Linear
+    (CAM is exact), else ``gradcam``."""
+    if pooling == "flatten":
+        return "hirescam"
     linears = [m for m in tail if isinstance(m, nn.Linear)]
     only_linear = all(isinstance(m, (nn.Linear, *PASS_THROUGH)) for m in tail)
-    return "cam" if pooling == "mean" and len(linears) == 1 and only_linear else "gradcam"
+    return "cam" if len(linears) == 1 and only_linear else "gradcam"
 
 
 class ExplainedNet(nn.Module):
@@ -98,8 +111,11 @@ class ExplainedNet(nn.Module):
         maps = self.trunk(x)
         v = maps.mean((2, 3)) if self.pooling == "mean" else maps.flatten(1)
         logits, embedding, steps = self._tail(v)
-        alpha = _weights(steps, maps.shape[1:], self.pooling)  # [K, C] or [N, K, C]
-        cam = (alpha @ maps.flatten(2)).unflatten(2, tuple(maps.shape[2:]))
+        if self.pooling == "flatten":
+            cam = _hirescam(steps, maps)
+        else:
+            alpha = _chain(steps)  # [K, C] or [N, K, C]
+            cam = (alpha @ maps.flatten(2)).unflatten(2, tuple(maps.shape[2:]))
         if self.temperature != 1.0:
             logits, cam = logits / self.temperature, cam / self.temperature
         return logits, embedding, cam
@@ -121,19 +137,9 @@ class ExplainedNet(nn.Module):
         return h, embedding, steps
 
 
-def _weights(
-    steps: list[tuple[str, torch.Tensor]], feature_shape: torch.Size, pooling: str
-) -> torch.Tensor:
-    """alpha: d logits / d v by the chain rule, back to front ([K, C] when the tail is
-    linear, [N, K, C] once an activation's derivative enters); for the cnn's flatten, its
-    mean over each channel's positions (Grad-CAM's weights), taken on the first Linear's
-    weight before the products (the mean is linear): [H, C] instead of [H, C*h*w], so the
-    per-image product is h*w times smaller (on the Fashion cnn, 49x: the maps' cost stays
-    small beside the net's own)."""
-    if pooling == "flatten":
-        kind, first = steps[0]
-        assert kind == "linear", "the cnn's tail begins with its first Linear"
-        steps = [("linear", first.unflatten(1, tuple(feature_shape)).mean((2, 3))), *steps[1:]]
+def _chain(steps: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """d logits / d (the first step's input) by the chain rule, back to front: [K, C] when
+    the steps are linear, [N, K, C] once an activation's derivative enters."""
     grad: torch.Tensor | None = None
     for kind, factor in reversed(steps):
         if kind == "linear":
@@ -143,3 +149,16 @@ def _weights(
             grad = grad * factor.unsqueeze(1)  # [K, H] * [N, 1, H] -> [N, K, H]
     assert grad is not None
     return grad
+
+
+def _hirescam(steps: list[tuple[str, torch.Tensor]], maps: torch.Tensor) -> torch.Tensor:
+    """HiResCAM [N, K, h, w] after a flatten (module doc): each position's share of the
+    first Linear's input, weighted by the gradient at that Linear's output."""
+    kind, first = steps[0]
+    assert kind == "linear", "the cnn's tail begins with its first Linear"
+    _, c, h, w = maps.shape
+    # [h w, N, C] @ [h w, C, H] -> [h w, N, H]: one product per position, as ONNX MatMul.
+    weight = first.unflatten(1, (c, h * w)).permute(2, 1, 0)
+    shares = (maps.flatten(2).permute(2, 0, 1) @ weight).permute(1, 2, 0)  # [N, H, h w]
+    cam = _chain(steps[1:]) @ shares if len(steps) > 1 else shares  # one Linear: H = K
+    return cam.unflatten(2, (h, w))

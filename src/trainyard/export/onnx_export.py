@@ -25,7 +25,7 @@ from trainyard.core.card import METADATA_KEY, card_from_metadata, normalize_pixe
 from trainyard.core.errors import ExportError
 from trainyard.core.io import atomic_file, atomic_write_text, sha256_file
 from trainyard.core.pause_points import pause_point
-from trainyard.export.calibration import fit_temperature, nll
+from trainyard.export.calibration import choose_temperature, nll
 from trainyard.export.cam import ExplainedNet
 from trainyard.model import networks
 from trainyard.model.classifier import Classifier
@@ -322,7 +322,8 @@ def export_and_verify(
 
 def calibrate(model: Any, images: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
     """The temperature fitted on ``images`` (the validation split) by the model's own
-    logits, with the split's NLL before and after: what the export record keeps. 1 (and
+    logits (``choose_temperature``: 1 unless it lowers the split's ECE), with the split's
+    NLL and ECE before and after: what the export record keeps. 1 (and
     ``samples`` 0) when the split is too small to fit one, or the model is never wrong
     on it."""
     if len(labels) < MIN_CALIBRATION_IMAGES:
@@ -334,12 +335,11 @@ def calibrate(model: Any, images: np.ndarray, labels: np.ndarray) -> dict[str, A
         # Never wrong on these images: the NLL falls as T shrinks to its bound, which would
         # make every answer near-certain on images the model has not seen. Left as trained.
         return {"temperature": 1.0, "samples": 0}
-    t = fit_temperature(logits, labels)
-    return {
-        "temperature": t,
+    chosen = choose_temperature(logits, labels)  # 1 when the fit would not lower the ECE
+    return chosen | {
         "samples": len(labels),
         "val_nll_before": round(nll(logits, labels), 6),
-        "val_nll_after": round(nll(logits, labels, t), 6),
+        "val_nll_after": round(nll(logits, labels, chosen["temperature"]), 6),
     }
 
 

@@ -5,8 +5,8 @@ The export writes ``cam`` [N, K, h, w] (``trainyard.export.cam``): per class, a 
 the net's last feature maps, unrectified. ``upsample`` brings one to the image's size;
 ``heatmap`` keeps its positive part (what speaks *for* the class) scaled to 0..1;
 ``overlay_png`` draws that over the image with a fixed colour map, ``heatmap_png`` alone.
-The ONNX metadata ``explain`` says how the maps were made (``cam`` or ``gradcam``); a model
-exported before them has neither the key nor the output.
+The ONNX metadata ``explain`` says how the maps were made (``cam``, ``gradcam`` or
+``hirescam``); a model exported before them has neither the key nor the output.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 from PIL import Image
 
 CAM_OUTPUT = "cam"  # the exported model's third output, [N, K, h, w] float32
-EXPLAIN_KEY = "explain"  # ONNX metadata: "cam" | "gradcam"; absent: no maps
-EXPLAIN_KINDS = ("cam", "gradcam")
+EXPLAIN_KEY = "explain"  # ONNX metadata: "cam" | "gradcam" | "hirescam"; absent: no maps
+EXPLAIN_KINDS = ("cam", "gradcam", "hirescam")
 # matplotlib's "jet" at five stops (dark blue, blue, cyan-green, yellow-red, dark red),
 # interpolated linearly: cold where the map is 0, hot at its maximum.
 JET = np.array(
@@ -28,7 +28,7 @@ JET = np.array(
 
 
 def explain_kind(metadata: dict[str, str]) -> str | None:
-    """``cam`` or ``gradcam``: how a model's ``cam`` output is made, from its ONNX
+    """``cam``, ``gradcam`` or ``hirescam``: how a model's ``cam`` output is made, from its ONNX
     metadata; None for a model exported without one."""
     kind = metadata.get(EXPLAIN_KEY)
     return kind if kind in EXPLAIN_KINDS else None

@@ -135,6 +135,15 @@ def stage_metrics(
             "ece_uncalibrated": metrics["calibration"]["uncalibrated"]["ece"],
         },
     }
+    cal = exported.calibration
+    if cal is not None and cal.applied is not None:  # the guard's decision and its evidence
+        out["calibration"] |= {
+            "applied": cal.applied,
+            "fitted_temperature": cal.fitted_temperature,
+            "val_ece_before": cal.val_ece_before,
+            "val_ece_after": cal.val_ece_after,
+            "val_ece_improved_share": cal.val_ece_improved_share,
+        }
     if "explain" in metrics:  # the deletion test of the model's heatmaps
         out["explain"] = deletion_metrics(metrics["explain"])
     if exported.int8 is not None:

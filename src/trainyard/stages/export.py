@@ -64,6 +64,16 @@ def run(params: Params, args: argparse.Namespace) -> None:
             scaling["val_nll_before"],
             scaling["val_nll_after"],
         )
+        if not scaling["applied"]:
+            log.warning(
+                "the fitted temperature %.3f is not applied: it lowers the val ECE "
+                "(%.4f -> %.4f) in only %.0f%% of bootstrap resamples (95%% needed); the "
+                "graph keeps the model's own confidences (T = 1)",
+                scaling["fitted_temperature"],
+                scaling["val_ece_before"],
+                scaling["val_ece_after"],
+                100 * scaling["val_ece_improved_share"],
+            )
     log.info(
         "parity ok on %d images, max abs diff %.2e, agreement %.2f%%, embedding max abs "
         "diff %.2e (limit %.2e)",
@@ -85,6 +95,16 @@ def run(params: Params, args: argparse.Namespace) -> None:
                 "export/argmax_agreement": report["argmax_agreement"],
                 "export/embedding_max_abs_diff": report["embedding_max_abs_diff"],
                 "export/temperature": scaling["temperature"],
+            }
+            | {  # the guard's evidence (none when too few val images to fit a temperature)
+                f"export/{key}": float(scaling[key])
+                for key in (
+                    "fitted_temperature",
+                    "val_ece_before",
+                    "val_ece_after",
+                    "val_ece_improved_share",
+                )
+                if key in scaling
             },
             tags={"onnx.sha256": report["onnx_sha256"]},
         )
