@@ -11,7 +11,8 @@ random one (and positive).
 What "delete" means, the same for both arms, and why (figures: docs/pipeline.md):
 
 - *Fill: the image blurred* (Gaussian, sigma ``BLUR_SHARE`` of the longer side: 2 px on
-  Fashion-MNIST's 28), the canvas RISE itself starts from for "no information". Deleting
+  Fashion-MNIST's 28), the canvas RISE starts its insertion curve from for "no
+  information" (its deletion curve fills with zeros, a constant). Deleting
   must remove what the pixels say without saying something new. A constant fill (the
   dataset's mean, or the background colour) draws a hole with a sharp edge whose shape the
   model reads by itself (the leak ROAD, Rong et al. 2022, measures): on Fashion-MNIST even
