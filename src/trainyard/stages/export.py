@@ -56,6 +56,34 @@ def run(params: Params, args: argparse.Namespace) -> None:
         calibration,
     )
     scaling = report.pop("calibration")
+    say_checks(report, scaling)
+    int8 = quantize(params, args, onnx_path, images, labels)
+    example = normalized_example(onnx_path, images[:1])
+    with logging_into(run_id, "export"):
+        # Logging the model takes seconds: say so, and where it goes.
+        log.info("logging the ONNX model to MLflow run %s", run_id)
+        pause_point("export.logging")
+        log_to_open_run(
+            metrics=export_metrics(report, scaling),
+            tags={"onnx.sha256": report["onnx_sha256"]},
+        )
+        model_uri = log_onnx_model(onnx_path, example)
+        if int8 is not None:
+            log_to_open_run(
+                metrics={
+                    "export/int8_agreement": int8.agreement,
+                    "export/int8_accuracy_drop": int8.accuracy_drop,
+                },
+                tags={"onnx.int8_sha256": int8.sha256},
+                artifacts={onnx_path.with_name(int8.file): INT8_FOLDER},
+            )
+    record = ExportRecord(**report, mlflow_model_uri=model_uri, int8=int8, calibration=scaling)
+    record.write(args.report)
+
+
+def say_checks(report: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """The log lines of what export checked: the temperature (and why it is not applied,
+    when the guard refused it) and the parity gate."""
     if scaling.get("samples"):
         log.info(
             "calibrated on %d val images: temperature %.3f (val NLL %.4f -> %.4f)",
@@ -83,43 +111,26 @@ def run(params: Params, args: argparse.Namespace) -> None:
         report["embedding_max_abs_diff"],
         report["threshold_embedding_max_abs_diff"],
     )
-    int8 = quantize(params, args, onnx_path, images, labels)
-    example = normalized_example(onnx_path, images[:1])
-    with logging_into(run_id, "export"):
-        # Logging the model takes seconds: say so, and where it goes.
-        log.info("logging the ONNX model to MLflow run %s", run_id)
-        pause_point("export.logging")
-        log_to_open_run(
-            metrics={
-                "export/max_abs_diff": report["max_abs_diff"],
-                "export/argmax_agreement": report["argmax_agreement"],
-                "export/embedding_max_abs_diff": report["embedding_max_abs_diff"],
-                "export/temperature": scaling["temperature"],
-            }
-            | {  # the guard's evidence (none when too few val images to fit a temperature)
-                f"export/{key}": float(scaling[key])
-                for key in (
-                    "fitted_temperature",
-                    "val_ece_before",
-                    "val_ece_after",
-                    "val_ece_improved_share",
-                )
-                if key in scaling
-            },
-            tags={"onnx.sha256": report["onnx_sha256"]},
+
+
+def export_metrics(report: dict[str, Any], scaling: dict[str, Any]) -> dict[str, float]:
+    """The run's export/* metrics: the parity gate and the temperature, with the guard's
+    evidence (none when too few val images to fit a temperature)."""
+    return {
+        "export/max_abs_diff": report["max_abs_diff"],
+        "export/argmax_agreement": report["argmax_agreement"],
+        "export/embedding_max_abs_diff": report["embedding_max_abs_diff"],
+        "export/temperature": scaling["temperature"],
+    } | {
+        f"export/{key}": float(scaling[key])
+        for key in (
+            "fitted_temperature",
+            "val_ece_before",
+            "val_ece_after",
+            "val_ece_improved_share",
         )
-        model_uri = log_onnx_model(onnx_path, example)
-        if int8 is not None:
-            log_to_open_run(
-                metrics={
-                    "export/int8_agreement": int8.agreement,
-                    "export/int8_accuracy_drop": int8.accuracy_drop,
-                },
-                tags={"onnx.int8_sha256": int8.sha256},
-                artifacts={onnx_path.with_name(int8.file): INT8_FOLDER},
-            )
-    record = ExportRecord(**report, mlflow_model_uri=model_uri, int8=int8, calibration=scaling)
-    record.write(args.report)
+        if key in scaling
+    }
 
 
 def quantize(
