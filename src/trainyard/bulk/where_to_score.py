@@ -97,29 +97,37 @@ def _zeros(batch: int, input_shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _rate(model: OnnxModel, x: np.ndarray, seconds: float = PROBE_S) -> float:
-    """img/s of ``model`` on batch ``x``: one warm-up call, then calls for ``seconds``."""
+    """img/s of ``model`` on batch ``x``: one warm-up call, then calls for ``seconds`` (at
+    least 3). On a CPU (one intra-op thread: the model runs on this thread) their CPU time
+    is counted, not the clock's: on a shared machine another process's turn on the core
+    would otherwise pick the batch size, and where to score, by chance."""
+    clock = time.perf_counter if model.provider == CUDA else time.thread_time
     model.run(x)  # kernel choice, arena growth
-    calls, t0 = 0, time.perf_counter()
+    calls, t0, c0 = 0, time.perf_counter(), clock()
     while calls < 3 or time.perf_counter() - t0 < seconds:
         model.run(x)
         calls += 1
-    return calls * len(x) / (time.perf_counter() - t0)
+    return calls * len(x) / max(clock() - c0, 1e-9)
 
 
 def decode_cost(locations: list[str], spec: DecodeSpec) -> float:
-    """Seconds to read and decode one image here: the mean over the first few files after
+    """Seconds to read and decode one image here: the median over the first few files after
     one not counted (the first decode of a format loads its plugin), at most ``SAMPLE_S``
-    in all; unreadable ones count, as they cost their time too. 0 without a file."""
+    in all; unreadable ones count, as they cost their time too. 0 without a file. The
+    median, not the mean: one decode preempted by another process on a shared machine
+    (ten times its cost) would otherwise send a job of 28 px PNGs to the workers."""
     if not locations:
         return 0.0
     decode_many(locations[:1], [None], spec)
-    t0, done = time.perf_counter(), 0
+    times: list[float] = []
+    t0 = time.perf_counter()
     for location in locations[1 : SAMPLE_IMAGES + 1]:
+        t1 = time.perf_counter()
         decode_many([location], [None], spec)
-        done += 1
+        times.append(time.perf_counter() - t1)
         if time.perf_counter() - t0 > SAMPLE_S:
             break
-    return (time.perf_counter() - t0) / max(done, 1)
+    return float(np.median(times)) if times else time.perf_counter() - t0
 
 
 def choose_place(
