@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainyard.bulk.decode import DecodeSpec, decode_many
+from trainyard.bulk.decode import DecodeSpec, decode_many, rank
+from trainyard.runtime.inputs import softmax
 from trainyard.runtime.sessions import CUDA, OnnxModel, load_onnx
 
 log = logging.getLogger("trainyard.bulk")
@@ -40,6 +41,7 @@ PROBE_S = 0.05  # per batch size probed: enough for a stable rate, little start-
 POOL_START_S = 1.0  # decode workers' start-up, measured here (forkserver, imports, model)
 SAMPLE_IMAGES = 8  # images decoded here to measure what one costs
 SAMPLE_S = 0.2  # at most this long: a folder of phone photos is decided in 2 images
+TOP_K = 5  # the probe's top-k (predict.top_k's default)
 GIL_S = 10e-6  # per image, this thread's own Python work (softmax, top-k, the table)
 WORKERS_GAIN = 1.1  # workers only when estimated this much faster: a near tie (which noise
 # on a shared machine flips) stays here, with no process to start and less memory
@@ -97,15 +99,17 @@ def _zeros(batch: int, input_shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _rate(model: OnnxModel, x: np.ndarray, seconds: float = PROBE_S) -> float:
-    """img/s of ``model`` on batch ``x``: one warm-up call, then calls for ``seconds`` (at
-    least 3). On a CPU (one intra-op thread: the model runs on this thread) their CPU time
-    is counted, not the clock's: on a shared machine another process's turn on the core
-    would otherwise pick the batch size, and where to score, by chance."""
+    """img/s of ``model`` on batch ``x``, the probabilities' softmax and top-k included
+    (per call: small batches of a small model pay them often): one warm-up call, then calls
+    for ``seconds`` (at least 3). On a CPU (one intra-op thread: the model runs on this
+    thread) their CPU time is counted, not the clock's: on a shared machine another
+    process's turn on the core would otherwise pick the batch size, and where to score,
+    by chance."""
     clock = time.perf_counter if model.provider == CUDA else time.thread_time
     model.run(x)  # kernel choice, arena growth
     calls, t0, c0 = 0, time.perf_counter(), clock()
     while calls < 3 or time.perf_counter() - t0 < seconds:
-        model.run(x)
+        rank(softmax(model.run(x)), TOP_K)
         calls += 1
     return calls * len(x) / max(clock() - c0, 1e-9)
 
