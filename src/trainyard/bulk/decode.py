@@ -39,6 +39,7 @@ from trainyard.bulk.heatmaps import write_heatmaps
 from trainyard.core.card import Card
 from trainyard.core.errors import InputError
 from trainyard.data.fingerprint import is_url
+from trainyard.data.sources.csv_list import download
 from trainyard.runtime.inputs import decode_image, model_input, softmax
 from trainyard.runtime.sessions import OnnxModel, load_onnx
 
@@ -115,9 +116,6 @@ def read_bytes(location: str, spec: DecodeSpec) -> bytes:
     if not is_url(location):
         with open(location, "rb") as fh:
             return fh.read()
-    # Imported here: the data sources' package costs a folder's job 50-80 ms of start-up.
-    from trainyard.data.sources.csv_list import download
-
     with tempfile.TemporaryDirectory(prefix="trainyard-predict-") as tmp:
         dest = Path(tmp) / "image"
         problem = download(location, dest, spec.download_timeout_s, spec.max_download_bytes)

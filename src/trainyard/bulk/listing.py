@@ -30,6 +30,7 @@ from pathlib import Path
 from trainyard.core.card import SPLITS
 from trainyard.core.errors import DataError
 from trainyard.data.fingerprint import is_url, stat_fingerprint
+from trainyard.data.sources.list_files import Wanted, raise_problems, read_csv, read_paths
 from trainyard.data.walk import UNREADABLE_IMAGES, extension, is_image, rel_path, walk_files
 
 CSV_SUFFIXES = (".csv", ".tsv")
@@ -73,8 +74,7 @@ class Inputs:
             self._ahead.join()
             self._ahead = None
         if not self._fingerprint:
-            locations = (self.location(i) for i in range(len(self)))
-            self._fingerprint = stat_fingerprint(locations, self.base)
+            self._fingerprint = self._stats()
         return self._fingerprint
 
     def fingerprint_ahead(self) -> None:
@@ -88,8 +88,10 @@ class Inputs:
 
     def _fingerprint_quietly(self) -> None:
         with contextlib.suppress(Exception):  # fingerprint() computes it again, and raises
-            locations = (self.location(i) for i in range(len(self)))
-            self._fingerprint = stat_fingerprint(locations, self.base)
+            self._fingerprint = self._stats()
+
+    def _stats(self) -> str:
+        return stat_fingerprint((self.location(i) for i in range(len(self))), self.base)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -196,16 +198,10 @@ def _glob(pattern: str) -> Inputs:
 
 
 def _list(path: Path) -> Inputs:
-    # The list and CSV readers are imported by their sources only: the data sources'
-    # package costs a folder's job 50-80 ms of start-up.
-    from trainyard.data.sources.list_files import read_paths
-
     return Inputs("list", path, read_paths(path, KEY), path.parent)
 
 
 def _csv(path: Path, image_column: str, label_column: str) -> Inputs:
-    from trainyard.data.sources.list_files import Wanted, raise_problems, read_csv
-
     wanted = [
         Wanted(image_column, "data.csv_image_column", "image"),
         Wanted(label_column, "data.csv_label_column", "label", required=False),
