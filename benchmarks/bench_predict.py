@@ -102,6 +102,7 @@ FULL = {
     "million": 200_000,
     "cost_seconds": 1.5,
     "fashion": 20_000,
+    "repeat": 3,
 }
 QUICK = {
     "count": 40,
@@ -111,6 +112,7 @@ QUICK = {
     "million": 400,
     "cost_seconds": 0.2,
     "fashion": 200,
+    "repeat": 1,
 }
 MILLION_MODEL = "cnn-28"
 # ----------------------------------------------------------------------------- 4. check
@@ -209,6 +211,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="small images: N Fashion-MNIST 28x28 PNGs scored by `trainyard predict` and the "
         "plain loop with models/model.onnx (`make run`'s; else the built cnn 1x28x28); "
         "default 20,000, 0: skip",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        metavar="N",
+        help="the small images' contenders side by side N times, each time's ratios and their "
+        f"spread reported (default {FULL['repeat']}; --quick {QUICK['repeat']})",
     )
     p.add_argument(
         "--sides",
@@ -343,7 +352,7 @@ def measure(args: argparse.Namespace, work: Path, tmp: Path) -> dict[str, Any]:
             f"{memory['peak_rss'] / 2**20:,.0f} MiB (+{memory['growth_rss'] / 2**20:,.0f} MiB), "
             f"{memory['img_per_s']:,.0f} img/s"
         )
-    small = measure_fashion(work, args.fashion, models, tmp) if args.fashion else None
+    small = measure_fashion(work, args.fashion, models, tmp, args.repeat) if args.fashion else None
     for run in runs:
         run["targets"] = targets(run)
     if memory:
@@ -357,11 +366,12 @@ def measure(args: argparse.Namespace, work: Path, tmp: Path) -> dict[str, Any]:
 
 
 def measure_fashion(
-    work: Path, count: int, models: dict[str, Any], tmp: Path
+    work: Path, count: int, models: dict[str, Any], tmp: Path, repeat: int = 1
 ) -> dict[str, Any] | None:
-    """Small images: ``trainyard predict`` (the console script, the whole command) and the
-    plain loop on ``count`` Fashion-MNIST PNGs, one after the other, with the Fashion model
-    of `make run` where it is there."""
+    """Small images: ``trainyard predict`` (the console script, the whole command), ``python
+    -m trainyard.bulk`` and the plain loop on ``count`` Fashion-MNIST PNGs, one after the
+    other, ``repeat`` times (a shared machine: the spread of the ratios says how far one
+    run can be trusted), with the Fashion model of `make run` where it is there."""
     made = ensure_fashion(work, count, log)
     if not made:
         log("6. small images: skipped (no Fashion-MNIST under /usr/share/datasets)")
@@ -376,23 +386,39 @@ def measure_fashion(
         about = f"the built {model_name(models[MILLION_MODEL]['info'])} (no models/model.onnx)"
     warm_cache(folder)
     log(f"6. small images: trainyard predict on {len(files):,} Fashion-MNIST PNGs, {about}")
-    row = predict_row(run_predict(folder, tmp / "fashion.parquet", model, cli=True), len(files))
-    bulk = predict_row(run_predict(folder, tmp / "fashion-bulk.parquet", model), len(files))
-    plain = plain_loop(files, model, model_card(model), set())["row"]
-    log(
-        f"   predict {row['wall_s']:.1f} s whole command ({row['img_per_s']:,.0f} img/s "
-        f"scoring, first row at {row['first_row_s']} s; {row['place']}); plain loop "
-        f"{plain['seconds']:.1f} s ({plain['img_per_s']:,.0f} img/s)"
-    )
+    reps = []
+    for rep in range(repeat):  # each repetition: the three side by side, ratios of its own
+        cli = run_predict(folder, tmp / "fashion.parquet", model, cli=True)
+        row = predict_row(cli, len(files))
+        bulk = predict_row(run_predict(folder, tmp / "fashion-bulk.parquet", model), len(files))
+        plain = plain_loop(files, model, model_card(model), set())["row"]
+        rows = {"predict": row, "python -m trainyard.bulk": bulk, "plain loop": plain}
+        reps.append({"rows": rows, "ratios": _small_ratios(rows)})
+        ratios = reps[-1]["ratios"]
+        log(
+            f"   {rep + 1}/{repeat}: predict {row['wall_s']:.1f} s whole command "
+            f"({row['img_per_s']:,.0f} img/s scoring, first row at {row['first_row_s']} s; "
+            f"{row['place']}); python -m trainyard.bulk {bulk['wall_s']:.1f} s; plain loop "
+            f"{plain['seconds']:.1f} s ({plain['img_per_s']:,.0f} img/s): plain / predict "
+            f"{ratios['whole command']:.2f}x whole command, {ratios['scoring']:.2f}x scoring"
+        )
+    # The rows shown are the repetition with the median whole-command ratio.
+    middle = sorted(reps, key=lambda r: r["ratios"]["whole command"])[len(reps) // 2]
     return {
         "dataset": {k: v for k, v in made.items() if k != "folder"},
         "model": about,
-        "rows": {"predict": row, "python -m trainyard.bulk": bulk, "plain loop": plain},
-        "ratios": {
-            "whole command": plain["seconds"] / row["wall_s"],
-            "scoring": row["img_per_s"] / plain["img_per_s"],
-            "python -m trainyard.bulk, whole command": plain["seconds"] / bulk["wall_s"],
-        },
+        "rows": middle["rows"],
+        "ratios": middle["ratios"],
+        "repeats": [r["ratios"] for r in reps],
+    }
+
+
+def _small_ratios(rows: dict[str, Any]) -> dict[str, float]:
+    plain, row, bulk = rows["plain loop"], rows["predict"], rows["python -m trainyard.bulk"]
+    return {
+        "whole command": plain["seconds"] / row["wall_s"],
+        "scoring": row["img_per_s"] / plain["img_per_s"],
+        "python -m trainyard.bulk, whole command": plain["seconds"] / bulk["wall_s"],
     }
 
 

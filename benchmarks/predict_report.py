@@ -197,12 +197,24 @@ def _small(small: dict[str, Any] | None) -> list[str]:
         f"The whole command against the plain loop: **{small['ratios']['whole command']:.2f}x**"
         f"; its scoring part alone: {small['ratios']['scoring']:.2f}x"
         + _bulk_ratio(small["ratios"].get("python -m trainyard.bulk, whole command"))
+        + _repeats(small.get("repeats", []))
         + ". The time outside the scoring is start-up (the first row's time: Python, NumPy, "
         "ONNX Runtime, PyArrow and Pillow, and the probes that choose where to score) and "
         "the final table; the console script imports no command's library before its own "
         "(tests/house/test_cli.py).",
         "",
     ]
+
+
+def _repeats(repeats: list[dict[str, float]]) -> str:
+    """The whole command's ratio in each side-by-side run, when there were several."""
+    if len(repeats) < 2:
+        return ""
+    each = ", ".join(f"{r['whole command']:.2f}x" for r in repeats)
+    return (
+        f" (whole command in each of {len(repeats)} runs side by side: {each}; the table "
+        "is the median run)"
+    )
 
 
 def _bulk_row(row: dict[str, Any] | None) -> list[str]:
@@ -364,7 +376,11 @@ def print_summary(result: dict[str, Any]) -> None:
     small = result.get("fashion")
     if small:
         for who, value in small["ratios"].items():
-            print(f"Fashion-MNIST PNGs: plain loop / predict, {who}: {value:.2f}x")
+            each = ", ".join(f"{r[who]:.2f}x" for r in small.get("repeats", []))
+            print(
+                f"Fashion-MNIST PNGs: predict's speed / the plain loop's, {who}: "
+                f"{value:.2f}x (each run: {each})"
+            )
     print()
     for name, t in all_targets(result):
         ceiling = f" (ceiling here {t['ceiling']})" if t["ceiling"] != "-" else ""

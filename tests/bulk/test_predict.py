@@ -192,6 +192,23 @@ def test_shards_are_contiguous_and_cover_every_row():
             assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
+def test_the_fingerprint_taken_ahead_is_the_fingerprint(tmp_path):
+    """Taken in a thread while the model loads, the fingerprint is the one computed in
+    place, and a file changed afterwards is not hidden by it (a new listing sees it)."""
+    from trainyard.data.fingerprint import stat_fingerprint
+
+    for i in range(30):
+        Image.new("L", (8, 8), i).save(tmp_path / f"{i:02d}.png")
+    ahead = list_inputs(str(tmp_path))
+    ahead.fingerprint_ahead()
+    ahead.fingerprint_ahead()  # a second call starts nothing more
+    files = sorted(str(p) for p in tmp_path.glob("*.png"))
+    assert ahead.fingerprint() == stat_fingerprint(files, tmp_path)
+    assert ahead.fingerprint() == list_inputs(str(tmp_path)).fingerprint()
+    (tmp_path / "07.png").write_bytes((tmp_path / "08.png").read_bytes() + b"changed")
+    assert list_inputs(str(tmp_path)).fingerprint() != ahead.fingerprint()
+
+
 # ------------------------------------------------------------------ many files, processes
 
 

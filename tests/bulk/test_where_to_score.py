@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -123,15 +124,25 @@ def test_a_console_script_is_not_run_again_by_the_workers(model, photos, tmp_pat
     assert mark.read_text() == "ran\n"  # the command itself, once
 
 
-def test_cheap_decodes_get_batches_here_without_stat(tmp_path, model, photos):
+def test_cheap_decodes_get_batches_here_without_stat(tmp_path, model, photos, monkeypatch):
+    """In this process a task is about TASK_PIXELS of model input, never less than a batch;
+    each names the source's row of its first file (a heatmap's file name)."""
     root, _made = photos
     job, _ = command.build_job(options(root, tmp_path / "o.parquet", model, "--batch-size", "4"))
     assert job.inline and job.spec.model == ""
+    monkeypatch.setattr(engine, "TASK_PIXELS", 1)  # smaller than an image: a batch a task
     tasks = list(engine._tasks(job, [0]))
     sizes = [len(locations) for locations, _, _ in tasks]
     assert set(sizes[:-1]) == {4} and sum(sizes) == len(job.inputs)
-    # Each task names the source's row of its first file (a heatmap's file name).
     assert [first for _, _, first in tasks] == [4 * i for i in range(len(tasks))]
+    pixels = math.prod(job.spec.card.input_shape)
+    monkeypatch.setattr(engine, "TASK_PIXELS", 3 * pixels)  # three images' worth: 4 still
+    assert {len(t[0]) for t in list(engine._tasks(job, [0]))[:-1]} == {4}
+    monkeypatch.setattr(engine, "TASK_PIXELS", 6 * pixels)
+    tasks = list(engine._tasks(job, [0]))
+    sizes = [len(locations) for locations, _, _ in tasks]
+    assert len(tasks) > 1 and set(sizes[:-1]) == {6} and sum(sizes) == len(job.inputs)
+    assert [first for _, _, first in tasks] == [6 * i for i in range(len(tasks))]
 
 
 def test_one_image_a_process_costs_its_decode(tmp_path, model):

@@ -13,6 +13,7 @@ pixels from ``decode_image`` (``trainyard.runtime.inputs``), top-k by the same s
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -48,6 +49,9 @@ from trainyard.runtime.sessions import CUDA, OnnxModel
 
 log = logging.getLogger(__name__)
 
+TASK_PIXELS = (
+    200_000  # model-input values per in-process task: 256 Fashion-MNIST images, 2 at 160 px
+)
 LOG_EVERY_S = 60.0  # off a terminal: one progress line a minute
 INPUT_BOUND_SHARE = 0.5  # waiting on decode this share of the time: the input is the limit
 
@@ -179,8 +183,13 @@ def _tasks(job: Job, chunks: list[int]) -> Iterator[Task]:
     """The chunks' rows in tasks. To workers, about ``TASK_BYTES`` of files each (at least
     a model batch where they score, at most ``TASK_MAX_IMAGES``): a task of 28 px PNGs
     holds a thousand, one of phone photos a few, so each costs a worker about the same
-    time. In this process (nothing to send) a batch each, its files not stat-ed."""
+    time. In this process (nothing to send, its files not stat-ed) about ``TASK_PIXELS``
+    of model input each, at least a batch: 28 px images go 256 at a time, so the hand-over
+    between the decode thread and the model (a lock, a wake-up) is paid per task, not per
+    batch of 4."""
     least = job.batch_size if job.spec.model or job.inline else 1
+    if job.inline:
+        least = max(least, TASK_PIXELS // max(1, math.prod(job.spec.card.input_shape)))
     for c in chunks:
         lo, hi = job.chunk(c)
         a = lo

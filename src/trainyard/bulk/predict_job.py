@@ -132,6 +132,7 @@ def build_job(
         image_column=params.data.csv_image_column,
         label_column=params.data.csv_label_column,
     )
+    inputs.fingerprint_ahead()  # while the model loads and its batch size is probed
     # --model is relative to where the command runs; predict.model to the params file.
     base = Path.cwd() if options.model else None
     source, field = model_source(options, opts["model"], params)

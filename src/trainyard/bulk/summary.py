@@ -36,7 +36,9 @@ class Tally:
 
     def add(self, table: pa.Table) -> None:
         self.rows += table.num_rows
-        cols = table.to_pydict()
+        # The counted columns only: the top-k lists as Python objects were most of the time.
+        wanted = (PATH.name, LABEL.name, ERROR.name, LOW_CONFIDENCE.name, TRUE_LABEL.name)
+        cols = table.select([n for n in wanted if n in table.column_names]).to_pydict()
         truth = cols.get(TRUE_LABEL.name)
         pairs = zip(cols[LABEL.name], cols[ERROR.name], strict=True)
         for i, (label, error) in enumerate(pairs):

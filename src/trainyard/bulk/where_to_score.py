@@ -28,18 +28,21 @@ from pathlib import Path
 
 import numpy as np
 
-from trainyard.bulk.decode import DecodeSpec, decode_many
+from trainyard.bulk.decode import DecodeSpec, decode_many, rank
+from trainyard.runtime.inputs import softmax
 from trainyard.runtime.sessions import CUDA, OnnxModel, load_onnx
 
 log = logging.getLogger("trainyard.bulk")
 
 CPU_BATCHES = (1, 4, 16, 64)  # per model call on one thread
 GPU_BATCHES = (64, 128, 256, 512, 1024)
+CPU_GIVE_UP = 0.9  # on a CPU, a batch size this much slower than the best ends the probe
 GPU_GAIN = 1.15  # a doubling of the batch must raise img/s this much to be taken
 PROBE_S = 0.05  # per batch size probed: enough for a stable rate, little start-up
 POOL_START_S = 1.0  # decode workers' start-up, measured here (forkserver, imports, model)
 SAMPLE_IMAGES = 8  # images decoded here to measure what one costs
 SAMPLE_S = 0.2  # at most this long: a folder of phone photos is decided in 2 images
+TOP_K = 5  # the probe's top-k (predict.top_k's default)
 GIL_S = 10e-6  # per image, this thread's own Python work (softmax, top-k, the table)
 WORKERS_GAIN = 1.1  # workers only when estimated this much faster: a near tie (which noise
 # on a shared machine flips) stays here, with no process to start and less memory
@@ -70,7 +73,9 @@ def choose_batch(
     kernels' speed does not depend on the pixels): on a GPU the largest power of two
     (64..1024) whose doubling still raised img/s 15%; on a CPU the best of 1, 4, 16 and 64
     images per call on one thread (what scores each image on a CPU, here or in a worker:
-    small models gain from a batch, large ones lose cache)."""
+    small models gain from a batch, large ones lose cache; a size 10% slower than the best
+    ends the probe: the larger ones lose more, and EfficientNet-Lite0's batch of 64 alone
+    would cost a second of start-up)."""
     gpu = model.provider == CUDA
     single = None if gpu else load_onnx(path, device="cpu", intra_op_threads=1, say=False)
     if asked != "auto":  # on a CPU still measured: where to score depends on it
@@ -83,7 +88,7 @@ def choose_batch(
     for size in sizes:
         rate = _rate(probe, _zeros(size, input_shape))
         if best_rate and rate < best_rate * gain:
-            if gpu:
+            if gpu or rate < best_rate * CPU_GIVE_UP:
                 break
             continue
         best, best_rate = size, rate
@@ -97,29 +102,41 @@ def _zeros(batch: int, input_shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _rate(model: OnnxModel, x: np.ndarray, seconds: float = PROBE_S) -> float:
-    """img/s of ``model`` on batch ``x``: one warm-up call, then calls for ``seconds``."""
+    """img/s of ``model`` on batch ``x``, the probabilities' softmax and top-k included
+    (per call: small batches of a small model pay them often): one warm-up call, then calls
+    for ``seconds`` (at least 3 on a GPU). On a CPU (one intra-op thread: the model runs on
+    this thread) their CPU time is counted, not the clock's: on a shared machine another
+    process's turn on the core would otherwise pick the batch size, and where to score,
+    by chance; one such call is a measure, and EfficientNet-Lite0's batch of 64 costs a
+    third of a second a call."""
+    gpu = model.provider == CUDA
+    clock, least = (time.perf_counter, 3) if gpu else (time.thread_time, 1)
     model.run(x)  # kernel choice, arena growth
-    calls, t0 = 0, time.perf_counter()
-    while calls < 3 or time.perf_counter() - t0 < seconds:
-        model.run(x)
+    calls, t0, c0 = 0, time.perf_counter(), clock()
+    while calls < least or time.perf_counter() - t0 < seconds:
+        rank(softmax(model.run(x)), TOP_K)
         calls += 1
-    return calls * len(x) / (time.perf_counter() - t0)
+    return calls * len(x) / max(clock() - c0, 1e-9)
 
 
 def decode_cost(locations: list[str], spec: DecodeSpec) -> float:
-    """Seconds to read and decode one image here: the mean over the first few files after
+    """Seconds to read and decode one image here: the median over the first few files after
     one not counted (the first decode of a format loads its plugin), at most ``SAMPLE_S``
-    in all; unreadable ones count, as they cost their time too. 0 without a file."""
+    in all; unreadable ones count, as they cost their time too. 0 without a file. The
+    median, not the mean: one decode preempted by another process on a shared machine
+    (ten times its cost) would otherwise send a job of 28 px PNGs to the workers."""
     if not locations:
         return 0.0
     decode_many(locations[:1], [None], spec)
-    t0, done = time.perf_counter(), 0
+    times: list[float] = []
+    t0 = time.perf_counter()
     for location in locations[1 : SAMPLE_IMAGES + 1]:
+        t1 = time.perf_counter()
         decode_many([location], [None], spec)
-        done += 1
+        times.append(time.perf_counter() - t1)
         if time.perf_counter() - t0 > SAMPLE_S:
             break
-    return (time.perf_counter() - t0) / max(done, 1)
+    return float(np.median(times)) if times else time.perf_counter() - t0
 
 
 def choose_place(
