@@ -21,15 +21,24 @@ HELP = "the DVC experiments table with only the columns people compare"
 
 # Metrics always shown when present (others only when they differ between rows);
 # reports/metrics.json's sample counts and provider describe the run, not its quality, and
-# the calibration's temperature and uncalibrated ECE how it was reached (calibration.ece,
-# the quality, stays), as do the deletion test's two drops (explain.deletion_ratio stays).
+# the calibration's temperature, uncalibrated ECE and guard how it was reached (calibration.ece,
+# the quality, stays), as do the deletion test's two drops (explain.deletion_ratio stays);
+# the parity gate's figures are a pass/fail check (a run past export is within its limit),
+# not something experiments are compared by.
 KEY_METRICS = ("test.accuracy", "test.macro_f1", "train.best_val_acc", "train.fit_time_s")
 HIDDEN_METRICS = (
     "test.samples",
     "test.provider",
     "export.samples",
+    "export.max_abs_diff",
+    "export.argmax_agreement",
     "calibration.temperature",
     "calibration.ece_uncalibrated",
+    "calibration.fitted_temperature",
+    "calibration.applied",
+    "calibration.val_ece_before",
+    "calibration.val_ece_after",
+    "calibration.val_ece_improved_share",
     "explain.deletion_drop_top20",
     "explain.deletion_drop_random20",
     "explain.passed",
