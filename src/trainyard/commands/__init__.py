@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from trainyard.core.config import Params
+from trainyard.core.errors import TrainyardError
 from trainyard.core.model_ref import FetchedModel, ModelRef, ModelRegistry
 
 Subparsers = argparse._SubParsersAction  # what ArgumentParser.add_subparsers returns
@@ -78,3 +80,23 @@ class RegistryOnDemand:
 
     def follow(self, ref: ModelRef, current: str, cache_dir: Path) -> FetchedModel | None:
         return self._mlflow().follow(ref, current, cache_dir)
+
+
+def target_folder(given: str | None, params: Params, params_file: Path) -> Path:
+    """DIR, else data.folder as prepare reads it (relative to the params file's folder);
+    TrainyardError when neither names a folder (``trainyard audit`` and ``label``)."""
+    from trainyard.data.sources.folder import folder_path
+
+    if not given and not params.data.folder:
+        raise TrainyardError(f"no DIR given and data.folder is not set in {params_file}")
+    folder = Path(given) if given else folder_path(params.data, params_file.parent)
+    if not folder.is_dir():
+        raise TrainyardError(f"{folder} is not a folder (a class-per-folder tree)")
+    return folder
+
+
+def serve_log_dir(params: Params, params_file: Path) -> Path:
+    """serve.log_dir, relative to the params file's folder as the service reads it (the
+    prediction log ``promote`` and ``label push`` read)."""
+    folder = Path(params.serve.log_dir)
+    return folder if folder.is_absolute() else params_file.resolve().parent / folder

@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from trainyard.commands import Command, Subparsers, command_parser
+from trainyard.commands import Command, Subparsers, command_parser, target_folder
 from trainyard.core.config import DEFAULT_PARAMS, Params, load_params
 from trainyard.core.errors import TrainyardError
 from trainyard.stages.runner import configure_logging
@@ -52,19 +52,6 @@ class CmdAudit(Command):
             record_run(params, summary, job.out)
         print(f"{job.out / 'suspects.csv'}: {_line(summary)}")
         return 0
-
-
-def target_folder(given: str | None, params: Params, params_file: Path) -> Path:
-    """DIR, else data.folder as prepare reads it (relative to the params file's folder);
-    TrainyardError when neither names a folder."""
-    from trainyard.data.sources.folder import folder_path
-
-    if not given and not params.data.folder:
-        raise TrainyardError(f"no DIR given and data.folder is not set in {params_file}")
-    folder = Path(given) if given else folder_path(params.data, params_file.parent)
-    if not folder.is_dir():
-        raise TrainyardError(f"{folder} is not a folder (a class-per-folder tree)")
-    return folder
 
 
 def _line(summary: dict) -> str:

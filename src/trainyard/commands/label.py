@@ -16,8 +16,13 @@ import os
 import sys
 from pathlib import Path
 
-from trainyard.commands import Command, Subparsers, command_parser
-from trainyard.commands.audit import target_folder
+from trainyard.commands import (
+    Command,
+    Subparsers,
+    command_parser,
+    serve_log_dir,
+    target_folder,
+)
 from trainyard.core.config import DEFAULT_PARAMS, load_params
 from trainyard.core.errors import TrainyardError
 from trainyard.stages.runner import configure_logging
@@ -76,8 +81,7 @@ class CmdLabel(Command):
             if a.action == "pull":
                 done = pull(client, PullJob(folder, a.project))
             else:
-                log = a.log or Path(params.serve.log_dir)
-                log = log if log.is_absolute() else params_file.resolve().parent / log
+                log = a.log or serve_log_dir(params, params_file)
                 reasons = tuple(r.strip() for r in a.reasons.split(",") if r.strip())
                 job = PushJob(
                     folder, a.suspects, log, reasons, a.limit, a.served, a.below, a.project

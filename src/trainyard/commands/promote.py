@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainyard.commands import Command, Subparsers, command_parser
+from trainyard.commands import Command, Subparsers, command_parser, serve_log_dir
 from trainyard.core.config import load_params
 from trainyard.core.errors import PromotionRefused, TrainyardError
 from trainyard.core.model_ref import ModelRef, registered_alias, registered_version
@@ -94,7 +94,7 @@ def promote(
     client, _ = promotion.registry_client()
     target = promotion.find_version(client, which)
     registry_version = f"{name}/{target.version}"
-    folder = log or _log_dir(params_file)
+    folder = log or serve_log_dir(load_params(params_file), params_file)
     figures = shadow_figures(read_log(folder), registry_version)
     if figures["rows"] < min_rows and not force:
         raise PromotionRefused(
@@ -115,12 +115,6 @@ def promote(
         forced=force and figures["rows"] < min_rows,
         from_alias=from_alias,
     )
-
-
-def _log_dir(params_file: Path) -> Path:
-    """serve.log_dir, relative to the params file's folder as the service reads it."""
-    folder = Path(load_params(params_file).serve.log_dir)
-    return folder if folder.is_absolute() else params_file.resolve().parent / folder
 
 
 def _reload_s(params_file: Path) -> float | None:
