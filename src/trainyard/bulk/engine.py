@@ -49,9 +49,8 @@ from trainyard.runtime.sessions import CUDA, OnnxModel
 
 log = logging.getLogger(__name__)
 
-TASK_PIXELS = (
-    200_000  # model-input values per in-process task: 256 Fashion-MNIST images, 2 at 160 px
-)
+# Model-input values per in-process task: 256 Fashion-MNIST images, 2 at 160 px.
+TASK_PIXELS = 200_000
 LOG_EVERY_S = 60.0  # off a terminal: one progress line a minute
 INPUT_BOUND_SHARE = 0.5  # waiting on decode this share of the time: the input is the limit
 
