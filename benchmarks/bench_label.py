@@ -42,7 +42,7 @@ from benchmarks.harness.publish import REPO, bench_parser, outputs, provenance, 
 from benchmarks.recipe_folders import emoji_folder
 from benchmarks.recipe_probe import MAX_ITER
 from trainyard.core.config import load_params
-from trainyard.review.folder import MANIFEST
+from trainyard.review.label_files import MANIFEST
 from trainyard.stages.label_audit import embed_folder
 from trainyard.track import label_studio_server as server
 from trainyard.track.label_studio import LabelStudio

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from trainyard.core.errors import TrainyardError
-from trainyard.review.folder import (
+from trainyard.review.label_files import (
     JOURNAL,
     MANIFEST,
     append_manifest,

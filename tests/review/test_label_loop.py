@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from trainyard.review.folder import JOURNAL, MANIFEST
+from trainyard.review.label_files import JOURNAL, MANIFEST
 from trainyard.track import label_studio_server as server
 from trainyard.track.label_studio import LabelStudio
 from trainyard.watch.log import SCHEMA

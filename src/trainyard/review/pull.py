@@ -29,7 +29,7 @@ from trainyard.core.errors import TrainyardError
 from trainyard.core.io import atomic_write_bytes, atomic_write_json
 from trainyard.core.pause_points import pause_point
 from trainyard.data.walk import scan_folder
-from trainyard.review.folder import (
+from trainyard.review.label_files import (
     INCOMING,
     JOURNAL,
     KEY,

@@ -31,7 +31,7 @@ from trainyard.core.prediction_columns import (
     TIME,
 )
 from trainyard.data.walk import scan_folder
-from trainyard.review.folder import KEY, project_title
+from trainyard.review.label_files import KEY, project_title
 from trainyard.track.label_studio import LabelStudio, choice_result
 from trainyard.watch.log import read_log
 
