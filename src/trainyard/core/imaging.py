@@ -22,7 +22,6 @@ Which formats are read, and the optional plugins they need: ``trainyard.core.ima
 from __future__ import annotations
 
 import io
-import math
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -40,6 +39,7 @@ from trainyard.core.image_formats import (
     ensure_format,
 )
 from trainyard.core.png_bands import PngLayout, png_bands, png_layout
+from trainyard.core.resize_policy import apply_resize, pad_size
 
 # Pillow's own bomb guard (an error at 2x ~89 MP) would refuse a user's 600 MP poster before
 # our limit is consulted. Every open in trainyard goes through ``_open``, which checks the
@@ -56,7 +56,6 @@ DEFAULT_MAX_ASPECT_RATIO = 100
 # may hold at most this many times max_pixels (a 24 MP 3:2 photo pads to 36 MP).
 PAD_CANVAS_FACTOR = 4
 _GRAY_MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
-_INTERPOLATION = {"bilinear": 2, "bicubic": 3, "lanczos": 1, "nearest": 0}  # PIL.Image.Resampling
 # Images are box-reduced to at least this many times the target before the resize: enough
 # for the resize's own antialiasing (Pillow's reducing_gap), far less memory than full size.
 REDUCE_TO = 2
@@ -210,26 +209,7 @@ def image_to_pixels(
         if info is not None:
             info.update(format=fmt, width=im.width, height=im.height)
         try:
-            big_png = fmt == "PNG" and im.width * im.height > STREAM_PIXELS
-            layout = png_layout(data) if big_png else None
-            # The orientation first: the reduce works on the stored image, whose sides are
-            # the target's swapped when the EXIF says it is shown turned by 90 degrees.
-            method = _ORIENT.get(_exif(im, layout).get(0x0112, 1))
-            th, tw = (width, height) if method in _TURNED else (height, width)
-            if info is not None and method in _TURNED:
-                info["turned"] = True  # shown with width and height swapped
-            if fmt in ("JPEG", "MPO"):
-                # Any scale that keeps both sides at least twice the target: enough for every
-                # policy (crop needs the shorter side >= target) and far cheaper to decode.
-                im.draft(im.mode, (REDUCE_TO * tw, REDUCE_TO * th))
-            factors = _reduce_factors(im.width, im.height, tw, th, resize)
-            if factors == (1, 1):
-                layout = None  # small enough: decoded whole, passed through bit-exactly
-            with (reserve or nullcontext)(len(data) + _footprint(im, factors, layout)):
-                small = _reduce(im, factors, data, layout)
-                if method is not None:
-                    small = small.transpose(method)
-                arr = _to_channels(small, channels, fill, invert)
+            arr = _decode(im, data, height, width, channels, resize, fill, invert, info, reserve)
         except InputError:
             raise
         except Exception as err:  # truncated or corrupt data: the sender's bytes, not our bug
@@ -238,8 +218,44 @@ def image_to_pixels(
             ) from None
     if resize == "pad":
         _check_canvas(arr.shape[0], arr.shape[1], height, width, max_pixels, field, limit_key)
-    out = _apply_resize(arr, height, width, resize, fill, interpolation)
+    out = apply_resize(arr, height, width, resize, fill, interpolation)
     return np.ascontiguousarray(out.transpose(2, 0, 1))
+
+
+def _decode(
+    im: Any,
+    data: bytes,
+    height: int,
+    width: int,
+    channels: int,
+    resize: str,
+    fill: int,
+    invert: bool,
+    info: dict[str, Any] | None,
+    reserve: Reserve | None,
+) -> np.ndarray:
+    """The opened image ``im`` -> ``[H, W, C]`` uint8 at about the target size: orientation,
+    the reduce (while ``reserve`` holds its bytes), EXIF turn, then ``channels``."""
+    big_png = im.format == "PNG" and im.width * im.height > STREAM_PIXELS
+    layout = png_layout(data) if big_png else None
+    # The orientation first: the reduce works on the stored image, whose sides are
+    # the target's swapped when the EXIF says it is shown turned by 90 degrees.
+    method = _ORIENT.get(_exif(im, layout).get(0x0112, 1))
+    th, tw = (width, height) if method in _TURNED else (height, width)
+    if info is not None and method in _TURNED:
+        info["turned"] = True  # shown with width and height swapped
+    if im.format in ("JPEG", "MPO"):
+        # Any scale that keeps both sides at least twice the target: enough for every
+        # policy (crop needs the shorter side >= target) and far cheaper to decode.
+        im.draft(im.mode, (REDUCE_TO * tw, REDUCE_TO * th))
+    factors = _reduce_factors(im.width, im.height, tw, th, resize)
+    if factors == (1, 1):
+        layout = None  # small enough: decoded whole, passed through bit-exactly
+    with (reserve or nullcontext)(len(data) + _footprint(im, factors, layout)):
+        small = _reduce(im, factors, data, layout)
+        if method is not None:
+            small = small.transpose(method)
+        return _to_channels(small, channels, fill, invert)
 
 
 def _exif(im: Any, layout: PngLayout | None) -> Any:
@@ -357,17 +373,12 @@ def _to_channels(im: Any, channels: int, fill: int, invert: bool = False) -> np.
     return arr[:, :, None] if arr.ndim == 2 else arr
 
 
-def _pad_size(h: int, w: int, height: int, width: int) -> tuple[int, int]:
-    """The canvas the pad policy puts an h x w image on: the target's aspect, no pixel lost."""
-    return max(h, math.ceil(w * height / width)), max(w, math.ceil(h * width / height))
-
-
 def _check_canvas(
     h: int, w: int, height: int, width: int, max_pixels: int, field: str, limit_key: str
 ) -> None:
     """Refuse (413) an image whose padded canvas would exceed PAD_CANVAS_FACTOR x max_pixels
     (the canvas is allocated whole before the resize)."""
-    th, tw = _pad_size(h, w, height, width)
+    th, tw = pad_size(h, w, height, width)
     if th * tw > PAD_CANVAS_FACTOR * max_pixels:
         raise too_many_pixels(
             field,
@@ -375,46 +386,6 @@ def _check_canvas(
             f"{w}x{h} pixels pad to {tw}x{th}, over {PAD_CANVAS_FACTOR} times the limit",
             limit_key,
         )
-
-
-def _apply_resize(
-    arr: np.ndarray, height: int, width: int, policy: str, fill: int, interpolation: str
-) -> np.ndarray:
-    """[h, w, C] uint8 -> [height, width, C] uint8 by the card's resize policy."""
-    h, w, c = arr.shape
-    if (h, w) == (height, width):
-        return arr
-    resample = _INTERPOLATION[interpolation]
-    if policy == "pad":
-        # Pad rather than stretch: the object keeps its proportions and every pixel stays.
-        th, tw = _pad_size(h, w, height, width)
-        if (th, tw) != (h, w):
-            canvas = np.full((th, tw, c), fill, dtype=np.uint8)
-            top, left = (th - h) // 2, (tw - w) // 2
-            canvas[top : top + h, left : left + w] = arr
-            arr = canvas
-        return _resize(arr, width, height, resample)
-    if policy == "crop":
-        # torchvision's Resize(shorter side) + CenterCrop: scale so both sides cover the
-        # target, then take the centre.
-        scale = max(height / h, width / w)
-        rh, rw = max(height, round(h * scale)), max(width, round(w * scale))
-        resized = _resize(arr, rw, rh, resample)
-        top, left = (rh - height) // 2, (rw - width) // 2
-        return resized[top : top + height, left : left + width]
-    if policy == "stretch":
-        return _resize(arr, width, height, resample)
-    raise ValueError(f"unknown resize policy {policy!r}")
-
-
-def _resize(arr: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
-
-    if arr.shape[:2] == (height, width):
-        return arr
-    mode = "L" if arr.shape[2] == 1 else "RGB"
-    im = Image.fromarray(arr[:, :, 0] if mode == "L" else arr, mode=mode)
-    out = np.asarray(im.resize((width, height), resample), dtype=np.uint8)
-    return out[:, :, None] if out.ndim == 2 else out
 
 
 def too_many_pixels(

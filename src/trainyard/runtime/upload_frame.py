@@ -1,5 +1,5 @@
 """A map over the model's input, back over the upload it came from: the reverse of the
-card's resize policy (trainyard.core.imaging), so a heatmap lies on the image as shown.
+card's resize policy (trainyard.core.resize_policy), so a heatmap lies on the image as shown.
 
 The model saw the upload padded to its aspect (``pad``), scaled and centre-cropped
 (``crop``) or stretched (``stretch``) to ``card.height`` x ``card.width``. A map of that
@@ -27,7 +27,7 @@ def to_upload(heat: np.ndarray, card: Card, width: int, height: int) -> np.ndarr
     if (height, width) == (mh, mw):
         return np.asarray(heat, np.float32)
     if card.resize == "pad":
-        # The canvas the upload was centred on (imaging's _pad_size), in upload pixels.
+        # The canvas the upload was centred on (resize_policy.pad_size), in upload pixels.
         th, tw = max(height, math.ceil(width * mh / mw)), max(width, math.ceil(height * mw / mh))
         top, left = (th - height) // 2, (tw - width) // 2
         return _resized(heat, tw, th)[top : top + height, left : left + width]
