@@ -120,15 +120,6 @@ def build_card(
     and ``int8`` sections only when present); ``train``: train.json; ``lineage``: git_commit,
     git_dirty, data_version; ``recipe``: ``recipe_choices``; ``params``: ``changed_params``."""
     classes = list(dataset.classes)
-    quality: dict[str, Any] = {
-        "test": dict(metrics["test"]),
-        "per_class": [{"class": c, **scores["per_class"][c]} for c in classes],
-        "calibration": dict(metrics["calibration"]),
-        "export": dict(metrics.get("export", {})),
-    }
-    for optional in ("explain", "int8"):  # the deletion test; the int8 model's gate
-        if optional in metrics:
-            quality[optional] = dict(metrics[optional])
     return {
         "schema": CARD_SCHEMA,
         "name": name,
@@ -153,20 +144,42 @@ def build_card(
             "params": dict(params),
             "recipe": dict(recipe),
         },
-        "data": {
-            "source": dataset.source,
-            "classes": classes,
-            "counts": {s: dict(c) for s, c in dataset.counts.items()},
-            "data_version": lineage.get("data_version", ""),
-            "data_sha256": dataset.data_sha256,
-            "git_commit": lineage.get("git_commit", ""),
-            "git_dirty": lineage.get("git_dirty", ""),
-            "skipped_files": len(dataset.skipped),
-        },
-        "quality": quality,
+        "data": _data(dataset, lineage),
+        "quality": _quality(scores, metrics, classes),
         "weak": weak_spots(scores, classes),
         "registry": None,
         "usage": usage(name, None),
+    }
+
+
+def _quality(
+    scores: Mapping[str, Any], metrics: Mapping[str, Any], classes: list[str]
+) -> dict[str, Any]:
+    """The card's quality section: test metrics, per class, calibration, export (and the
+    deletion test and int8 gate when the metrics have them)."""
+    quality: dict[str, Any] = {
+        "test": dict(metrics["test"]),
+        "per_class": [{"class": c, **scores["per_class"][c]} for c in classes],
+        "calibration": dict(metrics["calibration"]),
+        "export": dict(metrics.get("export", {})),
+    }
+    for optional in ("explain", "int8"):  # the deletion test; the int8 model's gate
+        if optional in metrics:
+            quality[optional] = dict(metrics[optional])
+    return quality
+
+
+def _data(dataset: Card, lineage: Mapping[str, str]) -> dict[str, Any]:
+    """The card's data section: where the images came from and which version."""
+    return {
+        "source": dataset.source,
+        "classes": list(dataset.classes),
+        "counts": {s: dict(c) for s, c in dataset.counts.items()},
+        "data_version": lineage.get("data_version", ""),
+        "data_sha256": dataset.data_sha256,
+        "git_commit": lineage.get("git_commit", ""),
+        "git_dirty": lineage.get("git_dirty", ""),
+        "skipped_files": len(dataset.skipped),
     }
 
 

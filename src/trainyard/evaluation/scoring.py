@@ -250,25 +250,7 @@ def evaluate_onnx(
     model = load_onnx(onnx_path, device=device)
     card = card_from_metadata(model.metadata, str(onnx_path))
     classes = list(card.classes)
-    if images.dtype != np.uint8:
-        raise DataError(f"test images are {images.dtype}, expected uint8 pixels 0..255")
-    if images.ndim != 4 or tuple(images.shape[1:]) != card.input_shape:
-        raise DataError(
-            f"test images are {tuple(images.shape[1:])} (C, H, W) each, but the model's card "
-            f"says {card.input_shape}: the data and the model come from different "
-            "preparations; rerun `dvc repro`"
-        )
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise DataError(f"test labels must be integers [N], got {labels.dtype} {labels.shape}")
-    if labels.shape[0] != images.shape[0]:
-        raise DataError(f"{images.shape[0]} test images but {labels.shape[0]} labels")
-    if labels.shape[0] == 0:
-        raise DataError("the test set is empty; nothing to evaluate")
-    if labels.max() >= len(classes) or labels.min() < 0:
-        raise DataError(
-            f"test labels go from {labels.min()} to {labels.max()}, "
-            f"model has {len(classes)} classes"
-        )
+    _check_test_set(images, labels, card.input_shape, len(classes))
     rows = None if embedding_rows is None else np.sort(np.asarray(embedding_rows, np.int64))
     # The temperature export baked into the graph (absent from older models: 1).
     temperature = float(model.metadata.get("temperature", 1.0))
@@ -293,6 +275,30 @@ def evaluate_onnx(
         "metadata": model.metadata,  # the ONNX model's (arch, pretrained weights: the card's)
         "heatmaps": heatmaps,
     }
+
+
+def _check_test_set(
+    images: np.ndarray, labels: np.ndarray, input_shape: tuple[int, ...], n_classes: int
+) -> None:
+    """Refuse (DataError) test images and labels that do not fit the model's card."""
+    if images.dtype != np.uint8:
+        raise DataError(f"test images are {images.dtype}, expected uint8 pixels 0..255")
+    if images.ndim != 4 or tuple(images.shape[1:]) != input_shape:
+        raise DataError(
+            f"test images are {tuple(images.shape[1:])} (C, H, W) each, but the model's card "
+            f"says {input_shape}: the data and the model come from different "
+            "preparations; rerun `dvc repro`"
+        )
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(f"test labels must be integers [N], got {labels.dtype} {labels.shape}")
+    if labels.shape[0] != images.shape[0]:
+        raise DataError(f"{images.shape[0]} test images but {labels.shape[0]} labels")
+    if labels.shape[0] == 0:
+        raise DataError("the test set is empty; nothing to evaluate")
+    if labels.max() >= n_classes or labels.min() < 0:
+        raise DataError(
+            f"test labels go from {labels.min()} to {labels.max()}, model has {n_classes} classes"
+        )
 
 
 def write_reports(
