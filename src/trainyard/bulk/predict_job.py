@@ -133,13 +133,7 @@ def build_job(
         label_column=params.data.csv_label_column,
     )
     inputs.fingerprint_ahead()  # while the model loads and its batch size is probed
-    # --model is relative to where the command runs; predict.model to the params file.
-    base = Path.cwd() if options.model else None
-    source, field = model_source(options, opts["model"], params)
-    path, provenance = resolve_model(source, field, params_file, registry, base)
-    model, sha = open_verified(path, opts["device"], 0)
-    if options.explain:
-        check_explains(model, path)
+    path, provenance, model, sha = _open_model(options, opts, params, params_file, registry)
     card = card_from_metadata(model.metadata, str(path))
     folder_labels(inputs, model.classes)
     probe = choose_batch(model, path, card.input_shape, opts["batch_size"])
@@ -172,16 +166,40 @@ def build_job(
         chunk_rows=opts["chunk_rows"],
         shard=shard,
         strict=options.strict,
-        about={
-            "source": str(path),
-            "run_id": provenance.get("run_id") or model.metadata.get("mlflow_run_id", ""),
-            **{k: v for k, v in provenance.items() if v},
-        },
+        about=_about(path, provenance, model.metadata),
         inline=place.inline,
         place=place.reason,
         heatmaps=heatmap_folder(out).name if options.explain else "",
     )
     return job, params
+
+
+def _open_model(
+    options: PredictOptions,
+    opts: dict[str, Any],
+    params: Params,
+    params_file: Path,
+    registry: ModelRegistry | None,
+) -> tuple[Path, dict[str, Any], Any, str]:
+    """The model to score with, found, opened and verified: its path, provenance, the
+    loaded model and its sha256."""
+    # --model is relative to where the command runs; predict.model to the params file.
+    base = Path.cwd() if options.model else None
+    source, field = model_source(options, opts["model"], params)
+    path, provenance = resolve_model(source, field, params_file, registry, base)
+    model, sha = open_verified(path, opts["device"], 0)
+    if options.explain:
+        check_explains(model, path)
+    return path, provenance, model, sha
+
+
+def _about(path: Path, provenance: dict[str, Any], metadata: dict[str, str]) -> dict[str, str]:
+    """Where the model came from, for the table's metadata."""
+    return {
+        "source": str(path),
+        "run_id": provenance.get("run_id") or metadata.get("mlflow_run_id", ""),
+        **{k: v for k, v in provenance.items() if v},
+    }
 
 
 def _version(provenance: dict[str, Any]) -> str:

@@ -92,28 +92,7 @@ class RequestGuard:
             return
         send = _with_headers(send, self.trace_headers)
         headers = Headers(scope=scope)
-        head = _head_bytes(scope)
-        if head > self.max_header_bytes:
-            await _error(
-                send,
-                scope,
-                431,
-                f"request line and headers of {head:,} bytes, over the limit of "
-                f"{self.max_header_bytes:,} (serve.max_header_bytes); send fewer, shorter headers",
-                field="headers",
-                reason="headers_too_large",
-            )
-            return
-        if not self._allowed(scope, headers):
-            await _error(
-                send,
-                scope,
-                401,
-                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                field="Authorization",
-                reason="unauthorized",
-                extra_headers={"www-authenticate": 'Bearer realm="trainyard"'},
-            )
+        if await self._refused_head(send, scope, headers):
             return
         if scope["method"] != "POST":
             await self.app(scope, receive, send)
@@ -147,6 +126,33 @@ class RequestGuard:
         if self.shed is not None and scope["path"] in self.shed_paths:
             send = _answer_shed(send, scope, self.shed)
         await self.app(scope, _replay(body, receive), send)
+
+    async def _refused_head(self, send: Send, scope: Scope, headers: Headers) -> bool:
+        """Answer 431 (headers too large) or 401 (no or wrong key) here: True if it did."""
+        head = _head_bytes(scope)
+        if head > self.max_header_bytes:
+            await _error(
+                send,
+                scope,
+                431,
+                f"request line and headers of {head:,} bytes, over the limit of "
+                f"{self.max_header_bytes:,} (serve.max_header_bytes); send fewer, shorter headers",
+                field="headers",
+                reason="headers_too_large",
+            )
+            return True
+        if not self._allowed(scope, headers):
+            await _error(
+                send,
+                scope,
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                field="Authorization",
+                reason="unauthorized",
+                extra_headers={"www-authenticate": 'Bearer realm="trainyard"'},
+            )
+            return True
+        return False
 
     def _allowed(self, scope: Scope, headers: Headers) -> bool:
         """No key set, an open path (probes, metrics, docs), or the right key."""
