@@ -14,8 +14,9 @@ time to a target accuracy), ``bench_datapaths`` (an image folder read four ways)
 ``bench_inference`` (torch vs ONNX Runtime), ``bench_prepare`` (the prepare stage, with
 ``prepare_photos``: its folder, and ``prepare_report``: its docs section),
 ``bench_resume`` (a resume after a SIGKILL), ``bench_predict`` (bulk scoring against a plain
-loop and the service, with ``predict_inputs``: its photos, PNGs and models, and
-``predict_report``: its docs section); ``main`` runs the first three, ``common`` holds the
+loop and the service, with ``predict_inputs``: its photos, PNGs and models,
+``predict_check``: its probabilities check, and ``predict_report``: its docs section);
+``main`` runs the first three, ``common`` holds the
 Fashion-MNIST data, ``training_figures`` the tables and chart. Every one of them stands on
 ``harness`` (the clock, ratios, host facts, subprocesses, made-once inputs, the JSON report
 and its docs section). Serving: ``bench_serve`` (the load test's steps) with ``serve_load``

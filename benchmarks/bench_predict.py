@@ -50,8 +50,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks.harness.host_facts import cpu_facts
 from benchmarks.harness.made_once import warm_cache
 from benchmarks.harness.publish import (
@@ -63,6 +61,7 @@ from benchmarks.harness.publish import (
     update_docs,
 )
 from benchmarks.harness.stopwatch import Timer
+from benchmarks.predict_check import bulk_probabilities, check_files, compare, run_check
 from benchmarks.predict_contenders import (
     SAMPLE_S,
     costs,
@@ -115,73 +114,6 @@ QUICK = {
     "repeat": 1,
 }
 MILLION_MODEL = "cnn-28"
-# ----------------------------------------------------------------------------- 4. check
-
-
-def check_files(count: int, n: int) -> list[int]:
-    """``n`` indices spread evenly over the folder's sorted files."""
-    n = min(n, count)
-    return sorted({round(k * (count - 1) / max(n - 1, 1)) for k in range(n)})
-
-
-def bulk_probabilities(table: Path, classes: list[str]) -> dict[str, np.ndarray]:
-    """path -> the full probability vector in class order, from a table with top_k = classes."""
-    import pyarrow.parquet as pq
-
-    cols = pq.read_table(table, columns=["path", "top_labels", "top_probabilities"]).to_pydict()
-    index = {c: i for i, c in enumerate(classes)}
-    out = {}
-    for path, labels, probs in zip(
-        cols["path"], cols["top_labels"], cols["top_probabilities"], strict=True
-    ):
-        vec = np.full(len(classes), np.nan)
-        for label, p in zip(labels, probs, strict=True):
-            vec[index[label]] = p
-        out[path] = vec
-    return out
-
-
-def compare(
-    files: list[Path],
-    check: list[int],
-    bulk: dict[str, np.ndarray],
-    answers: dict[int, dict[str, Any]],
-    plain: dict[int, list[float]],
-) -> dict[str, Any]:
-    """The bulk table against the service's answers (and the plain loop's top-1)."""
-    diffs, same_label, plain_same = [], 0, 0
-    for i in check:
-        served = np.asarray(answers[i]["probabilities"], dtype=np.float64)
-        mine = bulk[str(files[i])]
-        if np.isnan(mine).any():
-            raise SystemExit(f"bench-predict: {files[i]}: the table lacks some classes")
-        diffs.append(float(np.abs(served - mine).max()))
-        same_label += int(np.argmax(mine)) == answers[i]["class_id"]
-        plain_same += int(np.argmax(plain[i])) == answers[i]["class_id"]
-    worst = max(diffs)
-    return {
-        "files": len(check),
-        "max_abs_diff": worst,
-        "mean_max_abs_diff": float(np.mean(diffs)),
-        "limit": PROB_LIMIT,
-        "within": worst <= PROB_LIMIT,
-        "top1_agree": same_label,
-        "plain_loop_top1_agree": plain_same,
-    }
-
-
-def run_check(
-    files: list[Path], check: list[int], model: Path, classes: int, work: Path
-) -> dict[str, Any]:
-    """``python -m trainyard.bulk`` on a list file of the check files, top_k = classes."""
-    work.mkdir(parents=True, exist_ok=True)
-    listing = work / "check.txt"
-    listing.write_text("".join(f"{files[i]}\n" for i in check))
-    out = work / "check.parquet"
-    run = run_predict(listing, out, model, "--top-k", str(classes))
-    return {"table": out, "summary": run["summary"]}
-
-
 # ----------------------------------------------------------------------------- the run
 
 
@@ -231,7 +163,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--work", help="folder for the images, models and outputs (default: temp dir)")
     p.add_argument("--render", action="store_true", help="only rewrite the docs from --out")
     p.add_argument("--build-model", nargs="+", metavar="KIND=PATH", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return _settled(p, p.parse_args(argv))
+
+
+def _settled(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with --quick's or the full run's defaults filled in, --models and --sides
+    parsed and checked (``p.error`` on a bad one)."""
     base = QUICK if args.quick else FULL
     for key, value in base.items():
         if getattr(args, key) is None:
@@ -290,13 +227,7 @@ def measure_model(
     log(f"   {plain['row']['img_per_s']:8.1f} img/s")
     log("   what one image costs here, each part alone (in this process)")
     cost = costs(files, model, card, args.cost_seconds)
-    log(
-        f"   decode: predict's {cost['decode_ms']:.2f} ms, the plain loop's PIL calls "
-        f"{cost['plain_decode_ms']:.2f} ms; ONNX Runtime batch 64: {cost['infer_b64_ms']:.2f} "
-        f"ms/img ({cost['infer_b64_1thread_ms']:.2f} on one thread), batch 1 (default "
-        f"options) {cost['infer_b1_default_ms']:.2f} ms; predict's ceiling on "
-        f"{cost['cores']} cores {cost['ceiling_img_per_s']:.0f} img/s"
-    )
+    _log_costs(cost)
 
     service = service_rows(model, files, args.threads, check, len(classes), tmp)
     rows["posting, sequential"] = service["sequential"]
@@ -322,6 +253,17 @@ def measure_model(
         },
         "check": agreement,
     }
+
+
+def _log_costs(cost: dict[str, Any]) -> None:
+    """What one image costs, each part alone: the line under the plain loop's."""
+    log(
+        f"   decode: predict's {cost['decode_ms']:.2f} ms, the plain loop's PIL calls "
+        f"{cost['plain_decode_ms']:.2f} ms; ONNX Runtime batch 64: {cost['infer_b64_ms']:.2f} "
+        f"ms/img ({cost['infer_b64_1thread_ms']:.2f} on one thread), batch 1 (default "
+        f"options) {cost['infer_b1_default_ms']:.2f} ms; predict's ceiling on "
+        f"{cost['cores']} cores {cost['ceiling_img_per_s']:.0f} img/s"
+    )
 
 
 def measure(args: argparse.Namespace, work: Path, tmp: Path) -> dict[str, Any]:
