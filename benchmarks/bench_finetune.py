@@ -76,19 +76,42 @@ def users_channels_last() -> bool:
         return False
 
 
-def finetune_benchmark(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
-    """The row of the module doc (``cfg``: main's ``finetune`` settings)."""
-    import lightning as L
+def _device() -> tuple[bool, str, str, str]:
+    """(a GPU?, the device, the precision it trains in, its name)."""
     import torch
-
-    from benchmarks.common import classifier
-    from trainyard.training.datamodule import ImageDataModule
-    from trainyard.training.speed import facts_from
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
     precision = "bf16-mixed" if gpu and torch.cuda.is_bf16_supported() else "32-true"
     name = torch.cuda.get_device_name(0) if gpu else "cpu"
+    return gpu, device, precision, name
+
+
+def _network(card: Any, lr: float, channels_last: bool) -> Any:
+    """The default fine-tune's network, pretrained and wholly trainable (no frozen stages)."""
+    from benchmarks.common import classifier
+
+    return classifier(
+        ARCH,
+        card,
+        lr=lr,
+        augment=AUGMENT,
+        channels_last=channels_last,
+        pretrained="imagenet",
+        finetune=True,
+        frozen_stages=0,
+    )
+
+
+def finetune_benchmark(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """The row of the module doc (``cfg``: main's ``finetune`` settings)."""
+    import lightning as L
+    import torch
+
+    from trainyard.training.datamodule import ImageDataModule
+    from trainyard.training.speed import facts_from
+
+    gpu, device, precision, name = _device()
     n, size = cfg["images"], cfg["image_size"]
     arrays, card = generated_splits(n, size, cfg.get("classes", 10))
     facts = facts_from(card, "gpu" if gpu else "cpu", precision, name)
@@ -103,16 +126,7 @@ def finetune_benchmark(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[
     channels_last = users_channels_last() and gpu
     L.seed_everything(0, verbose=False)
     dm = ImageDataModule(arrays=arrays, card=card, batch_size=batch, eval_batch_size=batch, seed=0)
-    model = classifier(
-        ARCH,
-        card,
-        lr=lr,
-        augment=AUGMENT,
-        channels_last=channels_last,
-        pretrained="imagenet",
-        finetune=True,
-        frozen_stages=0,
-    )
+    model = _network(card, lr, channels_last)
     img_per_s, busy = timed_fit(model, dm, device, precision, (warmup, steps, batch))
     # The timed steps trained the whole network (the head-only epoch was over).
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -16,7 +16,7 @@ from benchmarks.harness.ratios import ratio_table
 
 def markdown(result: dict[str, Any]) -> str:
     """This hardware's section of docs/benchmarks.md, from the result."""
-    hw, tr, inf = result["hardware"], result.get("training"), result.get("inference")
+    hw = result["hardware"]
     lines = [
         f"### {hardware_label(hw)}",
         "",
@@ -25,48 +25,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"onnxruntime {hw.get('onnxruntime')}.",
         "",
     ]
-    if tr:
-        lines += [
-            f"**Training throughput** ({tr['arch']}, batch {tr['batch_size']}, "
-            f"{tr['steps']} timed steps after {tr['warmup']} warm-up, median of "
-            f"{tr['repeats']})",
-            "",
-            "| configuration | img/s |",
-            "|---|---:|",
-        ]
-        lines += [f"| {k} | {v['median']:,.0f} |" for k, v in tr["img_per_s"].items()]
-        lines += ["", *ratio_table(tr["ratios"])]
-        util = tr.get("gpu_utilisation", {})
-        lines += [
-            "",
-            "GPU utilisation during the fast path: "
-            + (
-                f"{util['mean_pct']:.0f}% mean, {util['median_pct']:.0f}% median "
-                f"({util['samples']} NVML samples)"
-                if util.get("mean_pct") is not None
-                else util.get("skipped", "n/a")
-            ),
-            "",
-        ]
+    lines += _training_lines(result.get("training"))
     if result.get("folder_data_paths"):
         lines += datapaths.markdown(result["folder_data_paths"])
-    if inf:
-        lines += [
-            f"**Inference** ({inf['arch']}; latency = median per call)",
-            "",
-            "| device | batch | torch eager ms | ORT ms | ORT/torch latency | "
-            "torch img/s | ORT img/s |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in inf["rows"]:
-            ort_ms = f"{r['ort_s'] * 1e3:.3f}" if "ort_s" in r else "n/a"
-            ratio = f"{r['ort_over_torch_latency']:.2f}x" if "ort_s" in r else "n/a"
-            ort_ips = f"{r['ort_img_per_s']:,.0f}" if "ort_s" in r else "n/a"
-            lines.append(
-                f"| {r['device']} | {r['batch']} | {r['torch_s'] * 1e3:.3f} | {ort_ms} "
-                f"| {ratio} | {r['torch_img_per_s']:,.0f} | {ort_ips} |"
-            )
-        lines.append("")
+    lines += _inference_lines(result.get("inference"))
     lines += default_plan_markdown(result.get("default_plan"))
     lines += finetune.markdown(result.get("finetune"))
     lines += predict_gpu.markdown(result.get("predict"))
@@ -84,6 +46,58 @@ def markdown(result: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _training_lines(tr: dict[str, Any] | None) -> list[str]:
+    """The training throughput table, its ratios and the GPU's utilisation (none: [])."""
+    if not tr:
+        return []
+    lines = [
+        f"**Training throughput** ({tr['arch']}, batch {tr['batch_size']}, "
+        f"{tr['steps']} timed steps after {tr['warmup']} warm-up, median of "
+        f"{tr['repeats']})",
+        "",
+        "| configuration | img/s |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {v['median']:,.0f} |" for k, v in tr["img_per_s"].items()]
+    lines += ["", *ratio_table(tr["ratios"])]
+    util = tr.get("gpu_utilisation", {})
+    lines += [
+        "",
+        "GPU utilisation during the fast path: "
+        + (
+            f"{util['mean_pct']:.0f}% mean, {util['median_pct']:.0f}% median "
+            f"({util['samples']} NVML samples)"
+            if util.get("mean_pct") is not None
+            else util.get("skipped", "n/a")
+        ),
+        "",
+    ]
+    return lines
+
+
+def _inference_lines(inf: dict[str, Any] | None) -> list[str]:
+    """The torch vs ONNX Runtime latency table (none: [])."""
+    if not inf:
+        return []
+    lines = [
+        f"**Inference** ({inf['arch']}; latency = median per call)",
+        "",
+        "| device | batch | torch eager ms | ORT ms | ORT/torch latency | "
+        "torch img/s | ORT img/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in inf["rows"]:
+        ort_ms = f"{r['ort_s'] * 1e3:.3f}" if "ort_s" in r else "n/a"
+        ratio = f"{r['ort_over_torch_latency']:.2f}x" if "ort_s" in r else "n/a"
+        ort_ips = f"{r['ort_img_per_s']:,.0f}" if "ort_s" in r else "n/a"
+        lines.append(
+            f"| {r['device']} | {r['batch']} | {r['torch_s'] * 1e3:.3f} | {ort_ms} "
+            f"| {ratio} | {r['torch_img_per_s']:,.0f} | {ort_ips} |"
+        )
+    lines.append("")
+    return lines
 
 
 def chart(result: dict[str, Any], path: Path) -> None:
