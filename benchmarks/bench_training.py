@@ -152,30 +152,36 @@ def training_benchmarks(
         log("bench: no CUDA GPU here: GPU training rows skipped")
     out["img_per_s"] = round_robin(rows, reps, log, "img/s")
 
-    if torch.cuda.is_available():
-        try:
-            sampler = NvmlSampler()
-        except Exception as err:  # no nvidia-ml-py or no NVML: say so, keep the rest
-            out["gpu_utilisation"] = {"skipped": f"NVML unavailable: {err}"}
-        else:
-            lightning_throughput(
-                data,
-                arch,
-                Steps("cuda", bs, cfg["gpu_util_steps"], warm),
-                "fast",
-                "bf16-mixed",
-                channels_last=True,
-                on_window=sampler.window,
-            )
-            out["gpu_utilisation"] = {"run": "cuda/lightning_fast_bf16"} | sampler.close()
-            log(
-                f"bench: GPU utilisation during the fast path: "
-                f"{out['gpu_utilisation']['mean_pct']}% (mean of NVML samples)"
-            )
-    else:
-        out["gpu_utilisation"] = {"skipped": "no CUDA GPU"}
+    out["gpu_utilisation"] = _gpu_utilisation(data, arch, bs, warm, cfg["gpu_util_steps"], log)
     out["ratios"] = training_ratios(out["img_per_s"])
     return out
+
+
+def _gpu_utilisation(
+    data: dict[str, Any], arch: str, bs: int, warm: int, steps: int, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """NVML's GPU busy samples over one more fast-path (bf16, channels_last) run on the GPU;
+    why not, where there is no GPU or no NVML."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA GPU"}
+    try:
+        sampler = NvmlSampler()
+    except Exception as err:  # no nvidia-ml-py or no NVML: say so, keep the rest
+        return {"skipped": f"NVML unavailable: {err}"}
+    lightning_throughput(
+        data,
+        arch,
+        Steps("cuda", bs, steps, warm),
+        "fast",
+        "bf16-mixed",
+        channels_last=True,
+        on_window=sampler.window,
+    )
+    util = {"run": "cuda/lightning_fast_bf16"} | sampler.close()
+    log(f"bench: GPU utilisation during the fast path: {util['mean_pct']}% (mean of NVML samples)")
+    return util
 
 
 def training_ratios(r: dict[str, Any]) -> dict[str, float]:
