@@ -163,20 +163,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         }
     watched = [pick(rows, section="watching", watching=on) for on in ("log+shadow", "off")]
     out["watching_p99_ms"] = [r["p99_ms"] if r else None for r in watched]
-    on_ms, off_ms = out["watching_p99_ms"]
-    svc_ms, ref_ms = out["latency_p99_ms"]
-    inline_ms = out["latency_inline_p99_ms"]
-    values = {
-        "throughput": out["throughput"][LATENCY_CLIENTS],
-        "throughput_inline": out["throughput_inline"][LATENCY_CLIENTS],
-        "latency": svc_ms / ref_ms if svc_ms and ref_ms else None,
-        "latency_inline": svc_ms / inline_ms if svc_ms and inline_ms else None,
-        "two_starts": starts[0] / starts[1] if len(starts) == 2 and starts[1] else None,
-        "cold_start": out["cold_ratio"],
-        "batching": out["batching"][LARGE][TOP],
-        "batching_cnn": out["batching"][FASHION][LATENCY_CLIENTS],
-        "watching": on_ms / off_ms if on_ms and off_ms else None,
-    }
+    values = _target_values(out, starts)
     texts = {k: TARGETS[k]["text"] for k in values}
     out["rounds"] = in_rounds(result.get("rounds"))
     for key, figure in out["rounds"].items():  # section 0's medians: interleaved, longer
@@ -193,6 +180,24 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     out["socket_errors"] = sum(r["socket_errors"] for r in rows)
     out["shed"] = sum(r["shed"] or 0 for r in service_rows)
     return out
+
+
+def _target_values(out: dict[str, Any], starts: list[float]) -> dict[str, float | None]:
+    """Each target's figure from the summary so far (None where a row is missing)."""
+    on_ms, off_ms = out["watching_p99_ms"]
+    svc_ms, ref_ms = out["latency_p99_ms"]
+    inline_ms = out["latency_inline_p99_ms"]
+    return {
+        "throughput": out["throughput"][LATENCY_CLIENTS],
+        "throughput_inline": out["throughput_inline"][LATENCY_CLIENTS],
+        "latency": svc_ms / ref_ms if svc_ms and ref_ms else None,
+        "latency_inline": svc_ms / inline_ms if svc_ms and inline_ms else None,
+        "two_starts": starts[0] / starts[1] if len(starts) == 2 and starts[1] else None,
+        "cold_start": out["cold_ratio"],
+        "batching": out["batching"][LARGE][TOP],
+        "batching_cnn": out["batching"][FASHION][LATENCY_CLIENTS],
+        "watching": on_ms / off_ms if on_ms and off_ms else None,
+    }
 
 
 def ort_rows(
