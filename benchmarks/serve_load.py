@@ -380,8 +380,12 @@ class Bench:
                 self._record(row, ident, "warm")
         finally:
             stop_server(proc)
+        self._echo_log(name, log)
+
+    def _echo_log(self, name: str, log: Path) -> None:
+        """Where run ``name`` had errors: what the server said about them (tracebacks,
+        warnings; else its last lines), for the report."""
         if any(r["non_2xx"] or r["socket_errors"] for r in self.rows if r["run"] == name):
-            # What the server said about it (tracebacks, warnings), for the report.
             said = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
             noted = [x for x in said if any(w in x for w in ("ERROR", "Error", "WARNING"))]
             for line in (noted or said)[-15:]:
