@@ -24,7 +24,7 @@ import argparse
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -111,12 +111,21 @@ def bulk_row(source: Path, model: Path, out: Path, quick: bool) -> dict[str, Any
     }
 
 
+def _tasks(inputs: Any) -> Iterator[tuple[list[Any], list[None]]]:
+    """The listing in the decode pool's tasks: TASK_IMAGES locations each, no labels."""
+    from trainyard.bulk.decode import TASK_IMAGES
+
+    for a in range(0, len(inputs), TASK_IMAGES):
+        end = min(a + TASK_IMAGES, len(inputs))
+        yield [inputs.location(i) for i in range(a, end)], [None] * (end - a)
+
+
 def torch_row(source: Path, net: Any, card: Any, batch: int) -> dict[str, Any]:
     """The same decode workers feeding ``net`` on the GPU (bf16, channels-last, pinned
     buffers, non-blocking copies); the CPU in fp32 where there is no GPU (--quick)."""
     import torch
 
-    from trainyard.bulk.decode import TASK_IMAGES, DecodePool, DecodeSpec, worker_count
+    from trainyard.bulk.decode import DecodePool, DecodeSpec, worker_count
     from trainyard.bulk.listing import list_inputs
     from trainyard.core.nvml_sampler import NvmlSampler
 
@@ -128,13 +137,7 @@ def torch_row(source: Path, net: Any, card: Any, batch: int) -> dict[str, Any]:
     std = torch.tensor(card.std, device=device).view(1, -1, 1, 1) * 255
     sampler = NvmlSampler(0.05) if cuda else None
     pool = DecodePool(DecodeSpec(card, 10**9, 60.0, 10**8), worker_count("auto"))
-    tasks = (
-        (
-            [inputs.location(i) for i in range(a, min(a + TASK_IMAGES, len(inputs)))],
-            [None] * min(TASK_IMAGES, len(inputs) - a),
-        )
-        for a in range(0, len(inputs), TASK_IMAGES)
-    )
+    tasks = _tasks(inputs)
     pending: list[np.ndarray] = []
     done = wait = 0.0
     t0 = time.perf_counter()
