@@ -375,24 +375,32 @@ def one_section(args: argparse.Namespace, run: dict[str, Any], command: str, mac
             )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`make bench-serve`; ``--render`` only rewrites the docs section from the JSON."""
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+def _side_job(args: argparse.Namespace) -> bool:
+    """``--build-large``, ``--build-int8`` (the child processes' model builds) or ``--render``
+    (the docs section from the JSON): done here, True; else False."""
     if args.build_large:
         from trainyard.core.config import load_params
 
         build_large_model(Path(args.build_large), load_params(REPO / "params.yaml").export.opset)
-        return 0
+        return True
     if args.build_int8:
         build_int8_models(Path(args.build_int8), REPO, args.int8_steps)
-        return 0
+        return True
     if args.render:
         result = json.loads(Path(args.json).read_text())
         int8 = int8_lines(result) or kept_int8(Path(args.docs))
         replace_section(Path(args.docs), "\n".join([markdown(result), *int8]))
         print_summary(result)
         print("\n".join(int8_lines(result)))
+        return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`make bench-serve`; ``--render`` only rewrites the docs section from the JSON."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if _side_job(args):
         return 0
     ready = preflight("bench-serve", MODULE, argv)
     if ready is None:
