@@ -55,11 +55,10 @@ from typing import Any
 
 from benchmarks.harness.host_facts import load_facts
 from benchmarks.harness.stopwatch import Timer
-from benchmarks.serve_explain import EXPLAIN_HEAD, explain_lines, load_explain, splice_explain
+from benchmarks.serve_explain import explain_lines, load_explain, splice_explain
 from benchmarks.serve_figures import BATCH_LEVELS, FASHION, LARGE, LATENCY_CLIENTS, LEVELS
 from benchmarks.serve_int8 import (
     FIGURES,
-    INT8_HEAD,
     INT8_MODELS,
     build_int8_models,
     int8_lines,
@@ -81,7 +80,14 @@ from benchmarks.serve_models import (
     decode_ms,
     raw_onnx,
 )
-from benchmarks.serve_report import SECTION, markdown, print_summary, replace_section, summary
+from benchmarks.serve_report import (
+    SECTION,
+    kept_int8,
+    markdown,
+    print_summary,
+    replace_section,
+    summary,
+)
 from benchmarks.serve_rounds import ROUNDS, load_rounds, publish_rounds
 
 MODULE = "benchmarks.bench_serve"
@@ -330,21 +336,6 @@ def models_record(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, An
             "320x240 to 640x480 px",
         },
     }
-
-
-KEPT_NOTE = "(From an earlier run: this one had `--no-int8`; `--int8-only` measures it.)"
-
-
-def kept_int8(docs: Path) -> list[str]:
-    """The int8 table the docs' serving section has now, for a run with ``--no-int8``."""
-    text = docs.read_text() if docs.is_file() else ""
-    head = text.find(INT8_HEAD)
-    if head < 0:
-        return []
-    marks = ("\n## ", "\n<!--", f"\n{EXPLAIN_HEAD}\n")
-    end = min([i for i in (text.find(m, head) for m in marks) if i >= 0] + [len(text)])
-    kept = text[head:end].rstrip("\n").splitlines()
-    return ["", *kept, *([] if KEPT_NOTE in kept else ["", KEPT_NOTE]), ""]
 
 
 def one_section(args: argparse.Namespace, run: dict[str, Any], command: str, machine: Any) -> None:

@@ -4,9 +4,11 @@ JSON, the console summary, and the section swap that leaves other sections as th
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.publish import replace_section
+from benchmarks.serve_explain import EXPLAIN_HEAD
 from benchmarks.serve_figures import (
     FASHION,
     LARGE,
@@ -19,6 +21,7 @@ from benchmarks.serve_figures import (
     ratio,
     summary,
 )
+from benchmarks.serve_int8 import INT8_HEAD
 from benchmarks.serve_rounds import rounds_lines
 
 SECTION = "## Serving"
@@ -341,3 +344,18 @@ def print_summary(result: dict[str, Any]) -> None:
         f"  service non-2xx: {s['non_2xx']} (503 shed: {s['shed']}); "
         f"socket errors: {s['socket_errors']}"
     )
+
+
+KEPT_NOTE = "(From an earlier run: this one had `--no-int8`; `--int8-only` measures it.)"
+
+
+def kept_int8(docs: Path) -> list[str]:
+    """The int8 table the docs' serving section has now, for a run with ``--no-int8``."""
+    text = docs.read_text() if docs.is_file() else ""
+    head = text.find(INT8_HEAD)
+    if head < 0:
+        return []
+    marks = ("\n## ", "\n<!--", f"\n{EXPLAIN_HEAD}\n")
+    end = min([i for i in (text.find(m, head) for m in marks) if i >= 0] + [len(text)])
+    kept = text[head:end].rstrip("\n").splitlines()
+    return ["", *kept, *([] if KEPT_NOTE in kept else ["", KEPT_NOTE]), ""]

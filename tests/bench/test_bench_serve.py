@@ -369,12 +369,12 @@ def test_a_run_without_int8_keeps_the_docs_int8_table(tmp_path: Path):
     doc = tmp_path / "benchmarks.md"
     table = f"{si.INT8_HEAD}\n\n| model | agreement |\n|---|---|\n| fashion | 99.80% |\n\nNotes."
     doc.write_text(DOC.replace("old serving text", f"old serving text\n\n{table}\n"))
-    kept = bs.kept_int8(doc)
-    assert kept == ["", *table.splitlines(), "", bs.KEPT_NOTE, ""]
+    kept = report.kept_int8(doc)
+    assert kept == ["", *table.splitlines(), "", report.KEPT_NOTE, ""]
     report.replace_section(doc, "\n".join(["## Serving", "", "new", *kept]))
-    assert bs.kept_int8(doc) == kept  # kept again: the note once
+    assert report.kept_int8(doc) == kept  # kept again: the note once
     doc.write_text(DOC)
-    assert bs.kept_int8(doc) == []
+    assert report.kept_int8(doc) == []
 
 
 def test_explain_section_is_the_ratio_of_medians_and_replaces_its_own_table(tmp_path):
