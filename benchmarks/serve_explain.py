@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.publish import subsection
 from benchmarks.serve_load import (
     Bench,
     measure,
@@ -37,6 +38,10 @@ EXPLAIN_LEVELS = (1, 16)
 ROUNDS = 2
 TARGET = 1.5
 EXPLAIN_HEAD = "### /classify?explain=1 vs the plain answer"
+EXPLAIN_COLUMNS = (  # the table's header cells
+    "model | clients | p50 ms plain / explain | ratio | p99 ms plain / explain | "
+    "2xx/s plain / explain"
+)
 
 
 def build_explain_models() -> dict[str, Path]:
@@ -110,19 +115,9 @@ def explain_ratios(explain: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def explain_lines(result: dict[str, Any]) -> list[str]:
-    """Section 7 as markdown: explain / plain per model and level."""
-    explain = result.get("explain")
-    if not explain:
-        return []
-    lines = [
-        "",
-        EXPLAIN_HEAD,
-        "",
-        "| model | clients | p50 ms plain / explain | ratio | p99 ms plain / explain | "
-        "2xx/s plain / explain |",
-        "|---|---|---|---|---|---|",
-    ]
+def _explain_table(explain: dict[str, Any]) -> list[str]:
+    """Section 7's rows, one per model and level, and the note under them."""
+    lines: list[str] = []
     for r in explain_ratios(explain):
         (p50, e50, ratio), (p99, e99, _), (ok, eok, _) = r["p50_ms"], r["p99_ms"], r["ok_per_s"]
         lines.append(
@@ -139,6 +134,11 @@ def explain_lines(result: dict[str, Any]) -> list[str]:
         "lite0-160 (cam), RGB JPEGs of 320x240 to 640x480 px, each heatmap the upload's size.",
     ]
     return lines
+
+
+def explain_lines(result: dict[str, Any]) -> list[str]:
+    """Section 7 as markdown: explain / plain per model and level."""
+    return subsection(result, "explain", EXPLAIN_HEAD, EXPLAIN_COLUMNS, _explain_table)
 
 
 def splice_explain(docs: Path, lines: list[str]) -> None:

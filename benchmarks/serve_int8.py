@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness.publish import subsection
 from benchmarks.serve_figures import FASHION, LARGE
 
 INT8_SIZE = 64  # the resnet18's input side
@@ -131,22 +132,16 @@ def ort_single_thread(folder: Path, seconds: float) -> list[dict[str, Any]]:
 
 
 INT8_HEAD = "### int8 vs fp32 (export.quantize: int8, serve.precision: int8)"
+INT8_COLUMNS = (  # the table's header cells
+    "model | agreement | accuracy fp32 -> int8 (drop, points) | MB fp32 / int8 | "
+    "req/s 16 clients fp32 / int8 | ORT 1 thread ms, batch 1 fp32 / int8 | "
+    "batch 64 fp32 / int8"
+)
 
 
-def int8_lines(result: dict[str, Any]) -> list[str]:
-    """Section 6 side by side: per model, the figures and int8 / fp32 ratios (markdown)."""
-    int8 = result.get("int8")
-    if not int8:
-        return []
-    lines = [
-        "",
-        INT8_HEAD,
-        "",
-        "| model | agreement | accuracy fp32 -> int8 (drop, points) | MB fp32 / int8 | "
-        "req/s 16 clients fp32 / int8 | ORT 1 thread ms, batch 1 fp32 / int8 | "
-        "batch 64 fp32 / int8 |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def _int8_table(int8: dict[str, Any]) -> list[str]:
+    """Section 6's rows, one per model, and the note under them."""
+    lines: list[str] = []
     for name in INT8_MODELS:
         f = int8["figures"][name]
         req = {p: _pick(int8["rows"], model=name, precision=p) for p in ("fp32", "int8")}
@@ -170,6 +165,11 @@ def int8_lines(result: dict[str, Any]) -> list[str]:
         "/ fp32; below 1x on ms is faster.",
     ]
     return lines
+
+
+def int8_lines(result: dict[str, Any]) -> list[str]:
+    """Section 6 side by side: per model, the figures and int8 / fp32 ratios (markdown)."""
+    return subsection(result, "int8", INT8_HEAD, INT8_COLUMNS, _int8_table)
 
 
 def _pick(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:

@@ -21,12 +21,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.publish import subsection
 from benchmarks.serve_explain import splice_subsection
 from benchmarks.serve_figures import LATENCY_CLIENTS
 from benchmarks.serve_load import REPO, Bench
 
 ROUNDS = 3
 ROUNDS_HEAD = "### 0. The small model in rounds: service vs the bare servers, two starts"
+ROUNDS_COLUMNS = (  # the table's header cells
+    "round | service, 1 worker: 2xx/s, p99 ms | inline bare: 2xx/s, p99 ms | "
+    "thread-hop bare: 2xx/s, p99 ms | `make serve`, two starts: 2xx/s, p99 ms | "
+    "service / inline | service / thread hop | p99 `make serve` / inline | two starts"
+)
 ROLES = ("service", "inline", "reference", "start-a", "start-b")
 
 
@@ -92,20 +98,9 @@ def rounds_summary(section: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
-def rounds_lines(result: dict[str, Any]) -> list[str]:
-    """Section 0 as markdown: every round's req/s and p99, the ratios within each round."""
-    section = result.get("rounds")
-    if not section:
-        return []
-    lines = [
-        "",
-        ROUNDS_HEAD,
-        "",
-        "| round | service, 1 worker: 2xx/s, p99 ms | inline bare: 2xx/s, p99 ms | "
-        "thread-hop bare: 2xx/s, p99 ms | `make serve`, two starts: 2xx/s, p99 ms | "
-        "service / inline | service / thread hop | p99 `make serve` / inline | two starts |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+def _rounds_table(section: dict[str, Any]) -> list[str]:
+    """Section 0's rows, one per round, the medians over them and the note under them."""
+    lines: list[str] = []
     for f in round_figures(section["rows"]):
         got = f["rows"]
         cells = [f"{got[r]['ok_per_s']:.0f}, {got[r]['p99_ms']:.1f}" for r in ROLES[:3]]
@@ -139,6 +134,11 @@ def rounds_lines(result: dict[str, Any]) -> list[str]:
         "takes the worse of its two starts; two starts: lower / higher 2xx/s.",
     ]
     return lines
+
+
+def rounds_lines(result: dict[str, Any]) -> list[str]:
+    """Section 0 as markdown: every round's req/s and p99, the ratios within each round."""
+    return subsection(result, "rounds", ROUNDS_HEAD, ROUNDS_COLUMNS, _rounds_table)
 
 
 def splice_rounds(docs: Path, lines: list[str]) -> None:

@@ -136,3 +136,20 @@ def publish(
         update_docs(Path(docs), key, text)
         if log:
             log(f"updated {docs}")
+
+
+def subsection(
+    result: dict[str, Any],
+    key: str,
+    head: str,
+    columns: str,
+    body: Callable[[Any], list[str]],
+) -> list[str]:
+    """``result[key]`` as a markdown subsection of the serving section: ``head``, a table of
+    ``columns`` (the header cells, `` | `` between them) whose rows and the notes under it
+    ``body`` writes; nothing where the run has no such part."""
+    part = result.get(key)
+    if not part:
+        return []
+    table = [f"| {columns} |", "|" + "---|" * (columns.count(" | ") + 1)]
+    return ["", head, "", *table, *body(part)]
