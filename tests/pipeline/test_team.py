@@ -13,7 +13,6 @@ import io
 import os
 import socket
 import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +20,7 @@ import pytest
 import requests
 import yaml
 from PIL import Image
+from test_serving import wait_ready
 
 from trainyard.core.handoffs import EXPORT_RECORD, REGISTRY_RECORD, TRAIN_RECORD
 from trainyard.core.io import sha256_file
@@ -171,16 +171,8 @@ def test_make_serve_in_the_clone_serves_the_pulled_model(team, fashion_dir):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        end = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"make serve exited:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < end, f"not ready:\n{log.read_text()[-4000:]}"
-            try:
-                if requests.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.25)
+        tail = lambda: log.read_text()[-4000:]  # noqa: E731 - what make serve said
+        assert wait_ready(url, proc, 120, tail), f"not ready:\n{tail()}"
         meta = requests.get(f"{url}/metadata", timeout=10).json()
         assert meta["model"]["sha256"] == sha
         assert Path(meta["model"]["path"]).resolve() == (clone / "models/model.onnx").resolve()

@@ -42,6 +42,7 @@ import requests
 import yaml
 from pathspec import PathSpec
 from test_layers import BENTO_ENTRIES, BENTO_PACKAGES
+from test_serving import wait_ready
 
 from conftest import REPO, VENV_BIN, copy_reproduced, repo_files, stage_env, stop_group
 
@@ -523,18 +524,8 @@ def test_bento_from_a_clean_venv_answers_like_offline_onnx_runtime(
             cmd, cwd=outside, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"bentoml serve exited {proc.returncode}:\n{tail(log.read_text())}")
-            try:
-                if requests.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"bentoml serve not ready within 120 s:\n{tail(log.read_text())}")
-            time.sleep(0.25)
+        if not wait_ready(url, proc, 120, lambda: tail(log.read_text())):
+            pytest.fail(f"bentoml serve not ready within 120 s:\n{tail(log.read_text())}")
         ready_s = time.monotonic() - start
 
         # The probes and /metrics answer without the key, as the manifest's probes need.

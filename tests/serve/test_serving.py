@@ -16,6 +16,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,24 @@ def server_env(params: Path, model: Path | str, **extra: str) -> dict[str, str]:
     return env
 
 
+def wait_ready(
+    url: str, proc: subprocess.Popen, deadline_s: float, said: Callable[[], str]
+) -> bool:
+    """Poll ``url``/readyz until it answers 200 (True) or ``deadline_s`` passes (False); a
+    server that exits first fails the test with what it ``said`` (its log's tail)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            pytest.fail(f"{os.path.basename(proc.args[0])} exited {proc.returncode}:\n{said()}")
+        try:
+            if requests.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return True
+        except requests.RequestException:
+            pass
+        time.sleep(0.25)
+    return False
+
+
 class Server:
     """`bentoml serve` in its own process group, killed as a group on stop()."""
 
@@ -111,18 +130,9 @@ class Server:
             )
 
     def wait_ready(self, deadline_s: float = 90) -> None:
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                pytest.fail(f"bentoml serve exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        pytest.fail(f"bentoml serve not ready within {deadline_s} s:\n{self.tail()}")
+        if not wait_ready(self.url, self.proc, deadline_s, self.tail):
+            self.stop()
+            pytest.fail(f"bentoml serve not ready within {deadline_s} s:\n{self.tail()}")
 
     def tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:]
@@ -470,8 +480,12 @@ def test_an_rgb_model_refuses_what_does_not_fit_its_contract(rgb_server):
 # ---------------------------------------------------------------------------- bad input
 
 
-def multipart_raw(url: str, body: bytes, ctype: str) -> requests.Response:
-    return requests.post(f"{url}/classify", data=body, headers={"Content-Type": ctype}, timeout=30)
+JSON_TYPE, PICKLE_TYPE = "application/json", "application/vnd.bentoml+pickle"
+
+
+def post_raw(endpoint: str, body: str | bytes | Iterator[bytes], ctype: str) -> requests.Response:
+    """``body`` as it is, with ``ctype`` as its Content-Type."""
+    return requests.post(endpoint, data=body, headers={"Content-Type": ctype}, timeout=30)
 
 
 def bomb_png() -> bytes:
@@ -500,12 +514,12 @@ def bad_requests(url: str, test_set) -> dict[str, tuple]:
     nan_image = json.dumps(ZERO).replace("0", "NaN", 1)
     return {
         "empty body": (
-            lambda: multipart_raw(url, b"", "multipart/form-data; boundary=x"),
+            lambda: post_raw(f"{url}/classify", b"", "multipart/form-data; boundary=x"),
             400,
             "empty request body",
         ),
         "no content type": (
-            lambda: post(f"{url}/classify", data=b"x", headers={"Content-Type": ""}, timeout=30),
+            lambda: post_raw(f"{url}/classify", b"x", ""),
             415,
             "a body without a Content-Type",
         ),
@@ -573,7 +587,7 @@ def bad_requests(url: str, test_set) -> dict[str, tuple]:
             "repeated multipart fields 'images'",
         ),
         "malformed multipart": (
-            lambda: multipart_raw(url, b"garbage", "multipart/form-data"),
+            lambda: post_raw(f"{url}/classify", b"garbage", "multipart/form-data"),
             400,
             "malformed multipart",
         ),
@@ -596,12 +610,7 @@ def bad_requests(url: str, test_set) -> dict[str, tuple]:
             'images[0][0][0]: expected a number 0–255, got a string "a"',
         ),
         "JSON NaN": (
-            lambda: post(
-                f"{url}/classify_batch",
-                data='{"images": [' + nan_image + "]}",
-                headers={"Content-Type": "application/json"},
-                timeout=30,
-            ),
+            lambda: post_raw(f"{url}/classify_batch", '{"images": [' + nan_image + "]}", JSON_TYPE),
             400,
             "NaN",
         ),
@@ -626,12 +635,7 @@ def bad_requests(url: str, test_set) -> dict[str, tuple]:
             "images",
         ),
         "not JSON": (
-            lambda: post(
-                f"{url}/classify_batch",
-                data=b"{not json",
-                headers={"Content-Type": "application/json"},
-                timeout=30,
-            ),
+            lambda: post_raw(f"{url}/classify_batch", b"{not json", JSON_TYPE),
             400,
             "Invalid JSON",
         ),
@@ -641,32 +645,18 @@ def bad_requests(url: str, test_set) -> dict[str, tuple]:
             "request body over 1,048,576 bytes",
         ),
         "oversized chunked body": (
-            lambda: post(
-                f"{url}/classify_batch",
-                data=iter([b"[" * 65536] * 17),  # a generator: sent chunked, no length
-                headers={"Content-Type": "application/json"},
-                timeout=30,
-            ),
+            # a generator: sent chunked, no length
+            lambda: post_raw(f"{url}/classify_batch", iter([b"[" * 65536] * 17), JSON_TYPE),
             413,
             "request body over",
         ),
         "pickle to /classify": (
-            lambda: post(
-                f"{url}/classify",
-                data=b"\x80\x04K\x01.",
-                headers={"Content-Type": "application/vnd.bentoml+pickle"},
-                timeout=30,
-            ),
+            lambda: post_raw(f"{url}/classify", b"\x80\x04K\x01.", PICKLE_TYPE),
             415,
             "pickle",
         ),
         "pickle to /classify_batch": (
-            lambda: post(
-                f"{url}/classify_batch",
-                data=b"\x80\x04K\x01.",
-                headers={"Content-Type": "application/vnd.bentoml+pickle"},
-                timeout=30,
-            ),
+            lambda: post_raw(f"{url}/classify_batch", b"\x80\x04K\x01.", PICKLE_TYPE),
             415,
             "pickle",
         ),
