@@ -1,7 +1,7 @@
 """The house's size limits (docs/architecture.md), so that the shape stays readable.
 
 Modules at most 600 lines and functions at most 80, in the library, the service entry and
-the benchmarks; the service entry stays thin; the README fits on a screen or two.
+the benchmarks; the service entry stays thin; the README fits on a screen (the rest is in docs/).
 """
 
 from __future__ import annotations
@@ -47,5 +47,5 @@ def test_the_function_check_measures_what_it_claims():
 
 def test_service_entry_is_thin_and_readme_fits():
     assert len((REPO / "bento/service.py").read_text().splitlines()) <= 150
-    assert len((REPO / "README.md").read_text().splitlines()) <= 300
+    assert len((REPO / "README.md").read_text().splitlines()) <= 110
     assert len(list((REPO / "docs").glob("*.md"))) >= 5
