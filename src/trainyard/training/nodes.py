@@ -1,5 +1,6 @@
-"""Training across nodes (``train.num_nodes``): the launcher's processes checked against the
-params, and the ranks' agreement before the fit.
+"""The job resolved once, before the fit (``agree``: the hardware, the resume key, the ranks
+and the recipe's plan, every rank agreeing), and training across nodes
+(``train.num_nodes``): the launcher's processes checked against the params.
 
 Every node runs the same train stage command; torchrun, SLURM's srun or plain environment
 variables (MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE) say which process is which, and
