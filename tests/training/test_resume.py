@@ -65,6 +65,19 @@ def test_key_follows_what_defines_the_training():
     assert key_of(checkpoint_every_min=1) == base
 
 
+def test_the_key_is_the_job_as_written_and_mlflow_records_it_as_planned():
+    """A rerun after a kill plans again (its probe may time otherwise): the key hashes the
+    auto keys as written; the params MLflow records are the planned ones."""
+    job = TrainJob.from_params(parse_params({"train": {"lr": "auto", "max_epochs": "auto"}}))
+    assert job.logged["train.lr"] == "auto"
+    planned = job.planned(job.train.model_copy(update={"lr": 0.003, "max_epochs": 7}))
+    assert (planned.logged["train.lr"], planned.logged["train.max_epochs"]) == (0.003, 7)
+    assert planned.logged["seed"] == job.logged["seed"]
+    assert resume_key(job, "d" * 64, "sqlite:///x.db", "models") != resume_key(
+        planned, "d" * 64, "sqlite:///x.db", "models"
+    )
+
+
 def test_key_hashes_the_model_and_data_code_that_is_there():
     # A moved file would hash as "" and a code change would resume an old checkpoint.
     assert [name for name in KEY_CODE if not (PACKAGE / name).is_file()] == []

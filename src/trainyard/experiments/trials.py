@@ -39,6 +39,7 @@ from trainyard.track.store import check_tracking_uri, ensure_experiment, resolve
 from trainyard.track.study_runs import StudyRuns
 from trainyard.training.fit import train
 from trainyard.training.job import RunExtras, TrainJob, Workspace
+from trainyard.training.nodes import agree
 from trainyard.training.resume import ResumeCallback
 
 log = logging.getLogger("trainyard.experiments.tune")
@@ -293,7 +294,7 @@ class Tuner:
             callbacks=(callback, st.pruning_callback(trial)),
         )
         ws = Workspace.at(self.data_dir(params), out, self.setup.root, params_file)
-        record = train(TrainJob.from_params(params), ws, extras)
+        record = train(agree(TrainJob.from_params(params), ws), ws, extras)
         assert record is not None  # one device: this process is rank 0
         return record
 

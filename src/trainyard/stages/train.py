@@ -6,6 +6,7 @@ from trainyard.core.config import Params
 from trainyard.stages.runner import stage_main
 from trainyard.training.fit import train
 from trainyard.training.job import TrainJob, Workspace
+from trainyard.training.nodes import agree
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -15,9 +16,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(params: Params, args: argparse.Namespace) -> None:
-    """Fit and track the model (training.fit.train), params read once into the job."""
+    """Fit and track the model (training.fit.train): params read once into the job, the
+    job resolved once on this machine (hardware, data, plan: every rank agreeing)."""
     job = TrainJob.from_params(params)
-    train(job, Workspace.at(args.data, args.out, params_file=args.params))
+    ws = Workspace.at(args.data, args.out, params_file=args.params)
+    team = agree(job, ws)
+    train(team, ws)
 
 
 if __name__ == "__main__":

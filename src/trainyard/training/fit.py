@@ -1,9 +1,10 @@
-"""The fit, as a recipe card: hardware, the ranks' agreement and the plan, the data and the
-model, the MLflow run around the fit, the trainer, fit, the outputs (``train``).
+"""The fit, as a recipe card: the data and the model, the MLflow run around the fit, the
+trainer, fit, the outputs (``train``), for a job already resolved at the stage.
 
-What wraps the plain fit lives beside it: the ranks' agreement (``nodes.agree``), the MLflow
-run's life with resume and a fit that finished while the server was away
-(``tracked_run.tracked_run``), signals and system metrics (``TrackedRun.watching``)."""
+What wraps the plain fit lives beside it: the job resolved once before it, every rank
+agreeing on the plan (``nodes.agree``), the MLflow run's life with resume and a fit that
+finished while the server was away (``tracked_run.tracked_run``), signals and system
+metrics (``TrackedRun.watching``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 
-from trainyard.core.card import Card, load_card
+from trainyard.core.card import Card
 from trainyard.core.config import TrainParams
 from trainyard.core.fit_history import HISTORY_FILE
 from trainyard.core.handoffs import TrainRecord
@@ -26,15 +27,15 @@ from trainyard.core.io import atomic_file, sha256_file
 from trainyard.model.classifier import Classifier, classifier_for
 from trainyard.training.builder import build_trainer, time_limit_min
 from trainyard.training.datamodule import ImageDataModule
-from trainyard.training.device import Hardware, resolve_hardware
+from trainyard.training.device import Hardware
 from trainyard.training.fit_log import EpochTimer
 from trainyard.training.gpu_busy import GpuBusyMeter
 from trainyard.training.history import History
 from trainyard.training.job import RunExtras, TrainJob, Workspace
-from trainyard.training.nodes import ShareRun, agree
+from trainyard.training.nodes import Agreement, ShareRun
 from trainyard.training.perf import InputBoundMeter
 from trainyard.training.recipe import Plan, few_steps_warning
-from trainyard.training.resume import AtomicCheckpointIO, ResumeCallback, resume_key
+from trainyard.training.resume import AtomicCheckpointIO, ResumeCallback
 from trainyard.training.run_logger import GapEpoch
 from trainyard.training.tracked_run import FitResult, TrackedRun, tracked_run
 
@@ -48,31 +49,26 @@ warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfe
 BEST_CKPT = "best.ckpt"
 
 
-def train(job: TrainJob, ws: Workspace, extras: RunExtras | None = None) -> TrainRecord | None:
-    """Fit the model of ``job``; write ``best.ckpt`` and ``train.json`` (the MLflow run's id)
-    in ``ws.out_dir``. ``extras``: what a caller above the stage adds (``trainyard tune``).
+def train(team: Agreement, ws: Workspace, extras: RunExtras | None = None) -> TrainRecord | None:
+    """Fit the job every rank agreed on (``nodes.agree``: planned, on this hardware and
+    data); write ``best.ckpt`` and ``train.json`` (the MLflow run's id) in ``ws.out_dir``.
+    ``extras``: what a caller above the stage adds (``trainyard tune``).
 
     Returns the record written, or None on a DDP rank other than 0 (which writes nothing).
     """
     extras = extras or RunExtras()
-    hw = resolve_hardware(job.train.accelerator, job.train.precision)
-    card = load_card(ws.data_dir)  # the prepared data, described once for every step
-    # From the job as written (auto keys, not the plan): a rerun after a kill finds its run.
-    key = resume_key(job, card.data_sha256, ws.uri, ws.out_dir)
-    # Across nodes the ranks join here; rank 0 checks the store and plans for all.
-    team = agree(job, ws, hw, card, key)
-    job = job.planned(team.plan.train)  # every auto train key resolved
-    dm, model = team.nodes.together(lambda: data_and_model(job, ws.data_dir, card, team.plan))
+    job, plan, hw = team.job, team.plan, team.hw
+    dm, model = team.nodes.together(lambda: data_and_model(job, ws.data_dir, ws.card, plan))
     # The MLflow run's life around the fit: opened or reopened (resume), closed when done.
-    with tracked_run(job, ws, extras, team, key, hw, card, model.pretrained_info) as tracked:
-        limit = time_limit_min(job.train, team.plan.planned_epochs)
+    with tracked_run(team, ws, extras, model.pretrained_info) as tracked:
+        limit = time_limit_min(job.train, plan.planned_epochs)
         result = tracked.finished or fit(
             job.train, ws.out_dir, hw, tracked, dm, model, limit, extras.callbacks
         )
         if result is None:
             return None  # another DDP rank: rank 0 writes the outputs
         tracked.complete(result)  # the server away past the wait: the state is kept, raises
-        record = write_outputs(ws.out_dir, job.experiment, tracked, result, hw, card)
+        record = write_outputs(ws.out_dir, job.experiment, tracked, result, hw, ws.card)
     log.info("best val/acc %.4f; MLflow run %s at %s", result.best_score, record.run_id, ws.uri)
     return record
 

@@ -3,20 +3,23 @@
 ``TrainJob.from_params`` is the one place the fit reads ``Params``; every step of
 ``training.fit.train`` gets the fields it needs from the frozen job (the train keys, the
 seed, the experiment), never the whole params object. Where it reads and writes is the
-``Workspace`` (folders and the MLflow store), beside the job: not params. The recipe's plan
-resolves the ``auto`` train keys later, on this machine's data and hardware:
-``TrainJob.planned`` is the same job with the plan's train keys.
+``Workspace`` (folders and the MLflow store), beside the job: not params. The stage then
+resolves the job once on this machine (``training.nodes.agree``: the hardware, the data's
+card, the resume key, the ranks and the recipe's plan); ``TrainJob.planned`` is the same
+job with the plan's train keys.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 
+from trainyard.core.card import Card, load_card
 from trainyard.core.config import Params, TrainParams, flatten
 from trainyard.track.store import resolve_tracking_uri
 
@@ -33,13 +36,20 @@ class RunExtras:
 
 @dataclass(frozen=True)
 class Workspace:
-    """Where a job reads and writes, and the MLflow store it is recorded in: not params."""
+    """Where a job reads and writes (and what the data it reads holds: ``card``), and the
+    MLflow store it is recorded in: not params."""
 
     data_dir: Path
     out_dir: Path
     root: Path
     uri: str  # the MLflow tracking store
     params_file: Path | None = None  # the params as written, logged with the run
+
+    @cached_property
+    def card(self) -> Card:
+        """The prepared data in ``data_dir``, described once for every step (read on first
+        use)."""
+        return load_card(self.data_dir)
 
     @classmethod
     def at(
@@ -72,7 +82,7 @@ class TrainJob:
     dataset: str  # the data's short name, for the run's name
     system_metrics: bool
     system_metrics_interval_s: float
-    logged: dict[str, Any]  # every param MLflow records (dotted keys), as written
+    logged: dict[str, Any]  # every param MLflow records (dotted keys): as planned, once planned
 
     @classmethod
     def from_params(cls, params: Params) -> TrainJob:
@@ -89,9 +99,8 @@ class TrainJob:
         )
 
     def planned(self, train: TrainParams) -> TrainJob:
-        """This job with ``train`` (the plan's: every ``auto`` key resolved)."""
-        return replace(self, train=train)
-
-    def flat(self) -> dict[str, Any]:
-        """The params MLflow records, with this job's train keys (the plan's, once planned)."""
-        return self.logged | flatten(self.train.model_dump(), "train.")
+        """This job with ``train`` (the plan's: every ``auto`` key resolved), and the params
+        MLflow records (``logged``) with those train keys."""
+        return replace(
+            self, train=train, logged=self.logged | flatten(train.model_dump(), "train.")
+        )

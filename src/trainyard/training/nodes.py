@@ -1,5 +1,6 @@
-"""Training across nodes (``train.num_nodes``): the launcher's processes checked against the
-params, and the ranks' agreement before the fit.
+"""The job resolved once, before the fit (``agree``: the hardware, the resume key, the ranks
+and the recipe's plan, every rank agreeing), and training across nodes
+(``train.num_nodes``): the launcher's processes checked against the params.
 
 Every node runs the same train stage command; torchrun, SLURM's srun or plain environment
 variables (MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE) say which process is which, and
@@ -35,9 +36,9 @@ from trainyard.core.card import Card
 from trainyard.core.errors import ParamsError, TrainyardError
 from trainyard.track.store import check_tracking_uri
 from trainyard.training.builder import RESUME_ROOT, build_trainer
-from trainyard.training.device import Hardware
+from trainyard.training.device import Hardware, resolve_hardware
 from trainyard.training.recipe import RECIPE_FILE, Plan, describe, load_plan, plan
-from trainyard.training.resume import LAST_CKPT, resume_folder
+from trainyard.training.resume import LAST_CKPT, resume_folder, resume_key
 
 if TYPE_CHECKING:
     from trainyard.training.job import TrainJob, Workspace
@@ -217,20 +218,28 @@ def what_trains(job: TrainJob, card: Card, hw: Hardware) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Agreement:
-    """What every rank trains, settled before the fit: this process's place among the
-    ranks and the recipe's plan."""
+    """The job as every rank trains it, settled once before the fit (``agree``): its train
+    keys as the recipe planned them, this machine's hardware, the resume key, this
+    process's place among the ranks and the recipe's plan."""
 
+    job: TrainJob  # every auto train key resolved; ``job.logged``: what MLflow records
+    hw: Hardware
+    key: str  # the resume key: of the job as written (auto keys and all)
     nodes: Nodes
     plan: Plan
 
 
-def agree(job: TrainJob, ws: Workspace, hw: Hardware, card: Card, key: str) -> Agreement:
-    """Join the other ranks (``join_nodes``) and settle what the fit trains on ``card``'s
-    data; an interrupted run of the same job (its resume ``key``) keeps the plan it made.
-    Across nodes rank 0 alone checks the tracking store and plans (``plan_training``),
-    after every rank showed it would train the same thing (``what_trains``), and every rank
-    trains its plan: ranks timing their own probes planned different epochs, and DDP hangs
-    when one rank stops before the others."""
+def agree(job: TrainJob, ws: Workspace) -> Agreement:
+    """Resolve ``job`` on this machine once, before the fit: the hardware, ``ws``'s prepared
+    data, the resume key (a rerun after a kill finds its run), the ranks (``join_nodes``)
+    and the plan; an interrupted run of the same job keeps the plan it made. Across nodes
+    rank 0 alone checks the tracking store and plans (``plan_training``), after every rank
+    showed it would train the same thing (``what_trains``), and every rank trains its plan:
+    ranks timing their own probes planned different epochs, and DDP hangs when one rank
+    stops before the others."""
+    hw = resolve_hardware(job.train.accelerator, job.train.precision)
+    card = ws.card
+    key = resume_key(job, card.data_sha256, ws.uri, ws.out_dir)
     nodes = join_nodes(job.train.num_nodes, job.train.devices, hw.accelerator)
     folder = resume_folder(ws.root, key)
 
@@ -241,12 +250,13 @@ def agree(job: TrainJob, ws: Workspace, hw: Hardware, card: Card, key: str) -> A
     if not nodes.joined:
         # Alone, or a rank that Lightning launched for one machine's DDP (each such rank
         # plans for itself, as rank 0 does): no one to compare with or wait for.
-        return Agreement(nodes, decide())
-    recipe = nodes.from_lead(decide, what_trains(job, card, hw))
-    if not nodes.lead:
-        for line in describe(recipe):  # what this rank trains: rank 0's choices
-            log.info("%s", line)
-    return Agreement(nodes, recipe)
+        recipe = decide()
+    else:
+        recipe = nodes.from_lead(decide, what_trains(job, card, hw))
+        if not nodes.lead:
+            for line in describe(recipe):  # what this rank trains: rank 0's choices
+                log.info("%s", line)
+    return Agreement(job.planned(recipe.train), hw, key, nodes, recipe)
 
 
 def plan_training(job: TrainJob, card: Card, ws: Workspace, hw: Hardware, folder: Path) -> Plan:

@@ -191,9 +191,9 @@ class TrackedRun:
             return tracked
         tracked.run = TrainRun(uri, str(logger.run_id), client)  # the logger makes the run
         if resume.run_id:
-            tracked.run.reopen(job.flat())
+            tracked.run.reopen(job.logged)
         else:
-            tracked.run.log_params(job.flat())
+            tracked.run.log_params(job.logged)
         logger.gap = tracked.run.gap  # from now on: kept while the server is away
         return tracked
 
@@ -340,25 +340,20 @@ def join_run(
 
 @contextlib.contextmanager
 def tracked_run(
-    job: TrainJob,
-    ws: Workspace,
-    extras: RunExtras,
-    team: Agreement,
-    key: str,
-    hw: Hardware,
-    card: Card,
-    pretrained: dict[str, str],
+    team: Agreement, ws: Workspace, extras: RunExtras, pretrained: dict[str, str]
 ) -> Iterator[TrackedRun]:
-    """The MLflow run of resume ``key`` around the fit: opened, or an interrupted one
-    reopened (``open``: the resume decision), every rank told which (across nodes:
-    ``join_run``), and what it learns from logged (``begin``); ``finished`` holds a fit
-    that finished while the server was away. Once the body has completed the run
+    """The MLflow run of the agreed job's resume key around the fit: opened, or an
+    interrupted one reopened (``open``: the resume decision), every rank told which (across
+    nodes: ``join_run``), and what it learns from logged (``begin``); ``finished`` holds a
+    fit that finished while the server was away. Once the body has completed the run
     (``complete``), the resume folder goes (``close``): a forced rerun of the same params
-    trains anew. ``hw``, ``card`` and the ``pretrained`` weights become its tags."""
+    trains anew. The hardware, the data's card and the ``pretrained`` weights become its
+    tags."""
+    job, key, card = team.job, team.key, ws.card
 
     def start(resume_mode: str | None = None) -> TrackedRun:
         dvc_md5 = dvc_data_version(ws.root)
-        tags = lineage_tags(ws.root, card, pretrained, hw, dvc_md5) | extras.tags
+        tags = lineage_tags(ws.root, card, pretrained, team.hw, dvc_md5) | extras.tags
         name = extras.run_name or run_name(job.dataset, job.train.arch, key)
         tracked = TrackedRun.open(job, ws, key, tags, name, dvc_md5, resume_mode)
         tracked.begin(team.plan, card, ws.data_dir, ws.params_file)
