@@ -54,8 +54,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.host_facts import load_facts
+from benchmarks.harness.publish import publish_part
 from benchmarks.harness.stopwatch import Timer
-from benchmarks.serve_explain import explain_lines, load_explain, splice_explain
+from benchmarks.serve_explain import EXPLAIN_HEAD, explain_lines, load_explain
 from benchmarks.serve_figures import BATCH_LEVELS, FASHION, LARGE, LATENCY_CLIENTS, LEVELS
 from benchmarks.serve_int8 import (
     FIGURES,
@@ -342,21 +343,17 @@ def one_section(args: argparse.Namespace, run: dict[str, Any], command: str, mac
     """``--rounds-only``, ``--int8-only``, ``--explain-only`` or ``--watching-only``:
     printed; the rounds' and the explain table also to their JSON under reports/ and into
     the docs' Serving section."""
-    from trainyard.core.io import atomic_write_json
-
+    facts = {"command": command, "machine": machine}
     if args.rounds_only:
-        publish_rounds(Path(args.docs), run["rounds"], command, machine)
+        publish_rounds(Path(args.docs), run["rounds"], facts)
     elif args.int8_only:
         print("\n".join(int8_lines({"int8": run["int8"]})))
     elif args.explain_only:
         lines = explain_lines({"explain": run["explain"]})
-        date = time.strftime("%Y-%m-%d %H:%M")
-        record = {"command": command, "machine": machine, "date": date, **run["explain"]}
-        atomic_write_json(REPO / "reports/bench-serve-explain.json", record)
-        where = f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg']:.1f}"
-        said = f"`{command}` on {date}: {where} at the start (a shared machine: read the ratios)."
-        splice_explain(Path(args.docs), [*lines[:3], said, "", *lines[3:]])
-        print("\n".join(lines))
+        facts["said"] = "(a shared machine: read the ratios)."
+        publish_part(
+            Path(args.docs), "bench-serve-explain", EXPLAIN_HEAD, lines, run["explain"], facts
+        )
     else:
         rows = run["bench"].rows
         for row in rows[1:]:
