@@ -25,42 +25,29 @@ def ratios_of(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def _target(target: str, measured: str, met: bool, ceiling: str = "-") -> dict[str, Any]:
+    """One row of the targets table: {target, measured, ceiling (the most here), met}."""
+    return {"target": target, "measured": measured, "ceiling": ceiling, "met": met}
+
+
 def targets(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """One model's targets: {target, measured, ceiling (the most here), met}."""
+    """One model's targets: predict's ratios over the contenders, the probabilities check."""
     out = []
     ceiling = run.get("ceiling_ratios", {})
     for name, want in TARGETS.items():
         got = run["ratios"].get(name)
         if got is not None:
             best = f"{ceiling[name]:.2f}x" if name in ceiling else "-"
-            out.append(
-                {
-                    "target": f"predict / {name} >= {want:g}x",
-                    "measured": f"{got:.2f}x",
-                    "ceiling": best,
-                    "met": got >= want,
-                }
-            )
+            out.append(_target(f"predict / {name} >= {want:g}x", f"{got:.2f}x", got >= want, best))
     c = run["check"]
-    out.append(
-        {
-            "target": f"max abs probability diff vs /classify <= {PROB_LIMIT:g}",
-            "measured": f"{c['max_abs_diff']:.1e}",
-            "ceiling": "-",
-            "met": c["within"],
-        }
-    )
-    return out
+    prob = f"max abs probability diff vs /classify <= {PROB_LIMIT:g}"
+    return [*out, _target(prob, f"{c['max_abs_diff']:.1e}", c["within"])]
 
 
 def memory_target(memory: dict[str, Any]) -> dict[str, Any]:
     """The memory check's target: peak RSS of predict's tree within 1 GiB of its start."""
-    return {
-        "target": "peak RSS <= start + 1 GiB",
-        "measured": f"{memory['growth_rss'] / 2**20:+,.0f} MiB",
-        "ceiling": "-",
-        "met": memory["within"],
-    }
+    growth = f"{memory['growth_rss'] / 2**20:+,.0f} MiB"
+    return _target("peak RSS <= start + 1 GiB", growth, memory["within"])
 
 
 def small_targets(small: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,18 +56,16 @@ def small_targets(small: dict[str, Any]) -> list[dict[str, Any]]:
     whole = small["ratios"]["whole command"]
     first = small["rows"][PREDICT].get("first_row_s")
     return [
-        {
-            "target": f"predict (whole command) / plain loop >= {SMALL_TARGET:g}x",
-            "measured": f"{whole:.2f}x",
-            "ceiling": "-",
-            "met": whole >= SMALL_TARGET,
-        },
-        {
-            "target": f"start-up to the first row scored <= {FIRST_ROW_S:g} s",
-            "measured": "-" if first is None else f"{first:.2f} s",
-            "ceiling": "-",
-            "met": first is not None and first <= FIRST_ROW_S,
-        },
+        _target(
+            f"predict (whole command) / plain loop >= {SMALL_TARGET:g}x",
+            f"{whole:.2f}x",
+            whole >= SMALL_TARGET,
+        ),
+        _target(
+            f"start-up to the first row scored <= {FIRST_ROW_S:g} s",
+            "-" if first is None else f"{first:.2f} s",
+            first is not None and first <= FIRST_ROW_S,
+        ),
     ]
 
 
