@@ -171,10 +171,7 @@ def _small(small: dict[str, Any] | None) -> list[str]:
         "",
         "| contender | images | seconds | img/s | first row scored | where it scored |",
         "|---|---:|---:|---:|---:|---|",
-        f"| trainyard predict, whole command | {mine['images']:,} | {mine['wall_s']:.1f} "
-        f"(scoring {mine['seconds']:.1f}) | {mine['wall_img_per_s']:,.0f} (scoring "
-        f"{mine['img_per_s']:,.0f}) | {_seconds(mine.get('first_row_s'))} | "
-        f"{mine.get('place') or mine.get('scoring')} |",
+        _whole_row("trainyard predict, whole command", mine),
         *_bulk_row(small["rows"].get("python -m trainyard.bulk")),
         f"| plain loop | {plain['images']:,} | {plain['seconds']:.1f} | "
         f"{plain['img_per_s']:,.0f} | - | one process |",
@@ -204,14 +201,16 @@ def _repeats(repeats: list[dict[str, float]]) -> str:
 
 def _bulk_row(row: dict[str, Any] | None) -> list[str]:
     """``python -m trainyard.bulk`` on the same files, when it was measured."""
-    if not row:
-        return []
-    return [
-        f"| python -m trainyard.bulk, whole command | {row['images']:,} | {row['wall_s']:.1f} "
-        f"(scoring {row['seconds']:.1f}) | {row['wall_img_per_s']:,.0f} (scoring "
-        f"{row['img_per_s']:,.0f}) | {_seconds(row.get('first_row_s'))} | "
-        f"{row.get('place') or row.get('scoring')} |"
-    ]
+    return [_whole_row("python -m trainyard.bulk, whole command", row)] if row else []
+
+
+def _whole_row(label: str, row: dict[str, Any]) -> str:
+    """A whole command's row of the small-images table: wall and scoring time, img/s."""
+    return (
+        f"| {label} | {row['images']:,} | {row['wall_s']:.1f} (scoring {row['seconds']:.1f}) | "
+        f"{row['wall_img_per_s']:,.0f} (scoring {row['img_per_s']:,.0f}) | "
+        f"{_seconds(row.get('first_row_s'))} | {row.get('place') or row.get('scoring')} |"
+    )
 
 
 def _bulk_ratio(value: float | None) -> str:
