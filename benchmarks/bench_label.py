@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from sklearn.linear_model import LogisticRegression
 
 from benchmarks.audit_planted import planted_tree, read_suspects, score
 from benchmarks.harness.host_facts import cpu_facts, load_facts
-from benchmarks.harness.procs import child_env, run_timed
+from benchmarks.harness.procs import child_env, free_port, run_timed
 from benchmarks.harness.publish import REPO, bench_parser, outputs, provenance, publish
 from benchmarks.recipe_folders import emoji_folder
 from benchmarks.recipe_probe import MAX_ITER
@@ -81,12 +80,6 @@ def _files(root: Path) -> list[str]:
     return [p.relative_to(root).as_posix() for p in root.rglob("*") if not p.is_dir()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trainyard(*args: str, work: Path, what: str) -> tuple[float, str]:
     cmd = [sys.executable, "-m", "trainyard.cli", *args, "--params", str(PARAMS)]
     env = child_env() | {"LABEL_STUDIO_USER_TOKEN": TOKEN}
@@ -110,7 +103,7 @@ def in_label_studio(
     work: Path, tree: Path, suspects: Path, truth: dict[str, str], venv: Path
 ) -> dict[str, Any]:
     """A real Label Studio on a free port: push, the scripted review, pull; then stopped."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = server.start(venv, port, work / "label-studio", TOKEN, log=work / "ls.log")
     seconds: dict[str, float] = {}

@@ -46,20 +46,12 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.host_facts import cpu_facts
 from benchmarks.harness.made_once import warm_cache
-from benchmarks.harness.publish import (
-    bench_parser,
-    command_of,
-    git_commit,
-    outputs,
-    publish,
-    update_docs,
-)
+from benchmarks.harness.publish import bench_parser, outputs, provenance, publish, update_docs
 from benchmarks.harness.stopwatch import Timer
 from benchmarks.predict_check import bulk_probabilities, check_files, compare, run_check
 from benchmarks.predict_contenders import (
@@ -395,9 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         measured = measure(args, work, Path(tmp))
     hw["loadavg_end"] = list(os.getloadavg())
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": command_of(MODULE, argv),
-        "commit": git_commit(REPO),
+        **provenance(MODULE, argv, "%Y-%m-%d %H:%M"),  # date, command, commit
         "machine": hw,
         "wall_s": round(clock.seconds, 1),
         "work": str(work),

@@ -1,45 +1,23 @@
 """`make bench-serve`: the service under load on 127.0.0.1, side by side, in one run.
 
 Every server is started on a free port and loaded by wrk (C, one thread, keep-alive); each
-request is one image as a multipart ``image`` upload to ``/classify``. In one run:
-
-0. the small model in rounds (benchmarks/serve_rounds.py): the service with 1 worker, both
-   bare servers with 1 worker and `make serve`'s configuration started twice, one after
-   the other in each of ``--rounds`` rounds (``--round-seconds`` of load each), every
-   ratio taken within its round: what the small-model targets read (median, spread);
-1. throughput, Fashion CNN (models/model.onnx): the service with ``serve.workers: 1``,
-   params.yaml's batching, vs the two bare Starlette + ONNX Runtime servers with 1 worker
-   (benchmarks/reference_server.py: the model on a worker thread, and inline on the event
-   loop, the fastest plain design for a sub-millisecond model), at 1, 16 and 64 clients
-   after a warm-up;
-2. latency: ``make serve``'s configuration (params.yaml as it is) at 16 clients (p99), and
-   both bare servers with as many workers; that configuration started a second time, to
-   show two starts serve alike;
-3. cold start: ``bentoml serve bento.service:ImageClassifier`` with params.yaml as it
-   is until /readyz answers 200, then req/s in the first seconds after ready (no warm-up)
-   against the warm req/s of the same server;
-4. adaptive batching on and off, 1 worker, 16 and 64 clients, on the Fashion CNN and on a
-   larger model: a randomly initialised RGB resnet18 at 160x160 px, built and exported to
-   ONNX by this script with the pipeline's own code, loaded with real RGB JPEG photos of
-   mixed sizes (320x240 to 640x480); plus ONNX Runtime alone at batch 1/8/32 for both
-   models (the service's session options) and the decode time of their uploads: what
-   batching can and cannot save;
-6. int8 vs fp32 (``serve.precision``), 1 worker, 16 clients, on the Fashion CNN and a
-   resnet18 at 64 px trained here briefly (benchmarks/serve_int8.py), with the int8 gate's
-   agreement and accuracy drop and ONNX Runtime on one thread at batch 1 and 64;
-7. ``/classify?explain=1`` vs the plain ``/classify`` on one server, alternating, the
-   Fashion CNN's network and EfficientNet-Lite0 at 160 px (benchmarks/serve_explain.py).
+request is one image as a multipart ``image`` upload to ``/classify``. The parts, each a
+subsection of docs/benchmarks.md's "Serving" that says what it loads and how: 0. the small
+model in rounds, every ratio taken within its round (``serve_rounds``); 1. throughput of
+the service against the two bare Starlette + ONNX Runtime servers (``reference_server``:
+the model on a worker thread, and inline on the event loop); 2. latency of `make serve`'s
+configuration, started twice; 3. cold start until /readyz, then the first seconds' req/s;
+4. adaptive batching on and off, the Fashion CNN and a random 160 px resnet18 built here
+(``serve_models``), with ONNX Runtime alone and the uploads' decode time; 6. int8 vs fp32
+(``serve_int8``); 7. ``/classify?explain=1`` vs the plain answer (``serve_explain``).
 
 About 11 minutes with the defaults on 2 cores, 31 server starts (``--quick``: about 90 s,
-a smoke run whose figures mean little).
-Writes reports/bench-serve.json and replaces the "## Serving" section of
-docs/benchmarks.md (other sections are left as they are); ``--render`` rewrites that
-section from the JSON alone.
-
-Run from the repository root as ``python -m benchmarks.bench_serve``. The parts:
-``serve_load`` (request bodies, servers, wrk), ``serve_models`` (the larger model, ONNX
-Runtime alone), ``serve_figures`` (levels, targets, verdicts), ``serve_report`` (the docs
-section and the console summary).
+a smoke run whose figures mean little). Writes reports/bench-serve.json and replaces the
+"## Serving" section of docs/benchmarks.md (other sections are left as they are);
+``--render`` rewrites that section from the JSON alone. Run from the repository root as
+``python -m benchmarks.bench_serve``; ``serve_load`` holds the request bodies, servers and
+wrk, ``serve_figures`` the levels, targets and verdicts, ``serve_report`` the docs section
+and the console summary.
 """
 
 from __future__ import annotations
@@ -54,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.host_facts import load_facts
+from benchmarks.harness.publish import publish_part
 from benchmarks.harness.stopwatch import Timer
-from benchmarks.serve_explain import explain_lines, load_explain, splice_explain
+from benchmarks.serve_explain import EXPLAIN_HEAD, explain_lines, load_explain
 from benchmarks.serve_figures import BATCH_LEVELS, FASHION, LARGE, LATENCY_CLIENTS, LEVELS
 from benchmarks.serve_int8 import (
     FIGURES,
@@ -342,21 +321,17 @@ def one_section(args: argparse.Namespace, run: dict[str, Any], command: str, mac
     """``--rounds-only``, ``--int8-only``, ``--explain-only`` or ``--watching-only``:
     printed; the rounds' and the explain table also to their JSON under reports/ and into
     the docs' Serving section."""
-    from trainyard.core.io import atomic_write_json
-
+    facts = {"command": command, "machine": machine}
     if args.rounds_only:
-        publish_rounds(Path(args.docs), run["rounds"], command, machine)
+        publish_rounds(Path(args.docs), run["rounds"], facts)
     elif args.int8_only:
         print("\n".join(int8_lines({"int8": run["int8"]})))
     elif args.explain_only:
         lines = explain_lines({"explain": run["explain"]})
-        date = time.strftime("%Y-%m-%d %H:%M")
-        record = {"command": command, "machine": machine, "date": date, **run["explain"]}
-        atomic_write_json(REPO / "reports/bench-serve-explain.json", record)
-        where = f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg']:.1f}"
-        said = f"`{command}` on {date}: {where} at the start (a shared machine: read the ratios)."
-        splice_explain(Path(args.docs), [*lines[:3], said, "", *lines[3:]])
-        print("\n".join(lines))
+        facts["said"] = "(a shared machine: read the ratios)."
+        publish_part(
+            Path(args.docs), "bench-serve-explain", EXPLAIN_HEAD, lines, run["explain"], facts
+        )
     else:
         rows = run["bench"].rows
         for row in rows[1:]:

@@ -25,42 +25,29 @@ def ratios_of(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def _target(target: str, measured: str, met: bool, ceiling: str = "-") -> dict[str, Any]:
+    """One row of the targets table: {target, measured, ceiling (the most here), met}."""
+    return {"target": target, "measured": measured, "ceiling": ceiling, "met": met}
+
+
 def targets(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """One model's targets: {target, measured, ceiling (the most here), met}."""
+    """One model's targets: predict's ratios over the contenders, the probabilities check."""
     out = []
     ceiling = run.get("ceiling_ratios", {})
     for name, want in TARGETS.items():
         got = run["ratios"].get(name)
         if got is not None:
             best = f"{ceiling[name]:.2f}x" if name in ceiling else "-"
-            out.append(
-                {
-                    "target": f"predict / {name} >= {want:g}x",
-                    "measured": f"{got:.2f}x",
-                    "ceiling": best,
-                    "met": got >= want,
-                }
-            )
+            out.append(_target(f"predict / {name} >= {want:g}x", f"{got:.2f}x", got >= want, best))
     c = run["check"]
-    out.append(
-        {
-            "target": f"max abs probability diff vs /classify <= {PROB_LIMIT:g}",
-            "measured": f"{c['max_abs_diff']:.1e}",
-            "ceiling": "-",
-            "met": c["within"],
-        }
-    )
-    return out
+    prob = f"max abs probability diff vs /classify <= {PROB_LIMIT:g}"
+    return [*out, _target(prob, f"{c['max_abs_diff']:.1e}", c["within"])]
 
 
 def memory_target(memory: dict[str, Any]) -> dict[str, Any]:
     """The memory check's target: peak RSS of predict's tree within 1 GiB of its start."""
-    return {
-        "target": "peak RSS <= start + 1 GiB",
-        "measured": f"{memory['growth_rss'] / 2**20:+,.0f} MiB",
-        "ceiling": "-",
-        "met": memory["within"],
-    }
+    growth = f"{memory['growth_rss'] / 2**20:+,.0f} MiB"
+    return _target("peak RSS <= start + 1 GiB", growth, memory["within"])
 
 
 def small_targets(small: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,18 +56,16 @@ def small_targets(small: dict[str, Any]) -> list[dict[str, Any]]:
     whole = small["ratios"]["whole command"]
     first = small["rows"][PREDICT].get("first_row_s")
     return [
-        {
-            "target": f"predict (whole command) / plain loop >= {SMALL_TARGET:g}x",
-            "measured": f"{whole:.2f}x",
-            "ceiling": "-",
-            "met": whole >= SMALL_TARGET,
-        },
-        {
-            "target": f"start-up to the first row scored <= {FIRST_ROW_S:g} s",
-            "measured": "-" if first is None else f"{first:.2f} s",
-            "ceiling": "-",
-            "met": first is not None and first <= FIRST_ROW_S,
-        },
+        _target(
+            f"predict (whole command) / plain loop >= {SMALL_TARGET:g}x",
+            f"{whole:.2f}x",
+            whole >= SMALL_TARGET,
+        ),
+        _target(
+            f"start-up to the first row scored <= {FIRST_ROW_S:g} s",
+            "-" if first is None else f"{first:.2f} s",
+            first is not None and first <= FIRST_ROW_S,
+        ),
     ]
 
 
@@ -186,10 +171,7 @@ def _small(small: dict[str, Any] | None) -> list[str]:
         "",
         "| contender | images | seconds | img/s | first row scored | where it scored |",
         "|---|---:|---:|---:|---:|---|",
-        f"| trainyard predict, whole command | {mine['images']:,} | {mine['wall_s']:.1f} "
-        f"(scoring {mine['seconds']:.1f}) | {mine['wall_img_per_s']:,.0f} (scoring "
-        f"{mine['img_per_s']:,.0f}) | {_seconds(mine.get('first_row_s'))} | "
-        f"{mine.get('place') or mine.get('scoring')} |",
+        _whole_row("trainyard predict, whole command", mine),
         *_bulk_row(small["rows"].get("python -m trainyard.bulk")),
         f"| plain loop | {plain['images']:,} | {plain['seconds']:.1f} | "
         f"{plain['img_per_s']:,.0f} | - | one process |",
@@ -219,14 +201,16 @@ def _repeats(repeats: list[dict[str, float]]) -> str:
 
 def _bulk_row(row: dict[str, Any] | None) -> list[str]:
     """``python -m trainyard.bulk`` on the same files, when it was measured."""
-    if not row:
-        return []
-    return [
-        f"| python -m trainyard.bulk, whole command | {row['images']:,} | {row['wall_s']:.1f} "
-        f"(scoring {row['seconds']:.1f}) | {row['wall_img_per_s']:,.0f} (scoring "
-        f"{row['img_per_s']:,.0f}) | {_seconds(row.get('first_row_s'))} | "
-        f"{row.get('place') or row.get('scoring')} |"
-    ]
+    return [_whole_row("python -m trainyard.bulk, whole command", row)] if row else []
+
+
+def _whole_row(label: str, row: dict[str, Any]) -> str:
+    """A whole command's row of the small-images table: wall and scoring time, img/s."""
+    return (
+        f"| {label} | {row['images']:,} | {row['wall_s']:.1f} (scoring {row['seconds']:.1f}) | "
+        f"{row['wall_img_per_s']:,.0f} (scoring {row['img_per_s']:,.0f}) | "
+        f"{_seconds(row.get('first_row_s'))} | {row.get('place') or row.get('scoring')} |"
+    )
 
 
 def _bulk_ratio(value: float | None) -> str:

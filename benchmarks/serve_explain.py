@@ -139,39 +139,3 @@ def _explain_table(explain: dict[str, Any]) -> list[str]:
 def explain_lines(result: dict[str, Any]) -> list[str]:
     """Section 7 as markdown: explain / plain per model and level."""
     return subsection(result, "explain", EXPLAIN_HEAD, EXPLAIN_COLUMNS, _explain_table)
-
-
-def splice_explain(docs: Path, lines: list[str]) -> None:
-    """Put section 7's table in the docs' Serving section in place of the one there (or
-    after the section's last subsection): ``--explain-only`` leaves the rest as it is."""
-    splice_subsection(docs, EXPLAIN_HEAD, lines)
-
-
-def splice_subsection(docs: Path, head: str, lines: list[str], first: bool = False) -> None:
-    """``lines`` (a subsection under ``head``) in the docs' Serving section, in place of
-    the one there; a new one goes after the section's last subsection, or with ``first``
-    before its first."""
-    text = docs.read_text()
-    block = "\n".join(lines).strip("\n") + "\n"
-    start = text.find(f"\n{head}\n")
-    serving = text.find("\n## Serving\n")
-    if start == -1 and first:
-        at = text.find("\n### ", serving + 1)
-        text = text[: at + 1] + block + "\n" + text[at + 1 :]
-    elif start == -1:
-        ends = [
-            i
-            for i in (text.find("\n## ", serving + 1), text.find("\n<!--", serving + 1))
-            if i != -1
-        ]
-        at = min(ends) if ends else len(text)
-        text = text[:at].rstrip("\n") + "\n\n" + block + text[at:]
-    else:
-        ends = [
-            i
-            for i in (text.find(mark, start + 1) for mark in ("\n### ", "\n## ", "\n<!--"))
-            if i != -1
-        ]
-        end = min(ends) if ends else len(text)
-        text = text[: start + 1] + block + text[end:]
-    docs.write_text(text)

@@ -10,7 +10,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from benchmarks.harness.procs import free_port
 from benchmarks.serve_figures import LATENCY_CLIENTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,13 +135,6 @@ def wrk_script(
 
 
 # ---------------------------------------------------------------------------- servers
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:

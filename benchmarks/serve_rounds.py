@@ -17,12 +17,10 @@ configurations, all on the Fashion CNN with 28 px PNG uploads:
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.publish import subsection
-from benchmarks.serve_explain import splice_subsection
+from benchmarks.harness.publish import publish_part, subsection
 from benchmarks.serve_figures import LATENCY_CLIENTS
 from benchmarks.serve_load import REPO, Bench
 
@@ -141,29 +139,14 @@ def rounds_lines(result: dict[str, Any]) -> list[str]:
     return subsection(result, "rounds", ROUNDS_HEAD, ROUNDS_COLUMNS, _rounds_table)
 
 
-def splice_rounds(docs: Path, lines: list[str]) -> None:
-    """Put section 0's table first among the docs' Serving subsections, in place of the
-    one there: ``--rounds-only`` leaves the rest as it is."""
-    splice_subsection(docs, ROUNDS_HEAD, lines, first=True)
-
-
-def publish_rounds(
-    docs: Path, section: dict[str, Any], command: str, machine: dict[str, Any]
-) -> None:
-    """``--rounds-only``: the table printed, reports/bench-serve-rounds.json, and the table
-    in the docs' Serving section with the command, the date and the machine."""
-    from trainyard.core.io import atomic_write_json
-
-    lines = rounds_lines({"rounds": section})
-    date = time.strftime("%Y-%m-%d %H:%M")
-    record = {"command": command, "machine": machine, "date": date, **section}
-    atomic_write_json(REPO / "reports/bench-serve-rounds.json", record)
-    where = f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg']:.1f}"
+def publish_rounds(docs: Path, section: dict[str, Any], facts: dict[str, Any]) -> None:
+    """``--rounds-only``: ``publish_part`` of section 0, first among the subsections
+    (``facts``: the command and the machine)."""
     said = (
-        f"`{command}` on {date}: {where} at the start (a shared 2-core machine: other "
-        "users' work ran meanwhile; read the ratios). This part alone: the Targets and the "
-        "sections below are the full run's named above (a full run now reads these four "
-        "figures from its own section 0)."
+        "(a shared 2-core machine: other users' work ran meanwhile; read the ratios). This "
+        "part alone: the Targets and the sections below are the full run's named above (a "
+        "full run now reads these four figures from its own section 0)."
     )
-    splice_rounds(docs, [*lines[:3], said, "", *lines[3:]])
-    print("\n".join(lines))
+    run = {**facts, "said": said, "first": True}
+    lines = rounds_lines({"rounds": section})
+    publish_part(docs, "bench-serve-rounds", ROUNDS_HEAD, lines, section, run)

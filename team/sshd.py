@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import getpass
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -99,7 +98,3 @@ def stop(folder: Path) -> None:
     with contextlib.suppress(ProcessLookupError, ValueError):
         os.kill(int(pid_file.read_text()), 15)
     pid_file.unlink(missing_ok=True)
-
-
-def ssh_available() -> bool:
-    return Path(SSHD).exists() and shutil.which("ssh-keygen") is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,13 @@ def child_env() -> dict[str, str]:
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("PYTEST_CURRENT_TEST", None)
     return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_timed(

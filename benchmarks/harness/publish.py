@@ -2,9 +2,11 @@
 commit), and its own section of docs/benchmarks.md, replaced in place so every other
 benchmark's section stays as it is.
 
-Two kinds of section live in that file: blocks between ``<!-- bench:KEY:start -->`` and
-``<!-- bench:KEY:end -->`` (``update_docs``), and ``## Heading`` sections that end at the
-next heading or marked block (``replace_section``: the serving benchmarks')."""
+Three kinds of section live in that file: blocks between ``<!-- bench:KEY:start -->`` and
+``<!-- bench:KEY:end -->`` (``update_docs``), ``## Heading`` sections that end at the next
+heading or marked block (``replace_section``: the serving benchmarks'), and the ``###``
+subsections of the Serving section that a part run alone replaces (``splice_subsection``,
+``publish_part``)."""
 
 from __future__ import annotations
 
@@ -97,6 +99,12 @@ def update_docs(path: Path, key: str, body: str) -> None:
     path.write_text(text)
 
 
+def _first_of(text: str, marks: tuple[str, ...], after: int) -> int:
+    """Where the first of ``marks`` in ``text`` after ``after`` starts (its end if none)."""
+    found = [i for i in (text.find(mark, after) for mark in marks) if i != -1]
+    return min(found) if found else len(text)
+
+
 def replace_section(doc: Path, section: str, heading: str | None = None) -> None:
     """Put ``section`` in place of the existing ``heading`` section (or at the end);
     ``heading`` defaults to the section's first line.
@@ -108,9 +116,8 @@ def replace_section(doc: Path, section: str, heading: str | None = None) -> None
     if start == -1:
         text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
     else:
-        body = start + len(heading) + 2
-        ends = [i for i in (text.find("\n## ", body), text.find("\n<!-- bench:", body)) if i != -1]
-        tail = "\n" + text[min(ends) :].lstrip("\n") if ends else ""
+        end = _first_of(text, ("\n## ", "\n<!-- bench:"), start + len(heading) + 2)
+        tail = "\n" + text[end:].lstrip("\n") if end < len(text) else ""
         text = text[: start + 1] + section.rstrip("\n") + "\n" + tail
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
@@ -136,6 +143,46 @@ def publish(
         update_docs(Path(docs), key, text)
         if log:
             log(f"updated {docs}")
+
+
+def splice_subsection(docs: Path, head: str, lines: list[str], first: bool = False) -> None:
+    """``lines`` (a subsection under ``head``) in the docs' Serving section, in place of
+    the one there; a new one goes after the section's last subsection, or with ``first``
+    before its first."""
+    text = docs.read_text()
+    block = "\n".join(lines).strip("\n") + "\n"
+    start = text.find(f"\n{head}\n")
+    serving = text.find("\n## Serving\n")
+    if start == -1 and first:
+        at = text.find("\n### ", serving + 1)
+        text = text[: at + 1] + block + "\n" + text[at + 1 :]
+    elif start == -1:
+        at = _first_of(text, ("\n## ", "\n<!--"), serving + 1)
+        text = text[:at].rstrip("\n") + "\n\n" + block + text[at:]
+    else:
+        end = _first_of(text, ("\n### ", "\n## ", "\n<!--"), start + 1)
+        text = text[: start + 1] + block + text[end:]
+    docs.write_text(text)
+
+
+def publish_part(
+    docs: Path, name: str, head: str, lines: list[str], part: dict[str, Any], run: dict[str, Any]
+) -> None:
+    """A part of the Serving section run alone (``bench-serve --rounds-only``, ...): the
+    table printed, reports/NAME.json (the command, the machine, the date and the part),
+    and the table in the docs under ``head`` (``splice_subsection``), its first line the
+    command, the date, the machine and then ``run["said"]``; ``run``: the command, the
+    machine (``load_facts``) and ``first``."""
+    from trainyard.core.io import atomic_write_json
+
+    command, machine = run["command"], run["machine"]
+    date = time.strftime("%Y-%m-%d %H:%M")
+    record = {"command": command, "machine": machine, "date": date, **part}
+    atomic_write_json(REPO / f"reports/{name}.json", record)
+    where = f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg']:.1f}"
+    said = f"`{command}` on {date}: {where} at the start {run['said']}"
+    splice_subsection(docs, head, [*lines[:3], said, "", *lines[3:]], run.get("first", False))
+    print("\n".join(lines))
 
 
 def subsection(

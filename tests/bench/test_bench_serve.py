@@ -15,6 +15,7 @@ from benchmarks import bench_serve as bs
 from benchmarks import serve_figures as fig
 from benchmarks import serve_load as load
 from benchmarks import serve_report as report
+from benchmarks.harness.publish import splice_subsection
 
 
 def row(section: str, model: str, server: str, workers: int, batching: bool | None, **kw: Any):
@@ -403,8 +404,8 @@ def test_explain_section_is_the_ratio_of_medians_and_replaces_its_own_table(tmp_
     assert lines[1] == ex.EXPLAIN_HEAD and "| Fashion CNN | 1 | 2.00 / 3.00 | 1.50x |" in lines[5]
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# B\n\n## Serving\n\ntext\n\n### int8 vs fp32\n\nint8\n\n## Next\n\nmore\n")
-    ex.splice_explain(docs, lines)
-    ex.splice_explain(docs, lines)  # again: replaced, not repeated
+    splice_subsection(docs, ex.EXPLAIN_HEAD, lines)
+    splice_subsection(docs, ex.EXPLAIN_HEAD, lines)  # again: replaced, not repeated
     text = docs.read_text()
     assert text.count(ex.EXPLAIN_HEAD) == 1
     assert text.index("int8") < text.index(ex.EXPLAIN_HEAD) < text.index("## Next")
@@ -473,7 +474,7 @@ def test_rounds_ratios_are_taken_within_each_round_and_read_by_their_median(tmp_
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# B\n\n## Serving\n\nintro\n\n### Targets\n\nt\n\n## Next\n\nkept\n")
     for _ in range(2):
-        sr.splice_rounds(docs, lines)
+        splice_subsection(docs, sr.ROUNDS_HEAD, lines, first=True)
     text = docs.read_text()
     assert text.count(sr.ROUNDS_HEAD) == 1 and text.index(sr.ROUNDS_HEAD) < text.index("### T")
     assert text.endswith("## Next\n\nkept\n")

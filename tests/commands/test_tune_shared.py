@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,18 +35,12 @@ from trainyard.core.pause_points import PAUSE_AT, PAUSE_FILE
 from trainyard.experiments import study as st
 from trainyard.experiments import workers
 
-from conftest import VENV_BIN, copy_repo, make_photo_folder, stage_env, wait_paused
+from conftest import VENV_BIN, copy_repo, free_port, make_photo_folder, stage_env, wait_paused
 
 pytestmark = pytest.mark.slow
 TRIALS = 8
 STUDY = "shared-tune"
 _STORAGES: dict[str, optuna.storages.RDBStorage] = {}  # the test's own, by URL (load)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import io
-import struct
-import zlib
 
 import numpy as np
 import pytest
+from image_bytes import encode, png_claiming
 from PIL import Image
 
 from trainyard.core.errors import InputError
-from trainyard.core.image_formats import IMAGE_EXTENSIONS, IMAGE_FORMATS, ensure_format
+from trainyard.core.image_formats import IMAGE_EXTENSIONS, IMAGE_FORMATS
 from trainyard.core.imaging import (
     DEFAULT_MAX_IMAGE_PIXELS,
     image_to_pixels,
@@ -19,14 +18,6 @@ from trainyard.core.imaging import (
 )
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
-
-
-def encode(im: Image.Image, fmt: str, **kw) -> bytes:
-    # pillow-heif (a dependency here) writes HEIC once registered, as imaging does lazily.
-    assert fmt != "HEIF" or ensure_format("HEIF"), "pillow-heif is not installed"
-    buf = io.BytesIO()
-    im.save(buf, fmt, **kw)
-    return buf.getvalue()
 
 
 def gradient(width: int, height: int) -> np.ndarray:
@@ -346,15 +337,6 @@ def test_read_header_grayscale(make, mode, grayscale):
 
 
 # ----------------------------------------------------------------------------- bombs
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A real 4x4 PNG whose IHDR says ``width`` x ``height`` (CRC fixed): a bomb header."""
-    data = bytearray(encode(Image.new("RGB", (4, 4), RED), "PNG"))
-    assert data[12:16] == b"IHDR"
-    data[16:24] = struct.pack(">II", width, height)
-    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
-    return bytes(data)
 
 
 @pytest.mark.parametrize("size", [30000, 6000])  # Pillow's own guard fires / only ours does

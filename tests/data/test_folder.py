@@ -6,12 +6,11 @@ import concurrent.futures
 import io
 import json
 import shutil
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+from image_bytes import encode, png_claiming
 from PIL import Image
 
 from trainyard.core.card import SPLITS, Card, load_card
@@ -56,12 +55,6 @@ def assert_nothing_written(out: Path) -> None:
     assert not list(out.parent.glob(f".{out.name}*")), "a temp folder was left behind"
 
 
-def encode(im: Image.Image, fmt: str, **kw) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, fmt, **kw)
-    return buf.getvalue()
-
-
 def solid(path: Path, colour, size: int = 16, mode: str = "RGB", fmt: str = "PNG") -> Path:
     """A one-colour image: at the prepared size it comes back as exactly this colour."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,14 +74,6 @@ def row_colours(images: np.ndarray) -> list[tuple[int, ...]]:
         assert (row == first[:, None, None]).all()
         out.append(tuple(int(v) for v in first))
     return out
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A real small PNG whose IHDR says ``width`` x ``height`` (CRC fixed)."""
-    data = bytearray(encode(Image.new("RGB", (4, 4), (9, 9, 9)), "PNG"))
-    data[16:24] = struct.pack(">II", width, height)
-    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
-    return bytes(data)
 
 
 def truncated_jpeg() -> bytes:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from image_bytes import encode, png_claiming
 from PIL import Image
 
 from trainyard.core import imaging
@@ -165,14 +166,6 @@ def test_the_limit_named_is_the_one_that_applies():
     )
 
 
-def png_claiming(width: int, height: int) -> bytes:
-    """A real 4x4 PNG whose IHDR says ``width`` x ``height`` (CRC fixed)."""
-    data = bytearray(poster_png(4))
-    data[16:24] = struct.pack(">II", width, height)
-    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
-    return bytes(data)
-
-
 def test_pillows_own_bomb_guard_does_not_pre_empt_our_limit():
     # 900 MP: over Pillow's 2 x 89 MP guard, under a 1 GP data.max_image_pixels.
     claim = png_claiming(30000, 30000)
@@ -184,12 +177,6 @@ def test_pillows_own_bomb_guard_does_not_pre_empt_our_limit():
 
 
 # ----------------------------------------------------------------------------- the reduce
-
-
-def encode(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, fmt, **kw)
-    return buf.getvalue()
 
 
 def px(data: bytes, channels: int = 3, height: int = 32, width: int = 32, **kw) -> np.ndarray:

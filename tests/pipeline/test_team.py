@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import socket
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +26,15 @@ from trainyard.core.io import sha256_file
 from trainyard.data.idx import read_idx
 from trainyard.runtime.model_file import CARD_FILES, CARD_SUFFIXES
 
-from conftest import EVALUATE_REPORTS, VENV_BIN, copy_reproduced, dvc, git_env, stop_group
+from conftest import (
+    EVALUATE_REPORTS,
+    VENV_BIN,
+    copy_reproduced,
+    dvc,
+    free_port,
+    git_env,
+    stop_group,
+)
 
 pytestmark = pytest.mark.slow
 STAGES = ("fetch", "prepare", "train", "export", "evaluate")
@@ -58,12 +65,6 @@ def git(repo: Path, *args: str) -> str:
     )
     assert proc.returncode == 0, f"git {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ran(output: str) -> set[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,17 +28,11 @@ from trainyard.core.handoffs import REGISTRY_RECORD, TRAIN_RECORD, TrainRecord
 from trainyard.core.io import sha256_file
 from trainyard.data.idx import read_idx
 
-from conftest import copy_reproduced, dvc, git_env, set_params, stage_env
+from conftest import copy_reproduced, dvc, free_port, git_env, set_params, stage_env
 
 pytestmark = pytest.mark.slow
 MODEL = "fashion-mnist-classifier"
 LOGS: list[str] = []  # every command's output in this module, for the secrets check
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(repo: Path, *cmd: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import json
 import time
 
 import numpy as np
 import pytest
+from image_bytes import encode
 from PIL import Image
 
 from trainyard.core.card import METADATA_KEY, Card, card_from_metadata
@@ -27,12 +27,6 @@ def decode1(data: bytes, card: Card, **kw) -> np.ndarray:
     out = decode_image(data, card, **kw)
     assert out.shape == (1, card.height, card.width) and out.dtype == np.uint8
     return out[0]
-
-
-def encode(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, format=fmt, **kw)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ from pathspec import PathSpec
 from test_layers import BENTO_ENTRIES, BENTO_PACKAGES
 from test_serving import wait_ready
 
-from conftest import REPO, VENV_BIN, copy_reproduced, repo_files, stage_env, stop_group
+from conftest import REPO, VENV_BIN, copy_reproduced, free_port, repo_files, stage_env, stop_group
 
 BENTO_NAME = "trainyard_classifier"
 MANIFEST = REPO / "deploy" / "kubernetes.yaml"
@@ -218,12 +218,6 @@ def trainyard_closure(entries: tuple[str, ...], root: Path = REPO) -> set[str]:
                     if found and found not in seen:
                         todo.append(found)
     return seen - {e for e in entries if not e.startswith("src/")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_closed(port: int) -> bool:

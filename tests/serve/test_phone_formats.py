@@ -3,7 +3,6 @@ are images to prepare and to the service, through the one image_to_pixels."""
 
 from __future__ import annotations
 
-import io
 import logging
 import subprocess
 import sys
@@ -11,29 +10,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from image_bytes import encode
 from PIL import Image, features
 from test_serve_unit import CARD, client_for, write_tiny_model
 
 from trainyard.core.config import DataParams
 from trainyard.core.errors import DataError, InputError
-from trainyard.core.image_formats import IMAGE_EXTENSIONS, IMAGE_FORMATS, ensure_format
+from trainyard.core.image_formats import IMAGE_EXTENSIONS, IMAGE_FORMATS
 from trainyard.core.imaging import (
     image_to_pixels,
     read_header,
 )
 from trainyard.data.sources import prepare_source as prepare
 from trainyard.runtime.inputs import decode_image, model_input, softmax
-from trainyard.serve.api import IMAGE_TYPES
 
 PHONE = {".heic": "HEIF", ".heif": "HEIF", ".hif": "HEIF", ".avif": "AVIF"}
-
-
-def encode(im: Image.Image, fmt: str, **kw) -> bytes:
-    # pillow-heif (a dependency here) writes HEIC once registered, as imaging does lazily.
-    assert fmt != "HEIF" or ensure_format("HEIF"), "pillow-heif is not installed"
-    buf = io.BytesIO()
-    im.save(buf, fmt, **kw)
-    return buf.getvalue()
 
 
 def scene(width: int, height: int, shift: int = 0) -> np.ndarray:
@@ -50,7 +41,6 @@ def test_phone_formats_are_claimed_and_pillow_decodes_avif_natively():
     assert features.check("avif"), "Pillow >= 11.3 with AVIF (pyproject's floor)"
     assert {"HEIF", "AVIF"} <= set(IMAGE_FORMATS)
     assert set(PHONE) <= IMAGE_EXTENSIONS
-    assert {"image/heic", "image/heif", "image/avif"} <= set(IMAGE_TYPES)
 
 
 @pytest.mark.parametrize("fmt", ["HEIF", "AVIF"])

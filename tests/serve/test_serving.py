@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -29,7 +28,7 @@ from trainyard.core.io import sha256_file
 from trainyard.runtime.sessions import load_onnx
 from trainyard.watch.log import read_log
 
-from conftest import REPO, VENV_BIN, has_cuda, make_card, stop_group, train_checkpoint
+from conftest import REPO, VENV_BIN, free_port, has_cuda, make_card, stop_group, train_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -54,12 +53,6 @@ def offline(model_dir, test_set):
     logits = model.predict_logits(x).astype(np.float64)
     e = np.exp(logits - logits.max(axis=1, keepdims=True))
     return e / e.sum(axis=1, keepdims=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_params(path: Path, **serve) -> Path:

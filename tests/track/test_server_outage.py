@@ -11,7 +11,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -26,6 +25,7 @@ from trainyard.track.outage import unreachable
 from conftest import (
     VENV_BIN,
     dvc,
+    free_port,
     pause_env,
     set_params,
     small_pipeline_repo,
@@ -39,12 +39,6 @@ GONE = re.compile(
     r"refused\): training goes on, metrics are kept and sent when it answers"
 )
 BACK = re.compile(r"\[train\] MLflow server (\S+) answers again: (\d+) buffered metric values sent")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -5,7 +5,6 @@ own working folder with its own copy of the prepared data, as `dvc pull` leaves 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from trainyard.data.sources import prepare_source
 from trainyard.data.sources.fashion_fetch import fetch_raw
 from trainyard.training.nodes import Launch, check_launch, join_nodes, launch_from_env
 
-from conftest import REPO, stage_env
+from conftest import REPO, free_port, stage_env
 
 # What a launcher sets: none may leak from the test's own environment into a "node".
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "RANK", "LOCAL_RANK")
@@ -79,12 +78,6 @@ def prepared(fashion_dir, tmp_path_factory) -> Path:
     fetch_raw(DataParams(debian_dir=str(fashion_dir)), root / "raw")
     prepare_source(root / "raw", root / "prepared", DataParams(limit=800, val_size=200), seed=0)
     return root / "prepared"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_node(tmp_path: Path, rank: int, prepared: Path, **train: object) -> Path:

@@ -1,18 +1,9 @@
 """What ``trainyard predict`` scores: a source -> an ordered list of images (and labels).
 
-A source is one of:
-
-- a **folder**: every image under it, recursively (the training walk's rules: hidden files
-  and OS litter passed over, symlinks followed once), in sorted path order;
-- a **CSV** (``.csv``/``.tsv``) in the csv source's format: ``data.csv_image_column`` holds
-  a path (relative to the CSV's folder) or an http(s) URL, ``data.csv_label_column`` a
-  label when the CSV has that column;
-- a **text file of paths** (``.txt``/``.lst``/``.list``): one path or URL a line, relative
-  to the file's folder; blank lines and ``#`` comments skipped;
-- a **glob** (``'photos/**/*.jpg'``, quoted so the shell leaves it alone), in sorted order.
-
-The order is the table's row order, and the same on every machine, so ``--shard K/N``
-slices the same rows everywhere. Labels come from the CSV's label column, or from a
+A source is a folder (the training walk's rules), a CSV or TSV in the csv source's format,
+a text file of paths (``.txt``/``.lst``/``.list``) or a quoted glob: docs/predict.md, "What
+it reads". The order is the table's row order, and the same on every machine, so ``--shard
+K/N`` slices the same rows everywhere. Labels come from the CSV's label column, or from a
 folder whose subfolders are the model's classes (``photos/<class>/...`` or
 ``photos/test/<class>/...``): then the summary scores the model on them.
 """

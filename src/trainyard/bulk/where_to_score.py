@@ -1,22 +1,11 @@
 """Where a bulk job's images are decoded and scored, and at what batch: measured, not guessed.
 
 ``predict.batch_size: auto`` is measured on zeros (``choose_batch``). On a CPU the decode
-can run in two places, chosen per job from what one image costs here (``choose_place``):
-
-- **in this process**: a decode thread reads the next files while this thread runs the
-  model (ONNX Runtime releases the GIL; one intra-op thread, so the two use two cores).
-  No worker to start and nothing to send: right when an image decodes in well under a
-  millisecond (a 28 px PNG: 0.1-0.2 ms), where a worker's start-up (about a second: a
-  fresh interpreter importing NumPy, Pillow and ONNX Runtime) and the hop of every
-  image would cost more than the decode itself;
-- **in decode workers**, one process per core, each decoding and scoring its share on one
-  thread: every core does both, right for photos (2 ms and more a decode).
-
-The estimate of each: in this process ``rows x max(decode, model)`` (the two overlap on
-two cores; one core: their sum), in the workers ``start-up + rows x (decode + model) /
-workers``; the workers when theirs is 1.1x shorter (a near tie stays in this process:
-nothing to start, less memory); the start-up line and the summary say which and why.
-On a GPU the workers decode and this process scores (``choose_place`` is not asked).
+runs in this process (a decode thread beside the model's: small images, where a worker's
+start-up and the hop of every image cost more than the decode) or in decode workers, one
+process per core, each decoding and scoring its share (photos); ``choose_place`` estimates
+both from what one image costs here, as docs/predict.md ("Fast on any machine") says. On a
+GPU the workers decode and this process scores (``choose_place`` is not asked).
 """
 
 from __future__ import annotations

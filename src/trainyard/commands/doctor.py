@@ -4,14 +4,10 @@
     trainyard doctor --json     # one JSON document
     python -m trainyard.commands.doctor  # the same, without the console script
 
-Reports the CPU and RAM; each GPU (memory, compute capability, bf16, driver, torch's CUDA
-runtime); RAM against GPU memory (the 2x rule); the torch and ONNX Runtime builds and which
-ONNX Runtime providers actually load; free disk for the data and the DVC cache; and for the
-configured dataset where training will put it and which precision ``auto`` picks. Every
-verdict says why, and the verdicts are the pipeline's own decisions: placement is
+What it reports and why: docs/performance.md, "Before a long run: make doctor". Its
+verdicts are the pipeline's own decisions: placement is
 ``training.placement.choose_placement``, precision ``training.device.resolve_device``, the ONNX
 Runtime providers ``runtime.sessions.choose_providers``, the folder's images ``data.walk``.
-
 Exit status: 0 fine (warnings allowed), 1 a broken setup (the message says what is broken
 and what to do), 2 bad usage. Never imports mlflow, dvc or bentoml (it runs on a bare GPU
 machine: tests/bench/test_gpu_bare.py).

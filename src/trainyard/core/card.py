@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +29,6 @@ SPLITS = ("train", "val", "test")
 # crop: shorter side to the size, centre crop (torchvision's Resize + CenterCrop);
 # pad: pad to the target aspect with ``fill``, centred, then resize (keeps every pixel);
 # stretch: resize to the size, aspect ignored.
-ResizePolicy = Literal["crop", "pad", "stretch"]
 RESIZE_POLICIES: tuple[str, ...] = ("crop", "pad", "stretch")
 
 

@@ -63,10 +63,6 @@ class ModelRef:
         """Whether it names an alias, which may move to another version."""
         return self.alias is not None
 
-    def at_version(self, version: str | int) -> ModelRef:
-        """``models:/NAME/VERSION`` of this reference's registered model."""
-        return registered_version(self.name, version, self.field)
-
     def with_alias(self, alias: str) -> ModelRef:
         """``models:/NAME@ALIAS`` of this reference's registered model."""
         return registered_alias(self.name, alias, self.field)

@@ -1,20 +1,14 @@
-"""Test-only pauses at named steps, so that a test's signal lands where the test means it to.
-
-A test that polls for a temp file or a log line and then sends Ctrl-C or SIGKILL races the
-process: on a fast machine the step is often over, or the process has ended, before the
-signal arrives. Instead the code names its steps (``pause_point("export.logging")``) and a
-test starts the process with
+"""Test-only pauses at named steps, so that a test's signal lands where the test means it to
+(why, and how a test uses them: docs/testing.md, "Signals at named steps, never on a
+timer"; the steps are listed there too).
 
     TRAINYARD_PAUSE_AT=<step>[:<n>]  pause at the n-th arrival at <step> (n defaults to 1)
     TRAINYARD_PAUSE_FILE=<path>      announce the pause there: the file appears, whole,
                                      holding the pausing process's pid
 
-and sends its signal once the file is there. The pause sleeps in the main thread, so a
-signal is handled exactly as it would be at that point of the real work: a handler that
-raises (Ctrl-C's KeyboardInterrupt, the stages' SIGTERM) raises here; one that returns
-(Lightning's SIGTERM flag, the registry's deferral) ends the pause and the work goes on;
-SIGKILL or a default action ends the process. Removing the file also ends the pause.
-Without the variable a pause point costs one dict lookup. The steps: docs/testing.md.
+The pause sleeps in the main thread, so a signal is handled exactly as it would be at that
+point of the real work; removing the file also ends the pause. Without the variable a
+pause point costs one dict lookup.
 """
 
 from __future__ import annotations

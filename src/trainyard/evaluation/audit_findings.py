@@ -1,21 +1,11 @@
 """What ``trainyard audit`` finds in a labelled folder, from each image's embedding, label,
-split and content hash (docs/audit.md): numpy, scikit-learn and cleanlab, no torch.
+split and content hash: numpy, scikit-learn and cleanlab, no torch.
 
-- **label issues**: out-of-sample class probabilities from a strongly regularised logistic
-  regression cross-validated on the embeddings (``cross_val_predict``, stratified, averaged
-  over ``SPLITS`` seeded fold splits), then
-  cleanlab's ``find_label_issues`` ranked by its self-confidence label quality; the
-  suggested label is the probabilities' argmax;
-- **exact duplicates** (the same bytes) and **near duplicates** (an embedding neighbour
-  whose tiny thumbnail is as close as a resized or re-encoded copy's), above all across the
-  train/val/test splits prepare makes (leakage);
-- **outliers**: the mean cosine distance to the ``NEIGHBOURS`` nearest images, far above
-  the folder's own (a robust z-score over ``OUTLIER_Z``);
-- **class imbalance**: prepare's own rules (``trainyard.data.splits``).
-
-cleanlab's ``Datalab`` runs the same checks but needs Hugging Face's ``datasets`` (nine
-more packages, a hub client among them) and knows nothing of splits; its kNN checks are a
-few lines of numpy here, and its label check is the same ``find_label_issues``.
+The checks (label issues from cross-validated out-of-sample probabilities and cleanlab's
+``find_label_issues``; exact and near duplicates, above all across splits; outliers; class
+imbalance by prepare's rules), their thresholds and why not cleanlab's ``Datalab``:
+docs/audit.md, "What it looks for, and how". The constants here (``SPLITS``, ``NEIGHBOURS``,
+``OUTLIER_Z``) are the figures that page gives.
 """
 
 from __future__ import annotations

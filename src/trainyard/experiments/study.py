@@ -54,7 +54,6 @@ BASE_ATTR, SPACE_ATTR = "base_params", "space"
 # Trial user attrs
 RUN_ATTR, ERROR_ATTR, WORKER_ATTR = "mlflow_run_id", "error", "worker"
 RESUME_ATTR = "resume_folder"  # the fit's checkpoints (.cache/train-resume/<key>)
-FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 # Optuna's types (with Trial, FrozenTrial above) and its pruned signal, for the modules that
 # hold them without importing Optuna.
 Study, TrialPruned = optuna.Study, optuna.TrialPruned

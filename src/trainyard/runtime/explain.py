@@ -4,7 +4,7 @@ this module: no torch, no matplotlib).
 The export writes ``cam`` [N, K, h, w] (``trainyard.export.cam``): per class, a map over
 the net's last feature maps, unrectified. ``upsample`` brings one to the image's size;
 ``heatmap`` keeps its positive part (what speaks *for* the class) scaled to 0..1;
-``overlay_png`` draws that over the image with a fixed colour map, ``heatmap_png`` alone.
+``overlay`` draws that over the image with a fixed colour map, ``heatmap_png`` alone.
 The ONNX metadata ``explain`` says how the maps were made (``cam``, ``gradcam`` or
 ``hirescam``); a model exported before them has neither the key nor the output.
 """
@@ -90,18 +90,6 @@ def overlay(image: np.ndarray | Image.Image, heat: np.ndarray, alpha: float = 0.
     weight = (alpha * np.clip(heat, 0.0, 1.0))[..., None]
     blended = rgb * (1.0 - weight) + colorize(heat).astype(np.float32) * weight
     return np.rint(blended).astype(np.uint8)
-
-
-def _png(pixels: np.ndarray) -> bytes:
-    """PNG bytes of uint8 [H, W, 3] (RGB) or [H, W, 4] (RGBA) pixels."""
-    out = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(pixels)).save(out, format="PNG")
-    return out.getvalue()
-
-
-def overlay_png(image: np.ndarray | Image.Image, heat: np.ndarray, alpha: float = 0.45) -> bytes:
-    """PNG bytes of ``overlay``: RGB, the image's size."""
-    return _png(overlay(image, heat, alpha))
 
 
 def heatmap_png(heat: np.ndarray) -> bytes:

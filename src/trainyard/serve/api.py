@@ -25,7 +25,6 @@ from starlette.responses import JSONResponse, Response
 
 from trainyard.core.card import Card
 from trainyard.core.config import ServeParams
-from trainyard.runtime.inputs import IMAGE_FORMATS
 from trainyard.serve.parsing import (
     BATCH_USAGE,
     CLASSIFY_USAGE,
@@ -41,8 +40,6 @@ from trainyard.serve.parsing import (
 )
 from trainyard.serve.refused import Refused
 
-# Every format the service decodes; HEIF's photos are usually sent as image/heic (iPhone).
-IMAGE_TYPES = (*(f"image/{fmt.lower()}" for fmt in IMAGE_FORMATS), "image/heic")
 ImageFile = Annotated[Path, ContentType("image/*")]  # a file field to BentoML's client
 
 

@@ -1,21 +1,13 @@
 """How /classify runs its model, decided once at start-up: inline on the event loop, on a
-worker thread, or through BentoML's adaptive batcher (``serve.batching``).
+worker thread, or through BentoML's adaptive batcher (``serve.batching``; what ``auto``
+picks and why: docs/serving.md, "Adaptive batching"; the figures: docs/benchmarks.md,
+Serving).
 
-What `make bench-serve` shows (docs/benchmarks.md, Serving): on a CPU, a worker's event
-loop is its scarcest core. A small model's whole call (decode, inference, softmax: the
-Fashion CNN's takes a fifth of a millisecond) costs less there than the trip to a worker
-thread and back (a future, a wake-up, two GIL handoffs), so the fastest plain server calls
-it inline, and so does the service: measured here, not assumed, by racing the two ways in
-process. Such a model stays batched under ``auto``, its merged batches inline too: per
-request that costs less CPU than an inline call each (in one process, 16 requests at a
-time: 0.65-0.68 against 0.83-0.90 ms; one ONNX Runtime call, softmax and metrics update
-per batch), and on a CPU shared with other work the CPU per request is what sets req/s
-(1 worker, 16 clients, alternating: 560 against 462 req/s; 2 workers: 706 against 497).
-A 160 px resnet18's call takes 10-20 ms: inline it would stall every other
-request on the loop, so it goes to a thread (unbatched: ONNX Runtime computes a batch of 8
-no faster per image than 8 single calls on one thread each, and BentoML's batcher runs one
-batch at a time per worker where unbatched calls run side by side on its cores). On a GPU
-one call of many images is what keeps the device busy, so there ``auto`` batches.
+On a CPU a worker's event loop is its scarcest core: a call that costs less than the trip
+to a worker thread and back (a future, a wake-up, two GIL handoffs) runs inline, measured
+here by racing the two ways in process, not assumed; a 10-20 ms call would stall every
+other request on the loop, so it goes to a thread. On a GPU one call of many images is
+what keeps the device busy, so there ``auto`` batches.
 
 `bentoml serve` imports the service once in its own process before it starts the workers:
 the choice made there is handed to them in the environment (``CHOICE_ENV``), so every

@@ -1,28 +1,17 @@
-"""/classify on BentoML's adaptive batcher, in one call per batch (``serve.batching: true``).
+"""/classify on BentoML's adaptive batcher, in one call per batch (``serve.batching: true``;
+what it does for a client, and its figures: docs/serving.md, "Adaptive batching").
 
 With batching on, /classify itself is the ``batchable=True`` api method. BentoML reads each
 request with the input descriptor below (``BatchedClassifyForm``: the same reading as the
 unbatched route, ``read_classify``, into a one-item list), its CorkDispatcher merges the
-lists of concurrent requests, and the method answers the merged list in one call: the
-small uploads decoded, one ONNX Runtime run, every answer built (a large upload was decoded
-as its request was read, on a thread of its own). That call runs on the event loop when
-the batch merged two requests or more and is small enough to take less time than a
-thread's round trip (measured at start-up, trainyard.serve.batch_choice), else in one trip
-to a worker thread: a lone request's, too, so that the next ones gather meanwhile. BentoML then
-splits the answers back, one per request, and the output descriptor (``BatchedPrediction``)
-hands each request its own response, a 200 or its ``Refused`` 4xx.
-
-An explaining request (``explain=1``) is merged like any other: the batch's one ONNX Runtime
-run then asks for the class activation maps too (a batch of plain requests never does),
-and the explaining requests' answers get their heatmaps (the plain ones' are unchanged).
-
-What this replaced: /classify calling a batchable method through the service's own HTTP
-client (``self.to_async``), a second request through every middleware with the pixels as
-base64 JSON both ways (docs/serving.md, "Adaptive batching").
-
-A request the batcher sheds (not answerable within ``serve.max_latency_ms``) is answered by
-BentoML as a generic 503 before any method of ours runs; the request guard turns it into
-the service's own overload answer (trainyard.serve.startup's ``guard_options``).
+lists of concurrent requests, and the method answers the merged list in one call, on the
+event loop or in one trip to a worker thread (trainyard.serve.batch_choice decides which).
+BentoML splits the answers back, and the output descriptor (``BatchedPrediction``) hands
+each request its own response, a 200 or its ``Refused`` 4xx. An explaining request
+(``explain=1``) is merged like any other: the batch's one run then asks for the class
+activation maps too (a batch of plain requests never does). A request the batcher sheds
+gets BentoML's generic 503 before any method of ours runs; the request guard turns it into
+the service's own (trainyard.serve.startup's ``guard_options``).
 """
 
 from __future__ import annotations

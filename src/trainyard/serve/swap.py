@@ -1,18 +1,13 @@
 """A service that follows its registry alias: when `champion` moves, each worker swaps
-models without failing or holding a request.
+models without failing or holding a request (what a user sees, the log line, the memory:
+docs/serving.md, "The service follows the alias").
 
-A ``ModelWatcher`` per worker looks every ``serve.reload_s`` seconds (jittered, so the
-workers of a fleet do not ask at the same instant) whether the alias moved, through a
-``follow`` callable built on the ``ModelRegistry`` the service hands in (its ``follow``:
-this layer never imports MLflow). On a move, all off the answer path, in the watcher's
-thread: the new version is downloaded and checked against its recorded sha256, a new
-predictor is built and warmed up; then ``swap`` replaces the service's predictor reference
-in one assignment. A request reads that reference once, so one in flight finishes on the
-old model, and the next starts on the new one. A failed look or fetch is logged (once per
-distinct failure) and the old model goes on answering; the next look tries again.
-
-A model file (a bento, which has no MLflow) or a URI naming a version never moves, and
-nothing polls.
+A ``ModelWatcher`` per worker looks every ``serve.reload_s`` seconds (jittered) through a
+``follow`` callable built on the ``ModelRegistry`` the service hands in (this layer never
+imports MLflow). All off the answer path, in the watcher's thread: the new version is
+fetched and checked, a new predictor built and warmed up; then ``swap`` replaces the
+service's predictor reference in one assignment, which a request reads once. A failed look
+or fetch is logged once per distinct failure and the old model goes on answering.
 """
 
 from __future__ import annotations

@@ -2,20 +2,12 @@
 before.
 
 Evaluate decides `champion` / `challenger` when it registers a version (track.registry);
-a person moves `champion` afterwards with ``trainyard promote`` (stages.promote). Each move
-records on the version it moves to, as ``promote.*`` version tags: the action (promote or
-rollback), the reason, the time (UTC), who (the login user), the champion it replaced, and
-whether it was forced; a promote also records the shadow's figures from the prediction log
-(``shadow.*``: rows, agreement, both models' p50/p99 latencies).
-
-Rollback moves `champion` back to the one the current champion replaced: its
-``promote.previous_champion`` when a promote or rollback put it there, else the
-``previous_champion`` evaluate recorded when its decision made it champion. Since a rollback
-records the champion it replaced too, a second rollback undoes the first.
-
-MLflow sets an alias last-writer-wins, with no compare-and-set: after moving it, the move
-reads the alias back and reports another move that landed at the same moment, rather than
-claiming a move that did not stand.
+a person moves `champion` afterwards with ``trainyard promote``. What each move records
+(``promote.*`` and ``shadow.*`` version tags), which version a rollback returns to, and
+the exit codes: docs/serving.md, "Promote and roll back". MLflow sets an alias
+last-writer-wins, with no compare-and-set: after moving it, the move reads the alias back
+and reports another move that landed at the same moment, rather than claiming a move that
+did not stand.
 """
 
 from __future__ import annotations

@@ -1,40 +1,19 @@
 """MLflow model logging and registry: the ONNX model as an MLflow model, versions, aliases.
 
-`champion` is the version to serve; a new version takes it only if its test accuracy
-beats the champion's by more than ``registry.promote_margin``; otherwise it is `challenger`.
-A sweep's models (DVC experiments run in a queue or ``--temp`` copy) are registered as
-challengers and never move `champion`: the runs of a sweep race each other, and choosing
-among them is a person's decision (docs/experiments.md, "Sweeps and the registry").
+Who gets `champion` (the margin, a sweep's challengers) and how teammates deciding at once
+take turns with nothing but the MLflow server (a version registered ``decision=pending``,
+waiting for every lower pending one, ``decision`` written after the alias; one pending
+over ``STALE_AFTER_S`` abandoned) are docs/tracking.md's "Model registry"; what an
+interrupted registration leaves, docs/faults.md. Why the turns hold: the server numbers a
+model's versions in one transaction each (max + 1, under the registered model's row lock
+on PostgreSQL, the database write lock on sqlite; a clash retries), so once version N
+exists every lower one is visible with its tags.
 
-The decision is atomic across machines, with nothing but the MLflow server: teammates'
-evaluate stages deciding at once take turns in the order of their version numbers. The
-server numbers a model's versions itself, in one transaction per version (max + 1, under
-the registered model's row lock on PostgreSQL and the database write lock on sqlite; a
-clash retries), so the numbers are unique and increasing, and once version N exists every
-lower one is already visible with its tags. A version is registered first, with
-``decision=pending`` in the same write (its ticket); it then waits until no lower version
-of the model is pending, reads the champion, decides, and writes ``decision_reason``,
-``previous_champion``, the alias, and the final ``decision`` last. Each decision is thus
-made against the champion the one before it left. ``decision`` comes after the alias (not
-before it) so that "no lower version pending" also means "its alias has moved": the other
-order leaves a window in which a waiter reads the old champion and both versions win.
-
-A lower version pending for longer than ``STALE_AFTER_S`` (by the server's clock: the
-registration was killed) is treated as abandoned, said in a log line and in the reason;
-one found holding its alias with ``decision`` still pending (killed between the two last
-writes) had decided, and gets its ``decision`` tag written by whoever finds it. No lock
-service, no database access and no clock shared between clients is needed. Versions
-registered by hand carry no ``decision`` tag and take no part; a sweep's versions register
-without the ticket and do not wait, since they never move `champion`.
-
-A registration (``register_and_promote``) is complete once its alias points at it. Nothing
-less is left behind: if anything fails or is interrupted (Ctrl-C, also while waiting) before
-that, the version is deleted again, since a version without its alias would look like a
-decision that was never made. A rerun for the same model (same run, ONNX sha256, data and
-accuracy) whose version still holds its alias reuses that version instead of registering
-the model a second time (an evaluate interrupted after the alias moved, or a forced rerun);
-one that finds versions of this run cut off before their decision (SIGKILL, or a Ctrl-C
-inside MLflow's own register call) deletes them first.
+A registration (``register_and_promote``) is complete once its alias points at it; if
+anything fails or is interrupted before that, the version is deleted again (a version
+without its alias would look like a decision never made), and a rerun first deletes
+versions of its run cut off before their decision (SIGKILL, a Ctrl-C inside MLflow's own
+register call).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """CSV source: a CSV file listing images and their labels -> the prepared format.
 
-As many public datasets ship, one row per image::
-
-    image,label,split
-    images/0001.jpg,cat,train
-    /data/photos/dog/12.png,dog,val
-    https://example.org/owl.jpg,owl,test
-
-- ``data.csv_image_column`` (``image``): a path relative to the CSV file's folder, an
-  absolute path, or an http(s) URL, downloaded at prepare time (``data.download_timeout_s``
-  per request, at most ``data.csv_max_download_bytes`` each);
-- ``data.csv_label_column`` (``label``): the class name; classes are sorted (as numbers when
-  every label is an integer: 2 before 10);
-- ``data.csv_split_column`` (``split``), used when the CSV has it: train, val or test
-  (also training, valid, validation, testing; any case); a blank cell, or no such column,
-  leaves the row to the seeded stratified split (``data.val_fraction``,
-  ``data.test_fraction``). null: never read a split column.
-
-A ``.tsv`` file is read tab-separated. Every problem with the CSV itself (a missing
-column, an empty cell, an unknown split, a row of the wrong length) is listed with its row
-and column, all at once; an image that is missing, cannot be downloaded or cannot be read
-is a *bad file*, under ``data.on_bad_file`` like the folder source's. The rest
-(inspect, split, decode, write, card) is every image-file source's
+One row per image (``image,label,split``: a path relative to the CSV's folder, an absolute
+path or an http(s) URL; the class; train/val/test or blank); the columns' params, the
+split's aliases, ``.tsv`` and what counts as a bad file are docs/own-images.md's CSV
+section. Every problem with the table itself is listed with its row and column, all at
+once; the rest (inspect, split, decode, write, card) is every image-file source's
 (``trainyard.data.image_files``).
 """
 

@@ -1,19 +1,11 @@
 """Image-folder source: a class-per-subfolder tree of images -> the prepared format.
 
-Two layouts, found by looking at the folder:
-
-    photos/<class>/**/*.jpg                    one pool, split by prepare (seeded, stratified)
-    photos/{train,val,test}/<class>/**/*.jpg   the user's own splits (a missing val or
-                                               test is carved out of train)
-
-Classes are the subfolder names, sorted as torchvision's ``ImageFolder`` sorts them.
-Hidden files and folders and OS litter (Thumbs.db, desktop.ini, __MACOSX) are passed over
-silently, other files without an image extension with an INFO line counting them by
-extension, image formats trainyard cannot read (.psd, .svg, camera raw) with a WARNING that
-lists them (the rules: ``trainyard.data.walk``, which the doctor shares).
-
-What is particular to a folder is only the walk; inspecting, splitting, decoding, writing
-and bad files (``data.on_bad_file``) are every image-file source's
+Its two layouts (``photos/<class>/...``, split by prepare; ``photos/{train,val,test}/
+<class>/...``, the user's own splits, a missing val or test carved out of train) and what
+is passed over, counted or warned about are ``trainyard.data.walk``'s rules, which the
+doctor shares. Classes are the subfolder names, sorted as torchvision's ``ImageFolder``
+sorts them. What is particular to a folder is only the walk; inspecting, splitting,
+decoding, writing and bad files (``data.on_bad_file``) are every image-file source's
 (``trainyard.data.image_files``).
 """
 
