@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainyard.evaluation.scoring import reliability
+from trainyard.core.reliability import reliability
 from trainyard.export.calibration import (
     MIN_IMPROVED_SHARE,
     T_MAX,

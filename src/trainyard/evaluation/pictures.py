@@ -409,7 +409,7 @@ def draw_learning_curves(fig: Figure, rows: list[dict[str, Any]] | None, title: 
 def reliability_png(curves: dict[str, dict[str, Any]], title: str) -> bytes:
     """The reliability diagram: per confidence bin, how often the top class was right,
     against the diagonal of perfect calibration; one line per ``curves`` entry (label ->
-    ``scoring.reliability``'s dict), its ECE in the legend, the image counts below."""
+    ``core.reliability.reliability``'s dict), its ECE in the legend, the image counts below."""
     with _figure(7.0, 7.5, _dpi(7.5)) as fig:
         draw_reliability(fig, curves, title)
         return _png(fig)

@@ -26,6 +26,7 @@ from trainyard.core.card import card_from_metadata, normalize_pixels
 from trainyard.core.errors import DataError, ModelError
 from trainyard.core.io import atomic_write_bytes, atomic_write_text
 from trainyard.core.pause_points import pause_point
+from trainyard.core.reliability import ECE_BINS, reliability
 from trainyard.evaluation.deletion import explain_split
 from trainyard.evaluation.pictures import (
     confusion_png,
@@ -48,7 +49,6 @@ REPORT_FILES = {
     "curves_png": "learning_curves.png",
     "reliability_png": "reliability.png",
 }
-ECE_BINS = 15  # equal-width confidence bins, as Guo et al. (2017) and most papers report
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -81,26 +81,6 @@ def classification_metrics(
             for i, name in enumerate(classes)
         },
         "confusion_matrix": cm.tolist(),
-    }
-
-
-def reliability(
-    confidence: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS
-) -> dict[str, Any]:
-    """The expected calibration error of top-class confidences (equal-width bins, each
-    weighted by its share of the images: |accuracy - confidence|) and the per-bin mean
-    confidence, accuracy and count a reliability diagram draws."""
-    which = np.minimum((np.asarray(confidence, np.float64) * bins).astype(np.int64), bins - 1)
-    count = np.bincount(which, minlength=bins)
-    seen = np.maximum(count, 1)
-    conf = np.bincount(which, confidence, minlength=bins) / seen
-    acc = np.bincount(which, np.asarray(correct, np.float64), minlength=bins) / seen
-    ece = float((count / max(len(which), 1) * np.abs(acc - conf)).sum())
-    return {
-        "ece": round(ece, 6),
-        "confidence": np.round(conf, 6).tolist(),
-        "accuracy": np.round(acc, 6).tolist(),
-        "count": count.tolist(),
     }
 
 

@@ -19,11 +19,10 @@ import math
 
 import numpy as np
 
+from trainyard.core.reliability import calibration_error
+
 # The search interval for T, and how finely it is found (golden-section on log T).
 T_MIN, T_MAX, T_TOLERANCE = 0.05, 20.0, 1e-4
-# Equal-width confidence bins of the ECE: evaluate's (``evaluation.scoring.ECE_BINS``, a
-# layer export may not import), as Guo et al. (2017) report.
-ECE_BINS = 15
 # The guard: a fitted T is applied when it lowers the validation ECE in this share of the
 # paired bootstrap resamples (a one-sided 5% test, the usual level; module doc).
 BOOTSTRAP, MIN_IMPROVED_SHARE = 1000, 0.95
@@ -41,19 +40,10 @@ def _confidence(logits: np.ndarray, labels: np.ndarray, temperature: float) -> n
     return np.stack([p.max(axis=1), p.argmax(axis=1) == np.asarray(labels)])
 
 
-def _ece(conf_correct: np.ndarray) -> float:
-    confidence, correct = conf_correct
-    which = np.minimum((confidence * ECE_BINS).astype(np.int64), ECE_BINS - 1)
-    # n_b / N * |acc_b - conf_b| = |sum over the bin of (correct - confidence)| / N
-    gap = np.bincount(which, correct - confidence, minlength=ECE_BINS)
-    return float(np.abs(gap).sum() / max(len(which), 1))
-
-
 def ece(logits: np.ndarray, labels: np.ndarray, temperature: float = 1.0) -> float:
-    """Expected calibration error of the top-class confidence of softmax(logits / T):
-    ``ECE_BINS`` equal-width bins, each |accuracy - mean confidence| weighted by its share
-    of the images (evaluate's ``reliability``, on logits)."""
-    return _ece(_confidence(logits, labels, temperature))
+    """Expected calibration error of the top-class confidence of softmax(logits / T), as
+    evaluate reports it (``core.reliability``), on logits."""
+    return calibration_error(*_confidence(logits, labels, temperature))
 
 
 def improved_share(logits: np.ndarray, labels: np.ndarray, temperature: float) -> float:
@@ -65,7 +55,7 @@ def improved_share(logits: np.ndarray, labels: np.ndarray, temperature: float) -
     wins = 0
     for _ in range(BOOTSTRAP):
         i = rng.integers(0, len(labels), len(labels))
-        wins += _ece(after[:, i]) < _ece(before[:, i])
+        wins += calibration_error(*after[:, i]) < calibration_error(*before[:, i])
     return wins / BOOTSTRAP
 
 
