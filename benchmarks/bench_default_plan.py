@@ -107,7 +107,8 @@ def default_plan_benchmark(
     same code on the CPU plan, with 1 epoch."""
     import torch
 
-    from trainyard.training.recipe import describe, plan
+    from trainyard.training.job import describe
+    from trainyard.training.recipe import plan
 
     target, target_from = cpu_default_accuracy()
     gpu = torch.cuda.is_available()
