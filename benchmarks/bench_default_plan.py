@@ -107,8 +107,7 @@ def default_plan_benchmark(
     same code on the CPU plan, with 1 epoch."""
     import torch
 
-    from trainyard.training.job import describe
-    from trainyard.training.recipe import plan
+    from trainyard.training.recipe import describe, plan
 
     target, target_from = cpu_default_accuracy()
     gpu = torch.cuda.is_available()

@@ -25,7 +25,6 @@ from trainyard.model.lite import LITE_ARCH, LiteNet
 from trainyard.model.networks import build_model
 from trainyard.training import recipe
 from trainyard.training.builder import build_trainer
-from trainyard.training.job import describe
 from trainyard.training.recipe import plan
 
 from conftest import make_card
@@ -153,7 +152,7 @@ def test_the_recipe_takes_the_packaged_weights_for_images_of_some_size(tmp_path:
     assert p.frozen_stages == recipe.CPU_FROZEN_STAGES  # a CPU: the front stays frozen
     assert p.train.batch_size <= recipe.FINETUNE_MAX_BATCH
     assert "front frozen" in by["max_epochs"].reason and "nominal" in by["max_epochs"].reason
-    assert describe(p)[0].startswith("recipe auto (fine-tune)")
+    assert recipe.describe(p)[0].startswith("recipe auto (fine-tune)")
     gpu = plan(
         parse_params({}).train, card, tmp_path / "d", "gpu", "bf16-mixed", "GPU", lambda b: b
     )

@@ -22,7 +22,7 @@ import requests
 
 from trainyard.model.lite import LITE_ARCH
 from trainyard.model.weights import PACKAGED
-from trainyard.training.job import KEYS as RECIPE_KEYS
+from trainyard.training.recipe import KEYS as RECIPE_KEYS
 
 from conftest import PHOTO_CLASSES, copy_repo, dvc, make_photo_folder, set_params
 

@@ -19,8 +19,7 @@ from trainyard.core.config import Params, parse_params
 from trainyard.data.prepared_writer import open_prepared
 from trainyard.training import recipe, speed
 from trainyard.training.builder import HARD_STOP, time_limit_min
-from trainyard.training.job import load_plan
-from trainyard.training.recipe import CLASSIC, Facts, choose_batch, choose_epochs, plan
+from trainyard.training.recipe import CLASSIC, Facts, choose_batch, choose_epochs, load_plan, plan
 
 from conftest import make_card
 

@@ -31,10 +31,10 @@ from trainyard.training.device import Hardware
 from trainyard.training.fit_log import EpochTimer
 from trainyard.training.gpu_busy import GpuBusyMeter
 from trainyard.training.history import History
-from trainyard.training.job import Plan, RunExtras, TrainJob, Workspace
+from trainyard.training.job import RunExtras, TrainJob, Workspace
 from trainyard.training.nodes import Agreement, ShareRun
 from trainyard.training.perf import InputBoundMeter
-from trainyard.training.recipe import few_steps_warning
+from trainyard.training.recipe import Plan, few_steps_warning
 from trainyard.training.resume import AtomicCheckpointIO, ResumeCallback
 from trainyard.training.run_logger import GapEpoch
 from trainyard.training.tracked_run import FitResult, TrackedRun, tracked_run

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import lightning as L
 import torch.distributed as dist
@@ -37,9 +37,11 @@ from trainyard.core.errors import ParamsError, TrainyardError
 from trainyard.track.store import check_tracking_uri
 from trainyard.training.builder import RESUME_ROOT, build_trainer
 from trainyard.training.device import Hardware, resolve_hardware
-from trainyard.training.job import RECIPE_FILE, Plan, TrainJob, Workspace, describe, load_plan
-from trainyard.training.recipe import plan
+from trainyard.training.recipe import RECIPE_FILE, Plan, describe, load_plan, plan
 from trainyard.training.resume import LAST_CKPT, resume_folder, resume_key
+
+if TYPE_CHECKING:
+    from trainyard.training.job import TrainJob, Workspace
 
 log = logging.getLogger(__name__)
 

@@ -22,26 +22,29 @@ Two rules shape everything else:
   batch run after run). A small cnn at batch 256 kept an H200 11% busy.
 
 ``train.recipe: classic`` gives every auto key its old fixed value instead. A key set in
-params.yaml is never changed: the recipe only fills ``auto``. What it decides is a
-``training.job.Plan`` (the record the fit, its run and a resume read).
+params.yaml is never changed: the recipe only fills ``auto``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainyard.core.card import Card
 from trainyard.core.config import SCRATCH_ARCHS, TrainParams
+from trainyard.core.io import atomic_write_json
 from trainyard.data.image_size import PRETRAINED_MIN_SIDE
 from trainyard.data.mirror_check import mirror_keeps
 from trainyard.model.backbones import torchvision_weights
 from trainyard.model.lite import LITE_ARCH
 from trainyard.model.weights import PACKAGED, packaged_file
-from trainyard.training.job import KEYS, Choice, Plan
 from trainyard.training.speed import (
     Facts,
     Measure,
@@ -51,7 +54,21 @@ from trainyard.training.speed import (
     probe_step_s,
 )
 
+log = logging.getLogger(__name__)
+
 AUTO = "auto"
+RECIPE_FILE = "recipe.json"  # the plan, beside the resumable checkpoint and in the MLflow run
+# The keys the recipe fills, in the order it decides them.
+KEYS = (
+    "pretrained",
+    "arch",
+    "augment",
+    "batch_size",
+    "lr",
+    "max_epochs",
+    "early_stopping_patience",
+    "compile",
+)
 # train.recipe: classic -- the fixed defaults of trainyard <= 0.x (Fashion-MNIST's).
 CLASSIC: dict[str, Any] = {
     "pretrained": None,
@@ -88,6 +105,51 @@ FINETUNE_ARCH = LITE_ARCH
 # train (measured on emoji and clip art: docs/benchmarks.md#recipe).
 CPU_FROZEN_STAGES = 7
 GPU_LARGE_IMAGE = 64  # on a GPU, images above this side get the wider resnet
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One train key: its value, who set it (``params`` or the recipe) and why."""
+
+    key: str
+    value: Any
+    by: str
+    reason: str
+
+    def line(self) -> str:
+        return f"train.{self.key} = {self.value} ({self.by}: {self.reason})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved train params and the choices that made them."""
+
+    train: TrainParams
+    choices: tuple[Choice, ...]
+    finetune: bool
+    frozen_stages: int = 0  # front stages of the fine-tuned net frozen throughout
+
+    @property
+    def planned_epochs(self) -> bool:
+        """The recipe chose max_epochs (so the time budget is what bounds the fit)."""
+        return any(c.key == "max_epochs" and c.by == "recipe" for c in self.choices)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.train.recipe,
+            "finetune": self.finetune,
+            "frozen_stages": self.frozen_stages,
+            "choices": {
+                c.key: {"value": c.value, "by": c.by, "reason": c.reason} for c in self.choices
+            },
+        }
+
+    def tags(self) -> dict[str, str]:
+        """MLflow tags: ``recipe.<key>`` = "<value> (<by>: <reason>)"."""
+        return {f"recipe.{c.key}": c.line().split(" = ", 1)[1][:5000] for c in self.choices}
+
+    def save(self, path: Path) -> None:
+        atomic_write_json(path, self.to_dict())
 
 
 def native_side(card: Card) -> int:
@@ -355,6 +417,35 @@ def forecast_batch(
     arch = _given(tp, "arch") or choose_arch(facts, pretrained)[0]
     batch, why = choose_device_batch(facts, arch, "flip", measure)
     return batch, "recipe", f"{arch}: {why}" if facts.accelerator == "gpu" else why
+
+
+def load_plan(path: Path, tp: TrainParams) -> Plan | None:
+    """The plan saved beside an interrupted run's checkpoint (a resumed fit keeps the
+    epochs it planned, whatever a new timing probe would say), or None."""
+    try:
+        saved = json.loads(path.read_text())
+        found = saved["choices"]
+        # Every key: a plan saved by an older trainyard (no compile) is planned anew.
+        choices = tuple(
+            Choice(k, found[k]["value"], found[k]["by"], found[k]["reason"]) for k in KEYS
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    values = {c.key: c.value for c in choices if c.key in KEYS}
+    try:
+        train = tp.model_copy(update=values)
+    except ValueError:
+        return None
+    log.info("recipe: the interrupted run's plan (%s)", path)
+    return Plan(train, choices, bool(saved.get("finetune")), int(saved.get("frozen_stages", 0)))
+
+
+def describe(p: Plan) -> list[str]:
+    """One line per choice, for the log."""
+    head = f"recipe {p.train.recipe}" + (" (fine-tune)" if p.finetune else "")
+    if p.frozen_stages:
+        head += f" (front {p.frozen_stages} stages frozen)"
+    return [f"{head}: {c.line()}" for c in p.choices]
 
 
 def few_steps_warning(train_images: int, batch_size: int, max_epochs: int) -> str | None:

@@ -50,8 +50,9 @@ from trainyard.track.train_run import TrainRun
 from trainyard.training.builder import stop_reason
 from trainyard.training.device import Hardware
 from trainyard.training.gpu_busy import gpu_busy_of
-from trainyard.training.job import RECIPE_FILE, Plan, RunExtras, TrainJob, Workspace
+from trainyard.training.job import RunExtras, TrainJob, Workspace
 from trainyard.training.nodes import Agreement, Nodes, resume_mode
+from trainyard.training.recipe import RECIPE_FILE, Plan
 from trainyard.training.resume import LAST_CKPT, Resume, interruptions, resume_folder
 from trainyard.training.resume import prepare as prepare_resume
 from trainyard.training.run_logger import RunLogger
