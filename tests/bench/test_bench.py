@@ -168,7 +168,8 @@ def test_finetune_row_without_its_weights_says_so_and_skips(monkeypatch):
 def test_finetune_row_is_the_recipes_finetune_and_fits_its_time():
     from benchmarks.bench_finetune import ARCH
     from benchmarks.main import FULL
-    from trainyard.training.recipe import FINETUNE_ARCH, gpu_batch_cap
+    from trainyard.training.batch_rule import gpu_batch_cap
+    from trainyard.training.recipe import FINETUNE_ARCH
 
     assert ARCH == FINETUNE_ARCH
     ft = FULL["finetune"]

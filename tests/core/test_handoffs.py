@@ -20,7 +20,7 @@ from trainyard.core.handoffs import (
     TrainRecord,
 )
 from trainyard.training.gpu_busy import unavailable
-from trainyard.training.perf import verdict
+from trainyard.training.perf_verdict import verdict
 
 from conftest import REPO
 
@@ -174,7 +174,7 @@ def test_the_gpu_busy_meters_result_fits_the_record():
 
 
 def test_the_meters_verdict_fits_the_record():
-    # Every key perf.verdict gives is a field of InputBound (the meter adds the rest).
+    # Every key perf_verdict.verdict gives is a field of InputBound (the meter adds the rest).
     keys = set(verdict(0.1, data_path="fast", device="cpu", placement="ram"))
     assert keys <= set(InputBound.model_fields)
 

@@ -23,7 +23,7 @@ from trainyard.model import weights
 from trainyard.model.classifier import Classifier
 from trainyard.model.lite import LITE_ARCH, LiteNet
 from trainyard.model.networks import build_model
-from trainyard.training import recipe
+from trainyard.training import batch_rule, recipe
 from trainyard.training.builder import build_trainer
 from trainyard.training.recipe import plan
 
@@ -150,7 +150,7 @@ def test_the_recipe_takes_the_packaged_weights_for_images_of_some_size(tmp_path:
     assert "EfficientNet-Lite0" in by["pretrained"].reason and "300 px" in by["pretrained"].reason
     assert p.train.arch == LITE_ARCH and p.finetune
     assert p.frozen_stages == recipe.CPU_FROZEN_STAGES  # a CPU: the front stays frozen
-    assert p.train.batch_size <= recipe.FINETUNE_MAX_BATCH
+    assert p.train.batch_size <= batch_rule.FINETUNE_MAX_BATCH
     assert "front frozen" in by["max_epochs"].reason and "nominal" in by["max_epochs"].reason
     assert recipe.describe(p)[0].startswith("recipe auto (fine-tune)")
     gpu = plan(

@@ -23,7 +23,8 @@ from trainyard.model.classifier import Classifier
 from trainyard.training.builder import build_trainer
 from trainyard.training.datamodule import TensorBatches
 from trainyard.training.gpu_busy import GpuBusyMeter, NvmlSampler, busy_figures, gpu_busy_of
-from trainyard.training.perf import LEVELS, InputBoundMeter, StepTotals, level_of, verdict
+from trainyard.training.perf import InputBoundMeter, StepTotals
+from trainyard.training.perf_verdict import LEVELS, level_of, verdict
 
 from conftest import has_cuda, make_card
 

@@ -17,9 +17,10 @@ import torch
 from trainyard.core.card import Card
 from trainyard.core.config import Params, parse_params
 from trainyard.data.prepared_writer import open_prepared
-from trainyard.training import recipe, speed
+from trainyard.training import batch_rule, recipe, speed
+from trainyard.training.batch_rule import choose_batch
 from trainyard.training.builder import HARD_STOP, time_limit_min
-from trainyard.training.recipe import CLASSIC, Facts, choose_batch, choose_epochs, load_plan, plan
+from trainyard.training.recipe import CLASSIC, Facts, choose_epochs, load_plan, plan
 
 from conftest import make_card
 
@@ -259,14 +260,14 @@ def test_the_gpu_batch_is_measured_up_a_ladder_and_stable() -> None:
         return measure
 
     # Fashion-MNIST's 55,000: the cap is 4,096 (8 steps an epoch at least)
-    assert recipe.gpu_batch_cap(55_000) == 4096
-    batch, why = recipe.choose_gpu_batch(55_000, saturating(2048))
+    assert batch_rule.gpu_batch_cap(55_000) == 4096
+    batch, why = batch_rule.choose_gpu_batch(55_000, saturating(2048))
     assert batch == 2048 and "4,096 gained +0%" in why and "256: " in why
     # run after run, with 5% timing noise, the same GPU takes the same batch
-    picks = {recipe.choose_gpu_batch(55_000, saturating(2048, 0.05, s))[0] for s in range(20)}
+    picks = {batch_rule.choose_gpu_batch(55_000, saturating(2048, 0.05, s))[0] for s in range(20)}
     assert picks == {2048}
     # still paying at the data's cap: the cap
-    assert recipe.choose_gpu_batch(55_000, saturating(1 << 20))[0] == 4096
+    assert batch_rule.choose_gpu_batch(55_000, saturating(1 << 20))[0] == 4096
 
     # out of memory at 2,048: the batch below it
     def oom(batch: int) -> float:
@@ -274,10 +275,10 @@ def test_the_gpu_batch_is_measured_up_a_ladder_and_stable() -> None:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return float(batch)
 
-    batch, why = recipe.choose_gpu_batch(55_000, oom)
+    batch, why = batch_rule.choose_gpu_batch(55_000, oom)
     assert batch == 1024 and "2,048 ran out of memory" in why
     # a small folder: the CPU rule's batch is the start, the data the cap
-    assert recipe.choose_gpu_batch(700, saturating(1 << 20))[0] == 64
+    assert batch_rule.choose_gpu_batch(700, saturating(1 << 20))[0] == 64
 
 
 def test_a_gpu_plan_fills_the_gpu_and_scales_the_lr(tmp_path: Path) -> None:

