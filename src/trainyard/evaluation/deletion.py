@@ -28,7 +28,9 @@ What "delete" means, the same for both arms, and why (figures: docs/pipeline.md)
   region), which measured the pattern.
 
 The pixels are ranked by the unrectified upsampled map (the same order as the heatmap's
-where it is positive, and no ties where it is not); ties are broken at random.
+where it is positive, and no ties where it is not); ties are broken at random. Each
+image's random draws (its random maps, its tie-breaks) come from a generator seeded by
+``DELETION_SEED`` and the image's row, so the figures do not depend on the batch size.
 
 Also the heatmaps of the report's worst mistakes (``mistake_heatmaps``), from one run.
 """
