@@ -115,6 +115,16 @@ def test_a_map_that_points_at_what_the_model_uses_passes(tmp_path, marked_images
     assert "passed" in deletion_line(result)
 
 
+def test_the_batch_size_does_not_change_the_figures(tmp_path, marked_images):
+    # evaluate.batch_size is a throughput knob: each image's random maps and tie-breaks
+    # come from its own seeded generator, so the drops are the same in any batching (drawn
+    # from one stream, a 75-image folder's ratio moved 1.95x-2.08x with it).
+    model = load_onnx(region_model(tmp_path, UPPER_LEFT), "cpu", say=False)
+    whole = deletion_test(model, marked_images[:60], CARD, batch_size=60)
+    pieces = deletion_test(model, marked_images[:60], CARD, batch_size=7)
+    assert whole == pieces and whole["drop_random"] > 0
+
+
 def test_the_fill_is_the_image_blurred_grey_or_colour():
     grey = make_card(("a", "b"), (1, 28, 28), mean=0.5, std=0.25)
     flat = np.full((2, 1, 28, 28), 200, np.uint8)
