@@ -27,10 +27,7 @@ from pathlib import Path
 from trainyard.commands import Command, Subparsers, command_parser, parse
 from trainyard.core.card import CARD_FILE
 from trainyard.core.config import DEFAULT_PARAMS
-from trainyard.doctor.collect import collect
-from trainyard.doctor.render import emit
 from trainyard.doctor.terms import DEFAULT_DATA
-from trainyard.doctor.verdicts import report
 
 HELP = "check this machine and what trainyard will do on it"
 
@@ -60,6 +57,12 @@ class CmdDoctor(Command):
         if params is not None and not Path(params).is_file():
             print(f"trainyard doctor: error: --params {params}: no such file", file=sys.stderr)
             return 2
+        # Here, not at the top: the CLI imports every command module, and collect loads the
+        # data sources' libraries that `trainyard predict` never needs.
+        from trainyard.doctor.collect import collect
+        from trainyard.doctor.render import emit
+        from trainyard.doctor.verdicts import report
+
         return emit(report(collect(params, self.args.data)), self.args.json)
 
 

@@ -18,9 +18,6 @@ from trainyard.core.config import DEFAULT_PARAMS, load_params
 from trainyard.core.errors import TrainyardError
 from trainyard.core.model_ref import ModelRegistry, parse_model_ref
 from trainyard.stages.runner import configure_logging
-from trainyard.watch.current import parse_duration, parse_time, read_window
-from trainyard.watch.drift_score import compare
-from trainyard.watch.log import utc_now
 from trainyard.watch.reference import DEFAULT_PATH, Reference, load_reference
 
 log = logging.getLogger("trainyard.commands.drift_check")
@@ -62,6 +59,11 @@ def time_window(
     last: str | None, since: str | None, until: str | None
 ) -> tuple[datetime | None, datetime | None]:
     """(since, until) from --last, or --since/--until; (None, None) for everything."""
+    # Here, not at the top: the CLI imports every command module, and watch.current loads
+    # pyarrow.compute and the drift scores that `trainyard predict` never needs.
+    from trainyard.watch.current import parse_duration, parse_time
+    from trainyard.watch.log import utc_now
+
     end = parse_time(until, "--until") if until else None
     if last:
         if end is not None:
@@ -95,6 +97,8 @@ def drift(
     (a file, or with ``registry`` a registered version's), report into ``out``, print the
     line; the exit code (0 or 1). Raises TrainyardError."""
     from trainyard.evaluation.drift_report import write_report  # matplotlib: not at start-up
+    from trainyard.watch.current import read_window
+    from trainyard.watch.drift_score import compare
 
     params = load_params(params_file)
     since, until = time
