@@ -161,3 +161,25 @@ def test_the_cli_starts_without_any_commands_heavy_library():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_trainyard_predict_imports_what_python_m_trainyard_bulk_does():
+    """The console script's start-up against ``python -m trainyard.bulk``'s: beyond the
+    bulk command's own modules it may load trainyard's command modules and the standard
+    library, nothing else (doctor's data sources and drift's ``pyarrow.compute`` wait for
+    their own ``run``); and neither loads ``pyarrow.compute`` or ``numpy.ma``, which the
+    table and the decode probe no longer need. Fresh interpreters: this process has them."""
+    import subprocess
+    import sys
+
+    def loaded(code: str) -> set[str]:
+        code += "\nimport sys; print(' '.join(sys.modules))"
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return set(run.stdout.split())
+
+    bulk = loaded("import trainyard.bulk.command_line")
+    cli = loaded("import trainyard.cli; trainyard.cli.get_parser()")
+    extra = {m for m in cli - bulk if not m.startswith("trainyard.")}
+    assert {m for m in extra if m.split(".")[0] not in sys.stdlib_module_names} == set()
+    assert not {"pyarrow.compute", "numpy.ma", "trainyard.doctor.collect"} & (bulk | cli)

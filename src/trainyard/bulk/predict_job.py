@@ -38,6 +38,7 @@ from trainyard.core.errors import DataError, ModelError
 from trainyard.core.io import atomic_write_json
 from trainyard.core.model_ref import FetchedModel, ModelRegistry, parse_model_ref
 from trainyard.runtime.model_file import open_verified
+from trainyard.runtime.sessions import CPU, choose_providers
 
 log = logging.getLogger("trainyard.bulk")
 
@@ -187,7 +188,10 @@ def _open_model(
     base = Path.cwd() if options.model else None
     source, field = model_source(options, opts["model"], params)
     path, provenance = resolve_model(source, field, params_file, registry, base)
-    model, sha = open_verified(path, opts["device"], 0)
+    # On a CPU the session that scores here runs on one thread (where_to_score): opened so
+    # once, and the batch probe's too, not a second session of the same file.
+    threads = 1 if choose_providers(opts["device"])[0] == CPU else 0
+    model, sha = open_verified(path, opts["device"], threads)
     if options.explain:
         check_explains(model, path)
     return path, provenance, model, sha

@@ -68,7 +68,7 @@ def choose_batch(
     ends the probe: the larger ones lose more, and EfficientNet-Lite0's batch of 64 alone
     would cost a second of start-up)."""
     gpu = model.provider == CUDA
-    single = None if gpu else load_onnx(path, device="cpu", intra_op_threads=1, say=False)
+    single = None if gpu else _one_thread(model, path)
     if asked != "auto":  # on a CPU still measured: where to score depends on it
         rate = None if single is None else _rate(single, _zeros(int(asked), input_shape))
         return Probe(int(asked), rate, single)
@@ -86,6 +86,13 @@ def choose_batch(
     where = "the GPU" if gpu else "one CPU thread"
     log.info("predict.batch_size auto: %d (%.0f img/s on %s at that batch)", best, best_rate, where)
     return Probe(best, best_rate, single)
+
+
+def _one_thread(model: OnnxModel, path: Path) -> OnnxModel:
+    """``model`` itself where it runs on one intra-op thread, else such a session of ``path``."""
+    if model.session.get_session_options().intra_op_num_threads == 1:
+        return model
+    return load_onnx(path, device="cpu", intra_op_threads=1, say=False)
 
 
 def _zeros(batch: int, input_shape: tuple[int, ...]) -> np.ndarray:

@@ -21,8 +21,6 @@ from trainyard.core.config import load_params
 from trainyard.core.errors import PromotionRefused, TrainyardError
 from trainyard.core.model_ref import ModelRef, registered_alias, registered_version
 from trainyard.stages.runner import configure_logging
-from trainyard.watch.agreement import shadow_figures
-from trainyard.watch.log import read_log
 
 MIN_ROWS = 200
 HELP = "move a registered model's champion alias to a version that ran as the shadow"
@@ -89,6 +87,8 @@ def promote(
     prediction log (the folder ``log``, else the params file's serve.log_dir);
     PromotionRefused below ``min_rows`` logged requests unless ``force``."""
     from trainyard.track import promotion  # MLflow: imported when a command moves a model
+    from trainyard.watch.agreement import shadow_figures  # pyarrow.compute: not at start-up
+    from trainyard.watch.log import read_log
 
     name, from_alias = which.name, which.alias
     client, _ = promotion.registry_client()
