@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from trainyard.bulk.decode import DecodeSpec, decode_many, rank
+from trainyard.data.fingerprint import is_url
 from trainyard.runtime.inputs import softmax
 from trainyard.runtime.sessions import CUDA, OnnxModel, load_onnx
 
@@ -120,18 +121,23 @@ def _rate(model: OnnxModel, x: np.ndarray, seconds: float = PROBE_S) -> float:
 def decode_cost(locations: list[str], spec: DecodeSpec) -> float:
     """Seconds to read and decode one image here: the median over the first few files after
     one not counted (the first decode of a format loads its plugin), at most ``SAMPLE_S``
-    in all; unreadable ones count, as they cost their time too. 0 without a file. The
-    median, not the mean: one decode preempted by another process on a shared machine
-    (ten times its cost) would otherwise send a job of 28 px PNGs to the workers."""
+    in all; unreadable ones count, as they cost their time too. 0 without a file. A local
+    file's cost is this thread's CPU time, as the model's probe counts (``_rate``): on a
+    shared machine other processes' turns on the core would otherwise inflate every decode
+    of a 28 px PNG (0.05 ms measured as 0.3) and send the job to the workers, whose start-up
+    then delays the first row by seconds; a URL's is the clock's (its download waits). The
+    median, not the mean: one decode preempted by another process (ten times its cost)
+    would otherwise do the same."""
     if not locations:
         return 0.0
     decode_many(locations[:1], [None], spec)
     times: list[float] = []
     t0 = time.perf_counter()
     for location in locations[1 : SAMPLE_IMAGES + 1]:
-        t1 = time.perf_counter()
+        clock = time.perf_counter if is_url(location) else time.thread_time
+        t1 = clock()
         decode_many([location], [None], spec)
-        times.append(time.perf_counter() - t1)
+        times.append(clock() - t1)
         if time.perf_counter() - t0 > SAMPLE_S:
             break
     # statistics', not NumPy's median: np.median imports numpy.ma (17 ms of start-up).
