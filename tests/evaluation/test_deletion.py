@@ -118,8 +118,13 @@ def test_a_map_that_points_at_what_the_model_uses_passes(tmp_path, marked_images
         "test/occlusion_ceiling_drop_top20",
         "test/occlusion_map_ratio",
     }
-    # The ceiling: 128 of the 500 images (seeded), at the map's grid (here the image's).
-    assert block["occlusion_samples"] == 128 and block["occlusion_grid"] == "8x8"
+    # The ceiling, at the map's grid (here the image's): 65 runs an image, so 3200 // 65
+    # of the 500 images (seeded); at 2x2 (5 runs) 128 (below).
+    assert block["occlusion_samples"] == 49 and block["occlusion_grid"] == "8x8"
+    wide = deletion_test(
+        grid_model(tmp_path, CORNER_DETAIL, UPPER_LEFT_CELL, "2x2.onnx"), marked_images, CARD, 128
+    )
+    assert wide["ceiling"]["samples"] == 128 and wide["samples"] == 500
     assert "passed" in deletion_line(result)
 
 

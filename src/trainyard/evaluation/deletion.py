@@ -59,8 +59,11 @@ from trainyard.runtime.sessions import OnnxModel
 
 DELETION_SAMPLE = 500  # test images (seeded): ~3 model runs each, seconds on 2 cores
 # Of those, the images (seeded) that also get the occlusion ceiling: h' x w' + 1 more runs
-# each (50 for a 7x7 map), so fewer; 128 put the figure within ~0.1x (docs/pipeline.md).
+# each, so at most CEILING_SAMPLE and at most CEILING_RUNS runs in all (about the test's own
+# 7 x 500): 123 images at a 5x5 map, 64 at 7x7. 128 for Lite0's 7x7 at 224 px added 160 s
+# to evaluate on a busy 2-core machine (docs/pipeline.md).
 CEILING_SAMPLE = 128
+CEILING_RUNS = 3200
 DELETION_SEED = 0
 DELETE_SHARE = 0.2
 PASS_RATIO = 2.0
@@ -202,13 +205,17 @@ def deletion_test(
 ) -> dict[str, Any]:
     """The deletion test on ``sample`` test images drawn with ``DELETION_SEED`` (all, if
     fewer): the mean drops, their ratio (None when the random drop is not positive),
-    ``passed``, and the occlusion ceiling (``ceiling``) on ``ceiling_sample`` of them."""
+    ``passed``, and the occlusion ceiling (``ceiling``) on up to ``ceiling_sample`` of them
+    (fewer at a fine map: ``CEILING_RUNS``)."""
     n = images.shape[0]
     rng = np.random.default_rng(DELETION_SEED)
     chosen = rng.choice(n, size=min(sample, n), replace=False)
     rows = np.sort(chosen)
+    one = normalize_pixels(np.asarray(images[rows[:1]]), card.mean, card.std)
+    cells = math.prod(model.run_with_cam(one)[2].shape[2:])  # the map's h' x w', one run
+    ceiling_sample = max(1, min(ceiling_sample, CEILING_RUNS // (cells + 1)))
     # The draw's order is random: its first images are a seeded sample of the sample.
-    in_ceiling = np.isin(rows, chosen[: max(1, ceiling_sample)])
+    in_ceiling = np.isin(rows, chosen[:ceiling_sample])
     top, rand, best = [], [], []
     for start in range(0, len(rows), batch_size):
         part = rows[start : start + batch_size]
@@ -321,14 +328,14 @@ def ceiling_verdict(block: dict[str, Any]) -> str | None:
 
 
 def deletion_note(result: dict[str, Any]) -> str:
-    """The deletion test in a line under the mistakes picture's title: the map's ratio and
-    verdict, and the best ratio a ranking of its grid's cells reached."""
+    """The deletion test in two lines under the mistakes picture's title (as narrow as it):
+    the map's ratio and verdict, and the ratio a ranking of its grid's cells reached."""
     ratio, ceiling = result["ratio"], result["ceiling"]
     best = "n/a" if ceiling["ratio"] is None else f"{ceiling['ratio']:.2f}x"
     return (
         f"deletion test: the map's top {result['share']:.0%} costs "
         + ("n/a" if ratio is None else f"{ratio:.2f}x")
-        + f" a random map's ({'passes' if result['passed'] else 'FAILS'} at {PASS_RATIO:g}x); "
+        + f" a random map's ({'passes' if result['passed'] else 'FAILS'} at {PASS_RATIO:g}x)\n"
         f"its {ceiling['grid']} cells ranked by their own occlusion: {best}"
     )
 
