@@ -45,12 +45,20 @@ def quadrant(where: tuple[slice, slice], value: float) -> np.ndarray:
 CHECKER = np.where(np.add.outer(np.arange(8), np.arange(8)) % 2 == 0, 1.0, -1.0).astype(np.float32)
 
 
-def region_model(tmp_path, map_region: tuple[slice, slice] | None, name: str = "model.onnx"):
+def region_model(
+    tmp_path,
+    map_region: tuple[slice, slice] | None,
+    name: str = "model.onnx",
+    used: np.ndarray | None = None,
+    block: int = 1,
+):
     """logit("marked") = 0.2 x the normalised upper-left quadrant's correlation with
-    ``CHECKER`` (a detail detector), "plain" its negative; ``cam`` [N, 2, 8, 8]: 0.2 x
-    |pixel| over ``map_region``, 0 elsewhere, for "marked" (its negative for "plain"): over
-    the upper-left, each pixel's weight in the logit times its size (the true map);
-    elsewhere, a map that lies. None: no ``cam`` output, as models were exported before."""
+    ``CHECKER`` (a detail detector; or sum(``used`` x the image), [8, 8] weights), "plain"
+    its negative; ``cam`` [N, 2, 8, 8]: 0.2 x |pixel| over ``map_region``, 0 elsewhere, for
+    "marked" (its negative for "plain"): over the upper-left, each pixel's weight in the
+    logit times its size (the true map); elsewhere, a map that lies. ``block`` 4: a 2x2 map
+    as coarse as a real net's, each cell its 4x4 pixels' mean |pixel| (``map_region`` then
+    in cells). None: no ``cam`` output, as models were exported before."""
     nodes = [
         helper.make_node("Mul", ["image", "used"], ["contrib"]),
         helper.make_node("ReduceSum", ["contrib", "axes"], ["marked"], keepdims=0),
@@ -60,7 +68,7 @@ def region_model(tmp_path, map_region: tuple[slice, slice] | None, name: str = "
         helper.make_node("Identity", ["logits"], ["embedding"]),
     ]
     weights = {
-        "used": quadrant(UPPER_LEFT, 0.2) * CHECKER,
+        "used": quadrant(UPPER_LEFT, 0.2) * CHECKER if used is None else used.reshape(1, 1, 8, 8),
         "axes": np.array([1, 2, 3], np.int64),
         "one": np.array([1], np.int64),
     }
@@ -70,21 +78,28 @@ def region_model(tmp_path, map_region: tuple[slice, slice] | None, name: str = "
     ]
     props = {METADATA_KEY: json.dumps(CARD.contract()), "classes": json.dumps(CARD.classes)}
     if map_region is not None:
-        weights["shown"] = quadrant(map_region, 0.2)
+        cells = 8 // block
+        weights["shown"] = np.zeros((1, 1, cells, cells), np.float32)
+        weights["shown"][(0, 0, *map_region)] = 0.2
+        pool = [block, block]
         nodes += [
             helper.make_node("Abs", ["image"], ["magnitude"]),
-            helper.make_node("Mul", ["magnitude", "shown"], ["cam_marked"]),
+            helper.make_node(
+                "AveragePool", ["magnitude"], ["cells"], kernel_shape=pool, strides=pool
+            ),
+            helper.make_node("Mul", ["cells", "shown"], ["cam_marked"]),
             helper.make_node("Neg", ["cam_marked"], ["cam_plain"]),
             helper.make_node("Concat", ["cam_plain", "cam_marked"], ["cam"], axis=1),
         ]
-        outputs.append(helper.make_tensor_value_info("cam", TensorProto.FLOAT, ["N", 2, 8, 8]))
+        cam = helper.make_tensor_value_info("cam", TensorProto.FLOAT, ["N", 2, cells, cells])
+        outputs.append(cam)
         props["explain"] = "cam"
     graph = helper.make_graph(
         nodes,
         "region",
         [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 1, 8, 8])],
         outputs,
-        initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()],
+        initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in weights.items()],
     )
     return save_onnx(graph, tmp_path / name, props)
 
@@ -191,50 +206,9 @@ def test_evaluate_reports_the_test_and_heatmaps_and_an_old_model_has_neither(
 
 
 def grid_model(tmp_path, used: np.ndarray, shown: tuple[slice, slice], name: str):
-    """logit("marked") = sum(``used`` x the normalised image) ([8, 8] weights), "plain" its
-    negative; ``cam`` [N, 2, 2, 2], a 2x2 map as coarse as a real net's: each 4x4 block's
-    mean |pixel| over the ``shown`` quadrant of the grid, 0 elsewhere ("plain": negative)."""
-    nodes = [
-        helper.make_node("Mul", ["image", "used"], ["contrib"]),
-        helper.make_node("ReduceSum", ["contrib", "axes"], ["marked"], keepdims=0),
-        helper.make_node("Unsqueeze", ["marked", "one"], ["marked_col"]),
-        helper.make_node("Neg", ["marked_col"], ["plain_col"]),
-        helper.make_node("Concat", ["plain_col", "marked_col"], ["logits"], axis=1),
-        helper.make_node("Identity", ["logits"], ["embedding"]),
-        helper.make_node("Abs", ["image"], ["magnitude"]),
-        helper.make_node(
-            "AveragePool", ["magnitude"], ["blocks"], kernel_shape=[4, 4], strides=[4, 4]
-        ),
-        helper.make_node("Mul", ["blocks", "shown"], ["cam_marked"]),
-        helper.make_node("Neg", ["cam_marked"], ["cam_plain"]),
-        helper.make_node("Concat", ["cam_plain", "cam_marked"], ["cam"], axis=1),
-    ]
-    cells = np.zeros((1, 1, 2, 2), np.float32)
-    cells[(0, 0, *shown)] = 1.0
-    weights = {
-        "used": used.reshape(1, 1, 8, 8).astype(np.float32),
-        "axes": np.array([1, 2, 3], np.int64),
-        "one": np.array([1], np.int64),
-        "shown": cells,
-    }
-    outputs = [
-        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 2]),
-        helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", 2]),
-        helper.make_tensor_value_info("cam", TensorProto.FLOAT, ["N", 2, 2, 2]),
-    ]
-    props = {
-        METADATA_KEY: json.dumps(CARD.contract()),
-        "classes": json.dumps(CARD.classes),
-        "explain": "cam",
-    }
-    graph = helper.make_graph(
-        nodes,
-        "grid",
-        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 1, 8, 8])],
-        outputs,
-        initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()],
-    )
-    return load_onnx(save_onnx(graph, tmp_path / name, props), "cpu", say=False)
+    """``region_model`` with a 2x2 map: logit("marked") = sum(``used`` x the image)."""
+    path = region_model(tmp_path, shown, name, used=used.astype(np.float32), block=4)
+    return load_onnx(path, "cpu", say=False)
 
 
 UPPER_LEFT_CELL, LOWER_RIGHT_CELL = (slice(0, 1), slice(0, 1)), (slice(1, 2), slice(1, 2))
