@@ -32,13 +32,14 @@ where it is positive, and no ties where it is not); ties are broken at random. E
 image's random draws (its random maps, its tie-breaks) come from a generator seeded by
 ``DELETION_SEED`` and the image's row, so the figures do not depend on the batch size.
 
-How good could a map be? The *occlusion ceiling*: on ``CEILING_SAMPLE`` of the images
-(the first of the seeded draw), blur each cell of the map's grid alone and rank the cells by
-what that costs the class (``cell_drops``), then delete by that ranking exactly as by the
-map's (same upsampling, share, fill and tie-breaks; the same random arm). A map cannot
-rank inside a cell, so this is about the best a map of that grid does (an estimate, not a
-bound: cells interact); below ``PASS_RATIO`` no map of that grid passes on this data, and
-``ceiling_verdict`` says which of the two a failing map is.
+How good could a map be? The *occlusion ceiling*: on up to ``CEILING_SAMPLE`` of the
+images (the first of the seeded draw; fewer at a fine grid, ``CEILING_RUNS``), blur each
+cell of the map's grid alone and rank the cells by what that costs the class
+(``cell_drops``), then delete by that ranking exactly as by the map's (same upsampling,
+share, fill and tie-breaks; the same random arm). A map cannot rank inside a cell, so this
+is about the best a map of that grid does (an estimate, not a bound: cells interact); below
+``PASS_RATIO`` no map of that grid passes on this data, and ``ceiling_verdict`` says which
+of the two a failing map is.
 
 Also the heatmaps of the report's worst mistakes (``mistake_heatmaps``), from one run.
 """
@@ -122,7 +123,8 @@ def cell_drops(
 ) -> np.ndarray:
     """float32 [B, h', w']: how far the class ``top`` falls from ``before`` with one cell of
     the map's ``grid`` alone taken from ``fill`` (the deletion's fill), for each cell: one
-    model run of the batch ``x`` per cell. Ranked, the best map a grid this coarse can be."""
+    model run of the batch ``x`` per cell. Ranked, about the best map a grid this coarse
+    can be (the occlusion ceiling's ranking)."""
     owner = _cell_of_pixel(x.shape[2:], grid)
     rows = np.arange(x.shape[0])
     drops = np.empty((x.shape[0], grid[0] * grid[1]), dtype=np.float32)
