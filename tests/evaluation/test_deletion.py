@@ -15,9 +15,12 @@ from trainyard.core.card import METADATA_KEY
 from trainyard.evaluation.deletion import (
     PASS_RATIO,
     blurred,
+    ceiling_verdict,
+    cell_drops,
     deletion_line,
     deletion_metrics,
     deletion_mlflow,
+    deletion_note,
     deletion_test,
 )
 from trainyard.evaluation.pictures import draw_mistakes, mistakes_png, worst_mistakes
@@ -42,12 +45,20 @@ def quadrant(where: tuple[slice, slice], value: float) -> np.ndarray:
 CHECKER = np.where(np.add.outer(np.arange(8), np.arange(8)) % 2 == 0, 1.0, -1.0).astype(np.float32)
 
 
-def region_model(tmp_path, map_region: tuple[slice, slice] | None, name: str = "model.onnx"):
+def region_model(
+    tmp_path,
+    map_region: tuple[slice, slice] | None,
+    name: str = "model.onnx",
+    used: np.ndarray | None = None,
+    block: int = 1,
+):
     """logit("marked") = 0.2 x the normalised upper-left quadrant's correlation with
-    ``CHECKER`` (a detail detector), "plain" its negative; ``cam`` [N, 2, 8, 8]: 0.2 x
-    |pixel| over ``map_region``, 0 elsewhere, for "marked" (its negative for "plain"): over
-    the upper-left, each pixel's weight in the logit times its size (the true map);
-    elsewhere, a map that lies. None: no ``cam`` output, as models were exported before."""
+    ``CHECKER`` (a detail detector; or sum(``used`` x the image), [8, 8] weights), "plain"
+    its negative; ``cam`` [N, 2, 8, 8]: 0.2 x |pixel| over ``map_region``, 0 elsewhere, for
+    "marked" (its negative for "plain"): over the upper-left, each pixel's weight in the
+    logit times its size (the true map); elsewhere, a map that lies. ``block`` 4: a 2x2 map
+    as coarse as a real net's, each cell its 4x4 pixels' mean |pixel| (``map_region`` then
+    in cells). None: no ``cam`` output, as models were exported before."""
     nodes = [
         helper.make_node("Mul", ["image", "used"], ["contrib"]),
         helper.make_node("ReduceSum", ["contrib", "axes"], ["marked"], keepdims=0),
@@ -57,7 +68,7 @@ def region_model(tmp_path, map_region: tuple[slice, slice] | None, name: str = "
         helper.make_node("Identity", ["logits"], ["embedding"]),
     ]
     weights = {
-        "used": quadrant(UPPER_LEFT, 0.2) * CHECKER,
+        "used": quadrant(UPPER_LEFT, 0.2) * CHECKER if used is None else used.reshape(1, 1, 8, 8),
         "axes": np.array([1, 2, 3], np.int64),
         "one": np.array([1], np.int64),
     }
@@ -67,21 +78,28 @@ def region_model(tmp_path, map_region: tuple[slice, slice] | None, name: str = "
     ]
     props = {METADATA_KEY: json.dumps(CARD.contract()), "classes": json.dumps(CARD.classes)}
     if map_region is not None:
-        weights["shown"] = quadrant(map_region, 0.2)
+        cells = 8 // block
+        weights["shown"] = np.zeros((1, 1, cells, cells), np.float32)
+        weights["shown"][(0, 0, *map_region)] = 0.2
+        pool = [block, block]
         nodes += [
             helper.make_node("Abs", ["image"], ["magnitude"]),
-            helper.make_node("Mul", ["magnitude", "shown"], ["cam_marked"]),
+            helper.make_node(
+                "AveragePool", ["magnitude"], ["cells"], kernel_shape=pool, strides=pool
+            ),
+            helper.make_node("Mul", ["cells", "shown"], ["cam_marked"]),
             helper.make_node("Neg", ["cam_marked"], ["cam_plain"]),
             helper.make_node("Concat", ["cam_plain", "cam_marked"], ["cam"], axis=1),
         ]
-        outputs.append(helper.make_tensor_value_info("cam", TensorProto.FLOAT, ["N", 2, 8, 8]))
+        cam = helper.make_tensor_value_info("cam", TensorProto.FLOAT, ["N", 2, cells, cells])
+        outputs.append(cam)
         props["explain"] = "cam"
     graph = helper.make_graph(
         nodes,
         "region",
         [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 1, 8, 8])],
         outputs,
-        initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()],
+        initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in weights.items()],
     )
     return save_onnx(graph, tmp_path / name, props)
 
@@ -111,7 +129,17 @@ def test_a_map_that_points_at_what_the_model_uses_passes(tmp_path, marked_images
         "test/deletion_drop_top20",
         "test/deletion_drop_random20",
         "test/deletion_ratio",
+        "test/occlusion_ceiling_ratio",
+        "test/occlusion_ceiling_drop_top20",
+        "test/occlusion_map_ratio",
     }
+    # The ceiling, at the map's grid (here the image's): 65 runs an image, so 3200 // 65
+    # of the 500 images (seeded); at 2x2 (5 runs) 128 (below).
+    assert block["occlusion_samples"] == 49 and block["occlusion_grid"] == "8x8"
+    wide = deletion_test(
+        grid_model(tmp_path, CORNER_DETAIL, UPPER_LEFT_CELL, "2x2.onnx"), marked_images, CARD, 128
+    )
+    assert wide["ceiling"]["samples"] == 128 and wide["samples"] == 500
     assert "passed" in deletion_line(result)
 
 
@@ -175,3 +203,77 @@ def test_evaluate_reports_the_test_and_heatmaps_and_an_old_model_has_neither(
         want = overlay(marked_images[index], heatmaps[index])
         np.testing.assert_array_equal(ax.images[0].get_array(), want)
     assert mistakes_png(*args, heatmaps=heatmaps).startswith(b"\x89PNG")
+
+
+def grid_model(tmp_path, used: np.ndarray, shown: tuple[slice, slice], name: str):
+    """``region_model`` with a 2x2 map: logit("marked") = sum(``used`` x the image)."""
+    path = region_model(tmp_path, shown, name, used=used.astype(np.float32), block=4)
+    return load_onnx(path, "cpu", say=False)
+
+
+UPPER_LEFT_CELL, LOWER_RIGHT_CELL = (slice(0, 1), slice(0, 1)), (slice(1, 2), slice(1, 2))
+CORNER_DETAIL = quadrant(UPPER_LEFT, 0.2)[0, 0] * CHECKER  # the logit reads one cell
+
+
+def test_the_occlusion_ceiling_by_hand(tmp_path, marked_images):
+    # Each cell's drop, by hand: the logit is linear, so blurring a cell changes it by the
+    # weights times what the blur changed there; the softmax of (-l, l) is sigmoid(2l).
+    model = grid_model(tmp_path, CORNER_DETAIL, UPPER_LEFT_CELL, "true.onnx")
+    images = marked_images[:100]
+    x = (images / 255 - 0.5) / 0.25
+    fill = blurred(images, CARD)
+    logit = (CORNER_DETAIL * x[:, 0]).sum((1, 2))
+    blurred_corner = np.where(quadrant(UPPER_LEFT, 1)[0] > 0, fill, x)
+    corner = (CORNER_DETAIL * blurred_corner[:, 0]).sum((1, 2))
+
+    def sigmoid(z):
+        return 1 / (1 + np.exp(-z))
+
+    want = np.zeros((100, 2, 2))
+    want[:, 0, 0] = sigmoid(2 * logit) - sigmoid(2 * corner)
+    before = sigmoid(2 * logit).astype(np.float32)
+    got = cell_drops(model, x.astype(np.float32), fill, np.ones(100, np.int64), before, (2, 2))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert (got[:, 0, 0] > 0.05).all()  # the other three cells cost nothing
+
+    # The map ranks the cells as their occlusion does: the ceiling's deletion is the map's
+    # (same pixels, same tie-breaks), so the ceiling is the map's ratio, and >= it.
+    result = deletion_test(model, images, CARD, batch_size=32)
+    ceiling = result["ceiling"]
+    assert ceiling["samples"] == 100 and ceiling["grid"] == "2x2"
+    assert ceiling["drop_top"] == pytest.approx(result["drop_top"], abs=1e-6)
+    assert ceiling["ratio"] >= ceiling["map_ratio"] == result["ratio"] >= PASS_RATIO
+    assert ceiling["ratio"] == pytest.approx(result["ratio"], rel=1e-4)
+    verdict = ceiling_verdict(deletion_metrics(result))
+    assert verdict.startswith(f"the map reaches {result['ratio']:.2f}x of the ceiling's ")
+    assert "2x2 cells" in deletion_note(result) and "occlusion ceiling" in deletion_line(result)
+
+
+def test_the_ceiling_tells_a_poor_map_from_a_grid_no_map_can_pass(tmp_path, marked_images):
+    images = marked_images[:100]
+    true = deletion_test(
+        grid_model(tmp_path, CORNER_DETAIL, UPPER_LEFT_CELL, "t.onnx"), images, CARD, 32
+    )
+    # A map that points at the wrong cell fails; the ceiling does not depend on the map.
+    lying = grid_model(tmp_path, CORNER_DETAIL, LOWER_RIGHT_CELL, "lying.onnx")
+    wrong = deletion_test(lying, images, CARD, batch_size=32)
+    assert not wrong["passed"] and wrong["ceiling"]["ratio"] == true["ceiling"]["ratio"]
+    verdict = ceiling_verdict(deletion_metrics(wrong))
+    assert verdict.startswith("the map fails, and a better map could pass: ranking its 2x2")
+    assert f"reaches {true['ceiling']['ratio']:.2f}x" in verdict
+    # Evidence spread evenly over the image (detail in every cell): any 20% of it costs
+    # about the same, so no ranking of the cells gets to 2x a random one (1.67x here).
+    spread = np.where(np.add.outer(np.arange(8), np.arange(8)) % 2 == 0, 0.02, -0.02)
+    even = (128 + 50 * CHECKER).astype(np.int64) + (images.astype(np.int64) - 128)
+    even = np.clip(even, 0, 255).astype(np.uint8)
+    flat = deletion_test(grid_model(tmp_path, spread, UPPER_LEFT_CELL, "s.onnx"), even, CARD, 32)
+    block = deletion_metrics(flat)
+    assert not flat["passed"] and block["occlusion_ceiling_ratio"] < PASS_RATIO
+    assert ceiling_verdict(block) == (
+        f"no map at this 2x2 grid can reach 2x on this data: the map reaches "
+        f"{block['occlusion_map_ratio']:.2f}x of the ceiling's "
+        f"{block['occlusion_ceiling_ratio']:.2f}x (ranking its 2x2 cells by their own "
+        "occlusion drop, on the same 100 images)"
+    )
+    # metrics.json written before the ceiling: no verdict, no error.
+    assert ceiling_verdict({k: v for k, v in block.items() if "occlusion" not in k}) is None

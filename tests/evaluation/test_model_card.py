@@ -172,6 +172,29 @@ def test_the_deletion_test_and_int8_appear_only_when_measured():
     assert "agrees with fp32 on 99.5% of 300 test images" in md
     failed = card_markdown(card(metrics=METRICS | {"explain": EXPLAIN | {"passed": False}}))
     assert "FAILED" in failed
+    assert "occlusion ceiling" not in md + failed  # metrics.json from before the ceiling
+
+
+def test_the_card_says_whether_a_better_map_could_pass():
+    ceiling = {
+        "occlusion_ceiling_ratio": 1.8,
+        "occlusion_ceiling_drop_top20": 0.27,
+        "occlusion_map_ratio": 1.22,
+        "occlusion_samples": 97,
+        "occlusion_grid": "7x7",
+    }
+    failing = EXPLAIN | {"deletion_ratio": 1.13, "passed": False} | ceiling
+    md = card_markdown(card(metrics=METRICS | {"explain": failing}))
+    assert (
+        "| best map at its grid (occlusion ceiling) | no map at this 7x7 grid can reach 2x on "
+        "this data: the map reaches 1.22x of the ceiling's 1.80x (ranking its 7x7 cells by "
+        "their own occlusion drop, on the same 97 images) |"
+    ) in md
+    could = card_markdown(
+        card(metrics=METRICS | {"explain": failing | {"occlusion_ceiling_ratio": 2.9}})
+    )
+    assert "the map fails, and a better map could pass: ranking its 7x7 cells" in could
+    assert "reaches 2.90x (the map 1.22x on the same 97 images)" in could
 
 
 def test_where_it_is_weak_ranks_classes_and_confusions():

@@ -66,6 +66,9 @@ def test_metrics_file_has_test_and_export_parity(repo):
     explain = metrics["explain"]
     assert explain["deletion_drop_top20"] > 0 and isinstance(explain["passed"], bool)
     assert explain["deletion_ratio"] is None or explain["deletion_ratio"] > 0
+    # The occlusion ceiling beside it: the cnn's 7x7 map, 50 runs an image, 64 images.
+    assert explain["occlusion_grid"] == "7x7" and explain["occlusion_samples"] == 64
+    assert explain["occlusion_ceiling_drop_top20"] > 0
 
 
 def test_mlflow_run_holds_params_metrics_artifacts(repo):
@@ -81,6 +84,7 @@ def test_mlflow_run_holds_params_metrics_artifacts(repo):
     test_acc = json.loads((repo / "reports/metrics.json").read_text())["test"]["accuracy"]
     assert metrics["test/accuracy"] == pytest.approx(test_acc)
     assert metrics["test/deletion_drop_top20"] > 0 and "test/deletion_drop_random20" in metrics
+    assert metrics["test/occlusion_ceiling_drop_top20"] > 0
     for key in ("val/acc", "val/loss", "train/loss_step", "export/max_abs_diff", "lr-AdamW"):
         assert key in metrics, key
     assert len(client.get_metric_history(run.info.run_id, "train/loss_step")) >= 2

@@ -22,7 +22,9 @@ HELP = "the DVC experiments table with only the columns people compare"
 # Metrics always shown when present (others only when they differ between rows);
 # reports/metrics.json's sample counts and provider describe the run, not its quality, and
 # the calibration's temperature, uncalibrated ECE and guard how it was reached (calibration.ece,
-# the quality, stays), as do the deletion test's two drops (explain.deletion_ratio stays);
+# the quality, stays), as do the deletion test's two drops (explain.deletion_ratio stays)
+# and the occlusion ceiling's drop, sample, grid and the map's ratio on that sample
+# (explain.occlusion_ceiling_ratio stays: how far any map at the grid could get);
 # the parity gate's figures are a pass/fail check (a run past export is within its limit),
 # not something experiments are compared by.
 KEY_METRICS = ("test.accuracy", "test.macro_f1", "train.best_val_acc", "train.fit_time_s")
@@ -42,6 +44,10 @@ HIDDEN_METRICS = (
     "explain.deletion_drop_top20",
     "explain.deletion_drop_random20",
     "explain.passed",
+    "explain.occlusion_ceiling_drop_top20",
+    "explain.occlusion_map_ratio",
+    "explain.occlusion_samples",
+    "explain.occlusion_grid",
 )
 HIDDEN_PARAMS = ("tune.",)  # the search space shapes no single experiment
 CELL = 28  # widest cell in the plain table; longer values (folder paths) are cut in the middle

@@ -19,6 +19,7 @@ from typing import Any
 
 from trainyard.core.card import Card
 from trainyard.core.io import atomic_write_text
+from trainyard.evaluation.deletion import ceiling_verdict
 from trainyard.runtime.model_file import CARD_FILES, card_beside
 
 CARD_SCHEMA = 1
@@ -342,6 +343,9 @@ def _how_good(card: Mapping[str, Any]) -> list[str]:
                 f"{verdict})",
             ]
         )
+        ceiling = ceiling_verdict(e)
+        if ceiling:  # a card from before the ceiling has none
+            rows.append(["best map at its grid (occlusion ceiling)", ceiling])
     if "int8" in q:
         i = q["int8"]
         rows.append(

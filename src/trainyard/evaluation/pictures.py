@@ -283,12 +283,13 @@ def mistakes_png(
     classes: Sequence[str],
     limit: int = MAX_MISTAKES,
     heatmaps: Mapping[int, np.ndarray] | None = None,
+    note: str | None = None,
 ) -> bytes:
     """The grid of the most confident wrong predictions as a PNG (``draw_mistakes``)."""
     rows, cols = _grid(len(worst_mistakes(labels, preds, confidence, limit)))
     width, height = max(cols * 2.3, 6.0), rows * 2.75 + 0.9
     with _figure(width, height, _dpi(width, height, most=100.0)) as fig:
-        draw_mistakes(fig, images, labels, preds, confidence, classes, limit, heatmaps)
+        draw_mistakes(fig, images, labels, preds, confidence, classes, limit, heatmaps, note)
         return _png(fig)
 
 
@@ -301,13 +302,15 @@ def draw_mistakes(
     classes: Sequence[str],
     limit: int = MAX_MISTAKES,
     heatmaps: Mapping[int, np.ndarray] | None = None,
+    note: str | None = None,
 ) -> list[Axes]:
     """Up to ``limit`` most confident wrong predictions on ``images`` (uint8 ``[N, C, H,
     W]``; only those shown are read, so a memmap stays on disk), most confident first, each
     titled with its true class, the predicted one and the model's probability for it, and
     overlaid with its heatmap (``heatmaps``: image index -> the predicted class's map,
     0..1 at the image's size; ``runtime.explain.overlay``, what the service draws) where
-    one is given. Returns the image cells in that order."""
+    one is given, and ``note`` (how far to trust the heatmaps: the deletion test) under the
+    title. Returns the image cells in that order."""
     chosen = worst_mistakes(labels, preds, confidence, limit)
     wrong = int((np.asarray(labels) != np.asarray(preds)).sum())
     n = len(chosen)
@@ -315,6 +318,7 @@ def draw_mistakes(
     fig.suptitle(
         f"The {n} most confident of {wrong} wrong predictions on {len(labels)} test images"
         + ("\nheatmap: the region behind the predicted class" if heatmaps else "")
+        + (f"\n{note}" if heatmaps and note else "")
         if n
         else f"No wrong predictions on {len(labels)} test images",
         parse_math=False,

@@ -27,7 +27,7 @@ from trainyard.core.errors import DataError, ModelError
 from trainyard.core.io import atomic_write_bytes, atomic_write_text
 from trainyard.core.pause_points import pause_point
 from trainyard.core.reliability import ECE_BINS, reliability
-from trainyard.evaluation.deletion import explain_split
+from trainyard.evaluation.deletion import deletion_note, explain_split
 from trainyard.evaluation.pictures import (
     confusion_png,
     learning_curves_png,
@@ -309,7 +309,13 @@ def write_reports(
         ),
         "per_class_png": lambda: per_class_png(m["per_class"], classes, title),
         "mistakes_png": lambda: mistakes_png(
-            images, labels, preds, result["confidence"], classes, heatmaps=result.get("heatmaps")
+            images,
+            labels,
+            preds,
+            result["confidence"],
+            classes,
+            heatmaps=result.get("heatmaps"),
+            note=deletion_note(m["explain"]) if "explain" in m else None,
         ),
         "curves_png": lambda: learning_curves_png(history, "Training history"),
         "reliability_png": lambda: reliability_png(
