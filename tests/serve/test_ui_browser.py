@@ -327,6 +327,16 @@ def made_up_card(sha256: str) -> dict:
         metrics={
             "test": {"accuracy": 0.9012, "macro_f1": 0.8955, "samples": 908},
             "calibration": {"temperature": 0.62, "ece": 0.014, "ece_uncalibrated": 0.092},
+            "explain": {
+                "deletion_drop_top20": 0.12,
+                "deletion_drop_random20": 0.08,
+                "deletion_ratio": 1.5,
+                "passed": False,
+                "occlusion_ceiling_ratio": 1.57,
+                "occlusion_map_ratio": 0.99,
+                "occlusion_grid": "7x7",
+                "occlusion_samples": 64,
+            },
         },
         train={"run_id": "run-for-serving-tests", "epochs_run": 1, "best_epoch": 1},
         onnx_sha256=sha256,
@@ -366,6 +376,8 @@ def test_the_card_panel_shows_the_models_card(server, carded, browser):  # noqa:
     ]
     text = panel.text
     assert "0.9012 on 908 images" in text and "0.0140 at temperature 0.620" in text
+    assert "failed: top 20% -12.0%, random 20% -8.0%" in text
+    assert "the map 0.99x, the ceiling 1.57x at 7x7 on 64 images" in text
     # The per-class table: one row per class, the weakest confusion (Shirt taken for T-shirt).
     tables = panel.find_elements(By.TAG_NAME, "table")
     per_class = tables[1].find_elements(By.CSS_SELECTOR, "tbody tr")

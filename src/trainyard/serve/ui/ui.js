@@ -122,6 +122,10 @@ function qualityRows(q) {
     const e = q.explain;
     rows.push(["heatmap deletion test", `${e.passed ? "passed" : "failed"}: top 20% ` +
       `-${pct(e.deletion_drop_top20)}, random 20% -${pct(e.deletion_drop_random20)}`]);
+    if (typeof e.occlusion_ceiling_ratio === "number") {  // cards from before the ceiling lack it
+      rows.push(["best map at its grid (occlusion ceiling)", `the map ${num(e.occlusion_map_ratio, 2)}x, ` +
+        `the ceiling ${num(e.occlusion_ceiling_ratio, 2)}x at ${e.occlusion_grid} on ${e.occlusion_samples} images`]);
+    }
   }
   if (q.int8) rows.push(["int8 agreement", `${pct(q.int8.agreement)} of ${q.int8.samples}`]);
   return rows;
