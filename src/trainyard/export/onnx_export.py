@@ -28,7 +28,7 @@ from trainyard.core.pause_points import pause_point
 from trainyard.export.calibration import choose_temperature, nll
 from trainyard.export.cam import ExplainedNet
 from trainyard.model import networks
-from trainyard.model.classifier import Classifier
+from trainyard.model.trained import TrainedNet
 from trainyard.runtime.explain import CAM_OUTPUT, EXPLAIN_KEY
 from trainyard.runtime.sessions import EMBEDDING_OUTPUT, LOGITS_OUTPUT, OnnxModel, load_onnx
 
@@ -45,7 +45,8 @@ CAM_PARITY_IMAGES = 64
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Any:
-    """Rebuild the Classifier from a Lightning checkpoint, loading tensors only.
+    """Rebuild the trained net from a Lightning checkpoint, loading tensors only (a
+    ``TrainedNet``: the Classifier's net, card and provenance, without Lightning).
 
     ``weights_only=True``: the checkpoint is data, never code, even if someone swapped it.
     """
@@ -58,7 +59,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
     except Exception as err:  # pickle errors come in many types; all mean "not loadable"
         raise ExportError(f"{path}: cannot load as a weights-only checkpoint: {err}") from None
     hparams = dict(ckpt.get("hyper_parameters", {}))
-    model = Classifier(**hparams)
+    model = TrainedNet(**hparams)
     model.load_state_dict(ckpt["state_dict"])
     return model.eval()
 
@@ -87,7 +88,8 @@ class LogitsAndEmbedding(ExplainedNet):
 
     def __init__(self, model: nn.Module, temperature: float = 1.0) -> None:
         classifier_head(model)  # the ExportError for a model without a Linear head
-        net = model.net if isinstance(model, Classifier) else model
+        # A Classifier or a TrainedNet: its ``net``; a bare network: itself.
+        net = model.net if isinstance(getattr(model, "net", None), nn.Module) else model
         super().__init__(net, temperature)
         self.train(model.training)  # in the model's mode (eval, to export): no mode warning
 
@@ -99,10 +101,11 @@ def export_onnx(
     metadata: dict[str, str],
     temperature: float = 1.0,
 ) -> None:
-    """Write ``model`` (a Classifier in eval mode) to ONNX with a dynamic batch dimension
-    and three outputs: ``logits`` [N, classes] (divided by ``temperature``), ``embedding``
-    [N, D] (the head's input), then ``cam`` [N, classes, h, w] (divided likewise); the
-    metadata gains ``explain`` (``cam`` or ``gradcam``: how the maps are made)."""
+    """Write ``model`` (a Classifier or TrainedNet in eval mode) to ONNX with a dynamic
+    batch dimension and three outputs: ``logits`` [N, classes] (divided by
+    ``temperature``), ``embedding`` [N, D] (the head's input), then ``cam`` [N, classes,
+    h, w] (divided likewise); the metadata gains ``explain`` (``cam`` or ``gradcam``: how
+    the maps are made)."""
 
     example = torch.zeros(2, *model.card.input_shape)
     view = LogitsAndEmbedding(model, temperature)
