@@ -27,7 +27,6 @@ FILE_MINUTES = {
     "test_resume.py": 12,
     "test_pipeline_folder.py": 9,
     "test_server_outage.py": 8,
-    "test_host_syncs.py": 7.5,
     "test_tracking_server.py": 6,
     "test_bento.py": 6,
     "test_team_stack.py": 5.5,
@@ -48,6 +47,9 @@ FILE_MINUTES = {
     "test_evaluation.py": 1.2,
     "test_backbones.py": 1.2,
     "test_serving_drain.py": 1,
+    # 36 CPU-s, 62 s alone on one worker of a shared machine (issue 40): not the 7.5 min
+    # a loaded run once showed (it compiles the cnn and the resnet), still split.
+    "test_host_syncs.py": 1,
     "test_report.py": 1,
 }
 # Long files whose tests share nothing costly (no expensive module fixture): their tests go

@@ -672,6 +672,14 @@ def test_a_stage_that_runs_the_onnx_model_never_imports_torch(stage):
     assert {name: reached[name] for name in heavy & set(reached)} == {}
 
 
+def test_the_export_stage_never_imports_lightning():
+    """export rebuilds the net from the checkpoint without the Classifier
+    (``model.trained.TrainedNet``): Lightning's import is ~1.7 CPU-s of every export."""
+    reached = import_closure([REPO / "src/trainyard/stages/export.py"])
+    lightning = {"lightning", "pytorch_lightning", "lightning_fabric"}
+    assert {name: reached[name] for name in lightning & set(reached)} == {}
+
+
 def _bento_repo(tmp_path: Path, files: dict[str, str]) -> Path:
     """A repository with this one's bentofile, the two entries and ``files`` (path -> source)."""
     base = {

@@ -13,9 +13,11 @@ from torch import nn
 from trainyard.core.card import Card, normalize_pixels
 from trainyard.core.config import TrainParams
 from trainyard.core.errors import ParamsError
+from trainyard.export.onnx_export import export_onnx
 from trainyard.model.augment import augment_batch, normalize_on_device
 from trainyard.model.classifier import Classifier
 from trainyard.model.networks import ARCH_NAMES, SmallCNN, _pooled_side, build_model
+from trainyard.model.trained import TrainedNet
 
 # (C, H, W, classes): Fashion-MNIST, a small RGB set, ImageNet-sized RGB, and sizes whose
 # maps do not divide evenly or are not square.
@@ -118,27 +120,19 @@ def test_cnn_onnx_matches_torch(tmp_path, c, h, w):
     import onnxruntime as ort
 
     torch.manual_seed(0)
-    model = build_model("cnn", c, 7, (h, w)).eval()
+    model = TrainedNet(card_dict(c, (h, w), 7), arch="cnn")
     # trained-looking BatchNorm statistics, so the fused Conv+BN is actually exercised
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.uniform_(-0.5, 0.5)
             m.running_var.uniform_(0.5, 2.0)
     path = tmp_path / "m.onnx"
-    torch.onnx.export(
-        model,
-        (torch.zeros(2, c, h, w),),
-        str(path),
-        dynamo=True,
-        opset_version=18,
-        dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
-        verbose=False,
-    )
+    export_onnx(model, path, opset=18, metadata={})  # the export stage's own exporter
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     x = torch.randn(5, c, h, w)  # another batch size than the example: the dim is dynamic
     with torch.no_grad():
         ref = model(x).numpy()
-    (got,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    got = sess.run(["logits"], {sess.get_inputs()[0].name: x.numpy()})[0]
     assert got.shape == (5, 7)
     assert np.abs(got - ref).max() <= 1e-4
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from trainyard.core.card import Card
 from trainyard.model.augment import augment_batch, normalize_on_device
-from trainyard.model.networks import build_model, classifier_head
+from trainyard.model.networks import classifier_head
+from trainyard.model.trained import net_for_card
 
 if TYPE_CHECKING:
     from trainyard.core.config import TrainParams
@@ -65,15 +66,7 @@ class Classifier(L.LightningModule):
         # Stored as the contract's plain dict (lists, not tuples or a Card): checkpoints
         # stay loadable with weights_only=True. save_hyperparameters reads this local.
         card = parsed.contract()
-        self.net = build_model(
-            arch,
-            in_channels=parsed.channels,
-            num_classes=parsed.num_classes,
-            image_size=(parsed.height, parsed.width),
-            pretrained=pretrained,
-            input_mean=parsed.mean,
-            input_std=parsed.std,
-        )
+        self.net = net_for_card(parsed, arch, pretrained)
         # Which weights the fit started from travels with the checkpoint (export writes it
         # into the ONNX metadata); rebuilt from a checkpoint, the saved value stands.
         self.pretrained_info: dict[str, str] = dict(

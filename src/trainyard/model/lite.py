@@ -48,7 +48,9 @@ class SameConv(nn.Conv2d):
         pads = []  # F.pad's order: width (left, right), then height (top, bottom)
         sides = zip(x.shape[-1:-3:-1], self.kernel_size[::-1], self.stride[::-1], strict=True)
         for size, k, s in sides:
-            total = max((-(-size // s) - 1) * s + k - size, 0)
+            # ceil(size / s) on positive numbers only: a traced size is a tensor, and the
+            # ONNX exporter's integer division truncates, where Python's floors negatives.
+            total = max(((size + s - 1) // s - 1) * s + k - size, 0)
             pads += [total // 2, total - total // 2]
         return super().forward(F.pad(x, pads))
 
