@@ -156,3 +156,33 @@ def test_non_checkpoint_file_is_refused(tmp_path):
     bad.write_bytes(pickle.dumps(ExportError("x")))  # an arbitrary pickled object
     with pytest.raises(ExportError, match="cannot load as a weights-only checkpoint"):
         load_checkpoint(bad)
+
+
+def test_a_torch_without_the_torchscript_exporter_exports_through_torch_export(
+    checkpoint, test_images, tmp_path, monkeypatch, caplog
+):
+    """PyTorch deprecated the TorchScript exporter (dynamo=False) in 2.9: where a torch
+    refuses it, export goes through torch.export and the same parity gate passes."""
+    real_export = torch.onnx.export
+    calls = []
+
+    def without_torchscript(*args, **kwargs):
+        calls.append(kwargs["dynamo"])
+        if not kwargs["dynamo"]:
+            raise TypeError("the TorchScript-based exporter was removed")
+        return real_export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.onnx, "export", without_torchscript)
+    report = export_and_verify(
+        checkpoint,
+        tmp_path / "model.onnx",
+        test_images[:64],
+        opset=18,
+        max_abs_diff=1e-4,
+        run_id="run123",
+        data_sha256="d" * 64,
+    )
+    assert calls == [False, True] and report["passed"]
+    assert "exporting with torch.export" in caplog.text
+    names = [o.name for o in onnx.load(str(tmp_path / "model.onnx")).graph.output]
+    assert names == ["logits", "embedding", "cam"]

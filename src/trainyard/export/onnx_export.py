@@ -11,6 +11,7 @@ graph (``trainyard.export.cam``; metadata ``explain`` says ``cam`` or ``gradcam`
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -33,6 +34,8 @@ from trainyard.model import networks
 from trainyard.model.trained import TrainedNet
 from trainyard.runtime.explain import CAM_OUTPUT, EXPLAIN_KEY
 from trainyard.runtime.sessions import EMBEDDING_OUTPUT, LOGITS_OUTPUT, OnnxModel, load_onnx
+
+log = logging.getLogger(__name__)
 
 INPUT_NAME = "image"
 # Fewer validation images than this: no temperature (one image moves a small split's NLL
@@ -96,6 +99,53 @@ class LogitsAndEmbedding(ExplainedNet):
         self.train(model.training)  # in the model's mode (eval, to export): no mode warning
 
 
+def trace_to_onnx(
+    view: nn.Module, example: torch.Tensor, path: Path, outputs: list[str], opset: int
+) -> str:
+    """Write ``view`` to ``path`` as ONNX with a dynamic batch; return the exporter used.
+
+    The TorchScript exporter, not torch.export (dynamo=True): the same graph (the parity
+    gate checks every output) in a tenth of the CPU time (Fashion cnn 0.1 s against 2.5 s,
+    EfficientNet-Lite0 1.3 s against 9.5 s: tracing the three outputs and building
+    torchlib's registry cost more than all of the stage's work besides). PyTorch deprecated
+    it in 2.9; a torch without it (or a net it cannot trace) goes through torch.export.
+    """
+    try:
+        with warnings.catch_warnings():
+            # Its tracer warns where a size becomes a constant: H and W are the card's,
+            # fixed; the batch stays dynamic (dynamic_axes; the gate runs other batches).
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(
+                view,
+                (example,),
+                str(path),
+                dynamo=False,
+                input_names=[INPUT_NAME],
+                output_names=outputs,
+                dynamic_axes={name: {0: "batch"} for name in [INPUT_NAME, *outputs]},
+                opset_version=opset,
+                verbose=False,
+            )
+        return "torchscript"
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError) as exc:
+        log.warning("the TorchScript exporter failed (%s); exporting with torch.export", exc)
+    torch.onnx.export(
+        view,
+        (example,),
+        str(path),
+        dynamo=True,
+        input_names=[INPUT_NAME],
+        output_names=outputs,
+        dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
+        opset_version=opset,
+        external_data=False,
+        optimize=True,
+        verbose=False,
+    )
+    return "dynamo"
+
+
 def export_onnx(
     model: Any,
     path: str | os.PathLike[str],
@@ -113,26 +163,8 @@ def export_onnx(
     view = LogitsAndEmbedding(model, temperature)
     metadata = metadata | {EXPLAIN_KEY: view.kind}
     outputs = [OUTPUT_NAME, EMBEDDING_NAME, CAM_NAME]
-    with atomic_file(path) as tmp, warnings.catch_warnings():
-        # The TorchScript exporter, not torch.export (dynamo=True): the same graph (the
-        # parity gate checks every output) in a tenth of the CPU time (Fashion cnn 0.1 s
-        # against 2.5 s, EfficientNet-Lite0 1.3 s against 9.5 s: tracing the three outputs
-        # and building torchlib's registry cost more than all of the stage's work besides).
-        # Its tracer warns where a size becomes a constant: H and W are the card's, fixed;
-        # the batch stays dynamic (dynamic_axes; the gate runs batches of other sizes).
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(
-            view,
-            (example,),
-            str(tmp),
-            dynamo=False,
-            input_names=[INPUT_NAME],
-            output_names=outputs,
-            dynamic_axes={name: {0: "batch"} for name in [INPUT_NAME, *outputs]},
-            opset_version=opset,
-            verbose=False,
-        )
+    with atomic_file(path) as tmp:
+        trace_to_onnx(view, example, tmp, outputs, opset)
         # The shape arithmetic the tracer records, folded (what dynamo's optimize did):
         # half the nodes, ONNX Runtime's speed of the torch.export graph.
         proto = onnxscript.optimizer.optimize(onnx.load(str(tmp)))
