@@ -97,22 +97,6 @@ def val_logits(model: Classifier, images: np.ndarray) -> torch.Tensor:
     return torch.cat(out)
 
 
-def train_plus_val(dm: ImageDataModule) -> ImageDataModule:
-    """A data module whose train split is ``dm``'s train + val (val kept as it is)."""
-    (xt, yt), (xv, yv) = dm.split_arrays("train"), dm.split_arrays("val")
-    both = (np.concatenate([xt, xv]), np.concatenate([yt, yv]))
-    return ImageDataModule(
-        arrays={"train": both, "val": (xv, yv)},
-        card=dm.card,
-        batch_size=dm.batch_size,
-        eval_batch_size=dm.eval_batch_size,
-        seed=dm.seed,
-        data_path=dm.data_path,
-        device_resident=dm.device_resident,
-        memory_budget=dm.memory_budget,
-    )
-
-
 def refit(
     tp: TrainParams,
     hw: Hardware,
@@ -153,7 +137,8 @@ def refit(
         limit_train_batches=tp.limit_train_batches,
     )
     t0 = time.perf_counter()
-    trainer.fit(model, datamodule=train_plus_val(dm))
+    dm.train_on("train", "val")
+    trainer.fit(model, datamodule=dm)
     refit_s = time.perf_counter() - t0
     path = folder / REFIT_CKPT
     trainer.save_checkpoint(path, weights_only=True)
