@@ -161,3 +161,29 @@ def test_a_small_or_never_wrong_validation_split_leaves_the_model_as_trained(tmp
     own = _torch_outputs(model, x)[0].argmax(1)  # labels the model always gets right
     assert calibrate(model, images[:64, None], own) == {"temperature": 1.0, "samples": 0}
     assert calibrate(model, images[:64, None], labels[:64])["samples"] == 64
+
+
+def test_a_refitted_checkpoint_is_calibrated_on_the_val_chosen_models_logits(tmp_path):
+    """train.refit: the shipped model trained on val, so the temperature comes from the
+    logits its checkpoint carries (the val-chosen model's), never from its own."""
+    import torch
+
+    from trainyard.core.handoffs import SELECTED_VAL_LOGITS
+    from trainyard.export.onnx_export import calibrate
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (96, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, 96)
+    ckpt = train_checkpoint(tmp_path, images, labels, steps=3, batch_size=16, mean=0.3, std=0.35)
+    own = calibrate(load_checkpoint(ckpt), images[:64, None], labels[:64])
+    # Over-confident logits, right 3 times in 4: a temperature above 1 fixes them.
+    chosen = rng.normal(0, 1, (64, 10)).astype(np.float32)
+    right = rng.random(64) < 0.75
+    chosen[np.arange(64), np.where(right, labels[:64], (labels[:64] + 1) % 10)] += 8
+    saved = torch.load(ckpt, weights_only=True)
+    saved[SELECTED_VAL_LOGITS] = torch.from_numpy(chosen)
+    torch.save(saved, ckpt)
+    got = calibrate(load_checkpoint(ckpt), images[:64, None], labels[:64])
+    assert "fitted_on" not in own and got["fitted_on"].startswith("the val-chosen model")
+    assert got["fitted_temperature"] > 1.0 and got != own
+    assert got["val_nll_before"] == pytest.approx(nll(chosen, labels[:64]), abs=1e-5)

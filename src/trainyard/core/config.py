@@ -166,6 +166,9 @@ class TrainParams(Strict):
     # MASTER_ADDR, MASTER_PORT, NODE_RANK); rank 0 owns the MLflow run and the outputs.
     num_nodes: int = Field(1, ge=1, le=4096)
     resume: Literal["auto", "never"] = "auto"
+    # auto: once validation chose the epochs, a fine-tune of pretrained weights is fitted
+    # again on train + val for them (trainyard.training.refit); true: any run; false: never
+    refit: bool | Auto = "auto"
     checkpoint_every_min: float = Field(10.0, ge=0, le=24 * 60)
 
     @field_validator("augment", mode="before")

@@ -109,6 +109,11 @@ class GpuBusy(_Frozen):
     reason: str | None  # why there is no figure; None when there is one
 
 
+# The checkpoint key of a model refitted on train + val (train.refit): the val-chosen
+# model's val logits, on which export fits the temperature.
+SELECTED_VAL_LOGITS = "selected_val_logits"
+
+
 class TrainRecord(Record):
     """What train made: the MLflow run, the best checkpoint and how the fit went."""
 
@@ -134,11 +139,14 @@ class TrainRecord(Record):
     gpu_busy: GpuBusy | None = None
     # why the fit ended: max_epochs, early stopping, or the time limit (train.time_limit_min)
     stopped_by: str | None = None
+    # train.refit: which images trained the shipped model (trained_on: "train" or "train +
+    # val", images, epochs, why; best_epoch is the val-chosen one); None before it
+    refit: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to disk (an older record's keys stay as they were)."""
         raw = super().to_json()
-        for key in ("gpu_busy", "stopped_by"):
+        for key in ("gpu_busy", "stopped_by", "refit"):
             if raw[key] is None:
                 del raw[key]
         return raw
@@ -178,6 +186,9 @@ class Calibration(_Frozen):
     val_ece_after: float | None = None
     val_ece_improved_share: float | None = None
     applied: bool | None = None
+    # A model refitted on train + val (train.refit): T is fitted on the val logits of the
+    # model validation chose, which the checkpoint carries (None: the exported model's own)
+    fitted_on: str | None = None
 
 
 class ExportRecord(Record):

@@ -141,7 +141,9 @@ def build_card(
                 k: train.get(k)
                 for k in ("epochs_run", "best_epoch", "stopped_by", "fit_time_s", "device")
             }
-            | {"precision": train.get("precision")},
+            | {"precision": train.get("precision")}
+            # train.refit: which images trained the shipped model (absent before it)
+            | ({"refit": train["refit"]} if train.get("refit") else {}),
             "params": dict(params),
             "recipe": dict(recipe),
         },
@@ -256,7 +258,13 @@ def _what_it_is(card: Mapping[str, Any]) -> list[str]:
         [
             "training",
             f"{t['epochs_run']} epochs (best {t['best_epoch']}, stopped by {t['stopped_by']}), "
-            f"{t['fit_time_s']} s on {t['device']}, {t['precision']}",
+            f"{t['fit_time_s']} s on {t['device']}, {t['precision']}"
+            + (
+                f"; the shipped model refitted on train + val ({r['images']:,} images, "
+                f"{r['epochs']} epochs)"
+                if (r := t.get("refit") or {}).get("epochs")
+                else ""
+            ),
         ],
         [
             "registry",

@@ -292,6 +292,7 @@ class Tuner:
             run_name=f"{name}-trial-{trial.number}",
             tags=self.runs.trial_tags(name, trial.number),
             callbacks=(callback, st.pruning_callback(trial)),
+            refit=False,
         )
         ws = Workspace.at(self.data_dir(params), out, self.setup.root, params_file)
         record = train(agree(TrainJob.from_params(params), ws), ws, extras)

@@ -26,6 +26,7 @@ from torch import nn
 from trainyard import __version__
 from trainyard.core.card import METADATA_KEY, card_from_metadata, normalize_pixels
 from trainyard.core.errors import ExportError
+from trainyard.core.handoffs import SELECTED_VAL_LOGITS
 from trainyard.core.io import atomic_file, atomic_write_text, sha256_file
 from trainyard.core.pause_points import pause_point
 from trainyard.export.calibration import choose_temperature, nll
@@ -66,6 +67,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
     hparams = dict(ckpt.get("hyper_parameters", {}))
     model = TrainedNet(**hparams)
     model.load_state_dict(ckpt["state_dict"])
+    # A model refitted on train + val (train.refit) carries the val-chosen model's val
+    # logits: the temperature is fitted on those, never on images the model trained on.
+    model.selected_val_logits = ckpt.get(SELECTED_VAL_LOGITS)
     return model.eval()
 
 
@@ -374,19 +378,28 @@ def calibrate(model: Any, images: np.ndarray, labels: np.ndarray) -> dict[str, A
     on it."""
     if len(labels) < MIN_CALIBRATION_IMAGES:
         return {"temperature": 1.0, "samples": 0}
-    x = normalize_pixels(images, model.card.mean, model.card.std)
-    batches = range(0, len(x), 256)
-    logits = np.concatenate([_torch_outputs(model, x[i : i + 256])[0] for i in batches])
+    selected = getattr(model, "selected_val_logits", None)
+    refitted = selected is not None and len(selected) == len(labels)
+    if refitted:  # the val-chosen model's logits (load_checkpoint)
+        logits = selected.float().numpy()
+    else:
+        x = normalize_pixels(images, model.card.mean, model.card.std)
+        batches = range(0, len(x), 256)
+        logits = np.concatenate([_torch_outputs(model, x[i : i + 256])[0] for i in batches])
     if (logits.argmax(axis=1) == labels).all():
         # Never wrong on these images: the NLL falls as T shrinks to its bound, which would
         # make every answer near-certain on images the model has not seen. Left as trained.
         return {"temperature": 1.0, "samples": 0}
     chosen = choose_temperature(logits, labels)  # 1 when the fit would not lower the ECE
-    return chosen | {
-        "samples": len(labels),
-        "val_nll_before": round(nll(logits, labels), 6),
-        "val_nll_after": round(nll(logits, labels, chosen["temperature"]), 6),
-    }
+    return (
+        chosen
+        | {
+            "samples": len(labels),
+            "val_nll_before": round(nll(logits, labels), 6),
+            "val_nll_after": round(nll(logits, labels, chosen["temperature"]), 6),
+        }
+        | ({"fitted_on": "the val-chosen model, before refit"} if refitted else {})
+    )
 
 
 def normalized_example(onnx_path: str | os.PathLike[str], images: np.ndarray) -> np.ndarray:

@@ -203,6 +203,16 @@ class ImageDataModule(L.LightningDataModule):
             self._arrays[split] = load_split(self.data_dir, split)
         return self._arrays[split]
 
+    def train_on(self, *splits: str) -> None:
+        """Train on ``splits`` together from the next fit on (``train.refit``: train + val);
+        the val split stays as it is."""
+        parts = [self.split_arrays(s) for s in splits]
+        self._arrays["train"] = (
+            np.concatenate([x for x, _ in parts]),
+            np.concatenate([y for _, y in parts]),
+        )
+        self.tensors.pop("train", None)  # placed anew by the next setup
+
     def _device(self) -> torch.device:
         trainer = self.trainer
         if trainer is None:

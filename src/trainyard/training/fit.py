@@ -35,8 +35,9 @@ from trainyard.training.job import RunExtras, TrainJob, Workspace
 from trainyard.training.nodes import Agreement, ShareRun
 from trainyard.training.perf import InputBoundMeter
 from trainyard.training.recipe import Plan, few_steps_warning
+from trainyard.training.refit import refit
 from trainyard.training.resume import AtomicCheckpointIO, ResumeCallback
-from trainyard.training.run_logger import GapEpoch
+from trainyard.training.run_logger import GapEpoch, tag_run
 from trainyard.training.tracked_run import FitResult, TrackedRun, tracked_run
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,32 @@ def train(team: Agreement, ws: Workspace, extras: RunExtras | None = None) -> Tr
         )
         if result is None:
             return None  # another DDP rank: rank 0 writes the outputs
+        if not tracked.finished and extras.refit:
+            result = refit_shipped(team, ws, dm, tracked, result)
         tracked.complete(result)  # the server away past the wait: the state is kept, raises
         record = write_outputs(ws.out_dir, job.experiment, tracked, result, hw, ws.card)
     log.info("best val/acc %.4f; MLflow run %s at %s", result.best_score, record.run_id, ws.uri)
     return record
+
+
+def refit_shipped(
+    team: Agreement, ws: Workspace, dm: ImageDataModule, tracked: TrackedRun, result: FitResult
+) -> FitResult:
+    """``train.refit``: the model that ships fitted again on train + val for the epochs
+    validation chose (``training.refit``), said in the run's ``refit`` tag."""
+    job, plan = team.job, team.plan
+
+    def make_model() -> Classifier:
+        L.seed_everything(job.seed, workers=True, verbose=False)
+        return classifier_for(job.train, ws.card, job.seed, plan.finetune, plan.frozen_stages)
+
+    folder = tracked.resume.folder
+    result = refit(job.train, team.hw, dm, make_model, folder, result, plan.finetune)
+    info = result.refit or {}
+    if dm.trainer is not None:  # the fit's trainer: its logger is the run's
+        line = f"{info.get('trained_on')}, {info.get('epochs')} epochs ({info.get('why')})"
+        tag_run(dm.trainer, {"refit": line[:5000]})
+    return result
 
 
 def fit(
@@ -238,7 +261,8 @@ def write_outputs(
         experiment_id=logger.experiment_id,
         experiment=experiment,
         best_val_acc=round(result.best_score, 6),
-        best_epoch=int(_ckpt_epoch(best_dest)),
+        # the val-chosen epoch; a refitted checkpoint's own is the refit's last
+        best_epoch=int((result.refit or {}).get("best_epoch", _ckpt_epoch(best_dest))),
         epochs_run=result.epochs_run,
         device=hw.device,
         precision=hw.precision,
@@ -252,6 +276,7 @@ def write_outputs(
         input_bound=result.input_bound,
         gpu_busy=result.gpu_busy,  # train.gpu_busy: mean %, or None and why
         stopped_by=result.stopped_by,
+        refit=result.refit,
     )
     record.write(TrainRecord.path_in(out_dir))
     return record

@@ -32,6 +32,7 @@ class RunExtras:
     run_name: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
     callbacks: tuple[L.Callback, ...] = ()
+    refit: bool = True  # train.refit may apply (a tune trial is judged on val: no refit)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,8 @@ class FitResult:
     gpu_busy: dict[str, Any] | None
     data_placement: str  # where the splits lived (gpu, ram, mmap)
     history_csv: str  # models/history.csv's text: DVC deletes the file before a rerun
+    # train.refit: what trained the shipped model (trainyard.training.refit); None before it
+    refit: dict[str, Any] | None = None
 
     @classmethod
     def of(
@@ -112,7 +114,10 @@ class FitResult:
             return None
         try:
             raw = json.loads(path.read_text())
-            return cls(**{f.name: raw[f.name] for f in fields(cls)})
+            return cls(
+                **{f.name: raw[f.name] for f in fields(cls) if f.name != "refit"},
+                refit=raw.get("refit"),
+            )
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise TrackingError(
                 f"{path}: not a finished fit trainyard saved ({err}); delete {folder} to train anew"
