@@ -11,9 +11,9 @@ import pytest
 
 from trainyard.core.card import Card
 from trainyard.evaluation import model_card
+from trainyard.evaluation.card_text import card_markdown
 from trainyard.evaluation.model_card import (
     build_card,
-    card_markdown,
     changed_params,
     recipe_choices,
     weak_spots,

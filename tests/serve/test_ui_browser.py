@@ -34,7 +34,8 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 from test_serving import API_KEY, keyed_server, server  # noqa: F401
 
-from trainyard.evaluation.model_card import build_card, card_markdown, with_registration
+from trainyard.evaluation.card_text import card_markdown
+from trainyard.evaluation.model_card import build_card, with_registration
 from trainyard.runtime.model_file import card_beside
 
 from conftest import REPO, fashion_card
