@@ -11,8 +11,7 @@ import torch.nn.functional as F
 
 from trainyard.core.card import Card
 from trainyard.model.augment import augment_batch, normalize_on_device
-from trainyard.model.networks import classifier_head
-from trainyard.model.trained import net_for_card
+from trainyard.model.networks import classifier_head, net_for_card
 
 if TYPE_CHECKING:
     from trainyard.core.config import TrainParams

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainyard.core.card import Card
 from trainyard.core.errors import ParamsError
 from trainyard.model.backbones import BACKBONES, PRETRAINED_KEY, build_backbone
 from trainyard.model.lite import LITE_ARCH, LiteNet
@@ -232,6 +233,19 @@ def build_model(
         model, info = build_backbone(arch, in_channels, num_classes, pretrained)
     model.pretrained_info = info
     return model
+
+
+def net_for_card(card: Card, arch: str, pretrained: str | None = None) -> nn.Module:
+    """``build_model``'s ``arch`` for the images and classes ``card`` describes."""
+    return build_model(
+        arch,
+        in_channels=card.channels,
+        num_classes=card.num_classes,
+        image_size=(card.height, card.width),
+        pretrained=pretrained,
+        input_mean=card.mean,
+        input_std=card.std,
+    )
 
 
 def classifier_head(net: nn.Module) -> tuple[str, nn.Linear] | None:

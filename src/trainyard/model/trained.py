@@ -15,20 +15,7 @@ import torch
 from torch import nn
 
 from trainyard.core.card import Card
-from trainyard.model.networks import build_model
-
-
-def net_for_card(card: Card, arch: str, pretrained: str | None = None) -> nn.Module:
-    """``build_model``'s ``arch`` for the images and classes ``card`` describes."""
-    return build_model(
-        arch,
-        in_channels=card.channels,
-        num_classes=card.num_classes,
-        image_size=(card.height, card.width),
-        pretrained=pretrained,
-        input_mean=card.mean,
-        input_std=card.std,
-    )
+from trainyard.model.networks import net_for_card
 
 
 class TrainedNet(nn.Module):
