@@ -13,26 +13,11 @@ from benchmarks.harness.stopwatch import median_call_s
 
 
 def export_for_bench(model: Any, path: Path) -> str:
-    """ONNX for the inference rows: the pipeline's exporter, else TorchScript's (bare GPU box)."""
-    import torch
-
+    """ONNX for the inference rows, by the pipeline's exporter (its name returned: the
+    TorchScript exporter, or torch.export where that one fails)."""
     from trainyard.export.onnx_export import export_onnx
 
-    try:
-        export_onnx(model, path, opset=18, metadata={"bench": "1"})
-        return "dynamo"
-    except Exception:  # e.g. onnxscript missing: the legacy exporter needs only torch
-        torch.onnx.export(
-            model,
-            (torch.zeros(1, *model.card.input_shape),),
-            str(path),
-            dynamo=False,
-            input_names=["image"],
-            output_names=["logits"],
-            opset_version=18,
-            dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
-        )
-        return "torchscript"
+    return export_onnx(model, path, opset=18, metadata={"bench": "1"})
 
 
 def _ort_session(onnx_path: Path, provider: str, log: Callable[[str], None]) -> Any | None:

@@ -44,6 +44,7 @@ HIDDEN_METRICS = (
     "explain.deletion_drop_top20",
     "explain.deletion_drop_random20",
     "explain.passed",
+    "explain.occlusion_ceiling_ratio",  # the data's and the grid's more than the run's
     "explain.occlusion_ceiling_drop_top20",
     "explain.occlusion_map_ratio",
     "explain.occlusion_samples",
