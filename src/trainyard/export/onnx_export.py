@@ -125,6 +125,7 @@ def trace_to_onnx(
     torchlib's registry cost more than all of the stage's work besides). PyTorch deprecated
     it in 2.9; a torch without it (or a net it cannot trace) goes through torch.export.
     """
+    names = {"input_names": [INPUT_NAME], "output_names": outputs, "opset_version": opset}
     try:
         with warnings.catch_warnings():
             # Its tracer warns where a size becomes a constant: H and W are the card's,
@@ -136,11 +137,9 @@ def trace_to_onnx(
                 (example,),
                 str(path),
                 dynamo=False,
-                input_names=[INPUT_NAME],
-                output_names=outputs,
                 dynamic_axes={name: {0: "batch"} for name in [INPUT_NAME, *outputs]},
-                opset_version=opset,
                 verbose=False,
+                **names,
             )
         return "torchscript"
     except (RuntimeError, TypeError, NotImplementedError, AttributeError) as exc:
@@ -150,13 +149,11 @@ def trace_to_onnx(
         (example,),
         str(path),
         dynamo=True,
-        input_names=[INPUT_NAME],
-        output_names=outputs,
         dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
-        opset_version=opset,
         external_data=False,
-        optimize=True,
+        optimize=True,  # folded here: fold_shapes is for the TorchScript exporter's graph
         verbose=False,
+        **names,
     )
     return "dynamo"
 
@@ -180,7 +177,9 @@ def export_onnx(
     outputs = [OUTPUT_NAME, EMBEDDING_NAME, CAM_NAME]
     with atomic_file(path) as tmp:
         exporter = trace_to_onnx(view, example, tmp, outputs, opset)
-        proto = fold_shapes(onnx.load(str(tmp)))
+        proto = onnx.load(str(tmp))
+        if exporter == "torchscript":  # torch.export's graph comes folded (optimize=True)
+            proto = fold_shapes(proto)
         onnx.checker.check_model(proto, full_check=True)
         del proto.metadata_props[:]
         onnx.helper.set_model_props(proto, metadata)
