@@ -23,8 +23,8 @@ HELP = "the DVC experiments table with only the columns people compare"
 # reports/metrics.json's sample counts and provider describe the run, not its quality, and
 # the calibration's temperature, uncalibrated ECE and guard how it was reached (calibration.ece,
 # the quality, stays), as do the deletion test's two drops (explain.deletion_ratio stays)
-# and the occlusion ceiling's drop, sample, grid and the map's ratio on that sample
-# (explain.occlusion_ceiling_ratio stays: how far any map at the grid could get);
+# and the occlusion ceiling's figures (its ratio is the data's and the grid's more than a
+# run's: the deletion ratio is what runs differ by);
 # the parity gate's figures are a pass/fail check (a run past export is within its limit),
 # not something experiments are compared by.
 KEY_METRICS = ("test.accuracy", "test.macro_f1", "train.best_val_acc", "train.fit_time_s")
