@@ -80,6 +80,7 @@ from benchmarks.predict_report import (
     model_name,
     print_summary,
     ratios_of,
+    seconds_or_dash,
     targets,
 )
 
@@ -331,7 +332,8 @@ def measure_fashion(
         ratios = reps[-1]["ratios"]
         log(
             f"   {rep + 1}/{repeat}: predict {row['wall_s']:.1f} s whole command "
-            f"({row['img_per_s']:,.0f} img/s scoring, first row at {row['first_row_s']} s; "
+            f"({row['img_per_s']:,.0f} img/s scoring, first row at "
+            f"{seconds_or_dash(row['first_row_s'])}; "
             f"{row['place']}); python -m trainyard.bulk {bulk['wall_s']:.1f} s; plain loop "
             f"{plain['seconds']:.1f} s ({plain['img_per_s']:,.0f} img/s): plain / predict "
             f"{ratios['whole command']:.2f}x whole command, {ratios['scoring']:.2f}x scoring"

@@ -209,7 +209,7 @@ def _whole_row(label: str, row: dict[str, Any]) -> str:
     return (
         f"| {label} | {row['images']:,} | {row['wall_s']:.1f} (scoring {row['seconds']:.1f}) | "
         f"{row['wall_img_per_s']:,.0f} (scoring {row['img_per_s']:,.0f}) | "
-        f"{_seconds(row.get('first_row_s'))} | {row.get('place') or row.get('scoring')} |"
+        f"{seconds_or_dash(row.get('first_row_s'))} | {row.get('place') or row.get('scoring')} |"
     )
 
 
@@ -217,7 +217,7 @@ def _bulk_ratio(value: float | None) -> str:
     return "" if value is None else f"; `python -m trainyard.bulk`, whole command: **{value:.2f}x**"
 
 
-def _seconds(value: float | None) -> str:
+def seconds_or_dash(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
 
 
@@ -356,7 +356,8 @@ def print_summary(result: dict[str, Any]) -> None:
         name = model_name(run["model"])
         for who, value in run["ratios"].items():
             print(f"{name}: predict / {who}: {value:.2f}x")
-        print(f"{name}: predict's first row at {_seconds(run['rows'][PREDICT].get('first_row_s'))}")
+        first = seconds_or_dash(run["rows"][PREDICT].get("first_row_s"))
+        print(f"{name}: predict's first row at {first}")
     small = result.get("fashion")
     if small:
         for who, value in small["ratios"].items():
