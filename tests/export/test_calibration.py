@@ -187,3 +187,26 @@ def test_a_refitted_checkpoint_is_calibrated_on_the_val_chosen_models_logits(tmp
     assert "fitted_on" not in own and got["fitted_on"].startswith("the val-chosen model")
     assert got["fitted_temperature"] > 1.0 and got != own
     assert got["val_nll_before"] == pytest.approx(nll(chosen, labels[:64]), abs=1e-5)
+
+
+def test_stored_val_logits_that_do_not_match_the_val_split_stop_the_export(tmp_path):
+    """A refitted model trained on val: with the stored logits unusable, export fails
+    naming both lengths and the checkpoint, never falling back to the model's own logits."""
+    import torch
+
+    from trainyard.core.errors import ExportError
+    from trainyard.core.handoffs import SELECTED_VAL_LOGITS
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (96, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, 96)
+    ckpt = train_checkpoint(tmp_path, images, labels, steps=1, batch_size=16, mean=0.3, std=0.35)
+    saved = torch.load(ckpt, weights_only=True)
+    saved[SELECTED_VAL_LOGITS] = torch.zeros(63, 10)
+    torch.save(saved, ckpt)
+    out = tmp_path / "model.onnx"
+    val = (images[:64, None], labels[:64])
+    with pytest.raises(ExportError, match="logits") as err:
+        export_and_verify(ckpt, out, images[64:, None], 18, 1e-4, "r", "d" * 64, val)
+    assert "63 images" in str(err.value) and "has 64" in str(err.value)
+    assert str(ckpt) in str(err.value) and not out.exists()

@@ -31,7 +31,7 @@ from trainyard.core.pause_points import pause_point
 from trainyard.export.calibration import choose_temperature, nll
 from trainyard.export.cam import ExplainedNet
 from trainyard.model import networks
-from trainyard.model.trained import TrainedNet
+from trainyard.model.trained import TrainedNet, pixel_logits
 from trainyard.runtime.explain import CAM_OUTPUT, EXPLAIN_KEY
 from trainyard.runtime.sessions import EMBEDDING_OUTPUT, LOGITS_OUTPUT, OnnxModel, load_onnx
 
@@ -362,7 +362,11 @@ def export_and_verify(
     onnx_path = Path(onnx_path)
     model = load_checkpoint(ckpt_path)
     meta = model_metadata(model, sha256_file(ckpt_path), run_id, data_sha256)
-    scaling = calibrate(model, *calibration) if calibration is not None else {"temperature": 1.0}
+    scaling = (
+        calibrate(model, *calibration, checkpoint=str(ckpt_path))
+        if calibration is not None
+        else {"temperature": 1.0}
+    )
     meta["temperature"] = repr(scaling["temperature"])
     export_onnx(model, onnx_path, opset, meta, scaling["temperature"])
     report = check_parity(model, onnx_path, test_images, max_abs_diff, scaling["temperature"])
@@ -379,22 +383,31 @@ def export_and_verify(
     return report
 
 
-def calibrate(model: Any, images: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+def calibrate(
+    model: Any, images: np.ndarray, labels: np.ndarray, checkpoint: str = "the checkpoint"
+) -> dict[str, Any]:
     """The temperature fitted on ``images`` (the validation split) by the model's own
     logits (``choose_temperature``: 1 unless it lowers the split's ECE), with the split's
     NLL and ECE before and after: what the export record keeps. 1 (and
     ``samples`` 0) when the split is too small to fit one, or the model is never wrong
-    on it."""
+    on it. ``checkpoint``: where ``model`` came from, for the error a refitted model's
+    stored val logits raise when they do not match ``labels``."""
     if len(labels) < MIN_CALIBRATION_IMAGES:
         return {"temperature": 1.0, "samples": 0}
     selected = getattr(model, "selected_val_logits", None)
-    refitted = selected is not None and len(selected) == len(labels)
+    refitted = selected is not None
+    if refitted and len(selected) != len(labels):
+        # The refitted model trained on these images: its own logits would fit a
+        # temperature to answers it learnt. No silent fallback to them.
+        raise ExportError(
+            f"{checkpoint}: refitted on train + val, it carries the val-chosen model's logits "
+            f"({SELECTED_VAL_LOGITS}) for {len(selected)} images, but the val split has "
+            f"{len(labels)}: the data changed since training; run `dvc repro train`"
+        )
     if refitted:  # the val-chosen model's logits (load_checkpoint)
         logits = selected.float().numpy()
     else:
-        x = normalize_pixels(images, model.card.mean, model.card.std)
-        batches = range(0, len(x), 256)
-        logits = np.concatenate([_torch_outputs(model, x[i : i + 256])[0] for i in batches])
+        logits = pixel_logits(model, model.card, images).numpy()
     if (logits.argmax(axis=1) == labels).all():
         # Never wrong on these images: the NLL falls as T shrinks to its bound, which would
         # make every answer near-certain on images the model has not seen. Left as trained.
