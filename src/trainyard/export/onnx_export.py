@@ -10,6 +10,7 @@ graph (``trainyard.export.cam``; metadata ``explain`` says ``cam`` or ``gradcam`
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -125,35 +126,31 @@ def trace_to_onnx(
     torchlib's registry cost more than all of the stage's work besides). PyTorch deprecated
     it in 2.9; a torch without it (or a net it cannot trace) goes through torch.export.
     """
-    names = {"input_names": [INPUT_NAME], "output_names": outputs, "opset_version": opset}
+    export = functools.partial(  # what both exporters are given
+        torch.onnx.export,
+        view,
+        (example,),
+        str(path),
+        input_names=[INPUT_NAME],
+        output_names=outputs,
+        opset_version=opset,
+        verbose=False,
+    )
     try:
         with warnings.catch_warnings():
             # Its tracer warns where a size becomes a constant: H and W are the card's,
             # fixed; the batch stays dynamic (dynamic_axes; the gate runs other batches).
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
-            torch.onnx.export(
-                view,
-                (example,),
-                str(path),
-                dynamo=False,
-                dynamic_axes={name: {0: "batch"} for name in [INPUT_NAME, *outputs]},
-                verbose=False,
-                **names,
-            )
+            export(dynamo=False, dynamic_axes={n: {0: "batch"} for n in [INPUT_NAME, *outputs]})
         return "torchscript"
     except (RuntimeError, TypeError, NotImplementedError, AttributeError) as exc:
         log.warning("the TorchScript exporter failed (%s); exporting with torch.export", exc)
-    torch.onnx.export(
-        view,
-        (example,),
-        str(path),
+    export(
         dynamo=True,
         dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
         external_data=False,
         optimize=True,  # folded here: fold_shapes is for the TorchScript exporter's graph
-        verbose=False,
-        **names,
     )
     return "dynamo"
 
