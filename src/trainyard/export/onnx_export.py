@@ -359,11 +359,9 @@ def export_and_verify(
     onnx_path = Path(onnx_path)
     model = load_checkpoint(ckpt_path)
     meta = model_metadata(model, sha256_file(ckpt_path), run_id, data_sha256)
-    scaling = (
-        calibrate(model, *calibration, checkpoint=str(ckpt_path))
-        if calibration is not None
-        else {"temperature": 1.0}
-    )
+    scaling: dict[str, Any] = {"temperature": 1.0}
+    if calibration is not None:
+        scaling = calibrate(model, *calibration, checkpoint=str(ckpt_path))
     meta["temperature"] = repr(scaling["temperature"])
     export_onnx(model, onnx_path, opset, meta, scaling["temperature"])
     report = check_parity(model, onnx_path, test_images, max_abs_diff, scaling["temperature"])
@@ -391,7 +389,7 @@ def calibrate(
     stored val logits raise when they do not match ``labels``."""
     if len(labels) < MIN_CALIBRATION_IMAGES:
         return {"temperature": 1.0, "samples": 0}
-    selected = getattr(model, "selected_val_logits", None)
+    selected = getattr(model, "selected_val_logits", None)  # a refitted model's (load_checkpoint)
     refitted = selected is not None
     if refitted and len(selected) != len(labels):
         # The refitted model trained on these images: its own logits would fit a
@@ -401,10 +399,7 @@ def calibrate(
             f"({SELECTED_VAL_LOGITS}) for {len(selected)} images, but the val split has "
             f"{len(labels)}: the data changed since training; run `dvc repro train`"
         )
-    if refitted:  # the val-chosen model's logits (load_checkpoint)
-        logits = selected.float().numpy()
-    else:
-        logits = pixel_logits(model, model.card, images).numpy()
+    logits = (selected.float() if refitted else pixel_logits(model, model.card, images)).numpy()
     if (logits.argmax(axis=1) == labels).all():
         # Never wrong on these images: the NLL falls as T shrinks to its bound, which would
         # make every answer near-certain on images the model has not seen. Left as trained.
