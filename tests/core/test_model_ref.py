@@ -223,6 +223,18 @@ def test_the_int8_file_and_the_drift_reference_of_a_version(registered, registry
     assert got == tmp_path / "refs" / "1" / "model.reference.npz" and got.is_file()
     with pytest.raises(TrackingError, match=r"^--reference: models:/refs/2 \(v2\) has no ref"):
         registry.fetch_reference(ref("models:/refs/2", "--reference"), tmp_path)
+    # The same check as the model file's: a reference its tag does not match is refused.
+    import mlflow
+
+    client = mlflow.MlflowClient(registered[0])
+    good = client.get_model_version("refs", "1").tags["reference_sha256"]
+    client.set_model_version_tag("refs", "1", "reference_sha256", "0" * 64)
+    try:
+        with pytest.raises(TrackingError, match=r"downloaded model\.reference\.npz has sha256"):
+            registry.fetch_reference(ref("models:/refs/1", "--reference"), tmp_path / "again")
+    finally:
+        client.set_model_version_tag("refs", "1", "reference_sha256", good)
+    assert not (tmp_path / "again" / "refs" / "1" / "model.reference.npz").exists()
 
 
 def test_following_an_alias_fetches_the_version_it_moved_to(registered, registry, tmp_path):

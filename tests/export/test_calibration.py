@@ -4,9 +4,14 @@ evaluate side's expected calibration error is what its definition says."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 
+from trainyard.core.errors import ExportError
+from trainyard.core.handoffs import SELECTED_VAL_LOGITS
 from trainyard.core.reliability import reliability
 from trainyard.export.calibration import (
     MIN_IMPROVED_SHARE,
@@ -17,7 +22,13 @@ from trainyard.export.calibration import (
     fit_temperature,
     nll,
 )
-from trainyard.export.onnx_export import _torch_outputs, export_and_verify, load_checkpoint
+from trainyard.export.onnx_export import (
+    MIN_CALIBRATION_IMAGES,
+    _torch_outputs,
+    calibrate,
+    export_and_verify,
+    load_checkpoint,
+)
 from trainyard.runtime.sessions import load_onnx
 
 from conftest import train_checkpoint
@@ -117,11 +128,29 @@ def test_ece_on_logits_is_evaluates_reliability():
         assert ece(z, y, t) == pytest.approx(expected, abs=1e-6)
 
 
-def test_the_exported_graph_carries_the_fitted_temperature(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[np.ndarray, np.ndarray, Path]:
+    """(images, labels, a checkpoint 3 steps into fitting them): random, read only (a test
+    that changes the checkpoint changes a copy, ``refitted``)."""
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (96, 28, 28), dtype=np.uint8)
     labels = rng.integers(0, 10, 96)
-    ckpt = train_checkpoint(tmp_path, images, labels, steps=3, batch_size=16, mean=0.3, std=0.35)
+    root = tmp_path_factory.mktemp("calibration")
+    ckpt = train_checkpoint(root, images, labels, steps=3, batch_size=16, mean=0.3, std=0.35)
+    return images, labels, ckpt
+
+
+def refitted(ckpt: Path, selected: np.ndarray, folder: Path) -> Path:
+    """A copy of ``ckpt`` in ``folder`` carrying ``selected`` as the val-chosen model's val
+    logits, as the refit leaves its checkpoint."""
+    saved = torch.load(ckpt, weights_only=True)
+    saved[SELECTED_VAL_LOGITS] = torch.from_numpy(selected)
+    torch.save(saved, folder / "refit.ckpt")
+    return folder / "refit.ckpt"
+
+
+def test_the_exported_graph_carries_the_fitted_temperature(trained, tmp_path):
+    images, _, ckpt = trained
     # Validation labels the barely trained model mostly gets right (its own answers, 8 of
     # 64 changed): right 7 times in 8 at a confidence near 1/10, an under-confidence the
     # guard is sure a temperature fixes.
@@ -147,13 +176,8 @@ def test_the_exported_graph_carries_the_fitted_temperature(tmp_path):
     assert (graph_logits.argmax(1) == torch_logits.argmax(1)).all()  # the same answers
 
 
-def test_a_small_or_never_wrong_validation_split_leaves_the_model_as_trained(tmp_path):
-    from trainyard.export.onnx_export import MIN_CALIBRATION_IMAGES, calibrate
-
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (96, 28, 28), dtype=np.uint8)
-    labels = rng.integers(0, 10, 96)
-    ckpt = train_checkpoint(tmp_path, images, labels, steps=3, batch_size=16, mean=0.3, std=0.35)
+def test_a_small_or_never_wrong_validation_split_leaves_the_model_as_trained(trained):
+    images, labels, ckpt = trained
     model = load_checkpoint(ckpt)
     few = MIN_CALIBRATION_IMAGES - 1
     assert calibrate(model, images[:few, None], labels[:few]) == {"temperature": 1.0, "samples": 0}
@@ -163,27 +187,32 @@ def test_a_small_or_never_wrong_validation_split_leaves_the_model_as_trained(tmp
     assert calibrate(model, images[:64, None], labels[:64])["samples"] == 64
 
 
-def test_a_refitted_checkpoint_is_calibrated_on_the_val_chosen_models_logits(tmp_path):
+def test_a_refitted_checkpoint_is_calibrated_on_the_val_chosen_models_logits(trained, tmp_path):
     """train.refit: the shipped model trained on val, so the temperature comes from the
     logits its checkpoint carries (the val-chosen model's), never from its own."""
-    import torch
-
-    from trainyard.core.handoffs import SELECTED_VAL_LOGITS
-    from trainyard.export.onnx_export import calibrate
-
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (96, 28, 28), dtype=np.uint8)
-    labels = rng.integers(0, 10, 96)
-    ckpt = train_checkpoint(tmp_path, images, labels, steps=3, batch_size=16, mean=0.3, std=0.35)
+    images, labels, ckpt = trained
     own = calibrate(load_checkpoint(ckpt), images[:64, None], labels[:64])
     # Over-confident logits, right 3 times in 4: a temperature above 1 fixes them.
+    rng = np.random.default_rng(1)
     chosen = rng.normal(0, 1, (64, 10)).astype(np.float32)
     right = rng.random(64) < 0.75
     chosen[np.arange(64), np.where(right, labels[:64], (labels[:64] + 1) % 10)] += 8
-    saved = torch.load(ckpt, weights_only=True)
-    saved[SELECTED_VAL_LOGITS] = torch.from_numpy(chosen)
-    torch.save(saved, ckpt)
-    got = calibrate(load_checkpoint(ckpt), images[:64, None], labels[:64])
+    got = calibrate(
+        load_checkpoint(refitted(ckpt, chosen, tmp_path)), images[:64, None], labels[:64]
+    )
     assert "fitted_on" not in own and got["fitted_on"].startswith("the val-chosen model")
     assert got["fitted_temperature"] > 1.0 and got != own
     assert got["val_nll_before"] == pytest.approx(nll(chosen, labels[:64]), abs=1e-5)
+
+
+def test_stored_val_logits_that_do_not_match_the_val_split_stop_the_export(trained, tmp_path):
+    """A refitted model trained on val: with the stored logits unusable, export fails
+    naming both lengths and the checkpoint, never falling back to the model's own logits."""
+    images, labels, ckpt = trained
+    ckpt = refitted(ckpt, np.zeros((63, 10), np.float32), tmp_path)
+    out = tmp_path / "model.onnx"
+    val = (images[:64, None], labels[:64])
+    with pytest.raises(ExportError, match="logits") as err:
+        export_and_verify(ckpt, out, images[64:, None], 18, 1e-4, "r", "d" * 64, val)
+    assert "63 images" in str(err.value) and "has 64" in str(err.value)
+    assert str(ckpt) in str(err.value) and not out.exists()

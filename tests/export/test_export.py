@@ -4,6 +4,7 @@ embedding outputs, the parity gate."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -47,20 +48,16 @@ def test_lightning_checkpoint_loads_weights_only(checkpoint):
     assert model.card.classes[0] == "T-shirt/top" and model.card.input_shape == (1, 28, 28)
 
 
+def export(checkpoint: Path, out: Path, images: np.ndarray, max_abs_diff: float = 1e-4) -> dict:
+    """``export_and_verify`` as the export stage calls it (opset 18), without calibration."""
+    return export_and_verify(checkpoint, out, images, 18, max_abs_diff, "run123", "d" * 64)
+
+
 @pytest.fixture(scope="module")
 def exported(checkpoint, test_images, tmp_path_factory):
     """(model.onnx, its report): the checkpoint through ``export_and_verify`` once."""
     out = tmp_path_factory.mktemp("export") / "model.onnx"
-    report = export_and_verify(
-        checkpoint,
-        out,
-        test_images,
-        opset=18,
-        max_abs_diff=1e-4,
-        run_id="run123",
-        data_sha256="d" * 64,
-    )
-    return out, report
+    return out, export(checkpoint, out, test_images)
 
 
 def test_export_metadata_dynamic_batch_and_parity(exported, checkpoint):
@@ -143,9 +140,7 @@ def test_parity_gate_rejects_and_removes_disagreeing_model(checkpoint, test_imag
     out = tmp_path / "model.onnx"
     # A threshold no fp32 kernel pair can meet: the gate must fail and leave no model behind.
     with pytest.raises(ExportError, match="failed on 300 test images: logits: max abs diff"):
-        export_and_verify(
-            checkpoint, out, test_images, opset=18, max_abs_diff=1e-12, run_id="r", data_sha256="d"
-        )
+        export(checkpoint, out, test_images, max_abs_diff=1e-12)
     assert not out.exists()
 
 
@@ -173,15 +168,7 @@ def test_a_torch_without_the_torchscript_exporter_exports_through_torch_export(
         return real_export(*args, **kwargs)
 
     monkeypatch.setattr(torch.onnx, "export", without_torchscript)
-    report = export_and_verify(
-        checkpoint,
-        tmp_path / "model.onnx",
-        test_images[:64],
-        opset=18,
-        max_abs_diff=1e-4,
-        run_id="run123",
-        data_sha256="d" * 64,
-    )
+    report = export(checkpoint, tmp_path / "model.onnx", test_images[:64])
     assert calls == [False, True] and report["passed"]
     assert "exporting with torch.export" in caplog.text
     names = [o.name for o in onnx.load(str(tmp_path / "model.onnx")).graph.output]

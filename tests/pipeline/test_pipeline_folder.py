@@ -181,6 +181,8 @@ def test_registry_and_mlflow_record_the_folder_dataset(repo):
     run = client.get_run(info["run_id"])
     assert run.data.tags["data.source"] == "folder"
     assert run.data.tags["data.skipped_files"] == "3"
+    # which images trained the shipped model, tagged as the run completed (train.refit)
+    assert run.data.tags["refit"].startswith(f"{info['refit']['trained_on']}, ")
     assert run.data.metrics["data/skipped_files"] == 3
     assert [a.path for a in client.list_artifacts(run.info.run_id, "data")] == ["data/card.json"]
     inputs = {d.dataset.name for d in run.inputs.dataset_inputs}

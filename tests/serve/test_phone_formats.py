@@ -119,15 +119,23 @@ def test_prepare_reads_heic_and_avif_and_ignores_none(tmp_path, caplog):
         assert best < 6.0
 
 
+def folder_params(root: Path) -> DataParams:
+    return DataParams(source="folder", folder=str(root), image_size=32, workers=1)
+
+
+def prepare_refused(root: Path, out: Path) -> str:
+    """The DataError prepare raises on the folder ``root`` (its bad files), as text."""
+    with pytest.raises(DataError) as info:
+        prepare("unused", out, folder_params(root), seed=0)
+    return str(info.value)
+
+
 def test_a_heic_that_is_not_an_image_is_a_bad_file_named_with_why(tmp_path):
     root = tmp_path / "photos"
     phone_folder(root)
     (root / "cats" / "notes.heic").write_text("shopping list, not a photo\n")
     (root / "dogs" / "half.avif").write_bytes((root / "dogs" / "img_1.avif").read_bytes()[:300])
-    params = DataParams(source="folder", folder=str(root), image_size=32, workers=1)
-    with pytest.raises(DataError) as info:
-        prepare("unused", tmp_path / "out", params, seed=0)
-    message = str(info.value)
+    message = prepare_refused(root, tmp_path / "out")
     assert "2 bad file(s)" in message
     assert "cats/notes.heic: not an image" in message
     assert "dogs/half.avif: " in message and ("truncated" in message or "not an image" in message)
@@ -190,14 +198,11 @@ def test_prepare_names_the_missing_package_per_file(tmp_path, without_phone_read
             img = Image.fromarray(scene(48, 40, shift=40 * c + i))
             (root / name / f"img_{i}.png").write_bytes(encode(img, "PNG"))
     (root / "cats" / "IMG_0001.HEIC").write_bytes(without_phone_readers["HEIF"])
-    params = DataParams(source="folder", folder=str(root), image_size=32, workers=1)
-    with pytest.raises(DataError) as info:
-        prepare("unused", tmp_path / "out", params, seed=0)
-    message = str(info.value)
+    message = prepare_refused(root, tmp_path / "out")
     assert "1 bad file(s)" in message
     assert "cats/IMG_0001.HEIC: HEIC/HEIF images need the pillow-heif package" in message
     # data.on_bad_file: skip leaves it out and prepares the rest
-    skip = params.model_copy(update={"on_bad_file": "skip"})
+    skip = folder_params(root).model_copy(update={"on_bad_file": "skip"})
     card = prepare("unused", tmp_path / "out", skip, seed=0)
     assert sum(c["total"] for c in card.counts.values()) == 8
 

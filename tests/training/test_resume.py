@@ -190,6 +190,31 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
 
+def test_the_completed_run_says_why_it_stopped_and_what_trained_the_model(tmp_path, store):
+    """The run's closing calls tag it from the fit's result: ``train.stopped_by``, and with
+    train.refit which images trained the model that ships (``refit``)."""
+    from lightning.pytorch.loggers.logger import DummyLogger
+
+    from trainyard.track.train_run import TrainRun
+    from trainyard.training.tracked_run import FitResult, TrackedRun
+
+    uri, client, exp = store
+    ckpt = tmp_path / "refit.ckpt"
+    ckpt.write_bytes(b"weights")
+    why = "train.refit: true: the 2 epochs validation chose"
+    refit = {"trained_on": "train + val", "epochs": 2, "why": why}
+    for info, expected in ((None, None), (refit, f"train + val, 2 epochs ({why})")):
+        run_id = client.create_run(exp).info.run_id
+        tracked = TrackedRun(uri, DummyLogger(), Resume(tmp_path, "k"), True, "")
+        tracked.run = TrainRun(uri, run_id, client)
+        result = FitResult(ckpt.name, 0.7, 3, 4, "max_epochs", 1.0, None, None, "ram", "", info)
+        tracked.complete(result)
+        run = client.get_run(run_id)
+        assert tracked.completed and run.info.status == "FINISHED"
+        assert run.data.tags["train.stopped_by"] == "max_epochs"
+        assert run.data.tags.get("refit") == expected
+
+
 # ---------------------------------------------------------------- real dvc repro (slow)
 
 EPOCHS = 2  # the kill lands after epoch 1; the rerun must still train one more

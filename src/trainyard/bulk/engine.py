@@ -387,7 +387,7 @@ def _summary(
         "workers": job.workers,
         "decode_wait_share": wait_share,
         "inference_share": scorer.infer_s / elapsed if elapsed > 0 and not job.spec.model else None,
-        "scoring": _scoring(job),
+        "scoring": _scoring(job, scorer.halves is not None),
         "place": job.place,
         "first_row_s": scorer.first_row_s,
         "gpu_busy": gpu
@@ -419,9 +419,9 @@ def _summary(
     }
 
 
-def _scoring(job: Job) -> str:
+def _scoring(job: Job, halves: bool) -> str:
     if job.inline:
-        threads = "two threads (a batch's halves)" if worker_count("auto") > 1 else "one thread"
+        threads = "two threads (a batch's halves)" if halves else "one thread"
         return f"in this process: a decode thread, the model on {threads}"
     return "in the decode workers, one thread each" if job.spec.model else "batched here"
 

@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import sqlalchemy
 import sqlalchemy.engine
@@ -63,7 +63,24 @@ def connect_args(url: str) -> dict[str, Any]:
     return {}
 
 
-class StudyLock:
+class _Held:
+    """A lock whose ``with`` block holds it: ``acquire`` on entry, ``release`` on exit."""
+
+    def acquire(self) -> None:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class StudyLock(_Held):
     """An exclusive lock among this machine's workers of one storage (a file lock), held
     while a worker counts the study's trials and creates the next one (two workers never
     both start the last trial) and while the parent run is looked up or created. A
@@ -100,13 +117,6 @@ class StudyLock:
             self._fh.close()
             self._fh = None
 
-    def __enter__(self) -> StudyLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
 
 def lock_key(study: str) -> int:
     """The study's advisory lock id: a signed 64-bit number from its name."""
@@ -114,7 +124,7 @@ def lock_key(study: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-class AdvisoryLock:
+class AdvisoryLock(_Held):
     """The StudyLock of a PostgreSQL storage: ``pg_advisory_lock`` on a connection of its
     own, so every worker of the study on any machine counts and starts trials one at a
     time (the study holds exactly ``--trials``). A worker that dies holding it loses its
@@ -152,13 +162,6 @@ class AdvisoryLock:
             log.debug("advisory unlock: %s (the closed connection releases it)", err)
         finally:
             conn.close()
-
-    def __enter__(self) -> AdvisoryLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 # ---------------------------------------------------------------- workers

@@ -10,6 +10,7 @@ graph (``trainyard.export.cam``; metadata ``explain`` says ``cam`` or ``gradcam`
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from trainyard.core.pause_points import pause_point
 from trainyard.export.calibration import choose_temperature, nll
 from trainyard.export.cam import ExplainedNet
 from trainyard.model import networks
-from trainyard.model.trained import TrainedNet
+from trainyard.model.trained import TrainedNet, pixel_logits
 from trainyard.runtime.explain import CAM_OUTPUT, EXPLAIN_KEY
 from trainyard.runtime.sessions import EMBEDDING_OUTPUT, LOGITS_OUTPUT, OnnxModel, load_onnx
 
@@ -125,35 +126,31 @@ def trace_to_onnx(
     torchlib's registry cost more than all of the stage's work besides). PyTorch deprecated
     it in 2.9; a torch without it (or a net it cannot trace) goes through torch.export.
     """
-    names = {"input_names": [INPUT_NAME], "output_names": outputs, "opset_version": opset}
+    export = functools.partial(  # what both exporters are given
+        torch.onnx.export,
+        view,
+        (example,),
+        str(path),
+        input_names=[INPUT_NAME],
+        output_names=outputs,
+        opset_version=opset,
+        verbose=False,
+    )
     try:
         with warnings.catch_warnings():
             # Its tracer warns where a size becomes a constant: H and W are the card's,
             # fixed; the batch stays dynamic (dynamic_axes; the gate runs other batches).
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
-            torch.onnx.export(
-                view,
-                (example,),
-                str(path),
-                dynamo=False,
-                dynamic_axes={name: {0: "batch"} for name in [INPUT_NAME, *outputs]},
-                verbose=False,
-                **names,
-            )
+            export(dynamo=False, dynamic_axes={n: {0: "batch"} for n in [INPUT_NAME, *outputs]})
         return "torchscript"
     except (RuntimeError, TypeError, NotImplementedError, AttributeError) as exc:
         log.warning("the TorchScript exporter failed (%s); exporting with torch.export", exc)
-    torch.onnx.export(
-        view,
-        (example,),
-        str(path),
+    export(
         dynamo=True,
         dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},),
         external_data=False,
         optimize=True,  # folded here: fold_shapes is for the TorchScript exporter's graph
-        verbose=False,
-        **names,
     )
     return "dynamo"
 
@@ -362,7 +359,9 @@ def export_and_verify(
     onnx_path = Path(onnx_path)
     model = load_checkpoint(ckpt_path)
     meta = model_metadata(model, sha256_file(ckpt_path), run_id, data_sha256)
-    scaling = calibrate(model, *calibration) if calibration is not None else {"temperature": 1.0}
+    scaling: dict[str, Any] = {"temperature": 1.0}
+    if calibration is not None:
+        scaling = calibrate(model, *calibration, checkpoint=str(ckpt_path))
     meta["temperature"] = repr(scaling["temperature"])
     export_onnx(model, onnx_path, opset, meta, scaling["temperature"])
     report = check_parity(model, onnx_path, test_images, max_abs_diff, scaling["temperature"])
@@ -379,22 +378,28 @@ def export_and_verify(
     return report
 
 
-def calibrate(model: Any, images: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+def calibrate(
+    model: Any, images: np.ndarray, labels: np.ndarray, checkpoint: str = "the checkpoint"
+) -> dict[str, Any]:
     """The temperature fitted on ``images`` (the validation split) by the model's own
     logits (``choose_temperature``: 1 unless it lowers the split's ECE), with the split's
     NLL and ECE before and after: what the export record keeps. 1 (and
     ``samples`` 0) when the split is too small to fit one, or the model is never wrong
-    on it."""
+    on it. ``checkpoint``: where ``model`` came from, for the error a refitted model's
+    stored val logits raise when they do not match ``labels``."""
     if len(labels) < MIN_CALIBRATION_IMAGES:
         return {"temperature": 1.0, "samples": 0}
-    selected = getattr(model, "selected_val_logits", None)
-    refitted = selected is not None and len(selected) == len(labels)
-    if refitted:  # the val-chosen model's logits (load_checkpoint)
-        logits = selected.float().numpy()
-    else:
-        x = normalize_pixels(images, model.card.mean, model.card.std)
-        batches = range(0, len(x), 256)
-        logits = np.concatenate([_torch_outputs(model, x[i : i + 256])[0] for i in batches])
+    selected = getattr(model, "selected_val_logits", None)  # a refitted model's (load_checkpoint)
+    refitted = selected is not None
+    if refitted and len(selected) != len(labels):
+        # The refitted model trained on these images: its own logits would fit a
+        # temperature to answers it learnt. No silent fallback to them.
+        raise ExportError(
+            f"{checkpoint}: refitted on train + val, it carries the val-chosen model's logits "
+            f"({SELECTED_VAL_LOGITS}) for {len(selected)} images, but the val split has "
+            f"{len(labels)}: the data changed since training; run `dvc repro train`"
+        )
+    logits = (selected.float() if refitted else pixel_logits(model, model.card, images)).numpy()
     if (logits.argmax(axis=1) == labels).all():
         # Never wrong on these images: the NLL falls as T shrinks to its bound, which would
         # make every answer near-certain on images the model has not seen. Left as trained.

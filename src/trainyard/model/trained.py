@@ -11,11 +11,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from trainyard.core.card import Card
+from trainyard.model.augment import normalize_on_device
 from trainyard.model.networks import net_for_card
+
+BATCH = 256  # images a forward: bounds the activations' memory on a large val split
 
 
 class TrainedNet(nn.Module):
@@ -41,3 +45,18 @@ class TrainedNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+def pixel_logits(net: nn.Module, card: Card, images: np.ndarray) -> torch.Tensor:
+    """float32 logits of ``net`` (a Classifier or a TrainedNet, in eval mode: forward takes
+    normalised input) on uint8 ``images`` [N, C, H, W], normalised as ``card`` says (the
+    training's own formula), ``BATCH`` at a time, on the net's device; returned on the CPU.
+    The refit keeps these for the val-chosen model; export fits its temperature on them."""
+    net.eval()
+    device = next(net.parameters()).device
+    out = []
+    with torch.no_grad():  # not inference_mode: the refit saves these in its checkpoint
+        for i in range(0, len(images), BATCH):
+            u8 = torch.from_numpy(np.ascontiguousarray(images[i : i + BATCH])).to(device)
+            out.append(net(normalize_on_device(u8, card.mean, card.std)).float().cpu())
+    return torch.cat(out)

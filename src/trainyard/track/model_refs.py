@@ -20,7 +20,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 
 from trainyard.core.errors import TrackingError
-from trainyard.core.io import atomic_write_text, sha256_file
+from trainyard.core.io import atomic_write_text
 from trainyard.core.model_ref import FetchedModel, ModelRef
 from trainyard.runtime.model_file import CARD_FILES, INT8_SUFFIX, card_beside
 from trainyard.track.quantized import INT8_ARTIFACT_TAG, INT8_SHA_TAG
@@ -60,7 +60,7 @@ class MlflowRegistry:
             return None
         dest = Path(cache_dir) / mv.name / str(mv.version) / f"model{INT8_SUFFIX}"
         what = f"{ref.field}: {ref} (v{mv.version}) int8 model"
-        download_verified(mv, artifact, dest, expected, tracking_uri, what)
+        download_verified(f"runs:/{mv.run_id}/{artifact}", dest, expected, tracking_uri, what)
         atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
         return dest
 
@@ -76,7 +76,8 @@ class MlflowRegistry:
                 "stored a reference; rerun `dvc repro evaluate` for that model"
             )
         dest = Path(cache_dir) / mv.name / str(mv.version) / "model.reference.npz"
-        return download_verified(mv, REFERENCE_ARTIFACT, dest, expected, tracking_uri, what)
+        uri = f"runs:/{mv.run_id}/{REFERENCE_ARTIFACT}"
+        return download_verified(uri, dest, expected, tracking_uri, what)
 
     def fetch_card(self, ref: ModelRef, cache_dir: Path, kind: str) -> Path:
         """The model card (``kind``: md or json) evaluate logged in the run of the version
@@ -162,8 +163,8 @@ def fetch_registered(ref: ModelRef, cache_dir: Path, mv: Any | None = None) -> F
             "model whose bytes cannot be checked"
         )
     dest = Path(cache_dir) / mv.name / str(mv.version) / "model.onnx"
-    if not (dest.is_file() and sha256_file(dest) == expected):
-        _download_model(ref, mv, dest, expected, tracking_uri)
+    uri, what = f"models:/{mv.name}/{mv.version}", f"{ref.field}: {ref} (v{mv.version})"
+    download_verified(uri, dest, expected, tracking_uri, what, member="model.onnx")
     # The same sidecar the export stage writes: one verification path for every model file.
     atomic_write_text(dest.with_name(dest.name + ".sha256"), f"{expected}  {dest.name}\n")
     return FetchedModel(
@@ -178,30 +179,3 @@ def fetch_registered(ref: ModelRef, cache_dir: Path, mv: Any | None = None) -> F
             "onnx_sha256": expected,
         },
     )
-
-
-def _download_model(ref: ModelRef, mv: Any, dest: Path, expected: str, tracking_uri: str) -> None:
-    """The registered model's model.onnx at ``dest``, whole and matching ``expected``."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        folder = Path(
-            mlflow.artifacts.download_artifacts(
-                artifact_uri=f"models:/{mv.name}/{mv.version}",
-                dst_path=tmp,
-                tracking_uri=tracking_uri,
-            )
-        )
-        got = folder / "model.onnx"
-        if not got.is_file():
-            raise TrackingError(
-                f"{ref.field}: {ref} (v{mv.version}): the registered model has no model.onnx"
-            )
-        actual = sha256_file(got)
-        if actual != expected:
-            raise TrackingError(
-                f"{ref.field}: {ref} (v{mv.version}): downloaded model.onnx has sha256 "
-                f"{actual}, the registry records {expected}; refusing it"
-            )
-        # A rename within one folder: two workers fetching one version at once (a champion
-        # move seen by all of them) each replace the file whole, never mix it.
-        os.replace(got, dest)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -180,9 +181,11 @@ class TrainRun:
         if not self.gap.away:
             end_interrupted_run(self.client, self.run_id, status, reason)
 
-    def complete(self, folder: Path, checkpoint: Path, fit_s: float, stopped_by: str) -> int | None:
+    def complete(
+        self, folder: Path, checkpoint: Path, fit_s: float, tags: Mapping[str, str]
+    ) -> int | None:
         """Send what is kept, log the outputs (the best ``checkpoint`` under
-        ``checkpoints/``, the fit's seconds, why it stopped) and end the run FINISHED,
+        ``checkpoints/``, the fit's seconds, its ``tags``) and end the run FINISHED,
         waiting for an away server (``ServerGap.settle``); None once done. If it does not
         answer in time, what it has not taken is saved in ``folder`` for the next start
         (``send_kept``): how many metric values. A signal or an error while waiting saves
@@ -192,7 +195,8 @@ class TrainRun:
         def last_calls() -> None:
             client.log_artifact(run_id, str(checkpoint), "checkpoints")
             client.log_metric(run_id, "train/fit_time_s", fit_s)
-            client.set_tag(run_id, "train.stopped_by", stopped_by)
+            for key, value in tags.items():
+                client.set_tag(run_id, key, value)
             client.set_terminated(run_id, "FINISHED")
 
         try:

@@ -66,11 +66,12 @@ def version_of(ref: ModelRef) -> tuple[Any, str]:
 
 
 def download_verified(
-    mv: Any, artifact: str, dest: Path, expected: str, tracking_uri: str, what: str
+    uri: str, dest: Path, expected: str, tracking_uri: str, what: str, member: str = ""
 ) -> Path:
-    """The run artifact ``artifact`` of version ``mv`` at ``dest``, whole, its sha256 the
-    ``expected`` one the version's tag records (a copy already there that matches is
-    kept); a TrackingError starting with ``what`` when it cannot be had or differs."""
+    """The artifact at ``uri`` (``runs:/...`` or ``models:/...``; ``member``: the file
+    within it, when it is a folder) at ``dest``, whole, its sha256 the ``expected`` one the
+    version's tag records (a copy already there that matches is kept); a TrackingError
+    starting with ``what`` when it cannot be had or differs."""
     if dest.is_file() and sha256_file(dest) == expected:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -78,18 +79,21 @@ def download_verified(
         try:
             got = Path(
                 mlflow.artifacts.download_artifacts(
-                    artifact_uri=f"runs:/{mv.run_id}/{artifact}",
-                    dst_path=tmp,
-                    tracking_uri=tracking_uri,
+                    artifact_uri=uri, dst_path=tmp, tracking_uri=tracking_uri
                 )
             )
         except MlflowException as err:
             raise TrackingError(f"{what}: {err.message}") from None
+        got = got / member if member else got
+        if member and not got.is_file():
+            raise TrackingError(f"{what}: the registered model has no {member}")
         actual = sha256_file(got)
         if actual != expected:
             raise TrackingError(
-                f"{what}: the download has sha256 {actual}, the registry records {expected}; "
-                "refusing it"
+                f"{what}: downloaded {got.name} has sha256 {actual}, the registry records "
+                f"{expected}; refusing it"
             )
-        os.replace(got, dest)  # whole or not at all (tmp is in dest's folder)
+        # A rename within one folder (tmp is in dest's): two workers fetching one version
+        # at once (a champion move seen by all of them) each replace the file whole.
+        os.replace(got, dest)
     return dest

@@ -37,7 +37,7 @@ from trainyard.training.perf import InputBoundMeter
 from trainyard.training.recipe import Plan, few_steps_warning
 from trainyard.training.refit import refit
 from trainyard.training.resume import AtomicCheckpointIO, ResumeCallback
-from trainyard.training.run_logger import GapEpoch, tag_run
+from trainyard.training.run_logger import GapEpoch
 from trainyard.training.tracked_run import FitResult, TrackedRun, tracked_run
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def refit_shipped(
     team: Agreement, ws: Workspace, dm: ImageDataModule, tracked: TrackedRun, result: FitResult
 ) -> FitResult:
     """``train.refit``: the model that ships fitted again on train + val for the epochs
-    validation chose (``training.refit``), said in the run's ``refit`` tag."""
+    validation chose (``training.refit``), said in the run's ``refit`` tag (``complete``)."""
     job, plan = team.job, team.plan
 
     def make_model() -> Classifier:
@@ -88,12 +88,7 @@ def refit_shipped(
         return classifier_for(job.train, ws.card, job.seed, plan.finetune, plan.frozen_stages)
 
     folder = tracked.resume.folder
-    result = refit(job.train, team.hw, dm, make_model, folder, result, plan.finetune)
-    info = result.refit or {}
-    if dm.trainer is not None:  # the fit's trainer: its logger is the run's
-        line = f"{info.get('trained_on')}, {info.get('epochs')} epochs ({info.get('why')})"
-        tag_run(dm.trainer, {"refit": line[:5000]})
-    return result
+    return refit(job.train, team.hw, dm, make_model, folder, result, plan.finetune)
 
 
 def fit(

@@ -25,13 +25,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from trainyard.core.card import normalize_pixels
 from trainyard.core.config import TrainParams
 from trainyard.core.handoffs import SELECTED_VAL_LOGITS
 from trainyard.model.classifier import Classifier
+from trainyard.model.trained import pixel_logits
 from trainyard.training.builder import build_trainer
 from trainyard.training.datamodule import ImageDataModule
 from trainyard.training.device import Hardware
@@ -45,7 +44,6 @@ REFIT_CKPT = "refit.ckpt"  # in the resume folder, beside best.ckpt
 # train-split epochs; a refit epoch reads train + val). 1.5: an early-stopped fit ends at
 # about half its plan, so a refit of its chosen epochs fits; whole runs stay under 480 s.
 REFIT_SHARE = 1.5
-VAL_BATCH = 256
 
 
 def refit_epochs(
@@ -85,18 +83,6 @@ def refit_epochs(
     )
 
 
-def val_logits(model: Classifier, images: np.ndarray) -> torch.Tensor:
-    """The model's float32 logits on uint8 ``images`` (export's calibration input)."""
-    card = model.card
-    model.eval()
-    out = []
-    with torch.no_grad():
-        for i in range(0, len(images), VAL_BATCH):
-            x = normalize_pixels(np.asarray(images[i : i + VAL_BATCH]), card.mean, card.std)
-            out.append(model(torch.from_numpy(x)).float())
-    return torch.cat(out)
-
-
 def refit(
     tp: TrainParams,
     hw: Hardware,
@@ -121,7 +107,7 @@ def refit(
     log.info("refit: %s", why)
     model = make_model()
     model.load_state_dict(selected["state_dict"])
-    logits = val_logits(model, dm.split_arrays("val")[0])
+    logits = pixel_logits(model, model.card, dm.split_arrays("val")[0])
     model = make_model()  # seeded: the same initial weights as the fit's
     trainer = build_trainer(
         accelerator=hw.accelerator,

@@ -106,6 +106,15 @@ class FitResult:
     def save(self, folder: Path) -> None:
         atomic_write_json(folder / FIT_DONE, asdict(self))
 
+    def tags(self) -> dict[str, str]:
+        """The run's tags for this result: why the fit stopped, and with train.refit
+        which images trained the model that ships (``refit``)."""
+        tags = {"train.stopped_by": self.stopped_by}
+        if self.refit is not None:
+            r = self.refit
+            tags["refit"] = f"{r.get('trained_on')}, {r.get('epochs')} epochs ({r.get('why')})"
+        return {k: v[:5000] for k, v in tags.items()}  # MLflow's limit on a tag's value
+
     @classmethod
     def load(cls, folder: Path) -> FitResult | None:
         """The result ``save`` wrote in ``folder``; None when there is none."""
@@ -297,9 +306,7 @@ class TrackedRun:
             return
         folder = self.resume.folder
         try:
-            n = self.run.complete(
-                folder, folder / result.best_ckpt, result.fit_s, result.stopped_by
-            )
+            n = self.run.complete(folder, folder / result.best_ckpt, result.fit_s, result.tags())
         except BaseException:  # a signal or an error while waiting: the finished fit is kept
             result.save(folder)
             self.resume.release()
