@@ -37,6 +37,7 @@ from onnxruntime.quantization import (
 
 from trainyard.core.card import card_from_metadata, normalize_pixels
 from trainyard.core.errors import ExportError
+from trainyard.core.host import x86_without_vnni
 from trainyard.core.io import atomic_file, atomic_write_text, sha256_file
 from trainyard.runtime.explain import CAM_OUTPUT
 from trainyard.runtime.model_file import PRECISION_KEY, int8_beside
@@ -103,6 +104,7 @@ def quantize_int8(fp32_path: Path, out_path: Path, calibration: np.ndarray) -> N
     input_name = proto.graph.input[0].name
     keep_float = explain_only_nodes(proto.graph)
     del proto
+    seven_bit = x86_without_vnni()
     quantize_static(
         str(fp32_path),
         str(out_path),
@@ -114,8 +116,9 @@ def quantize_int8(fp32_path: Path, out_path: Path, calibration: np.ndarray) -> N
         # uint8 activations, int8 weights (U8S8): ONNX Runtime's fast x86 kernels. With
         # int8 activations (S8S8) the resnet18 at 64 px ran no faster than fp32 on this
         # Xeon (AVX-512 VNNI); U8S8 ran 3.7x faster at batch 1, with the same agreement.
-        # ONNX Runtime notes that U8S8 may saturate on x86 without VNNI (AVX2 only):
-        # reduce_range avoids it but cost 0.3-0.5 points of agreement here (docs/serving.md).
+        # On x86 without VNNI (AVX2 only) U8S8 saturates (ONNX Runtime's note): 7-bit weights
+        # there, ONNX Runtime's remedy (docs/serving.md#int8 has both CPUs' figures).
+        reduce_range=seven_bit,
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8,
         calibrate_method=CalibrationMethod.MinMax,
@@ -130,7 +133,8 @@ def quantize_int8(fp32_path: Path, out_path: Path, calibration: np.ndarray) -> N
             PRECISION_KEY: "int8",
             "quantized_from_sha256": sha256_file(fp32_path),
             "quantization": f"onnxruntime static, QDQ, per-channel int8 weights, uint8 "
-            f"activations (MinMax on {calibration.shape[0]} train images)",
+            f"activations (MinMax on {calibration.shape[0]} train images)"
+            + (", 7-bit weights (reduce_range: x86 without VNNI)" if seven_bit else ""),
         },
     )
     onnx.save(quantized, str(out_path))
