@@ -18,19 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-# One OpenMP pool per xdist worker's share of the cores, for this process and every stage it
-# starts (they inherit the variable; torch reads it on import). torch's default is a thread
-# per core in every process: with 2 workers on 2 cores each step's threads wait on each
-# other's. Measured on 2 cores, an EfficientNet-Lite0 step at 32 px, batch 16: 168 ms alone,
-# 770-900 ms with two such processes at 2 threads, 166-173 ms at 1 thread; the 28 px cnn at
-# batch 256: 167 ms alone at 2 threads, 643 ms two at a time at 2 threads, 379-491 ms at 1.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import yaml  # noqa: E402
+import numpy as np
+import pytest
+import yaml
 
 # make test's order of work (a pytest-xdist hook: registered by being here).
 from scheduling import pytest_xdist_make_scheduler  # noqa: F401
@@ -41,6 +31,17 @@ from trainyard.core.handoffs import TrainRecord
 from trainyard.core.pause_points import PAUSE_AT, PAUSE_FILE
 from trainyard.data.idx import read_idx, write_idx_bytes
 from trainyard.evaluation.scoring import REPORT_FILES
+
+# One OpenMP pool per xdist worker's share of the cores, for this process and every stage it
+# starts (they inherit the variable; OpenMP reads it when its pool first starts, which no
+# import above does). torch's default is a thread per core in every process: with 2 workers
+# on 2 cores each step's threads wait on each other's. Measured on 2 cores, an
+# EfficientNet-Lite0 step at 32 px, batch 16: 168 ms alone, 770-900 ms with two such
+# processes at 2 threads, 166-173 ms at 1 thread; the 28 px cnn at batch 256: 167 ms alone
+# at 2 threads, 643 ms two at a time at 2 threads, 379-491 ms at 1.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 REPO = Path(__file__).resolve().parents[1]
 # A background job of a non-interactive shell (`cmd &` in a script) starts with SIGINT
