@@ -65,7 +65,11 @@ def test_int8_model_passes_the_gate_and_keeps_outputs_and_card(fp32_model, fashi
     # (where U8S8 saturates) the weights are 7-bit, and the metadata says so.
     graph = onnx.load(str(path)).graph
     assert {"QuantizeLinear", "DequantizeLinear"} <= {n.op_type for n in graph.node}
-    weights = [onnx.numpy_helper.to_array(t) for t in graph.initializer if t.data_type == 3]
+    weights = [
+        onnx.numpy_helper.to_array(t)
+        for t in graph.initializer
+        if t.data_type == onnx.TensorProto.INT8
+    ]
     seven_bit = x86_without_vnni()
     assert weights and (max(int(np.abs(w).max()) for w in weights) <= 64) == seven_bit
     assert ("7-bit weights" in int8.metadata["quantization"]) == seven_bit
