@@ -280,7 +280,9 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# MLflow's GenAI job runner off, as in team/mlflow_server.py (why: there).
 ui: venv
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false} \
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
 
 clean:

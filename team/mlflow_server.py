@@ -39,6 +39,14 @@ def auth_config(path: Path, auth_db_uri: str, admin: str, admin_password: str) -
     return path
 
 
+# MLflow 3's server starts a job runner beside a database-backed store: five more Python
+# processes (huey consumers) for its GenAI jobs (LLM judges, trace roll-ups), which image
+# classification never queues. On 2 cores they cost about 40 CPU-s a start (50 against 12
+# measured) and double the time to the first /health answer. Off unless the environment
+# already says otherwise (a team that runs GenAI jobs on the same server sets it to true).
+JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
+
+
 def start(
     folder: Path,
     port: int,
@@ -67,6 +75,7 @@ def start(
     }
     for key in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
         env.pop(key, None)  # the server's own environment, not a client's
+    env.setdefault(JOB_EXECUTION, "false")
     log = open(folder / "mlflow-server.log", "ab")  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=folder

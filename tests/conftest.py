@@ -25,7 +25,7 @@ import yaml
 # make test's order of work (a pytest-xdist hook: registered by being here).
 from scheduling import pytest_xdist_make_scheduler  # noqa: F401
 
-from team.mlflow_server import wait_healthy
+from team.mlflow_server import JOB_EXECUTION, wait_healthy
 from trainyard.core.card import Card
 from trainyard.core.handoffs import TrainRecord
 from trainyard.core.pause_points import PAUSE_AT, PAUSE_FILE
@@ -42,6 +42,10 @@ from trainyard.evaluation.scoring import REPORT_FILES
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+# Every `mlflow server` the tests start (and the stages' children) as the team stack starts
+# its own: without MLflow's GenAI job runner (team/mlflow_server.py says why).
+os.environ.setdefault(JOB_EXECUTION, "false")
 
 REPO = Path(__file__).resolve().parents[1]
 # A background job of a non-interactive shell (`cmd &` in a script) starts with SIGINT

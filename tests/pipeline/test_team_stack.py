@@ -23,6 +23,7 @@ import pytest
 import yaml
 from test_serving import Server, classify, png, server_env, write_params
 
+from team.mlflow_server import JOB_EXECUTION
 from team.stack import Ports, Stack, down, up
 from trainyard.core.handoffs import REGISTRY_RECORD, TRAIN_RECORD, TrainRecord
 from trainyard.core.io import sha256_file
@@ -66,13 +67,18 @@ def client_as(stack: Stack, user: str):
 def stack(tmp_path_factory) -> Iterator[Stack]:
     folder = tmp_path_factory.mktemp("stack") / ".team"
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
-    team = up(folder, Ports(free_port(), free_port(), free_port()))
+    # team-up's own setting for MLflow's job runner, not the suite's (conftest.py)
+    suite_jobs = os.environ.pop(JOB_EXECUTION)
+    try:
+        team = up(folder, Ports(free_port(), free_port(), free_port()))
+    finally:
+        os.environ[JOB_EXECUTION] = suite_jobs
     try:
         yield team
     finally:
         down(folder, purge=True)
         for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
 
 
 def with_remote(stack: Stack, repo: Path) -> None:
@@ -108,6 +114,16 @@ def teammate_clone(stack: Stack, origin: SimpleNamespace, name: str) -> Path:
     with_remote(stack, clone)
     run(clone, "dvc", "pull")
     return clone
+
+
+def test_the_server_runs_without_mlflows_genai_job_runner(stack):
+    """MLflow 3 starts a job runner and huey consumers beside a database store; team-up
+    turns them off (team/mlflow_server.py): the server's process group is uvicorn's."""
+    group = os.getpgid(stack.pids["mlflow"])
+    ps = subprocess.run(["ps", "-e", "-o", "pgid=,args="], capture_output=True, text=True)
+    mine = [line for line in ps.stdout.splitlines() if int(line.split()[0]) == group]
+    assert any("uvicorn" in line for line in mine), mine
+    assert not any("huey" in line or "_job_runner" in line for line in mine), mine
 
 
 def test_the_pipeline_lands_on_the_server_signed_in(stack, origin):
