@@ -38,10 +38,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 from trainyard.core.errors import ExportError
+from trainyard.model.backbones import tv_models
 from trainyard.model.lite import LiteNet
 from trainyard.model.networks import ResNet, SmallCNN
 
@@ -70,13 +70,14 @@ def split_net(net: nn.Module) -> tuple[nn.Module, str, list[nn.Module]]:
         b = net.body  # LiteBody.forward; its dropout before the head is off in eval
         trunk = nn.Sequential(net.adapt, b.conv_stem, b.bn1, b.blocks, b.conv_head, b.bn2)
         return trunk, "mean", [b.classifier]
-    if isinstance(net, torchvision.models.ResNet):
+    models = tv_models()  # not at the top: a torchvision net has paid the import, ours not
+    if isinstance(net, models.ResNet):
         n = net
         trunk = nn.Sequential(
             n.conv1, n.bn1, n.relu, n.maxpool, n.layer1, n.layer2, n.layer3, n.layer4
         )
         return trunk, "mean", [n.fc]
-    if isinstance(net, torchvision.models.MobileNetV3 | torchvision.models.EfficientNet):
+    if isinstance(net, models.MobileNetV3 | models.EfficientNet):
         return net.features, "mean", list(net.classifier)
     raise ExportError(f"{type(net).__name__}: no known split into feature maps and a head")
 

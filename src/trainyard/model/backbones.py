@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.hub
-import torchvision
 from torch import nn
 
 from trainyard.core.errors import ParamsError
@@ -37,6 +36,15 @@ BACKBONES: dict[str, tuple[str, str]] = {
 }
 
 
+def tv_models() -> Any:
+    """``torchvision.models``, imported on first use: the import (its models, torch._dynamo)
+    costs 2.6 CPU-s on 2 cores, which the stages that build only trainyard's own nets
+    (export, evaluate) and the networks module's importers need not pay."""
+    import torchvision.models
+
+    return torchvision.models
+
+
 def build_backbone(
     arch: str, in_channels: int, num_classes: int, pretrained: str | None
 ) -> tuple[nn.Module, dict[str, str]]:
@@ -44,7 +52,7 @@ def build_backbone(
     stem_path, head_path = BACKBONES[arch]
     # Built as torchvision defines it (3-channel stem, 1000-class head) so that torchvision
     # state dicts load strictly; the stem and head are adapted afterwards.
-    model = torchvision.models.get_model(arch, weights=None)
+    model = tv_models().get_model(arch, weights=None)
     info: dict[str, str] = {}
     if pretrained is not None:
         state, info = _pretrained_state_dict(arch, pretrained)
@@ -102,7 +110,7 @@ def torchvision_weights(arch: str, timeout_s: float = 15.0) -> tuple[Path | None
     downloaded there first when missing, within ``timeout_s`` - or (None, why not)."""
     if arch not in BACKBONES:
         return None, f"torchvision has no {arch}"
-    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    weights = tv_models().get_model_weights(arch).DEFAULT
     cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(weights.url)
     if cached.is_file():
         return cached, ""
@@ -121,7 +129,7 @@ def torchvision_weights(arch: str, timeout_s: float = 15.0) -> tuple[Path | None
 
 def _imagenet_state_dict(arch: str) -> tuple[Mapping[str, Any], dict[str, str]]:
 
-    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    weights = tv_models().get_model_weights(arch).DEFAULT
     try:
         # check_hash: the file name carries its sha256 prefix; a truncated download fails.
         state = weights.get_state_dict(
