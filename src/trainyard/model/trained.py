@@ -57,6 +57,7 @@ def pixel_logits(net: nn.Module, card: Card, images: np.ndarray) -> torch.Tensor
     out = []
     with torch.no_grad():  # not inference_mode: the refit saves these in its checkpoint
         for i in range(0, len(images), BATCH):
-            u8 = torch.from_numpy(np.ascontiguousarray(images[i : i + BATCH])).to(device)
+            # np.array: a writable copy (the split is a read-only memmap: torch warns)
+            u8 = torch.from_numpy(np.array(images[i : i + BATCH])).to(device)
             out.append(net(normalize_on_device(u8, card.mean, card.std)).float().cpu())
     return torch.cat(out)
