@@ -41,9 +41,10 @@ def auth_config(path: Path, auth_db_uri: str, admin: str, admin_password: str) -
 
 # MLflow 3's server starts a job runner beside a database-backed store: five more Python
 # processes (huey consumers) for its GenAI jobs (LLM judges, trace roll-ups), which image
-# classification never queues. On 2 cores they cost about 40 CPU-s a start (50 against 12
-# measured) and double the time to the first /health answer. Off unless the environment
-# already says otherwise (a team that runs GenAI jobs on the same server sets it to true).
+# classification never queues. On 2 quiet cores a sqlite server's start cost 28-30 CPU-s
+# with them against 11-12 without, and 15 s to the first /health answer against 11-13. Off
+# unless the environment already says otherwise (a team that runs GenAI jobs on the same
+# server sets it to true).
 JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 

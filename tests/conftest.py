@@ -58,6 +58,8 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # the pipeline tests that check them cannot drift apart.
 # What the evaluate stage writes into reports/ (besides registry.json): its report files and
 # metrics.json.
+# dvc.yaml's pipeline stages, in their order.
+STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 EVALUATE_REPORTS = (*(f"reports/{f}" for f in REPORT_FILES.values()), "reports/metrics.json")
 FASHION_DIR = Path(os.environ.get("TRAINYARD_FASHION_DIR", "/usr/share/datasets/fashion-mnist"))
 VENV_BIN = Path(sys.executable).parent

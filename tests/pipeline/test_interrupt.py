@@ -43,6 +43,7 @@ from trainyard.track.registry import CHALLENGER, CHAMPION, SHA_TAG, register_and
 from conftest import (
     EVALUATE_REPORTS,
     REPO,
+    STAGES,
     copy_reproduced,
     dvc,
     pause_env,
@@ -52,7 +53,6 @@ from conftest import (
     wait_paused,
 )
 
-STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 EXPORT_OUTS = ("models/model.onnx", "models/model.onnx.sha256", str(EXPORT_RECORD))
 EVALUATE_OUTS = (*EVALUATE_REPORTS, str(REGISTRY_RECORD))
 MODEL = "fashion-mnist-classifier"

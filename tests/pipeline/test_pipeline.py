@@ -14,10 +14,9 @@ import yaml
 
 from trainyard.core.handoffs import REGISTRY_RECORD, TRAIN_RECORD, RegistryRecord, TrainRecord
 
-from conftest import VENV_BIN, copy_reproduced, dvc, run_ok, set_params, train_concurrently
+from conftest import STAGES, VENV_BIN, copy_reproduced, dvc, run_ok, set_params, train_concurrently
 
 pytestmark = pytest.mark.slow
-STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 
 
 def ran(output: str) -> set[str]:

@@ -24,10 +24,9 @@ from trainyard.model.lite import LITE_ARCH
 from trainyard.model.weights import PACKAGED
 from trainyard.training.recipe import KEYS as RECIPE_KEYS
 
-from conftest import PHOTO_CLASSES, copy_repo, dvc, make_photo_folder, set_params
+from conftest import PHOTO_CLASSES, STAGES, copy_repo, dvc, make_photo_folder, set_params
 
 pytestmark = pytest.mark.slow
-STAGES = ("fetch", "prepare", "train", "export", "evaluate")
 SIZE = 32  # data.image_size: auto would take 64 here (4x the pixels a step)
 BUDGET_MIN = 0.2  # train.time_budget_min: the recipe plans about 12 s of epochs
 

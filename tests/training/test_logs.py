@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainyard.training.builder import build_trainer
 from trainyard.training.fit_log import ProgressLog, duration
 
-from conftest import REPO, run_ok
+from conftest import REPO, STAGES, run_ok
 
 # What the pipeline's log held before (a real train/export/evaluate run), by source.
 NOISE = (
@@ -264,8 +264,7 @@ def test_pipeline_log_says_each_fact_once_without_noise(reproduced_pipeline):
     them: each stage's lines marked with it, none twice, no noise, no warning that
     trainyard's own code makes a library raise; every other line is DVC's."""
     log = (reproduced_pipeline.parent / "first_repro.log").read_text()
-    stages = ("fetch", "prepare", "train", "export", "evaluate")
-    lines: dict[str, list[str]] = {stage: [] for stage in stages}
+    lines: dict[str, list[str]] = {stage: [] for stage in STAGES}
     unmarked = []
     for line in log.splitlines():
         mark = re.match(r"\[(\w+)\] ", line)
