@@ -328,7 +328,7 @@ def one_section(args: argparse.Namespace, run: dict[str, Any], command: str, mac
         print("\n".join(int8_lines({"int8": run["int8"]})))
     elif args.explain_only:
         lines = explain_lines({"explain": run["explain"]})
-        facts["said"] = "(a shared machine: read the ratios)."
+        facts["said"] = ""
         publish_part(
             Path(args.docs), "bench-serve-explain", EXPLAIN_HEAD, lines, run["explain"], facts
         )

@@ -143,8 +143,7 @@ def publish_rounds(docs: Path, section: dict[str, Any], facts: dict[str, Any]) -
     """``--rounds-only``: ``publish_part`` of section 0, first among the subsections
     (``facts``: the command and the machine)."""
     said = (
-        "(a shared 2-core machine: other users' work ran meanwhile; read the ratios). This "
-        "part alone: the Targets and the sections below are the full run's named above (a "
+        "This part alone: the Targets and the sections below are the full run's named above (a "
         "full run now reads these four figures from its own section 0)."
     )
     run = {**facts, "said": said, "first": True}

@@ -165,6 +165,14 @@ def splice_subsection(docs: Path, head: str, lines: list[str], first: bool = Fal
     docs.write_text(text)
 
 
+def load_words(loadavg: float, cores: int) -> str:
+    """The load average at the start in words: up to half the cores is quiet (what is left
+    of the run's own processes); more is other work competing for them."""
+    if loadavg <= cores / 2:
+        return "(quiet cores)"
+    return "(a shared machine: other work ran meanwhile; read the ratios)"
+
+
 def publish_part(
     docs: Path, name: str, head: str, lines: list[str], part: dict[str, Any], run: dict[str, Any]
 ) -> None:
@@ -180,7 +188,8 @@ def publish_part(
     record = {"command": command, "machine": machine, "date": date, **part}
     atomic_write_json(REPO / f"reports/{name}.json", record)
     where = f"{machine['cpu']}, {machine['cores']} cores, load average {machine['loadavg']:.1f}"
-    said = f"`{command}` on {date}: {where} at the start {run['said']}"
+    busy = load_words(machine["loadavg"], machine["cores"])
+    said = f"`{command}` on {date}: {where} at the start {busy}. {run['said']}".rstrip()
     splice_subsection(docs, head, [*lines[:3], said, "", *lines[3:]], run.get("first", False))
     print("\n".join(lines))
 

@@ -15,7 +15,7 @@ from benchmarks import bench_serve as bs
 from benchmarks import serve_figures as fig
 from benchmarks import serve_load as load
 from benchmarks import serve_report as report
-from benchmarks.harness.publish import splice_subsection
+from benchmarks.harness.publish import load_words, splice_subsection
 
 
 def row(section: str, model: str, server: str, workers: int, batching: bool | None, **kw: Any):
@@ -290,6 +290,11 @@ def test_render_rewrites_the_section_from_the_json(tmp_path: Path, capsys):
     assert "<!-- bench:prepare:start -->\n## Prepare" in text
     out = capsys.readouterr().out
     assert "service / thread-hop / inline server, 1 worker, 16 clients: 0.84x / 0.75x" in out
+
+
+def test_a_parts_header_says_quiet_or_shared_by_the_load_at_its_start():
+    assert load_words(0.9, 2) == "(quiet cores)"
+    assert "shared machine" in load_words(4.6, 2) and "shared" in load_words(1.1, 2)
 
 
 def test_parse_metrics_sums_over_workers():

@@ -6,6 +6,7 @@ CPU or without NVML; measured for real on a GPU."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -16,7 +17,6 @@ from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from trainyard.core import nvml_sampler
 from trainyard.core.card import Card
 from trainyard.core.handoffs import GpuBusy, InputBound
 from trainyard.model.classifier import Classifier
@@ -285,7 +285,7 @@ def test_nvml_sampler_without_a_gpu_or_its_package_says_why(monkeypatch):
         pytest.skip("a GPU here: NVML works")
     with pytest.raises(Exception, match=r"(?i)nvml|driver|library|shared"):
         NvmlSampler()  # nvidia-ml-py is installed; the driver's library is not
-    monkeypatch.setattr(nvml_sampler, "pynvml", None)  # a bare image without nvidia-ml-py
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # a bare image without nvidia-ml-py
     with pytest.raises(RuntimeError, match="nvidia-ml-py is not installed"):
         NvmlSampler()
     assert busy_figures([]) == {"samples": 0, "mean_pct": None, "median_pct": None}

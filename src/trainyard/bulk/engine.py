@@ -34,13 +34,11 @@ from trainyard.bulk.decode import (
     InlineDecoder,
     Task,
     rank,
-    worker_count,
 )
 from trainyard.bulk.heatmaps import fresh_folder, write_heatmaps
 from trainyard.bulk.listing import Inputs, chunk_count, shard_range
 from trainyard.bulk.summary import tally
 from trainyard.bulk.table import ChunkStore, Ranked, ranked_table, read_tables, summary_path
-from trainyard.bulk.where_to_score import TwoThreads
 from trainyard.core.errors import DataError
 from trainyard.core.io import atomic_write_json
 from trainyard.core.nvml_sampler import UNDERFED_PCT, NvmlSampler, unavailable
@@ -119,8 +117,6 @@ class _Scorer:
         self.k = min(job.top_k, len(job.classes))
         self.infer_s = 0.0
         self.first_row_s: float | None = None  # from the process's start
-        # In this process with a second core, the model's batches in halves on two threads.
-        self.halves = TwoThreads(job.model) if job.inline and worker_count("auto") > 1 else None
 
     def top(
         self, pixels: np.ndarray, rows: np.ndarray, sizes: np.ndarray | None
@@ -130,7 +126,7 @@ class _Scorer:
         t0 = time.perf_counter()
         x = model_input(pixels, self.job.spec.card)
         if sizes is None:
-            probs = softmax((self.halves or self.job.model).run(x))
+            probs = softmax(self.job.model.run(x))
         else:
             logits, _, cam = self.job.model.run_with_cam(x)
             probs = softmax(logits)
@@ -355,8 +351,6 @@ def run(job: Job, progress_stream: Any = None) -> dict[str, Any]:
     finally:
         if pool is not None:
             pool.close()
-        if scorer.halves is not None:
-            scorer.halves.close()
         gpu = sampler.close() if sampler is not None else None
     elapsed = time.perf_counter() - t0
     store.finish(count, job.fmt)
@@ -387,7 +381,7 @@ def _summary(
         "workers": job.workers,
         "decode_wait_share": wait_share,
         "inference_share": scorer.infer_s / elapsed if elapsed > 0 and not job.spec.model else None,
-        "scoring": _scoring(job, scorer.halves is not None),
+        "scoring": _scoring(job),
         "place": job.place,
         "first_row_s": scorer.first_row_s,
         "gpu_busy": gpu
@@ -419,10 +413,9 @@ def _summary(
     }
 
 
-def _scoring(job: Job, halves: bool) -> str:
+def _scoring(job: Job) -> str:
     if job.inline:
-        threads = "two threads (a batch's halves)" if halves else "one thread"
-        return f"in this process: a decode thread, the model on {threads}"
+        return "in this process: a decode thread, the model on one thread"
     return "in the decode workers, one thread each" if job.spec.model else "batched here"
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,25 +159,3 @@ def choose_place(
     if workers > 1 and there * WORKERS_GAIN < here:
         return Place(False, f"decode workers: {costs}")
     return Place(True, f"in this process (a decode thread, the model here): {costs}")
-
-
-class TwoThreads:
-    """A batch scored in two halves, one on a helper thread, by the one-thread session of
-    a job scored in this process (a CPU with a second core): the decode thread leaves most
-    of that core idle (28 px PNGs: decode 0.05 ms, the model 0.13 ms an image), and ONNX
-    Runtime runs concurrent calls of one session, each on its caller's thread, the GIL
-    released. The logits are the same: each image's are computed on its own."""
-
-    def __init__(self, model: OnnxModel) -> None:
-        self.model = model
-        self.helper = ThreadPoolExecutor(1, thread_name_prefix="trainyard-score")
-
-    def run(self, x: np.ndarray) -> np.ndarray:
-        if len(x) < 2:
-            return self.model.run(x)
-        half = len(x) // 2
-        other = self.helper.submit(self.model.run, x[half:])
-        return np.concatenate([self.model.run(x[:half]), other.result()])
-
-    def close(self) -> None:
-        self.helper.shutdown(wait=False)
