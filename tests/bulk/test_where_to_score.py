@@ -18,12 +18,12 @@ import pytest
 import test_predict
 from PIL import Image
 
-from trainyard.bulk import command_line, engine
+from trainyard.bulk import command_line, engine, where_to_score
 from trainyard.bulk import predict_job as command
 from trainyard.bulk.decode import TASK_BYTES, TASK_MAX_IMAGES, DecodeSpec
 from trainyard.bulk.engine import process_age
 from trainyard.bulk.listing import list_inputs
-from trainyard.bulk.where_to_score import POOL_START_S, choose_place
+from trainyard.bulk.where_to_score import POOL_START_S, choose_batch, choose_place
 
 from conftest import REPO, stage_env
 
@@ -72,6 +72,25 @@ def test_the_place_is_the_shorter_estimate(rows, decode_ms, model_ms, workers, i
     place = choose_place(rows, decode_ms / 1e3, 1e3 / model_ms, workers, workers)
     assert place.inline is inline, place.reason
     assert f"decode {decode_ms:.2f} ms" in place.reason and f"{POOL_START_S:.0f} s" in place.reason
+
+
+@pytest.mark.parametrize(
+    ("rates", "chosen"),
+    [
+        ({1: 900, 4: 2_000, 16: 3_900, 64: 3_800}, 64),  # a near tie: the larger batch
+        ({1: 900, 4: 2_000, 16: 4_000, 64: 3_600}, 16),  # 10% slower: the best stays
+        ({1: 250, 4: 240, 16: 200, 64: 9_999}, 4),  # 20% slower ends the probe (Lite0)
+        ({1: 1_000, 4: 980, 16: 960, 64: 950}, 64),  # ties are measured on the best rate
+        ({1: 1_000, 4: 970, 16: 940, 64: 920}, 4),  # ... so they cannot drift down
+    ],
+)
+def test_the_cpu_batch_is_the_fastest_or_a_larger_near_tie(monkeypatch, rates, chosen):
+    """The rule over measured rates (the measurement itself: the start-up runs above)."""
+    cpu = argparse.Namespace(provider="CPUExecutionProvider")
+    monkeypatch.setattr(where_to_score, "_one_thread", lambda model, path: model)
+    monkeypatch.setattr(where_to_score, "_rate", lambda model, x: rates[len(x)])
+    probe = choose_batch(cpu, Path("m.onnx"), (1, 28, 28), "auto")
+    assert (probe.batch, probe.img_per_s) == (chosen, rates[chosen])
 
 
 def test_tasks_to_workers_hold_about_the_same_bytes(tmp_path, model):
