@@ -4,10 +4,10 @@ picks and why: docs/serving.md, "Adaptive batching"; the figures: docs/benchmark
 Serving).
 
 On a CPU a worker's event loop is its scarcest core: a call that costs less than the trip
-to a worker thread and back (a future, a wake-up, two GIL handoffs) runs inline, measured
-here by racing the two ways in process, not assumed; a 10-20 ms call would stall every
-other request on the loop, so it goes to a thread. On a GPU one call of many images is
-what keeps the device busy, so there ``auto`` batches.
+to a worker thread and back (a future, a wake-up, two GIL handoffs) runs inline; a 10-20
+ms call would stall every other request on the loop, so it goes to a thread. The model's
+call is timed here; the trip is ``HOP_MS``, not measured at each start (below). On a GPU
+one call of many images is what keeps the device busy, so there ``auto`` batches.
 
 `bentoml serve` imports the service once in its own process before it starts the workers:
 the choice made there is handed to them in the environment (``CHOICE_ENV``), so every
@@ -16,19 +16,14 @@ worker serves the same way and none races the others for the cores while it star
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import anyio
-import anyio.to_thread
 import numpy as np
 from PIL import Image
 
@@ -41,8 +36,15 @@ from trainyard.runtime.sessions import CUDA, OnnxModel, load_onnx
 # request there) and is not batched (the model's work dominates: batching loses).
 MAX_CALL_MS = 2.0
 TIMED_CALLS = 5
-HOPS = 15  # timed hops at start-up (each a few ms)
-BUSY_REQUESTS, BUSY_CHUNK_MS = 4, 0.25  # the loop's other work meanwhile: requests' parsing
+# What a trip to a worker thread and back costs while the event loop runs other requests:
+# the thread waits for the GIL, which the loop drops only for an instant at each I/O poll,
+# and CPython hands it over on request only to a thread that saw no switch meanwhile. Timed
+# at every start until stop 53 (a no-op's round trip beside four busy tasks), it measured
+# 5.7 ms, 18.7 ms, 34.7 ms, 364 ms and 5 s on the same quiet 2 cores: 15 such trips took up
+# to 75 s of `bentoml serve`'s start-up, and two starts served two different ways. 35 ms
+# is the middle of those; under wrk on the Fashion CNN an inline limit from 35 ms served
+# 574-658 req/s with 1 worker, from 10 ms 470-548, from 300 ms 567-689 (2 starts each).
+HOP_MS = 35.0
 CHOICE_ENV = "TRAINYARD_SERVE_PATH"  # the serve process's choice, for its workers
 
 Call = Callable[[], np.ndarray]
@@ -115,10 +117,9 @@ def _measure(params: ServeParams, model_path: Path) -> ServePath:
     if ms >= MAX_CALL_MS:
         why = f"{said}, over {MAX_CALL_MS:g} ms" + (": auto does not batch" if auto else "")
         return ServePath(params.model_copy(update={"batching": params.batching is True}), 0, why)
-    hop = busy_hop_ms(params.concurrent_inferences())
-    why = f"{said}, a thread hop {hop:.1f} ms with the event loop busy"
+    why = f"{said}, a thread hop about {HOP_MS:g} ms with the event loop busy"
     batching = params.batching is not False  # auto: a cheap call batches
-    return ServePath(params.model_copy(update={"batching": batching}), int(hop // ms), why)
+    return ServePath(params.model_copy(update={"batching": batching}), int(HOP_MS // ms), why)
 
 
 def _one_call(model: OnnxModel) -> Call:
@@ -142,37 +143,3 @@ def _timed(call: Call) -> float:
     start = time.perf_counter()
     call()
     return (time.perf_counter() - start) * 1e3
-
-
-def busy_hop_ms(threads: int) -> float:
-    """The median round trip of a no-op to a worker thread (as a hopping /classify makes
-    it) while other requests keep the event loop busy with Python: the thread waits for
-    the GIL to hand its answer back, and the loop for it again, so under load a hop costs
-    milliseconds (about sys.getswitchinterval() each way), not its idle tens of µs."""
-
-    async def hops() -> float:
-        limiter, stop, times = anyio.CapacityLimiter(threads), asyncio.Event(), []
-
-        async def other_request() -> None:
-            while not stop.is_set():
-                end = time.perf_counter() + BUSY_CHUNK_MS / 1e3
-                while time.perf_counter() < end:  # Python work, holding the GIL
-                    pass
-                await asyncio.sleep(0)
-
-        others = [asyncio.create_task(other_request()) for _ in range(BUSY_REQUESTS)]
-        for _ in range(HOPS):
-            start = time.perf_counter()
-            await anyio.to_thread.run_sync(_nothing, limiter=limiter)
-            times.append((time.perf_counter() - start) * 1e3)
-        stop.set()
-        await asyncio.gather(*others)
-        return statistics.median(times)
-
-    # Its own thread and loop: the caller may be inside one (a worker's start-up).
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, hops()).result()
-
-
-def _nothing() -> None:
-    return None
