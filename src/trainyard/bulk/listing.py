@@ -20,7 +20,6 @@ from pathlib import Path
 
 from trainyard.core.card import SPLITS
 from trainyard.core.errors import DataError
-from trainyard.core.image_formats import IMAGE_EXTENSIONS
 from trainyard.data.fingerprint import is_url, stat_fingerprint
 from trainyard.data.sources.list_files import Wanted, raise_problems, read_csv, read_paths
 from trainyard.data.walk import UNREADABLE_IMAGES, extension, is_image, rel_path, walk_files
@@ -140,7 +139,7 @@ def _folder(root: Path) -> Inputs:
         # The walk's paths are under the root: their names by slicing, not Path.relative_to.
         text = str(path)
         rel = text[len(prefix) :] if text.startswith(prefix) else rel_path(path, root)
-        if ext in IMAGE_EXTENSIONS:  # is_image, its suffix already taken
+        if is_image(path):
             names.append(rel)
         elif ext in UNREADABLE_IMAGES:  # an image all the same: a row that says why
             names.append(rel)

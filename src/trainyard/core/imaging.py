@@ -21,6 +21,7 @@ Which formats are read, and the optional plugins they need: ``trainyard.core.ima
 
 from __future__ import annotations
 
+import functools
 import io
 import warnings
 from collections.abc import Callable, Iterator
@@ -137,16 +138,15 @@ def _open(data: bytes, max_pixels: int, field: str, max_aspect_ratio: float, lim
 
 
 def _readable() -> tuple[str, ...]:
-    """The formats Pillow can read here: naming one it lacks raises KeyError inside it.
-    Kept while Pillow's registry keeps its size (a plugin registered later adds one)."""
+    """The formats Pillow can read here: naming one it lacks raises KeyError inside it."""
     Image.init()
-    key = len(Image.OPEN)
-    if _READABLE[0] != key:
-        _READABLE[:] = [key, tuple(f for f in IMAGE_FORMATS if f in Image.OPEN)]
-    return _READABLE[1]
+    return _readable_among(len(Image.OPEN))
 
 
-_READABLE: list[Any] = [-1, ()]
+@functools.cache
+def _readable_among(registered: int) -> tuple[str, ...]:
+    """Computed again only when Pillow's registry grows (a plugin registered later)."""
+    return tuple(f for f in IMAGE_FORMATS if f in Image.OPEN)
 
 
 def _quiet_bomb_warning() -> AbstractContextManager[object]:
