@@ -188,3 +188,14 @@ def test_a_training_epoch_never_ends_on_a_batch_of_one_image():
     assert len(held) == 3 and [len(y) for _, y in held] == [16, 16, 1]
     even = TensorBatches(torch.zeros(34, 1, 4, 4, dtype=torch.uint8), torch.arange(34), 16, True)
     assert [len(y) for _, y in even] == [16, 16, 2]
+
+
+def test_validation_batches_are_at_most_four_training_batches():
+    from trainyard.training.fit import VAL_STEPS, val_batch
+
+    # Fashion-MNIST's cnn (batch 256) validates 1,024 at a time, as evaluate.batch_size says
+    assert val_batch(1024, 256) == 1024
+    # a Lite0 fine-tune at batch 32: 1,024 images of 160 px a pass peaked at 10.9 GB
+    assert val_batch(1024, 32) == VAL_STEPS * 32 == 128
+    assert val_batch(100, 32) == 100
+    assert val_batch(1024, 0) == 1
