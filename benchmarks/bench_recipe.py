@@ -1,15 +1,16 @@
 """Benchmark: trainyard's defaults vs trainyard from scratch vs a textbook fine-tune vs a
 frozen probe, on real folders in two groups.
 
-    python -m benchmarks.bench_recipe                    # make bench-recipe: all four folders
+    python -m benchmarks.bench_recipe                    # make bench-recipe: all five folders
     python -m benchmarks.bench_recipe --folders emoji    # one of them
     python -m benchmarks.bench_recipe --folders /my/photos --quick
 
 The folders (``benchmarks.recipe_folders`` builds them; a path is your own) come in two
 groups (``GROUPS``): **tuning**, ``digits``, ``clipart`` and ``emoji``, the folders the
 recipe's rules were tuned on (the background rule, the frozen stages, pretrained auto,
-the flip check: docs/own-images.md); and **check**, ``clipart-check`` (openclipart
-categories disjoint from ``clipart``'s), which only checks them. For each folder, four
+the flip check: docs/own-images.md); and **check**, ``clipart-check`` and ``symbols-check``
+(openclipart categories disjoint from ``clipart``'s and from each other's), which only
+check them. For each folder, four
 contenders, one after the other, each scored on the same test/ images:
 
 1. **trainyard's defaults**: ``dvc exp run -S data.source=folder -S data.folder=DIR`` in a
@@ -63,6 +64,7 @@ from benchmarks.recipe_folders import (
     clipart_folder,
     digits_folder,
     emoji_folder,
+    symbols_check_folder,
 )
 from benchmarks.recipe_probe import PROBE, probe
 from benchmarks.recipe_textbook import TEXTBOOK, textbook
@@ -76,11 +78,12 @@ BUILDERS = {
     "clipart": clipart_folder,
     "emoji": emoji_folder,
     "clipart-check": clipart_check_folder,
+    "symbols-check": symbols_check_folder,
 }
 FOLDERS = tuple(BUILDERS)
 # tuning: the folders the recipe's rules were measured and tuned on (docs/own-images.md,
 # training/recipe.py); check: folders no rule was tuned on, that only check them (issue 41).
-GROUPS = {"tuning": ("digits", "clipart", "emoji"), "check": ("clipart-check",)}
+GROUPS = {"tuning": ("digits", "clipart", "emoji"), "check": ("clipart-check", "symbols-check")}
 MARGIN = 0.03  # issue 41: the defaults >= the frozen probe + 3 points (or 1.000)
 SPLITS = ("train", "val", "test")
 FRACTIONS = {"val": 0.2, "test": 0.2}  # the rest trains; digits' own split is 60/20/20 too

@@ -10,13 +10,15 @@ None of them is in the tests: they are what a user brings, and the recipe is mea
 - ``clipart-check``: 5 other openclipart-png categories, none of the 7 above (education,
   electronics, office, people, recreation: 1,253 drawings): a check folder, that no rule of
   the recipe was tuned on.
+- ``symbols-check``: 4 more openclipart-png categories (computer, shapes, signs_and_symbols,
+  special), at most 300 drawings each (1,125 in all): a second check folder.
 - ``emoji``: Google's Noto emoji as 64 px RGBA PNGs from the npm package
   ``emoji-datasource-google``, one folder per category of ``emoji-datasource``'s
   ``emoji.json`` (9 once "Component", the bare skin-tone swatches, is dropped; 1,906 images,
   skin-tone variants left out), one pool that the benchmark splits. ``npm pack`` fetches both
   tarballs into a cache folder, as a user would.
 
-``python -m benchmarks.recipe_folders OUT`` writes all four under OUT.
+``python -m benchmarks.recipe_folders OUT`` writes all five under OUT.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -45,6 +48,10 @@ CLIPART_CATEGORIES = (
 )
 # The check folder's categories: disjoint from the tuning ones (a test says so).
 CLIPART_CHECK_CATEGORIES = ("education", "electronics", "office", "people", "recreation")
+# A second check folder, symbols rather than things: 2,158, 1,645, 1,113 and 225 drawings,
+# sampled to at most 300 a class so that no class outweighs the others sevenfold.
+SYMBOLS_CHECK_CATEGORIES = ("computer", "shapes", "signs_and_symbols", "special")
+SYMBOLS_PER_CLASS = 300
 EMOJI_IMAGES = ("emoji-datasource-google", "16.0.0")  # img/google/64/*.png
 EMOJI_NAMES = ("emoji-datasource", "16.0.0")  # emoji.json: image file -> category
 EMOJI_DROP = ("Component",)  # five skin-tone and hair swatches, not emoji of their own
@@ -92,17 +99,29 @@ def _save_heic(im: object, path: Path) -> None:
 
 
 def clipart_folder(
-    out: Path, categories: tuple[str, ...] = CLIPART_CATEGORIES, name: str = "clipart"
+    out: Path,
+    categories: tuple[str, ...] = CLIPART_CATEGORIES,
+    name: str = "clipart",
+    per_class: int | None = None,
+    seed: int = 0,
 ) -> Path:
-    """openclipart-png's categories as one class folder each (symlinks: no copy)."""
+    """openclipart-png's categories as one class folder each (symlinks: no copy); with
+    ``per_class``, a seeded sample of at most that many drawings of each."""
     if not OPENCLIPART.is_dir():
         raise SystemExit(f"{OPENCLIPART} missing: apt-get install openclipart-png")
     root = out / name
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    for name in categories:
-        os.symlink(OPENCLIPART / name, root / name)
+    for category in categories:
+        if per_class is None:
+            os.symlink(OPENCLIPART / category, root / category)
+            continue
+        files = sorted((OPENCLIPART / category).rglob("*.png"))
+        random.Random(seed).shuffle(files)
+        (root / category).mkdir()
+        for i, f in enumerate(files[:per_class]):  # nested folders may repeat a file name
+            os.symlink(f, root / category / f"{i:04d}_{f.name}")
     return root
 
 
@@ -188,6 +207,12 @@ def clipart_check_folder(out: Path) -> Path:
     return clipart_folder(out, CLIPART_CHECK_CATEGORIES, "clipart-check")
 
 
+def symbols_check_folder(out: Path) -> Path:
+    """The second check folder: 4 more openclipart categories (symbols and shapes, not
+    things), at most ``SYMBOLS_PER_CLASS`` drawings each."""
+    return clipart_folder(out, SYMBOLS_CHECK_CATEGORIES, "symbols-check", SYMBOLS_PER_CLASS)
+
+
 def emoji_folder(out: Path, cache: Path = CACHE) -> Path:
     """The emoji pool: Google's 64 px images, one class folder per emoji.json category."""
     images = npm_package(*EMOJI_IMAGES, cache=cache) / "img" / "google" / "64"
@@ -203,6 +228,7 @@ def main() -> None:
     print(digits_folder(args.out))
     print(clipart_folder(args.out))
     print(clipart_check_folder(args.out))
+    print(symbols_check_folder(args.out))
     print(emoji_folder(args.out))
 
 

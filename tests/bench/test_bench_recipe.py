@@ -32,6 +32,7 @@ from benchmarks.bench_recipe import (
 from benchmarks.recipe_folders import (
     CLIPART_CATEGORIES,
     CLIPART_CHECK_CATEGORIES,
+    SYMBOLS_CHECK_CATEGORIES,
     emoji_classes,
     npm_package,
     unpack_tarball,
@@ -143,8 +144,10 @@ def test_tuning_and_check_groups_are_disjoint():
     tuning, check = set(GROUPS["tuning"]), set(GROUPS["check"])
     assert tuning and check and not tuning & check
     assert tuning | check == set(BUILDERS)
-    assert not set(CLIPART_CATEGORIES) & set(CLIPART_CHECK_CATEGORIES)
+    groups = (CLIPART_CATEGORIES, CLIPART_CHECK_CATEGORIES, SYMBOLS_CHECK_CATEGORIES)
+    assert len({c for g in groups for c in g}) == sum(len(g) for g in groups)
     assert group_of("clipart") == "tuning" and group_of("clipart-check") == "check"
+    assert group_of("symbols-check") == "check"
     assert group_of("/my/photos") == "yours"
 
 
