@@ -175,6 +175,25 @@ def _stderr_is_terminal() -> bool:
     return bool(isatty and isatty())
 
 
+class LateEarlyStopping(EarlyStopping):
+    """Lightning's ``EarlyStopping`` whose verdict stands only from the trainer's
+    ``min_epochs`` on. Patience counts from the first epoch, but a stop decided earlier is
+    withdrawn and judged again at the next epoch: Lightning keeps it, and stopped the run
+    at ``min_epochs`` exactly even where val/acc had risen in the epochs before (a clip art
+    fit: best 0.929 at epoch 6, 0.938 at epoch 15, stopped at 16 of 32)."""
+
+    def _run_early_stopping_check(self, trainer: L.Trainer) -> None:
+        stopping = trainer.should_stop  # already asked by another (a time limit, a signal)
+        super()._run_early_stopping_check(trainer)
+        # fit_loop stops after an epoch only once it has processed min_epochs
+        if not stopping and trainer.current_epoch + 1 < (trainer.fit_loop.min_epochs or 0):
+            trainer.should_stop = False
+            self.stopped_epoch = 0
+            self.stopping_reason_message = None
+            if hasattr(self, "stopping_reason"):  # Lightning 2.5.3+: an enum
+                self.stopping_reason = type(self.stopping_reason).NOT_STOPPED
+
+
 def time_limit_min(tp: TrainParams, planned_epochs: bool) -> float | None:
     """Minutes after which the fit stops, whatever epoch it is in (``train.time_limit_min``):
     ``auto`` is HARD_STOP x the budget when the recipe timed this machine to plan the epochs

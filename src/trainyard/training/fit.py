@@ -17,7 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
 from trainyard.core.card import Card
 from trainyard.core.config import TrainParams
@@ -25,7 +25,7 @@ from trainyard.core.fit_history import HISTORY_FILE
 from trainyard.core.handoffs import TrainRecord
 from trainyard.core.io import atomic_file, sha256_file
 from trainyard.model.classifier import Classifier, classifier_for
-from trainyard.training.builder import build_trainer, time_limit_min
+from trainyard.training.builder import LateEarlyStopping, build_trainer, time_limit_min
 from trainyard.training.datamodule import ImageDataModule
 from trainyard.training.device import Hardware
 from trainyard.training.fit_log import EpochTimer
@@ -206,7 +206,7 @@ def build_fit(
     the per-epoch history; ``limit_min``: a hard stop after that many minutes. Returned
     with the callbacks whose results become the stage's outputs."""
     checkpoint, resume_callbacks = checkpoint_callbacks(tp, tracked)
-    early = EarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
+    early = LateEarlyStopping(monitor="val/acc", mode="max", patience=tp.early_stopping_patience)
     # Data wait / host->device copy / compute per step; the input-bound verdict at the end
     # (the data path and placement it names: the trainer's datamodule's).
     meter = InputBoundMeter()
@@ -232,9 +232,9 @@ def build_fit(
         root=out_dir,
         verbose=True,
         max_epochs=tp.max_epochs,
-        # Early stopping judges only the second half: OneCycle's high-lr first half often
-        # plateaus (on a small photo folder for 5+ epochs) before annealing lifts val/acc,
-        # and patience alone stopped such runs at chance accuracy.
+        # Early stopping judges only the second half (LateEarlyStopping): OneCycle's high-lr
+        # first half often plateaus (on a small photo folder for 5+ epochs) before
+        # annealing lifts val/acc, and patience alone stopped such runs at chance accuracy.
         min_epochs=-(-tp.max_epochs // 2),
         plugins=[AtomicCheckpointIO()],  # tmp + rename: a kill never leaves half a checkpoint
         deterministic=tp.deterministic,
