@@ -3,12 +3,13 @@ of being faulted in afresh (on a CPU half a fine-tune step's time was page fault
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from trainyard.core.host import on_glibc
 
 # A forward pass's shape: many blocks of a few MiB, all freed at the step's end. The page
 # faults of ten such steps, in a fresh process (malloc's state is per process).
@@ -39,14 +40,7 @@ def _faults(mode: str) -> tuple[str, int]:
     return lines[0] if mode == "keep" else "", int(lines[-1])
 
 
-def _glibc() -> bool:
-    try:
-        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
-    except (ValueError, OSError, AttributeError):
-        return False
-
-
-@pytest.mark.skipif(not _glibc(), reason="glibc's malloc only")
+@pytest.mark.skipif(not on_glibc(), reason="glibc's malloc only")
 def test_freed_blocks_are_reused_not_faulted_in_again() -> None:
     _, default = _faults("default")
     said, kept = _faults("keep")

@@ -78,14 +78,18 @@ TRIM_KEEP = 1 << 30
 TOP_PAD = 256 << 20
 
 
+def on_glibc() -> bool:
+    """Whether this process's C library is glibc (not macOS's, musl or Windows')."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (ValueError, OSError, AttributeError):  # not a name, or no confstr (Windows)
+        return False
+
+
 def keep_freed_memory() -> str:
     """Tell glibc's malloc to keep freed memory for reuse instead of returning it to the
     kernel (see above); what was done, for the log. A no-op off glibc (macOS, musl)."""
-    try:
-        glibc = (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
-    except (ValueError, OSError, AttributeError):  # not a name, or no confstr (Windows)
-        glibc = False
-    if not glibc:
+    if not on_glibc():
         return "malloc left as it is (not glibc)"
     import ctypes
 
