@@ -135,7 +135,7 @@ bench-predict: venv
 bench-resume: venv
 	$(BIN)/python -m benchmarks.bench_resume $(BENCH_RESUME_ARGS)
 
-# About 60-80 min on 2 cores, not part of `make test`: the tuning folders, scikit-learn's
+# About 75-100 min on 2 cores, not part of `make test`: the tuning folders, scikit-learn's
 # digits (HEIC/AVIF among them), Debian's clip art (apt-get install openclipart-png) and
 # Google's emoji (npm pack of emoji-datasource-google + emoji-datasource, needs npm), and the
 # two check folders, 5 and 4 other clip art categories; each trained by trainyard's defaults (dvc exp

@@ -10,8 +10,8 @@ groups (``GROUPS``): **tuning**, ``digits``, ``clipart`` and ``emoji``, the fold
 recipe's rules were tuned on (the background rule, the frozen stages, pretrained auto,
 the flip check: docs/own-images.md); and **check**, ``clipart-check`` and ``symbols-check``
 (openclipart categories disjoint from ``clipart``'s and from each other's), which only
-check them. For each folder, four
-contenders, one after the other, each scored on the same test/ images:
+check them. For each folder, four contenders, one after the other, each scored on the same
+test/ images:
 
 1. **trainyard's defaults**: ``dvc exp run -S data.source=folder -S data.folder=DIR`` in a
    fresh clone of this repository's committed files (the whole pipeline: fetch, prepare,

@@ -49,7 +49,7 @@ CLIPART_CATEGORIES = (
 # The check folder's categories: disjoint from the tuning ones (a test says so).
 CLIPART_CHECK_CATEGORIES = ("education", "electronics", "office", "people", "recreation")
 # A second check folder, symbols rather than things: 2,158, 1,645, 1,113 and 225 drawings,
-# sampled to at most 300 a class so that no class outweighs the others sevenfold.
+# sampled to at most 300 a class so that computer does not outweigh special ninefold.
 SYMBOLS_CHECK_CATEGORIES = ("computer", "shapes", "signs_and_symbols", "special")
 SYMBOLS_PER_CLASS = 300
 EMOJI_IMAGES = ("emoji-datasource-google", "16.0.0")  # img/google/64/*.png
