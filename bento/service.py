@@ -63,7 +63,6 @@ class ImageClassifier:
     def __init__(self) -> None:
         self.predictor = START.predictor()  # with its observer: log, shadow, drift score
         bind_api_methods(self)  # built once, not per request (serve.lifecycle)
-        freeze_heap()  # after the model: what start-up built stays for the process's life
         log.info("%s", START.startup_line(self.predictor))
 
     @bentoml.on_shutdown
@@ -74,8 +73,10 @@ class ImageClassifier:
 
     @bentoml.on_startup
     def warm_up(self) -> None:
-        """Before /readyz says ready, per worker: first decode and inference paid now."""
+        """Before /readyz says ready, per worker: first decode and inference paid now; then
+        what start-up built (BentoML's app too) is frozen for the process's life."""
         self.predictor.warm_up()
+        freeze_heap()
 
     @bentoml.on_startup
     def join_the_pool(self) -> None:

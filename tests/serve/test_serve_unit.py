@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import functools
+import gc
 import importlib.util
 import io
 import itertools
@@ -594,6 +595,31 @@ def test_the_api_methods_callers_are_built_once_per_worker(client):
     resp = client.post("/classify", files={"image": ("p.png", PHOTOS[0], "image/png")})
     assert resp.status_code == 200, resp.text
     assert client.get("/metadata").status_code == 200
+
+
+def test_start_up_ends_with_the_heap_frozen_and_the_young_generation_collected_less(client):
+    """warm_up is the last start-up hook (BentoML runs them in name order, after it built
+    its app), and it ends by freezing what start-up built and raising gen 0's threshold
+    (trainyard.serve.lifecycle.SERVING_GC_THRESHOLDS, in place of CPython's 700)."""
+    from trainyard.serve.lifecycle import SERVING_GC_THRESHOLDS
+
+    service = bentoml.get_current_service()
+    hooks = [
+        n
+        for n in dir(type(service))
+        if getattr(getattr(type(service), n), "__bentoml_startup_hook__", False)
+    ]
+    assert hooks[-1] == "warm_up", hooks
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        service.warm_up()
+        assert gc.get_threshold() == SERVING_GC_THRESHOLDS
+        assert gc.get_freeze_count() > 10_000  # BentoML, Starlette, ONNX Runtime, the model
+    finally:
+        gc.set_threshold(*before)
+    resp = client.post("/classify", files={"image": ("p.png", PHOTOS[0], "image/png")})
+    assert resp.status_code == 200, resp.text
 
 
 def test_a_merged_batch_runs_inline_from_two_images_up_to_the_chosen_size(
