@@ -26,7 +26,7 @@ help:
 	@echo "make bench-prepare - prepare on 20,000 generated JPEGs, 1 vs 2 workers: docs/benchmarks.md"
 	@echo "make bench-predict - trainyard predict vs a plain loop vs posting to the service, 10,000 real-photo JPEGs"
 	@echo "make bench-resume - SIGKILL after epoch 2 of 4, rerun resumes: time saved vs an uninterrupted run"
-	@echo "make bench-recipe - trainyard's defaults vs from scratch vs a textbook fine-tune vs a frozen probe, 3 tuning + 2 check real folders (~75-100 min)"
+	@echo "make bench-recipe - trainyard's defaults vs from scratch vs a textbook fine-tune vs a frozen probe, 3 tuning + 4 check real folders (~100-130 min)"
 	@echo "make bench-audit - trainyard audit on real folders with 5%/10% labels flipped and copies planted across splits (~15 min)"
 	@echo "make label-studio - Label Studio on http://127.0.0.1:$(LABEL_STUDIO_PORT) from .venv-labelstudio, for trainyard label push/pull"
 	@echo "make bench-label - audit -> label push -> scripted review -> pull -> retrain, clean vs flipped vs after (~10 min)"
@@ -138,12 +138,13 @@ bench-resume: venv
 # About 75-100 min on 2 cores, not part of `make test`: the tuning folders, scikit-learn's
 # digits (HEIC/AVIF among them), Debian's clip art (apt-get install openclipart-png) and
 # Google's emoji (npm pack of emoji-datasource-google + emoji-datasource, needs npm), and the
-# two check folders, 5 and 4 other clip art categories; each trained by trainyard's defaults (dvc exp
+# four check folders: 5 and 4 other clip art categories, Twitter's Twemoji (npm) and Debian's
+# oxygen-icon-theme icons by context; each trained by trainyard's defaults (dvc exp
 # run in a clone of the committed repo), the same from scratch (train.pretrained=null), a
 # textbook fine-tune of EfficientNet-Lite0 given the defaults' wall time, and a frozen Lite0
 # + logistic regression probe, scored on the same test images; reports/bench-recipe.json +
 # docs/benchmarks.md ("Recipe"). BENCH_RECIPE_ARGS="--folders clipart-check" (or digits,
-# clipart, emoji, symbols-check, a folder of yours); --quick: seconds. The probe alone on every folder:
+# clipart, emoji, symbols-check, twemoji-check, icons-check, a folder of yours); --quick: seconds. The probe alone on every folder:
 # python -m benchmarks.recipe_probe.
 BENCH_RECIPE_ARGS ?=
 bench-recipe: venv

@@ -1,17 +1,18 @@
 """Benchmark: trainyard's defaults vs trainyard from scratch vs a textbook fine-tune vs a
 frozen probe, on real folders in two groups.
 
-    python -m benchmarks.bench_recipe                    # make bench-recipe: all five folders
+    python -m benchmarks.bench_recipe                    # make bench-recipe: all seven folders
     python -m benchmarks.bench_recipe --folders emoji    # one of them
     python -m benchmarks.bench_recipe --folders /my/photos --quick
 
 The folders (``benchmarks.recipe_folders`` builds them; a path is your own) come in two
 groups (``GROUPS``): **tuning**, ``digits``, ``clipart`` and ``emoji``, the folders the
 recipe's rules were tuned on (the background rule, the frozen stages, pretrained auto,
-the flip check: docs/own-images.md); and **check**, ``clipart-check`` and ``symbols-check``
-(openclipart categories disjoint from ``clipart``'s and from each other's), which only
-check them. For each folder, four contenders, one after the other, each scored on the same
-test/ images:
+the flip check: docs/own-images.md); and **check**, which only check them:
+``clipart-check`` and ``symbols-check`` (openclipart categories disjoint from ``clipart``'s
+and from each other's), ``twemoji-check`` (the emoji categories in another vendor's
+drawings) and ``icons-check`` (Oxygen's icons by context). For each folder, four
+contenders, one after the other, each scored on the same test/ images:
 
 1. **trainyard's defaults**: ``dvc exp run -S data.source=folder -S data.folder=DIR`` in a
    fresh clone of this repository's committed files (the whole pipeline: fetch, prepare,
@@ -64,7 +65,9 @@ from benchmarks.recipe_folders import (
     clipart_folder,
     digits_folder,
     emoji_folder,
+    icons_check_folder,
     symbols_check_folder,
+    twemoji_check_folder,
 )
 from benchmarks.recipe_probe import PROBE, probe
 from benchmarks.recipe_textbook import TEXTBOOK, textbook
@@ -79,11 +82,16 @@ BUILDERS = {
     "emoji": emoji_folder,
     "clipart-check": clipart_check_folder,
     "symbols-check": symbols_check_folder,
+    "twemoji-check": twemoji_check_folder,
+    "icons-check": icons_check_folder,
 }
 FOLDERS = tuple(BUILDERS)
 # tuning: the folders the recipe's rules were measured and tuned on (docs/own-images.md,
 # training/recipe.py); check: folders no rule was tuned on, that only check them (issue 41).
-GROUPS = {"tuning": ("digits", "clipart", "emoji"), "check": ("clipart-check", "symbols-check")}
+GROUPS = {
+    "tuning": ("digits", "clipart", "emoji"),
+    "check": ("clipart-check", "symbols-check", "twemoji-check", "icons-check"),
+}
 MARGIN = 0.03  # issue 41: the defaults >= the frozen probe + 3 points (or 1.000)
 SPLITS = ("train", "val", "test")
 FRACTIONS = {"val": 0.2, "test": 0.2}  # the rest trains; digits' own split is 60/20/20 too

@@ -18,12 +18,19 @@ None of them is in the tests: they are what a user brings, and the recipe is mea
   skin-tone variants left out), one pool that the benchmark splits. ``npm pack`` fetches both
   tarballs into a cache folder, as a user would.
 
-``python -m benchmarks.recipe_folders OUT`` writes all five under OUT.
+- ``twemoji-check``: the same emoji and categories drawn by another hand, Twitter's Twemoji
+  (``emoji-datasource-twitter``, 64 px): a check folder for the rules tuned on Google's set.
+- ``icons-check``: Debian's ``oxygen-icon-theme`` at 64x64, one class per icon context
+  (actions, apps, categories, devices, mimetypes, places, status: 572 icons; symlinked
+  aliases and contexts under 30 icons left out): a check folder.
+
+``python -m benchmarks.recipe_folders OUT`` writes all seven under OUT.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -54,6 +61,9 @@ SYMBOLS_CHECK_CATEGORIES = ("computer", "shapes", "signs_and_symbols", "special"
 SYMBOLS_PER_CLASS = 300
 EMOJI_IMAGES = ("emoji-datasource-google", "16.0.0")  # img/google/64/*.png
 EMOJI_NAMES = ("emoji-datasource", "16.0.0")  # emoji.json: image file -> category
+TWEMOJI_IMAGES = ("emoji-datasource-twitter", "16.0.0")  # img/twitter/64/*.png
+OXYGEN_64 = Path("/usr/share/icons/oxygen/base/64x64")
+ICONS_MIN_CLASS = 30  # emblems (3) and emotes (12) are too few to split 60/20/20
 EMOJI_DROP = ("Component",)  # five skin-tone and hair swatches, not emoji of their own
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainyard-bench"
 
@@ -213,11 +223,45 @@ def symbols_check_folder(out: Path) -> Path:
     return clipart_folder(out, SYMBOLS_CHECK_CATEGORIES, "symbols-check", SYMBOLS_PER_CLASS)
 
 
-def emoji_folder(out: Path, cache: Path = CACHE) -> Path:
-    """The emoji pool: Google's 64 px images, one class folder per emoji.json category."""
-    images = npm_package(*EMOJI_IMAGES, cache=cache) / "img" / "google" / "64"
+def emoji_folder(
+    out: Path, cache: Path = CACHE, package: tuple[str, str] = EMOJI_IMAGES, name: str = "emoji"
+) -> Path:
+    """The emoji pool: a vendor's 64 px images (Google's), one class folder per emoji.json
+    category."""
+    vendor = package[0].rsplit("-", 1)[1]  # emoji-datasource-google -> img/google/64
+    images = npm_package(*package, cache=cache) / "img" / vendor / "64"
     names = npm_package(*EMOJI_NAMES, cache=cache) / "emoji.json"
-    return emoji_classes(names, images, out / "emoji")
+    return emoji_classes(names, images, out / name)
+
+
+def twemoji_check_folder(out: Path, cache: Path = CACHE) -> Path:
+    """The emoji check folder: the same categories in Twitter's Twemoji drawings."""
+    return emoji_folder(out, cache, TWEMOJI_IMAGES, "twemoji-check")
+
+
+def icons_check_folder(out: Path, source: Path = OXYGEN_64) -> Path:
+    """Oxygen's 64 px icons, one class folder per context (``source/<context>/*.png``):
+    regular files only (a theme's symlinks are the same icon under another name), each
+    image once, contexts of fewer than ``ICONS_MIN_CLASS`` icons left out."""
+    if not source.is_dir():
+        raise SystemExit(f"{source} missing: apt-get install oxygen-icon-theme")
+    root = out / "icons-check"
+    if root.exists():
+        shutil.rmtree(root)
+    seen: set[bytes] = set()
+    for context in sorted(p for p in source.iterdir() if p.is_dir()):
+        icons = []
+        for f in sorted(context.glob("*.png")):
+            digest = hashlib.sha256(f.read_bytes()).digest()
+            if not f.is_symlink() and digest not in seen:
+                seen.add(digest)
+                icons.append(f)
+        if len(icons) < ICONS_MIN_CLASS:
+            continue
+        (root / context.name).mkdir(parents=True)
+        for f in icons:
+            os.symlink(f, root / context.name / f.name)
+    return root
 
 
 def main() -> None:
@@ -230,6 +274,8 @@ def main() -> None:
     print(clipart_check_folder(args.out))
     print(symbols_check_folder(args.out))
     print(emoji_folder(args.out))
+    print(twemoji_check_folder(args.out))
+    print(icons_check_folder(args.out))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The recipe benchmark: its split maker (stratified, seeded, one test set for every
 contender), the emoji folder's builder (on a fake emoji.json and tarball: npm may be absent),
-the tuning and check groups (disjoint), the frozen probe on a tiny folder, and the quick
-mode end to end on a tiny folder: four contenders, each with numbers, scored on the same
-test images."""
+the icon folder's builder (on a fake theme), the tuning and check groups (disjoint), the
+frozen probe on a tiny folder, and the quick mode end to end on a tiny folder: four
+contenders, each with numbers, scored on the same test images."""
 
 from __future__ import annotations
 
@@ -206,6 +206,29 @@ def test_emoji_folder_is_one_class_folder_per_category(tmp_path):
     names.write_text(json.dumps([{"image": "../../secret.png", "category": "Flags"}]))
     with pytest.raises(SystemExit, match=r"'\.\./\.\./secret\.png' is not a file name"):
         emoji_classes(names, images, tmp_path / "escape")
+
+
+def test_icons_folder_keeps_each_icon_once_and_drops_small_contexts(tmp_path, monkeypatch):
+    """An icon theme's layout: symlinked aliases and byte-identical copies are one icon,
+    and a context with too few icons to split is left out."""
+    import benchmarks.recipe_folders as folders
+
+    monkeypatch.setattr(folders, "ICONS_MIN_CLASS", 3)
+    theme = tmp_path / "theme"
+    for context, n in {"apps": 4, "places": 3, "emotes": 2}.items():
+        (theme / context).mkdir(parents=True)
+        for i in range(n):
+            (theme / context / f"{context}-{i}.png").write_bytes(f"{context} {i}".encode())
+    (theme / "apps" / "alias.png").symlink_to(theme / "apps" / "apps-0.png")
+    (theme / "places" / "copy.png").write_bytes(b"apps 1")  # the same bytes as an app
+    root = folders.icons_check_folder(tmp_path / "out", theme)
+    got = {d.name: sorted(p.name for p in d.iterdir()) for d in sorted(root.iterdir())}
+    assert got == {
+        "apps": ["apps-0.png", "apps-1.png", "apps-2.png", "apps-3.png"],
+        "places": ["places-0.png", "places-1.png", "places-2.png"],
+    }
+    with pytest.raises(SystemExit, match="apt-get install oxygen-icon-theme"):
+        folders.icons_check_folder(tmp_path / "out", tmp_path / "absent")
 
 
 def tarball(path: Path, members: dict[str, bytes], link: str | None = None) -> Path:
