@@ -252,8 +252,10 @@ def icons_check_folder(out: Path, source: Path = OXYGEN_64) -> Path:
     for context in sorted(p for p in source.iterdir() if p.is_dir()):
         icons = []
         for f in sorted(context.glob("*.png")):
+            if f.is_symlink():
+                continue
             digest = hashlib.sha256(f.read_bytes()).digest()
-            if not f.is_symlink() and digest not in seen:
+            if digest not in seen:
                 seen.add(digest)
                 icons.append(f)
         if len(icons) < ICONS_MIN_CLASS:
