@@ -28,11 +28,8 @@ import time
 from typing import Any
 
 import mlflow
-import mlflow.onnx
 import numpy as np
-import onnx
 from mlflow.exceptions import MlflowException
-from mlflow.models import infer_signature
 
 from trainyard.core.errors import TrackingError
 from trainyard.core.pause_points import pause_point
@@ -71,6 +68,12 @@ def log_onnx_model(onnx_path: str | os.PathLike[str], example: np.ndarray) -> st
     The file is stored as is (no external data): its sha256 stays the one export recorded,
     so a registry download can be checked against it.
     """
+
+    # Here, not at the top: onnx brings ml_dtypes (0.6-0.7 s to import), which evaluate and
+    # promote, the registry's other users, never need.
+    import mlflow.onnx
+    import onnx
+    from mlflow.models import infer_signature
 
     # The parity check just opened this file and said where it runs: quietly, this time.
     logits = load_onnx(onnx_path, device="cpu", say=False).run(example)
