@@ -109,7 +109,9 @@ HEAVY = {
 # stages that never use it must not pay for it at start-up. torchvision (its models and
 # torch._dynamo): 2.6 CPU-s of the export stage's start-up on 2 cores, which rebuilds
 # trainyard's own nets; a torchvision backbone imports it there when built.
-DEFERRED = {("model/backbones.py", "torchvision.models")}
+# onnx (and ml_dtypes with it, 0.6-0.7 s): evaluate and promote import the registry and
+# never log a model, which is the one thing it is imported for.
+DEFERRED = {("model/backbones.py", "torchvision.models"), ("track/registry.py", "onnx")}
 # The libraries each light layer must not import (onnxruntime is the runtime's own).
 FORBIDDEN: dict[str, set[str]] = {
     "core": HEAVY | {"onnxruntime", "bentoml", "starlette"},

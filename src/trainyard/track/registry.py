@@ -28,8 +28,10 @@ import time
 from typing import Any
 
 import mlflow
+import mlflow.onnx
 import numpy as np
 from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
 
 from trainyard.core.errors import TrackingError
 from trainyard.core.pause_points import pause_point
@@ -69,11 +71,9 @@ def log_onnx_model(onnx_path: str | os.PathLike[str], example: np.ndarray) -> st
     so a registry download can be checked against it.
     """
 
-    # Here, not at the top: onnx brings ml_dtypes (0.6-0.7 s to import), which evaluate and
-    # promote, the registry's other users, never need.
-    import mlflow.onnx
+    # Here, not at the top (tests/house DEFERRED): onnx brings ml_dtypes, 0.6-0.7 s of
+    # import that evaluate and promote, the registry's other users, never need.
     import onnx
-    from mlflow.models import infer_signature
 
     # The parity check just opened this file and said where it runs: quietly, this time.
     logits = load_onnx(onnx_path, device="cpu", say=False).run(example)
