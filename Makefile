@@ -135,11 +135,11 @@ bench-predict: venv
 bench-resume: venv
 	$(BIN)/python -m benchmarks.bench_resume $(BENCH_RESUME_ARGS)
 
-# About 75-100 min on 2 cores, not part of `make test`: the tuning folders, scikit-learn's
+# About 100-130 min on 2 cores, not part of `make test`: the tuning folders, scikit-learn's
 # digits (HEIC/AVIF among them), Debian's clip art (apt-get install openclipart-png) and
 # Google's emoji (npm pack of emoji-datasource-google + emoji-datasource, needs npm), and the
 # four check folders: 5 and 4 other clip art categories, Twitter's Twemoji (npm) and Debian's
-# oxygen-icon-theme icons by context; each trained by trainyard's defaults (dvc exp
+# icons by context (apt-get install oxygen-icon-theme); each trained by trainyard's defaults (dvc exp
 # run in a clone of the committed repo), the same from scratch (train.pretrained=null), a
 # textbook fine-tune of EfficientNet-Lite0 given the defaults' wall time, and a frozen Lite0
 # + logistic regression probe, scored on the same test images; reports/bench-recipe.json +
