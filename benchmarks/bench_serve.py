@@ -44,6 +44,7 @@ from benchmarks.serve_int8 import (
     ort_single_thread,
 )
 from benchmarks.serve_load import (
+    BARE,
     REPO,
     Bench,
     photo_jpegs,
@@ -151,15 +152,8 @@ def load_cold_and_latency(bench: Bench, settings: Any, fashion: dict[str, Any]) 
     bench.run("latency", **fashion, levels=(LATENCY_CLIENTS,), **as_is, first=True)
     bench.cold["workers_param"] = settings.workers
     bench.run("repeat", **fashion, levels=(LATENCY_CLIENTS,), **as_is)
-    for inline in (False, True):
-        bench.run(
-            "latency",
-            **fashion,
-            levels=(LATENCY_CLIENTS,),
-            workers=n_default,
-            inline=inline,
-            reference=True,
-        )
+    for server in BARE:
+        bench.run("latency", **fashion, levels=(LATENCY_CLIENTS,), workers=n_default, server=server)
 
 
 def load_servers(
@@ -168,8 +162,8 @@ def load_servers(
     """Every server configuration under wrk, in the order of the run (11 server starts)."""
     print("1. throughput, 1 worker", flush=True)
     bench.run("throughput", **fashion, levels=LEVELS, batching=settings.batching)
-    bench.run("throughput", **fashion, levels=LEVELS, reference=True)
-    bench.run("throughput", **fashion, levels=LEVELS, inline=True)
+    for server in BARE:
+        bench.run("throughput", **fashion, levels=LEVELS, server=server)
     load_cold_and_latency(bench, settings, fashion)
     print("4. adaptive batching, 1 worker", flush=True)
     bench.run("batching", **fashion, levels=BATCH_LEVELS, batching=not settings.batching)

@@ -38,7 +38,8 @@ CARD = card_from_metadata(MODEL.metadata)
 CLASSES = MODEL.classes
 
 
-def _predict(data: bytes) -> dict:
+def answer_for(data: bytes) -> dict:
+    """The answer to one upload's bytes: decoded, scored, the top label and every probability."""
     pixels = decode_image(data, CARD)
     probs = softmax(MODEL.run(model_input(pixels[None], CARD)))[0]
     i = int(probs.argmax())
@@ -53,12 +54,12 @@ async def _upload(request: Request) -> bytes:
 async def classify(request: Request) -> JSONResponse:
     """POST /classify: the prediction for the multipart ``image`` upload, on a thread."""
     data = await _upload(request)
-    return JSONResponse(await run_in_threadpool(_predict, data))
+    return JSONResponse(await run_in_threadpool(answer_for, data))
 
 
 async def classify_inline(request: Request) -> JSONResponse:
     """POST /classify: the same, decoded and scored on the event loop."""
-    return JSONResponse(_predict(await _upload(request)))
+    return JSONResponse(answer_for(await _upload(request)))
 
 
 async def readyz(request: Request) -> JSONResponse:

@@ -151,14 +151,26 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return 0, ""
 
 
-def server_command(reference: bool, workers: int, port: int, inline: bool = False) -> list[str]:
-    """The command line of the service (``bentoml serve``) or a reference (uvicorn): the
-    thread-hop one, or with ``inline`` the one that runs the model on its event loop."""
+BARE = ("reference", "inline")  # the bare Starlette servers (benchmarks/reference_server.py)
+BENTOS = {  # the plain BentoML services (benchmarks/reference_bento.py)
+    "bento-plain": "PlainClassifier",
+    "bento-lean": "LeanClassifier",
+}
+
+
+def server_command(server: str, workers: int, port: int) -> list[str]:
+    """The command line of ``server``: the service (``bentoml serve``), a bare server
+    (uvicorn; ``reference`` hops to a thread per request, ``inline`` runs the model on its
+    event loop) or a plain BentoML service (``BENTOS``, one worker)."""
     bindir = Path(sys.executable).parent
-    if reference:
-        app = "benchmarks.reference_server:" + ("inline_app" if inline else "app")
+    if server in BARE:
+        app = "benchmarks.reference_server:" + ("inline_app" if server == "inline" else "app")
         cmd = [str(bindir / "uvicorn"), app, "--workers", str(workers)]
         cmd += ["--no-access-log", "--log-level", "warning"]
+    elif server in BENTOS:
+        if workers != 1:
+            raise ValueError(f"{server} is served by one worker, not {workers}")
+        cmd = [str(bindir / "bentoml"), "serve", f"benchmarks.reference_bento:{BENTOS[server]}"]
     else:
         cmd = [str(bindir / "bentoml"), "serve", "bento.service:ImageClassifier"]
     return [*cmd, "--host", "127.0.0.1", "--port", str(port)]
@@ -169,25 +181,23 @@ def start_server(
     model: Path,
     log: Path,
     *,
-    reference: bool = False,
+    server: str = "service",
     workers: int = 1,
-    inline: bool = False,
 ) -> tuple[subprocess.Popen, str, float]:
-    """`bentoml serve` the service, or (``reference``) uvicorn a bare Starlette server
-    (``inline``: the model on the event loop) with ``workers`` processes; (process, URL,
-    seconds from start until /readyz is 200)."""
+    """Start ``server`` (``server_command``: the service, a bare or a plain BentoML one)
+    with ``workers`` processes; (process, URL, seconds from start until /readyz is 200)."""
     port = free_port()
     env = dict(os.environ)
     env.pop("TRAINYARD_API_KEY", None)
     threads = yaml.safe_load(params.read_text())["serve"].get("intra_op_threads", "auto")
-    threads = 1 if threads == "auto" else threads  # the reference never batches: 1, as auto
+    threads = 1 if threads == "auto" else threads  # the references never batch: 1, as auto
     env.update(
         TRAINYARD_PARAMS=str(params),
         TRAINYARD_MODEL=str(model),
         TRAINYARD_ORT_THREADS=str(threads),  # the reference server's session option
         BENTOML_DO_NOT_TRACK="true",
     )
-    cmd = server_command(reference, workers, port, inline)
+    cmd = server_command(server, workers, port)
     start = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -326,20 +336,18 @@ class Bench:
         model: Path,
         script: Path,
         levels: Iterable[int],
-        reference: bool = False,
-        inline: bool = False,
+        server: str = "service",
         workers: int | str = 1,
         batching: bool = False,
         params: Path | None = None,
         first: bool = False,
         label: dict[str, Any] | None = None,
     ) -> None:
-        """Start one server (the service; ``reference``: the bare thread-hop server, with
-        ``inline`` the bare inline one), optionally load it for ``first_seconds`` at once
-        (cold start), warm it up, then wrk at each level; stop it."""
-        reference = reference or inline
+        """Start one server (``server_command``: the service, a bare server or a plain
+        BentoML one), optionally load it for ``first_seconds`` at once (cold start), warm it
+        up, then wrk at each level; stop it."""
+        reference = server != "service"
         n_workers = (os.cpu_count() or 1) if workers == "cpu_count" else int(workers)
-        server = ("inline" if inline else "reference") if reference else "service"
         kind = server if reference else "batching-" + ("on" if batching else "off")
         name = f"{len(self.servers) + 1}-{model_name}-w{n_workers}-{kind}"
         if params is None:
@@ -356,9 +364,7 @@ class Bench:
         overrides = "" if reference else f"serve.workers={workers} serve.batching={batching}"
         print(f"{name}: starting", flush=True)
         log = self.tmp / f"{name}.log"
-        proc, url, ready_s = start_server(
-            params, model, log, reference=reference, workers=n_workers, inline=inline
-        )
+        proc, url, ready_s = start_server(params, model, log, server=server, workers=n_workers)
         self.servers.append({**ident, "ready_s": round(ready_s, 2), "overrides": overrides})
         print(f"  ready in {ready_s:.1f} s", flush=True)
         try:

@@ -52,6 +52,8 @@ SERVER_NAMES = {
     "service": "BentoML service",
     "reference": "Starlette + ORT, thread hop",
     "inline": "Starlette + ORT, inline",
+    "bento-plain": "plain BentoML service",
+    "bento-lean": "lean BentoML service",
 }
 TABLE_HEAD = [
     "| server | workers | batching | clients | req/s | 2xx/s | p50 ms | p99 ms | non-2xx "

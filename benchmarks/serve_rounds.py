@@ -11,7 +11,11 @@ configurations, all on the Fashion CNN with 28 px PNG uploads:
 - the bare Starlette + ONNX Runtime server with the model inline on its event loop, and
   the one that hops to a thread per request (benchmarks/reference_server.py), 1 worker;
 - `make serve`'s configuration (params.yaml as it is, ``workers: cpu_count``), started
-  twice: its p99 against the inline bare server's, and the two starts' req/s.
+  twice: its p99 against the inline bare server's, and the two starts' req/s;
+- the same inline work in two plain BentoML services (benchmarks/reference_bento.py), 1
+  worker: as BentoML's documentation writes one, and lean (everything BentoML lets one
+  configure away, away): what BentoML itself costs a request, so the service / inline
+  ratio can be read as BentoML's share and the service's own.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ ROUNDS_HEAD = "### 0. The small model in rounds: service vs the bare servers, tw
 ROUNDS_COLUMNS = (  # the table's header cells
     "round | service, 1 worker: 2xx/s, p99 ms | inline bare: 2xx/s, p99 ms | "
     "thread-hop bare: 2xx/s, p99 ms | `make serve`, two starts: 2xx/s, p99 ms | "
-    "service / inline | service / thread hop | p99 `make serve` / inline | two starts"
+    "service / inline | service / thread hop | p99 `make serve` / inline | two starts | "
+    "plain BentoML: 2xx/s | lean BentoML: 2xx/s | lean BentoML / inline | "
+    "service / plain BentoML"
 )
 ROLES = ("service", "inline", "reference", "start-a", "start-b")
+BENTO_ROLES = ("bento-plain", "bento-lean")  # measured since 2026-12-07: older rounds lack them
 
 
 def load_rounds(
@@ -41,14 +48,15 @@ def load_rounds(
     ``batching``: what the start-up chose for params.yaml's (the rows' label)."""
     print(f"0. the small model in {rounds} rounds, {LATENCY_CLIENTS} clients", flush=True)
     one_worker = bench.params("rounds-service", workers=1)
+    roles = ROLES + BENTO_ROLES
     for n in range(rounds):
-        turn = n % len(ROLES)
-        for role in ROLES[turn:] + ROLES[:turn]:
+        turn = n % len(roles)
+        for role in roles[turn:] + roles[:turn]:
             label = {"round": n, "role": role}
             if role == "service":
                 run = {"params": one_worker, "batching": batching}
-            elif role in ("inline", "reference"):
-                run = {"reference": True, "inline": role == "inline"}
+            elif role in ("inline", "reference", *BENTO_ROLES):
+                run = {"server": role}
             else:  # make serve: params.yaml as it is
                 run = {"params": REPO / "params.yaml", "workers": "cpu_count", "batching": batching}
             bench.run("rounds", **fashion, levels=(LATENCY_CLIENTS,), label=label, **run)
@@ -75,17 +83,31 @@ def round_figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "latency_inline": max(got[s]["p99_ms"] for s in ("start-a", "start-b"))
                 / inline["p99_ms"],
                 "two_starts": starts[0] / starts[1],
+                **_bento_ratios(got),
             }
         )
     return out
+
+
+def _bento_ratios(got: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The lean BentoML service / the inline bare server (BentoML's own cost), the service
+    / the plain BentoML service (what a BentoML user gains); none in rounds without them."""
+    if any(role not in got for role in BENTO_ROLES):
+        return {}
+    ok = {role: got[role]["ok_per_s"] for role in ("service", "inline", *BENTO_ROLES)}
+    lean, plain = ok["bento-lean"] / ok["inline"], ok["service"] / ok["bento-plain"]
+    return {"lean_inline": lean, "plain": plain}
+
+
+BENTO_KEYS = ("lean_inline", "plain")
 
 
 def rounds_summary(section: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """Per figure: the median over the rounds, the lowest and highest, every round's."""
     figures = round_figures(section["rows"]) if section else []
     out = {}
-    for key in ("throughput_inline", "throughput", "latency_inline", "two_starts"):
-        values = [f[key] for f in figures]
+    for key in ("throughput_inline", "throughput", "latency_inline", "two_starts", *BENTO_KEYS):
+        values = [f[key] for f in figures if key in f]
         if values:
             out[key] = {
                 "median": statistics.median(values),
@@ -105,10 +127,16 @@ def _rounds_table(section: dict[str, Any]) -> list[str]:
         starts = " / ".join(
             f"{got[s]['ok_per_s']:.0f}, {got[s]['p99_ms']:.1f}" for s in ("start-a", "start-b")
         )
+        bentos = (
+            f"{got['bento-plain']['ok_per_s']:.0f} | {got['bento-lean']['ok_per_s']:.0f} | "
+            f"{f['lean_inline']:.2f}x | {f['plain']:.2f}x"
+            if "plain" in f
+            else "- | - | - | -"
+        )
         lines.append(
             f"| {f['round'] + 1} | {' | '.join(cells)} | {starts} | "
             f"{f['throughput_inline']:.2f}x | {f['throughput']:.2f}x | "
-            f"{f['latency_inline']:.2f}x | {f['two_starts']:.2f}x |"
+            f"{f['latency_inline']:.2f}x | {f['two_starts']:.2f}x | {bentos} |"
         )
     s = rounds_summary(section)
     if s:
@@ -119,7 +147,10 @@ def _rounds_table(section: dict[str, Any]) -> list[str]:
                 ("throughput", "service / thread hop"),
                 ("latency_inline", "p99 / inline"),
                 ("two_starts", "two starts"),
+                ("lean_inline", "lean BentoML / inline"),
+                ("plain", "service / plain BentoML"),
             )
+            if key in s
         )
         lines += ["", f"Over the rounds: {said}."]
     lines += [
@@ -129,7 +160,14 @@ def _rounds_table(section: dict[str, Any]) -> list[str]:
         "after the other (the order turned by one each round); a ratio is taken within its "
         "round. The service with 1 worker and `make serve`'s configuration (params.yaml as "
         "it is) serve `batching: auto` as the start-up decides it; p99 `make serve` / inline "
-        "takes the worse of its two starts; two starts: lower / higher 2xx/s.",
+        "takes the worse of its two starts; two starts: lower / higher 2xx/s. Plain and lean "
+        "BentoML (benchmarks/reference_bento.py, 1 worker, no access log): the inline bare "
+        "server's work in a BentoML service as its documentation writes one (a typed "
+        "`PIL.Image` input, a `dict` answer), and with every per-request cost removed that "
+        "can be without changing BentoML (the body left for the method, a Starlette "
+        "response, tracing's middleware skipping every URL, request metrics off, the api "
+        "caller built once, the start-up heap frozen): lean / inline is what BentoML's "
+        "fixed cost leaves of the bare server.",
     ]
     return lines
 

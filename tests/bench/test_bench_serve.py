@@ -429,7 +429,9 @@ def rounds_section(per_round: list[dict[str, tuple[float, float]]]) -> dict[str,
     rows = []
     for n, roles in enumerate(per_round):
         for role, (ok, p99) in roles.items():
-            server = role if role in ("inline", "reference") else "service"
+            server = (
+                role if role in ("inline", "reference", "bento-plain", "bento-lean") else "service"
+            )
             workers = 2 if role.startswith("start") else 1
             rows.append(
                 row("rounds", fig.FASHION, server, workers, None, ok_per_s=ok, p99_ms=p99)
@@ -484,6 +486,30 @@ def test_rounds_ratios_are_taken_within_each_round_and_read_by_their_median(tmp_
     assert text.count(sr.ROUNDS_HEAD) == 1 and text.index(sr.ROUNDS_HEAD) < text.index("### T")
     assert text.endswith("## Next\n\nkept\n")
     assert sr.ROUNDS_HEAD in report.markdown({**result(), "rounds": section})
+
+
+def test_the_plain_bentoml_services_are_their_own_ratios_and_optional_in_a_round():
+    """BentoML's share: lean BentoML / inline, the service / plain BentoML, per round and
+    as medians; a round without the two BentoML services (older runs) keeps its figures."""
+    from benchmarks import serve_rounds as sr
+
+    bentos = {"bento-plain": (300.0, 90.0), "bento-lean": (560.0, 80.0)}
+    section = rounds_section([ROUND_1 | bentos, ROUND_2])
+    got = sr.round_figures(section["rows"])
+    assert got[0]["lean_inline"] == pytest.approx(0.7) and got[0]["plain"] == 2.0
+    assert "plain" not in got[1] and got[1]["throughput_inline"] == 0.5
+    summary = sr.rounds_summary(section)
+    assert summary["plain"]["rounds"] == [2.0] and summary["throughput_inline"]["median"] == 0.625
+    table = "\n".join(sr.rounds_lines({"rounds": section}))
+    assert "| 0.75x | 0.80x | 1.30x | 0.91x | 300 | 560 | 0.70x | 2.00x |" in table
+    assert "| - | - | - | - |" in table
+    assert "lean BentoML / inline median **0.70x**" in table
+    assert load.server_command("bento-lean", 1, 8)[1:3] == [
+        "serve",
+        "benchmarks.reference_bento:LeanClassifier",
+    ]
+    with pytest.raises(ValueError, match="one worker"):
+        load.server_command("bento-plain", 2, 8)
 
 
 def test_a_round_missing_a_server_is_left_out():
