@@ -2,7 +2,7 @@
 
 The same model and answer as ``reference_server``'s inline design, on the event loop, one
 worker, access log off (the bare servers run uvicorn with ``--no-access-log``); none of
-trainyard's guard, batching, prediction log, metrics or garbage-collector settings:
+trainyard's guard, batching, prediction log or metrics:
 
 - ``PlainClassifier``: as BentoML's documentation writes a service, one async
   ``@bentoml.api`` with a typed ``PIL.Image`` input (BentoML reads the multipart field and
