@@ -504,6 +504,9 @@ def test_the_plain_bentoml_services_are_their_own_ratios_and_optional_in_a_round
     assert "| 0.75x | 0.80x | 1.30x | 0.91x | 300 | 560 | 0.70x | 2.00x |" in table
     assert "| - | - | - | - |" in table
     assert "lean BentoML / inline median **0.70x**" in table
+    targets = fig.summary({**result(), "rounds": section})["targets"]  # a full run's
+    assert "lean_inline" not in targets and "plain" not in targets
+    assert targets["throughput_inline"]["value"] == 0.625
     assert load.server_command("bento-lean", 1, 8)[1:3] == [
         "serve",
         "benchmarks.reference_bento:LeanClassifier",
