@@ -11,8 +11,8 @@ configuration, started twice; 3. cold start until /readyz, then the first second
 (``serve_models``), with ONNX Runtime alone and the uploads' decode time; 6. int8 vs fp32
 (``serve_int8``); 7. ``/classify?explain=1`` vs the plain answer (``serve_explain``).
 
-About 11 minutes with the defaults on 2 cores, 31 server starts (``--quick``: about 90 s,
-a smoke run whose figures mean little). Writes reports/bench-serve.json and replaces the
+About 13-15 minutes with the defaults on 2 cores, 37 server starts (``--quick``: about 4
+minutes, a smoke run whose figures mean little). Writes reports/bench-serve.json and replaces the
 "## Serving" section of docs/benchmarks.md (other sections are left as they are);
 ``--render`` rewrites that section from the JSON alone. Run from the repository root as
 ``python -m benchmarks.bench_serve``; ``serve_load`` holds the request bodies, servers and

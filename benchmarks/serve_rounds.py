@@ -13,9 +13,9 @@ configurations, all on the Fashion CNN with 28 px PNG uploads:
 - `make serve`'s configuration (params.yaml as it is, ``workers: cpu_count``), started
   twice: its p99 against the inline bare server's, and the two starts' req/s;
 - the same inline work in two plain BentoML services (benchmarks/reference_bento.py), 1
-  worker: as BentoML's documentation writes one, and lean (everything BentoML lets one
-  configure away, away): what BentoML itself costs a request, so the service / inline
-  ratio can be read as BentoML's share and the service's own.
+  worker: as BentoML's documentation writes one, and lean (every per-request cost removed
+  that can be without changing BentoML): what BentoML itself costs a request, so the
+  service / inline ratio can be read as BentoML's share and the service's own.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ ROUNDS_COLUMNS = (  # the table's header cells
 )
 ROLES = ("service", "inline", "reference", "start-a", "start-b")
 BENTO_ROLES = ("bento-plain", "bento-lean")  # measured since 2026-12-07: older rounds lack them
+BENTO_KEYS = ("lean_inline", "plain")  # their figures: lean / inline, service / plain
 
 
 def load_rounds(
@@ -97,9 +98,6 @@ def _bento_ratios(got: dict[str, dict[str, Any]]) -> dict[str, float]:
     ok = {role: got[role]["ok_per_s"] for role in ("service", "inline", *BENTO_ROLES)}
     lean, plain = ok["bento-lean"] / ok["inline"], ok["service"] / ok["bento-plain"]
     return {"lean_inline": lean, "plain": plain}
-
-
-BENTO_KEYS = ("lean_inline", "plain")
 
 
 def rounds_summary(section: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
