@@ -32,8 +32,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from benchmarks.reference_server import CARD, CLASSES, MODEL, answer_for
-from trainyard.runtime.inputs import model_input, softmax
+from benchmarks.reference_server import CARD, answer_for, answer_pixels
 from trainyard.serve.lifecycle import bind_api_methods, freeze_heap
 
 QUIET = {"access": {"enabled": False}}
@@ -46,10 +45,7 @@ class PlainClassifier:
         """POST /classify: the prediction for the multipart ``image`` upload."""
         mode = "L" if CARD.channels == 1 else "RGB"
         pixels = np.asarray(image.convert(mode).resize((CARD.width, CARD.height)))
-        pixels = pixels[None, None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)[None]
-        probs = softmax(MODEL.run(model_input(pixels, CARD)))[0]
-        i = int(probs.argmax())
-        return {"label": CLASSES[i], "class_id": i, "probabilities": probs.tolist()}
+        return answer_pixels(pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1))
 
 
 class Answer(BaseModel):

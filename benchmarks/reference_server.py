@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -39,8 +40,12 @@ CLASSES = MODEL.classes
 
 
 def answer_for(data: bytes) -> dict:
-    """The answer to one upload's bytes: decoded, scored, the top label and every probability."""
-    pixels = decode_image(data, CARD)
+    """The answer to one upload's bytes: decoded by the card, then ``answer_pixels``."""
+    return answer_pixels(decode_image(data, CARD))
+
+
+def answer_pixels(pixels: np.ndarray) -> dict:
+    """The answer to one image's uint8 [C,H,W] pixels: the top label, every probability."""
     probs = softmax(MODEL.run(model_input(pixels[None], CARD)))[0]
     i = int(probs.argmax())
     return {"label": CLASSES[i], "class_id": i, "probabilities": probs.tolist()}

@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks.harness.publish import publish_part, subsection
 from benchmarks.serve_figures import LATENCY_CLIENTS
-from benchmarks.serve_load import REPO, Bench
+from benchmarks.serve_load import BARE, REPO, Bench
 
 ROUNDS = 3
 ROUNDS_HEAD = "### 0. The small model in rounds: service vs the bare servers, two starts"
@@ -56,7 +56,7 @@ def load_rounds(
             label = {"round": n, "role": role}
             if role == "service":
                 run = {"params": one_worker, "batching": batching}
-            elif role in ("inline", "reference", *BENTO_ROLES):
+            elif role in (*BARE, *BENTO_ROLES):
                 run = {"server": role}
             else:  # make serve: params.yaml as it is
                 run = {"params": REPO / "params.yaml", "workers": "cpu_count", "batching": batching}

@@ -429,9 +429,7 @@ def rounds_section(per_round: list[dict[str, tuple[float, float]]]) -> dict[str,
     rows = []
     for n, roles in enumerate(per_round):
         for role, (ok, p99) in roles.items():
-            server = (
-                role if role in ("inline", "reference", "bento-plain", "bento-lean") else "service"
-            )
+            server = role if role in (*load.BARE, *load.BENTOS) else "service"
             workers = 2 if role.startswith("start") else 1
             rows.append(
                 row("rounds", fig.FASHION, server, workers, None, ok_per_s=ok, p99_ms=p99)
