@@ -3,12 +3,15 @@ tagged so MLflow's UI opens them as model training."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from trainyard.core.errors import TrackingError
+from trainyard.track.lineage import git_state
 from trainyard.track.store import (
     EXPERIMENT_KIND_TAG,
     MODEL_TRAINING,
@@ -16,6 +19,8 @@ from trainyard.track.store import (
     ensure_experiment,
     resolve_tracking_uri,
 )
+
+from conftest import REPO, git_env
 
 
 def _dead_port() -> int:
@@ -95,3 +100,40 @@ def test_the_experiment_kind_is_the_one_the_installed_mlflow_ui_knows():
     text = "".join(p.read_text(errors="ignore") for p in bundle.glob("main.*.js"))
     assert f'"{EXPERIMENT_KIND_TAG}"' in text
     assert f'CUSTOM_MODEL_DEVELOPMENT="{MODEL_TRAINING}"' in text
+
+
+@pytest.mark.parametrize("below", ["", "ml"], ids=["project at the top", "dvc init --subdir"])
+def test_a_run_is_dirty_for_code_and_params_not_for_what_dvc_repro_rewrote(tmp_path, below):
+    """`git.dirty` of a run: after `dvc repro` rewrote dvc.lock and the committed small
+    outs (reports, train.json, a predict table), a clean checkout stays clean; a changed
+    source file, params.yaml or dvc.yaml makes it dirty. The DVC project may sit below the
+    git repository's top folder."""
+    project = tmp_path / below
+    for rel in ("dvc.yaml", "params.yaml", "dvc.lock", "src/trainyard/stages/train.py"):
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, project / rel)
+    outs = ("reports/metrics.json", "models/train.json", "predictions/mine.parquet")
+    for rel in outs:
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text("{}")
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, env=git_env(), capture_output=True)
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "pipeline and its outputs")
+    assert git_state(project)["git_dirty"] == "false"
+    for rel in outs:
+        (project / rel).write_text('{"again": 1}')
+    with (project / "dvc.lock").open("a") as f:
+        f.write("# rewritten\n")
+    git("add", "-A")  # DVC stages its lock file
+    state = git_state(project)
+    assert state["git_dirty"] == "false" and len(state["git_commit"]) == 40
+    for rel in ("src/trainyard/stages/train.py", "params.yaml", "dvc.yaml"):
+        before = (project / rel).read_text()
+        (project / rel).write_text(before + "\n# changed\n")
+        assert git_state(project)["git_dirty"] == "true", rel
+        (project / rel).write_text(before)
+    assert git_state(project)["git_dirty"] == "false"

@@ -29,8 +29,46 @@ def dvc_experiment_tags(root: str | os.PathLike[str] = ".") -> dict[str, str]:
     }
 
 
+def pipeline_writes(root: str | os.PathLike[str] = ".") -> tuple[str, ...]:
+    """What `dvc repro` itself rewrites: dvc.lock and every stage's outs, metrics and plots
+    in dvc.yaml (a templated path counts from its folder: ``predictions/${key}.parquet`` is
+    ``predictions/``)."""
+    try:
+        stages = (yaml.safe_load((Path(root) / "dvc.yaml").read_text()) or {}).get("stages")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return ("dvc.lock",)
+    paths = ["dvc.lock"]
+    for stage in (stages or {}).values():
+        body = stage.get("do", stage) if isinstance(stage, dict) else {}
+        for kind in ("outs", "metrics", "plots"):
+            for entry in body.get(kind) or ():
+                path = next(iter(entry)) if isinstance(entry, dict) else str(entry)
+                if "${" in path:
+                    path = path[: path.index("${")].rpartition("/")[0] + "/"
+                if path.strip("/"):
+                    paths.append(path)
+    return tuple(paths)
+
+
+def code_changes(porcelain: str, writes: tuple[str, ...]) -> list[str]:
+    """The paths of ``git status --porcelain`` that are not the pipeline's own outputs."""
+    # "XY path" or "XY old -> new"; the status letters may have lost a leading space
+    changed = [
+        line.split(maxsplit=1)[-1].split(" -> ")[-1].strip('"')
+        for line in porcelain.splitlines()
+        if line.strip()
+    ]
+    return [
+        p
+        for p in changed
+        if p and not any(p == w.rstrip("/") or p.startswith(w.rstrip("/") + "/") for w in writes)
+    ]
+
+
 def git_state(root: str | os.PathLike[str] = ".") -> dict[str, str]:
-    """Commit and dirtiness of the repository (empty values outside a git checkout)."""
+    """Commit and dirtiness of the repository (empty values outside a git checkout). Dirty
+    means a change to what reproduces the run (code, params, dvc.yaml): the pipeline's own
+    outputs, which every `dvc repro` rewrites before training ends, do not count."""
 
     def git(*args: str) -> str:
         try:
@@ -41,7 +79,11 @@ def git_state(root: str | os.PathLike[str] = ".") -> dict[str, str]:
             return ""
 
     commit = git("rev-parse", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    # git names paths from its top folder; a DVC project may sit below it (dvc init --subdir)
+    below = git("rev-parse", "--show-prefix")
+    writes = tuple(below + w for w in pipeline_writes(root))
+    dirty = code_changes(status, writes) if status else []
     return {"git_commit": commit or "unknown", "git_dirty": str(bool(dirty)).lower()}
 
 
