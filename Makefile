@@ -138,13 +138,13 @@ bench-resume: venv
 # About 100-130 min on 2 cores, not part of `make test`: the tuning folders, scikit-learn's
 # digits (HEIC/AVIF among them), Debian's clip art (apt-get install openclipart-png) and
 # Google's emoji (npm pack of emoji-datasource-google + emoji-datasource, needs npm), and the
-# four check folders: 5 and 4 other clip art categories, Twitter's Twemoji (npm) and Debian's
-# icons by context (apt-get install oxygen-icon-theme); each trained by trainyard's defaults (dvc exp
+# five check folders: 5 and 4 other clip art categories, Twitter's Twemoji (npm) and two
+# Debian icon themes by context (apt-get install oxygen-icon-theme adwaita-icon-theme); each trained by trainyard's defaults (dvc exp
 # run in a clone of the committed repo), the same from scratch (train.pretrained=null), a
 # textbook fine-tune of EfficientNet-Lite0 given the defaults' wall time, and a frozen Lite0
 # + logistic regression probe, scored on the same test images; reports/bench-recipe.json +
 # docs/benchmarks.md ("Recipe"). BENCH_RECIPE_ARGS="--folders clipart-check" (or digits,
-# clipart, emoji, symbols-check, twemoji-check, icons-check, a folder of yours); --quick: seconds. The probe alone on every folder:
+# clipart, emoji, symbols-check, twemoji-check, icons-check, adwaita-check, a folder of yours); --quick: seconds. The probe alone on every folder:
 # python -m benchmarks.recipe_probe.
 BENCH_RECIPE_ARGS ?=
 bench-recipe: venv

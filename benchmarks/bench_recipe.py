@@ -1,7 +1,7 @@
 """Benchmark: trainyard's defaults vs trainyard from scratch vs a textbook fine-tune vs a
 frozen probe, on real folders in two groups.
 
-    python -m benchmarks.bench_recipe                    # make bench-recipe: all seven folders
+    python -m benchmarks.bench_recipe                    # make bench-recipe: all eight folders
     python -m benchmarks.bench_recipe --folders emoji    # one of them
     python -m benchmarks.bench_recipe --folders /my/photos --quick
 
@@ -11,7 +11,8 @@ recipe's rules were tuned on (the background rule, the frozen stages, pretrained
 the flip check: docs/own-images.md); and **check**, which only check them:
 ``clipart-check`` and ``symbols-check`` (openclipart categories disjoint from ``clipart``'s
 and from each other's), ``twemoji-check`` (the emoji categories in another vendor's
-drawings) and ``icons-check`` (Oxygen's icons by context). For each folder, four
+drawings), ``icons-check`` and ``adwaita-check`` (Oxygen's and GNOME's icons by context).
+For each folder, four
 contenders, one after the other, each scored on the same test/ images:
 
 1. **trainyard's defaults**: ``dvc exp run -S data.source=folder -S data.folder=DIR`` in a
@@ -61,6 +62,7 @@ from benchmarks.harness.procs import child_env, clone
 from benchmarks.harness.publish import bench_parser, outputs, provenance, publish
 from benchmarks.harness.stopwatch import Timer
 from benchmarks.recipe_folders import (
+    adwaita_check_folder,
     clipart_check_folder,
     clipart_folder,
     digits_folder,
@@ -84,13 +86,14 @@ BUILDERS = {
     "symbols-check": symbols_check_folder,
     "twemoji-check": twemoji_check_folder,
     "icons-check": icons_check_folder,
+    "adwaita-check": adwaita_check_folder,
 }
 FOLDERS = tuple(BUILDERS)
 # tuning: the folders the recipe's rules were measured and tuned on (docs/own-images.md,
 # training/recipe.py); check: folders no rule was tuned on, that only check them (issue 41).
 GROUPS = {
     "tuning": ("digits", "clipart", "emoji"),
-    "check": ("clipart-check", "symbols-check", "twemoji-check", "icons-check"),
+    "check": ("clipart-check", "symbols-check", "twemoji-check", "icons-check", "adwaita-check"),
 }
 MARGIN = 0.03  # issue 41: the defaults >= the frozen probe + 3 points (or 1.000)
 SPLITS = ("train", "val", "test")

@@ -23,8 +23,11 @@ None of them is in the tests: they are what a user brings, and the recipe is mea
 - ``icons-check``: Debian's ``oxygen-icon-theme`` at 64x64, one class per icon context
   (actions, apps, categories, devices, mimetypes, places, status: 572 icons; symlinked
   aliases and contexts under 30 icons left out): a check folder.
+- ``adwaita-check``: GNOME's ``adwaita-icon-theme`` at 64x64, built the same way: its
+  monochrome symbolic icons by context (actions, devices, legacy, status: 430 icons), added
+  on 2026-12-07 after every rule was set.
 
-``python -m benchmarks.recipe_folders OUT`` writes all seven under OUT.
+``python -m benchmarks.recipe_folders OUT`` writes all eight under OUT.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ EMOJI_IMAGES = ("emoji-datasource-google", "16.0.0")  # img/google/64/*.png
 EMOJI_NAMES = ("emoji-datasource", "16.0.0")  # emoji.json: image file -> category
 TWEMOJI_IMAGES = ("emoji-datasource-twitter", "16.0.0")  # img/twitter/64/*.png
 OXYGEN_64 = Path("/usr/share/icons/oxygen/base/64x64")
+ADWAITA_64 = Path("/usr/share/icons/Adwaita/64x64")
 ICONS_MIN_CLASS = 30  # emblems (3) and emotes (12) are too few to split 60/20/20
 EMOJI_DROP = ("Component",)  # five skin-tone and hair swatches, not emoji of their own
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainyard-bench"
@@ -239,13 +243,16 @@ def twemoji_check_folder(out: Path, cache: Path = CACHE) -> Path:
     return emoji_folder(out, cache, TWEMOJI_IMAGES, "twemoji-check")
 
 
-def icons_check_folder(out: Path, source: Path = OXYGEN_64) -> Path:
-    """Oxygen's 64 px icons, one class folder per context (``source/<context>/*.png``):
-    regular files only (a theme's symlinks are the same icon under another name), each
-    image once, contexts of fewer than ``ICONS_MIN_CLASS`` icons left out."""
+def icons_check_folder(
+    out: Path, source: Path = OXYGEN_64, name: str = "icons-check", package: str = "oxygen"
+) -> Path:
+    """An icon theme's 64 px icons (Oxygen's), one class folder per context
+    (``source/<context>/*.png``): regular files only (a theme's symlinks are the same icon
+    under another name), each image once, contexts of fewer than ``ICONS_MIN_CLASS`` icons
+    left out."""
     if not source.is_dir():
-        raise SystemExit(f"{source} missing: apt-get install oxygen-icon-theme")
-    root = out / "icons-check"
+        raise SystemExit(f"{source} missing: apt-get install {package}-icon-theme")
+    root = out / name
     if root.exists():
         shutil.rmtree(root)
     seen: set[bytes] = set()
@@ -266,6 +273,12 @@ def icons_check_folder(out: Path, source: Path = OXYGEN_64) -> Path:
     return root
 
 
+def adwaita_check_folder(out: Path, source: Path = ADWAITA_64) -> Path:
+    """GNOME's Adwaita icons as ``icons_check_folder`` builds Oxygen's: monochrome symbolic
+    icons, a check folder added after every rule was set."""
+    return icons_check_folder(out, source, "adwaita-check", "adwaita")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -278,6 +291,7 @@ def main() -> None:
     print(emoji_folder(args.out))
     print(twemoji_check_folder(args.out))
     print(icons_check_folder(args.out))
+    print(adwaita_check_folder(args.out))
 
 
 if __name__ == "__main__":

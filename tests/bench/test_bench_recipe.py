@@ -229,6 +229,13 @@ def test_icons_folder_keeps_each_icon_once_and_drops_small_contexts(tmp_path, mo
     }
     with pytest.raises(SystemExit, match="apt-get install oxygen-icon-theme"):
         folders.icons_check_folder(tmp_path / "out", tmp_path / "absent")
+    adwaita = folders.adwaita_check_folder(tmp_path / "out", theme)
+    assert adwaita.name == "adwaita-check" and sorted(p.name for p in adwaita.iterdir()) == [
+        "apps",
+        "places",
+    ]
+    with pytest.raises(SystemExit, match="apt-get install adwaita-icon-theme"):
+        folders.adwaita_check_folder(tmp_path / "out", tmp_path / "absent")
 
 
 def tarball(path: Path, members: dict[str, bytes], link: str | None = None) -> Path:
