@@ -39,7 +39,9 @@ def pipeline_writes(root: str | os.PathLike[str] = ".") -> tuple[str, ...]:
         return ("dvc.lock",)
     paths = ["dvc.lock"]
     for stage in (stages or {}).values():
-        body = stage.get("do", stage) if isinstance(stage, dict) else {}
+        body = stage.get("do", stage) if isinstance(stage, dict) else None
+        if not isinstance(body, dict):
+            continue  # not a stage DVC would run; DVC itself says so
         for kind in ("outs", "metrics", "plots"):
             for entry in body.get(kind) or ():
                 path = next(iter(entry)) if isinstance(entry, dict) else str(entry)
