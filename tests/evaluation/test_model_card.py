@@ -79,7 +79,7 @@ def dataset() -> Card:
     )
 
 
-def card(metrics=METRICS, pretrained=LITE_WEIGHTS, params=None, recipe=None) -> dict:
+def card(metrics=METRICS, pretrained=LITE_WEIGHTS, params=None, recipe=None, **lineage) -> dict:
     return build_card(
         name="pets-classifier",
         metadata={"arch": "efficientnet_lite0", "pretrained": json.dumps(pretrained)},
@@ -88,7 +88,8 @@ def card(metrics=METRICS, pretrained=LITE_WEIGHTS, params=None, recipe=None) -> 
         metrics=metrics,
         train=TRAIN,
         onnx_sha256="f" * 64,
-        lineage={"git_commit": "c0ffee" * 6, "git_dirty": "false", "data_version": "abc.dir"},
+        lineage={"git_commit": "c0ffee" * 6, "git_dirty": "false", "data_version": "abc.dir"}
+        | lineage,
         recipe=recipe or {},
         params=params or {},
     )
@@ -132,6 +133,16 @@ def test_what_it_learned_from_counts_every_class_and_split():
     assert "| dog | 200 | 20 | 75 |" in md
     assert "| **all** | 800 | 80 | 300 |" in md
     assert "DVC data version `abc.dir`" in md and "git commit `" + "c0ffee" * 6 in md
+    assert "uncommitted" not in md and "DVC experiment" not in md
+    assert "commit `" + "c0ffee" * 6 + "` (with uncommitted changes)." in card_markdown(
+        card(git_dirty="true")
+    )
+    exp = card(git_dirty="true", dvc_experiment="fatty-snib")
+    assert exp["data"]["dvc_experiment"] == "fatty-snib"
+    assert (
+        "run as DVC experiment `fatty-snib` (`dvc exp apply fatty-snib` restores its workspace)."
+        in card_markdown(exp)
+    )
     # A name holding a pipe stays one cell.
     assert "| bird\\|parrot | 200 | 20 | 75 |" in md
 

@@ -180,6 +180,11 @@ def test_registry_and_mlflow_record_the_folder_dataset(repo):
     run = client.get_run(info["run_id"])
     assert run.data.tags["data.source"] == "folder"
     assert run.data.tags["data.skipped_files"] == "3"
+    # `dvc exp run -S` set params.yaml: the model card names the experiment that holds them
+    exp = run.data.tags["dvc.exp_name"]
+    model_card = json.loads((repo / "reports/model_card.json").read_text())
+    assert (model_card["data"]["dvc_experiment"], run.data.tags["git.dirty"]) == (exp, "true")
+    assert f"run as DVC experiment `{exp}`" in (repo / "reports/model_card.md").read_text()
     # which images trained the shipped model, tagged as the run completed (train.refit)
     assert run.data.tags["refit"].startswith(f"{info['refit']['trained_on']}, ")
     assert run.data.metrics["data/skipped_files"] == 3

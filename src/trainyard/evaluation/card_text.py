@@ -83,6 +83,9 @@ def _what_it_learned(card: Mapping[str, Any]) -> list[str]:
     d = card["data"]
     splits = [s for s in ("train", "val", "test") if s in d["counts"]]
     dirty = " (with uncommitted changes)" if d["git_dirty"] == "true" else ""
+    if d.get("dvc_experiment"):  # DVC keeps the experiment's workspace, params and code
+        exp = d["dvc_experiment"]
+        dirty = f", run as DVC experiment `{exp}` (`dvc exp apply {exp}` restores its workspace)"
     out = [
         "## What it learned from",
         "",

@@ -120,7 +120,8 @@ def build_card(
     """The card as JSON-ready data. ``metadata``: the ONNX model's; ``scores``: evaluate's
     metrics (per class, confusion matrix); ``metrics``: reports/metrics.json (its ``explain``
     and ``int8`` sections only when present); ``train``: train.json; ``lineage``: git_commit,
-    git_dirty, data_version; ``recipe``: ``recipe_choices``; ``params``: ``changed_params``."""
+    git_dirty, data_version, dvc_experiment (the run's `dvc exp run` name, or "");
+    ``recipe``: ``recipe_choices``; ``params``: ``changed_params``."""
     classes = list(dataset.classes)
     return {
         "schema": CARD_SCHEMA,
@@ -183,6 +184,7 @@ def _data(dataset: Card, lineage: Mapping[str, str]) -> dict[str, Any]:
         "data_sha256": dataset.data_sha256,
         "git_commit": lineage.get("git_commit", ""),
         "git_dirty": lineage.get("git_dirty", ""),
+        "dvc_experiment": lineage.get("dvc_experiment", ""),
         "skipped_files": len(dataset.skipped),
     }
 

@@ -101,6 +101,7 @@ def write_model_card(
         lineage={
             "git_commit": tags.get("git.commit", git["git_commit"]),
             "git_dirty": tags.get("git.dirty", git["git_dirty"]),
+            "dvc_experiment": tags.get("dvc.exp_name", ""),
             "data_version": info.data_version,
         },
         recipe=model_card.recipe_choices(tags),
