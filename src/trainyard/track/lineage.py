@@ -82,10 +82,11 @@ def git_state(root: str | os.PathLike[str] = ".") -> dict[str, str]:
 
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")
-    # git names paths from its top folder; a DVC project may sit below it (dvc init --subdir)
-    below = git("rev-parse", "--show-prefix")
-    writes = tuple(below + w for w in pipeline_writes(root))
-    dirty = code_changes(status, writes) if status else []
+    dirty: list[str] = []
+    if status:  # a clean tree needs neither dvc.yaml nor a second git call
+        # git names paths from its top folder; a DVC project may sit below it (--subdir)
+        below = git("rev-parse", "--show-prefix")
+        dirty = code_changes(status, tuple(below + w for w in pipeline_writes(root)))
     return {"git_commit": commit or "unknown", "git_dirty": str(bool(dirty)).lower()}
 
 
