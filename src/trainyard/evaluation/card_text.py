@@ -82,16 +82,18 @@ def _what_it_is(card: Mapping[str, Any]) -> list[str]:
 def _what_it_learned(card: Mapping[str, Any]) -> list[str]:
     d = card["data"]
     splits = [s for s in ("train", "val", "test") if s in d["counts"]]
-    dirty = " (with uncommitted changes)" if d["git_dirty"] == "true" else ""
+    code_state = " (with uncommitted changes)" if d["git_dirty"] == "true" else ""
     if d.get("dvc_experiment"):  # DVC keeps the experiment's workspace, params and code
         exp = d["dvc_experiment"]
-        dirty = f", run as DVC experiment `{exp}` (`dvc exp apply {exp}` restores its workspace)"
+        code_state = (
+            f", run as DVC experiment `{exp}` (`dvc exp apply {exp}` restores its workspace)"
+        )
     out = [
         "## What it learned from",
         "",
         f"Data source `{d['source']}`, {len(d['classes'])} classes; DVC data version "
         f"`{d['data_version'] or 'not in dvc.lock'}`, prepared arrays sha256 "
-        f"`{d['data_sha256'][:12]}…`; code at git commit `{d['git_commit']}`{dirty}."
+        f"`{d['data_sha256'][:12]}…`; code at git commit `{d['git_commit']}`{code_state}."
         + (
             f" {d['skipped_files']} source files were skipped (unreadable)."
             if d["skipped_files"]
