@@ -151,6 +151,8 @@ def test_promote_records_the_shadows_figures_on_the_version(server, tmp_path, pa
     assert code == 0, err
     assert "promoted: champion is now v2 (was v1)" in out and "agreed on 90.0% of 300" in out
     assert "models:/promoted@champion picks it up within serve.reload_s (10 s)" in out
+    # Each version registered on its own data version (register's data-0, data-1).
+    assert "v2: test accuracy 0.8000 against v1's 0.9000 (different data versions" in out
     v2 = champion_of(server, "promoted")
     assert v2.version == "2"
     tags = v2.tags
@@ -165,6 +167,30 @@ def test_promote_records_the_shadows_figures_on_the_version(server, tmp_path, pa
         assert float(tags[f"shadow.{key}_p50_ms"]) == pytest.approx(np.median(values), abs=0.01)
         p99 = np.percentile(values, 99)
         assert float(tags[f"shadow.{key}_p99_ms"]) == pytest.approx(p99, abs=0.01)
+
+
+def test_a_move_compares_the_test_accuracies_only_on_the_same_data():
+    from types import SimpleNamespace
+
+    from trainyard.track.promotion import compared_accuracy
+
+    def version(n: int, acc: str | None, data: str = "d1") -> SimpleNamespace:
+        tags = {"data_version": data} | ({"test_accuracy": acc} if acc else {})
+        return SimpleNamespace(version=str(n), tags=tags)
+
+    v1, worse, better = version(1, "0.922700"), version(2, "0.899900"), version(3, "0.930000")
+    assert compared_accuracy(worse, v1) == (
+        "test accuracy 0.8999 against v1's 0.9227: 2.28 points LOWER"
+    )
+    assert compared_accuracy(better, v1).endswith(": 0.73 points higher")
+    assert compared_accuracy(version(4, "0.922700"), v1).endswith(": the same")
+    other_data = version(5, "0.990000", data="d2")
+    assert compared_accuracy(other_data, v1).endswith(
+        "(different data versions: not the same test split)"
+    )
+    assert compared_accuracy(worse, None) == "test accuracy 0.8999"
+    assert compared_accuracy(worse, version(6, None)) == "test accuracy 0.8999"
+    assert compared_accuracy(version(7, None), v1) == ""
 
 
 def test_force_promotes_without_figures_and_says_it_was_forced(server, tmp_path, params, capsys):

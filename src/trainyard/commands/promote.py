@@ -137,6 +137,8 @@ def report_move(command: str, move: Callable[[], dict[str, Any]], params_file: P
     name, tags = done["model_name"], done["tags"]
     was = f"v{done['previous_champion']}" if done["previous_champion"] else "no champion"
     print(f"{name}: champion is now v{done['version']} (was {was}); {_evidence(tags)}")
+    if done["accuracy"]:
+        print(f"v{done['version']}: {done['accuracy']}")
     reload_s = _reload_s(params_file)
     within = f"serve.reload_s ({reload_s:g} s)" if reload_s else "serve.reload_s"
     print(

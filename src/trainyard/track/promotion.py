@@ -26,7 +26,9 @@ from trainyard.track.interrupts import signals_deferred
 from trainyard.track.registry import move_alias
 from trainyard.track.store import check_tracking_uri, resolve_tracking_uri
 from trainyard.track.versions import (
+    ACCURACY_TAG,
     CHAMPION,
+    DATA_TAG,
     DECISION_TAG,
     PROMOTE_REASON_TAG,
     SHA_TAG,
@@ -196,7 +198,28 @@ def _move(
         "action": action,
         "reason": reason,
         "tags": tags,
+        "accuracy": compared_accuracy(target, champion),
     }
+
+
+def compared_accuracy(target: Any, champion: Any | None) -> str:
+    """The new champion's test accuracy against the one it replaces, in words ("" when the
+    target has none). A shadow's agreement says how often the two differ, not which is
+    right; the test split says that, when both versions were scored on the same data."""
+    new = target.tags.get(ACCURACY_TAG)
+    if new is None:
+        return ""
+    words = f"test accuracy {float(new):.4f}"
+    old = champion.tags.get(ACCURACY_TAG) if champion is not None else None
+    if old is None:
+        return words
+    words += f" against v{champion.version}'s {float(old):.4f}"
+    if target.tags.get(DATA_TAG) != champion.tags.get(DATA_TAG):
+        return f"{words} (different data versions: not the same test split)"
+    points = round((float(new) - float(old)) * 100, 2)
+    if points == 0:
+        return f"{words}: the same"
+    return f"{words}: {abs(points):.2f} points {'higher' if points > 0 else 'LOWER'}"
 
 
 def _user() -> str:

@@ -101,7 +101,8 @@ def decide(
         return CHALLENGER, (
             f"DVC experiment {sweep} ran in a sweep (queue or --temp): test accuracy "
             f"{test_acc:.4f}, registered as challenger; a sweep never moves champion "
-            f"({against}). Promote the one you choose: alias champion in the MLflow UI"
+            f"({against}). Promote the one you choose: trainyard promote NAME --version N, "
+            "after it ran as the service's shadow (or alias it champion in the MLflow UI)"
         )
     if champion is None:
         return CHAMPION, "first version with a test accuracy: becomes champion"
