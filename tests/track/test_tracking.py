@@ -41,6 +41,33 @@ def test_sqlite_in_missing_folder(tmp_path):
         check_tracking_uri(f"sqlite:///{tmp_path}/nope/mlflow.db")
 
 
+def test_a_store_of_another_mlflow_version_says_which_one_to_upgrade(tmp_path):
+    """A newer MLflow upgrades an embedded store's tables when it opens them; this one
+    then cannot read it. MLflow's own message says `mlflow db upgrade` either way."""
+    import sqlite3
+
+    import mlflow.store
+    from alembic.script import ScriptDirectory
+
+    made = tmp_path / "made.db"
+    check_tracking_uri(f"sqlite:///{made}")  # this MLflow's tables, at its head revision
+    head = ScriptDirectory(str(Path(mlflow.store.__file__).parent / "db_migrations"))
+    older = head.get_revision(head.get_current_head()).down_revision
+    for name, revision in (("a newer", "fedcba987654"), ("an older", older)):
+        db = tmp_path / f"{name.split()[-1]}.db"
+        shutil.copy(made, db)  # a new URI: MLflow caches a store per URI
+        with sqlite3.connect(db) as con:
+            con.execute("UPDATE alembic_version SET version_num = ?", (revision,))
+        with pytest.raises(TrackingError) as err:
+            check_tracking_uri(f"sqlite:///{db}")
+        assert f"the MLflow store {db} was written by {name} MLflow" in str(err.value)
+        assert f"this environment's ({mlflow.__version__}" in str(err.value)
+        if name == "a newer":
+            assert "upgrade MLflow here (`pip install -U 'mlflow[auth]'`" in str(err.value)
+        else:
+            assert f"run `mlflow db upgrade sqlite:///{db}`" in str(err.value)
+
+
 def test_default_is_embedded_sqlite(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert resolve_tracking_uri(tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"

@@ -9,6 +9,7 @@ import base64
 import contextlib
 import fcntl
 import os
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -133,11 +134,44 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         # Two queued experiments starting together both ran the migrations, and one failed
         # ("table _alembic_tmp_tags already exists").
         with store_lock(uri):
-            mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+            try:
+                mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+            except MlflowException as err:
+                if "database schema" not in err.message:
+                    raise
+                raise TrackingError(schema_mismatch(db, err.message)) from None
     elif uri.startswith("file:") or "://" not in uri:
         path = Path(uri.removeprefix("file://").removeprefix("file:"))
         if not path.parent.is_dir():
             raise TrackingError(f"MLFLOW_TRACKING_URI={uri}: folder {path.parent} does not exist")
+
+
+def schema_mismatch(db: Path, message: str) -> str:
+    """What to do when this MLflow cannot read the store ``db``'s schema. A newer MLflow
+    upgrades a store's tables when it opens them (a venv made after an MLflow release, a
+    teammate's), after which an older one cannot read it, and MLflow's own advice
+    (``mlflow db upgrade``) cannot help: this environment's MLflow must be upgraded."""
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    found = re.search(r"found version (\w+)", message)
+    revision = found.group(1) if found else ""
+    try:  # a revision this MLflow's own migrations know: the store is the older one
+        migrations = Path(mlflow.__file__).parent / "store" / "db_migrations"
+        older = ScriptDirectory(str(migrations)).get_revision(revision) is not None
+    except CommandError:  # "Can't locate revision": a newer MLflow's
+        older = False
+    if older:
+        return (
+            f"the MLflow store {db} was written by an older MLflow than this environment's "
+            f"({mlflow.__version__}): back it up, then run `mlflow db upgrade sqlite:///{db}`"
+        )
+    return (
+        f"the MLflow store {db} was written by a newer MLflow than this environment's "
+        f"({mlflow.__version__}; schema {revision or 'unknown'}): upgrade MLflow here "
+        "(`pip install -U 'mlflow[auth]'` in this environment); `mlflow db upgrade` cannot "
+        "make a store older"
+    )
 
 
 def _check_server(uri: str, timeout: float) -> None:
