@@ -19,7 +19,7 @@ from trainyard.core.errors import DataError
 from trainyard.data.idx import read_idx
 from trainyard.evaluation.scoring import evaluate_onnx
 from trainyard.watch import stats
-from trainyard.watch.current import read_window
+from trainyard.watch.current import read_window, window_from_table
 from trainyard.watch.drift_score import CLASS_MIX, CONFIDENCE, EMBEDDING, Window, compare
 from trainyard.watch.log import PredictionLog, utc_now
 from trainyard.watch.reference import (
@@ -293,6 +293,26 @@ def test_a_small_window_and_unknown_labels_are_errors_not_verdicts(fashion: dict
     labels[:3] = "sneaker-v2"
     with pytest.raises(DataError, match="sneaker-v2"):
         compare(fashion["ref"], Window(labels, w.probabilities, None, "t"))
+
+
+def test_a_window_of_another_models_answers_names_the_version_to_compare_with() -> None:
+    # After a champion swap, the workspace's reference is often another model's: the
+    # error says which registered version answered and how to use its reference.
+    table = pa.table(
+        {
+            "label": ["Coat"] * 60 + ["Bag"] * 2,
+            "probability": [0.9] * 62,
+            "model_version": ["a" * 12] * 60 + ["b" * 12] * 2,
+            "registry_version": ["fm/1"] * 60 + ["fm/2"] * 2,
+        }
+    )
+    window = window_from_table(table, "log", model_sha256="b" * 64)
+    why = "another model than the reference's (bbbbbbbbbbbb); fm/1 answered them"
+    assert window.n == 2 and window.skipped == {f"{why} (--reference models:/fm/1)": 60}
+    with pytest.raises(DataError) as err:
+        compare(_reference(embeddings=False), window)
+    assert "log: 2 usable rows, drift needs at least 50" in str(err.value)
+    assert str(err.value).endswith(f"60 rows skipped: {why} (--reference models:/fm/1)")
 
 
 def test_without_embeddings_class_mix_and_confidence_only_said_once(fashion: dict) -> None:

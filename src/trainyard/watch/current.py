@@ -29,6 +29,7 @@ from trainyard.core.prediction_columns import (
     LABEL,
     MODEL_VERSION,
     PROBABILITY,
+    REGISTRY_VERSION,
     TABLE_FORMATS,
 )
 from trainyard.watch.drift_score import Window
@@ -101,6 +102,18 @@ def read_table(path: Path) -> pa.Table:
         raise DataError(f"{path}: not a readable predictions table ({err})") from None
 
 
+def _answered(table: pa.Table, rows: pa.ChunkedArray) -> str:
+    """Which registered versions answered ``rows``, and how to compare them with their own
+    reference: after a champion swap the workspace's reference is often another model's."""
+    if REGISTRY_VERSION.name not in table.column_names:
+        return ""
+    names = pc.unique(table.filter(rows).column(REGISTRY_VERSION.name)).to_pylist()
+    versions = sorted(v for v in names if v and "/" in v)
+    if not versions:
+        return ""
+    return f"; {', '.join(versions)} answered them (--reference models:/{versions[0]})"
+
+
 def window_from_table(table: pa.Table, source: str, model_sha256: str = "") -> Window:
     """The window of a log or predict table: rows with a prediction and no error."""
     missing = [c for c in DRIFT_WINDOW.required if c not in table.column_names]
@@ -118,8 +131,9 @@ def window_from_table(table: pa.Table, source: str, model_sha256: str = "") -> W
     if model_sha256 and MODEL_VERSION.name in table.column_names:
         version = model_sha256[:12]
         mine = pc.fill_null(pc.equal(table.column(MODEL_VERSION.name), version), False)
-        skipped[f"another model than the reference's ({version})"] = (
-            pc.sum(pc.and_(keep, pc.invert(mine))).as_py() or 0
+        others = pc.and_(keep, pc.invert(mine))
+        skipped[f"another model than the reference's ({version}){_answered(table, others)}"] = (
+            pc.sum(others).as_py() or 0
         )
         keep = pc.and_(keep, mine)
     table = table.filter(keep)

@@ -123,12 +123,13 @@ def compare(
     """The window against the reference, by every measure both sides allow. A window with
     fewer than ``min_rows`` rows is a DataError: too few to tell, never a verdict."""
     p = params or DriftParams()
+    notes = [f"{count} rows skipped: {why}" for why, count in current.skipped.items() if count]
     if current.n < p.min_rows:
         raise DataError(
             f"{current.source}: {current.n} usable rows, drift needs at least "
             f"{p.min_rows} (drift.min_rows) to tell a shift from noise: widen the window"
+            + "".join(f"; {note}" for note in notes)
         )
-    notes = [f"{count} rows skipped: {why}" for why, count in current.skipped.items() if count]
     counts = class_counts(reference, current.labels)
     chi2, _ = stats.chi2_two_sample(reference.class_counts, counts)
     psi = stats.psi(reference.class_counts, counts)
