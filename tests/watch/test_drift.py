@@ -311,8 +311,24 @@ def test_a_window_of_another_models_answers_names_the_version_to_compare_with() 
     assert window.n == 2 and window.skipped == {f"{why} (--reference models:/fm/1)": 60}
     with pytest.raises(DataError) as err:
         compare(_reference(embeddings=False), window)
-    assert "log: 2 usable rows, drift needs at least 50" in str(err.value)
-    assert str(err.value).endswith(f"60 rows skipped: {why} (--reference models:/fm/1)")
+    assert str(err.value) == (  # another model's rows: its reference, not a wider window
+        "log: 2 usable rows, drift needs at least 50 (drift.min_rows) to tell a shift from "
+        f"noise: 60 rows skipped: {why} (--reference models:/fm/1)"
+    )
+    # A predict table names its model by the whole sha256, its registered version in
+    # model_version: one of another model is refused, not compared (a false verdict).
+    scored = pa.table(
+        {
+            "label": ["Coat"] * 60,
+            "probability": [0.9] * 60,
+            "error": [None] * 60,
+            "model_version": ["fm/1"] * 60,
+            "model_sha256": ["a" * 64] * 60,
+        }
+    )
+    assert window_from_table(scored, "t.parquet", model_sha256="a" * 64).n == 60
+    other = window_from_table(scored, "t.parquet", model_sha256="b" * 64)
+    assert other.n == 0 and other.skipped == {f"{why} (--reference models:/fm/1)": 60}
 
 
 def test_without_embeddings_class_mix_and_confidence_only_said_once(fashion: dict) -> None:

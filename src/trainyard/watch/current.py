@@ -27,6 +27,7 @@ from trainyard.core.prediction_columns import (
     EMBEDDING,
     ERROR,
     LABEL,
+    MODEL_SHA256,
     MODEL_VERSION,
     PROBABILITY,
     REGISTRY_VERSION,
@@ -67,8 +68,8 @@ def read_window(
     until: datetime | None = None,
 ) -> Window:
     """The predictions in ``source``: a prediction-log folder (rows with ``since <= time <
-    until``, of the model whose sha256 is ``model_sha256`` when given), or a predict table
-    (.parquet, .pq, .csv). A DataError naming the source when it cannot be read."""
+    until``), or a predict table (.parquet, .pq, .csv); of the model whose sha256 is
+    ``model_sha256`` when given. A DataError naming the source when it cannot be read."""
     path = Path(source)
     if path.is_dir():
         if not log_files(path):
@@ -86,7 +87,7 @@ def read_window(
             f"{path}: --last/--since/--until select a window of a prediction-log folder; "
             "a predict table is compared whole"
         )
-    return window_from_table(read_table(path), str(path))
+    return window_from_table(read_table(path), str(path), model_sha256)
 
 
 def read_table(path: Path) -> pa.Table:
@@ -102,16 +103,30 @@ def read_table(path: Path) -> pa.Table:
         raise DataError(f"{path}: not a readable predictions table ({err})") from None
 
 
-def _answered(table: pa.Table, rows: pa.ChunkedArray) -> str:
-    """Which registered versions answered ``rows``, and how to compare them with their own
-    reference: after a champion swap the workspace's reference is often another model's."""
-    if REGISTRY_VERSION.name not in table.column_names:
+def _answered(table: pa.Table, rows: pa.ChunkedArray, column: str) -> str:
+    """Which registered versions (``column``) answered ``rows``, and how to compare them with
+    their own reference: after a champion swap the workspace's reference is often another
+    model's."""
+    if column not in table.column_names:
         return ""
-    names = pc.unique(table.filter(rows).column(REGISTRY_VERSION.name)).to_pylist()
+    names = pc.unique(table.filter(rows).column(column)).to_pylist()
     versions = sorted(v for v in names if v and "/" in v)
     if not versions:
         return ""
     return f"; {', '.join(versions)} answered them (--reference models:/{versions[0]})"
+
+
+def _of_the_model(table: pa.Table, model_sha256: str) -> tuple[pa.ChunkedArray, str] | None:
+    """The rows the reference's model answered, and the column that names the registered
+    version of each row: a predict table holds the model's whole sha256 (its model_version
+    is NAME/N), the log the sha256's first 12 hex digits (its registry_version is NAME/N).
+    None: the table does not say which model answered."""
+    if MODEL_SHA256.name in table.column_names:
+        return pc.equal(table.column(MODEL_SHA256.name), model_sha256), MODEL_VERSION.name
+    if MODEL_VERSION.name in table.column_names:
+        mine = pc.equal(table.column(MODEL_VERSION.name), model_sha256[:12])
+        return mine, REGISTRY_VERSION.name
+    return None
 
 
 def window_from_table(table: pa.Table, source: str, model_sha256: str = "") -> Window:
@@ -128,13 +143,12 @@ def window_from_table(table: pa.Table, source: str, model_sha256: str = "") -> W
         has_error = pc.fill_null(pc.not_equal(table.column(ERROR.name), ""), False)
         keep = pc.and_(keep, pc.invert(has_error))
     skipped["unreadable (an error, no prediction)"] = table.num_rows - (pc.sum(keep).as_py() or 0)
-    if model_sha256 and MODEL_VERSION.name in table.column_names:
-        version = model_sha256[:12]
-        mine = pc.fill_null(pc.equal(table.column(MODEL_VERSION.name), version), False)
+    found = _of_the_model(table, model_sha256) if model_sha256 else None
+    if found is not None:
+        mine = pc.fill_null(found[0], False)
         others = pc.and_(keep, pc.invert(mine))
-        skipped[f"another model than the reference's ({version}){_answered(table, others)}"] = (
-            pc.sum(others).as_py() or 0
-        )
+        why = f"another model than the reference's ({model_sha256[:12]})"
+        skipped[why + _answered(table, others, found[1])] = pc.sum(others).as_py() or 0
         keep = pc.and_(keep, mine)
     table = table.filter(keep)
     probs = table.column(PROBABILITY.name).to_numpy(zero_copy_only=False).astype(np.float32)

@@ -125,10 +125,12 @@ def compare(
     p = params or DriftParams()
     notes = [f"{count} rows skipped: {why}" for why, count in current.skipped.items() if count]
     if current.n < p.min_rows:
+        # Rows another model answered want that model's reference, not a wider window.
+        widen = [] if any("another model" in note for note in notes) else ["widen the window"]
         raise DataError(
             f"{current.source}: {current.n} usable rows, drift needs at least "
-            f"{p.min_rows} (drift.min_rows) to tell a shift from noise: widen the window"
-            + "".join(f"; {note}" for note in notes)
+            f"{p.min_rows} (drift.min_rows) to tell a shift from noise: "
+            + "; ".join([*widen, *notes])
         )
     counts = class_counts(reference, current.labels)
     chi2, _ = stats.chi2_two_sample(reference.class_counts, counts)
