@@ -17,6 +17,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from trainyard import cli
+from trainyard.commands.audit import _line
 from trainyard.evaluation.embedding_cache import EmbeddingCache
 
 from conftest import REPO
@@ -65,6 +66,8 @@ def make_folder(root: Path) -> tuple[dict[str, str], str, str]:
         flipped[rel] = drawn
     original, copy = "train/circle/circle-03.png", "test/circle/copy-of-circle-03.png"
     shutil.copyfile(root / original, root / copy)
+    # A photo cut short by a failed copy: listed as unreadable, never embedded.
+    (root / "train/square/cut-short.png").write_bytes((root / original).read_bytes()[:100])
     return flipped, copy, original
 
 
@@ -115,6 +118,11 @@ def test_the_report_shows_thumbnails_and_mlflow_has_the_counts(audited):
     summary = audited["summaries"][0]
     assert summary["images"] == 3 * PER_CLASS + len(audited["flipped"]) + 1
     assert summary["exact_duplicates_across_splits"] == 1
+    assert summary["unreadable"] == 1
+    [cut] = [r for r in audited["rows"] if r["file"] == "train/square/cut-short.png"]
+    assert cut["reason"].startswith("unreadable: ")
+    assert _line(summary).endswith(", 1 unreadable file(s)")  # the command's last line
+    assert "unreadable" not in _line(summary | {"unreadable": 0})
     client = mlflow.MlflowClient(f"sqlite:///{audited['tmp']}/mlflow.db")
     [run] = client.search_runs(
         [e.experiment_id for e in client.search_experiments()], "tags.`trainyard.kind` = 'audit'"

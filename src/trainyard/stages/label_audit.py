@@ -104,6 +104,8 @@ def _embed_missing(
             failed = _decode_chunk(array, [str(files[i].path) for i in chunk], pool, spec)
             bad += [(files[chunk[k]].rel, why) for k, why in failed.items()]
             ok = [k for k in range(len(chunk)) if k not in failed]
+            if not ok:  # a chunk of only broken files (a second audit: all that is left)
+                continue
             pixels = np.load(array, mmap_mode="r")
             tinies.add([hashes[chunk[k]] for k in ok], tiny_images(pixels[ok]))
             new = [k for k in ok if hashes[chunk[k]] not in vectors]
