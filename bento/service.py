@@ -14,6 +14,7 @@ probes, /docs.json, the bento, and with ``serve.batching`` its batcher (serve.ba
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import bentoml
@@ -47,6 +48,9 @@ def mlflow_registry() -> ModelRegistry | None:
         from trainyard.track.model_refs import MlflowRegistry
     except ImportError:
         return None
+    # MLflow draws a tqdm bar per download (model, reference; each worker, each swap): in a
+    # server's log, lines of carriage returns. Off, unless the environment asks for them.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     return MlflowRegistry()
 
 

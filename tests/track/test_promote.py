@@ -371,6 +371,7 @@ def test_a_served_champion_is_swapped_under_load_without_a_failed_request(server
     assert (meta["model"]["version"], meta["source"]["registry_version"]) == (new, "2")
     log = srv.tail(200_000)
     assert log.count("models:/served@champion moved: v1 -> v2") == 2, log[-3000:]
+    assert "Downloading artifacts" not in log  # MLflow's progress bars: not in a server's log
     assert log.count("reason: swap test") == 2
     # One log row per answer, from the workers' both models; the last written at shutdown.
     rows = read_log(tmp_path / "log").to_pylist()
