@@ -60,7 +60,7 @@ def _line(summary: dict) -> str:
         f"{summary['images']} images, {summary['label_issues']} likely label error(s), "
         f"{across} duplicate(s) across splits, {summary['outliers']} outlier(s), "
         f"{summary['imbalanced_classes']} imbalanced class(es)"
-        + (f", {summary['unreadable']} unreadable file(s)" if summary.get("unreadable") else "")
+        + (f", {summary['unreadable']} unreadable file(s)" if summary["unreadable"] else "")
     )
 
 

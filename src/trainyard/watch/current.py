@@ -33,7 +33,7 @@ from trainyard.core.prediction_columns import (
     REGISTRY_VERSION,
     TABLE_FORMATS,
 )
-from trainyard.watch.drift_score import Window
+from trainyard.watch.drift_score import OTHER_MODEL, Window
 from trainyard.watch.log import log_files, read_log
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -147,7 +147,7 @@ def window_from_table(table: pa.Table, source: str, model_sha256: str = "") -> W
     if found is not None:
         mine = pc.fill_null(found[0], False)
         others = pc.and_(keep, pc.invert(mine))
-        why = f"another model than the reference's ({model_sha256[:12]})"
+        why = f"{OTHER_MODEL} ({model_sha256[:12]})"
         skipped[why + _answered(table, others, found[1])] = pc.sum(others).as_py() or 0
         keep = pc.and_(keep, mine)
     table = table.filter(keep)
